@@ -1,0 +1,92 @@
+"""Typed errors. Every failure a user can cause maps to one of these, with a message naming the cause.
+
+Each error has a stable ``code`` so that it can cross the wire (see ``protocol.py``) and be
+re-raised as the same Python type on the client side.
+"""
+
+from __future__ import annotations
+
+
+class SymbiosisError(Exception):
+    """Base class of every error Symbiosis raises on purpose."""
+
+    code = "internal"
+
+
+class CheckpointError(SymbiosisError):
+    """A checkpoint folder is missing, incomplete, or does not hold a tensor a module needs."""
+
+    code = "checkpoint"
+
+
+class UnsupportedModuleError(SymbiosisError):
+    """The model holds a module with weights that Symbiosis cannot split (not a linear layer)."""
+
+    code = "unsupported_module"
+
+
+class BaseWeightAccessError(SymbiosisError, RuntimeError):
+    """Client code tried to read or write a base-layer weight, which lives only in the executor."""
+
+    code = "base_weight_access"
+
+
+class UnsupportedPeftMethodError(SymbiosisError):
+    """A PEFT method or option needs the base weights (merging, DoRA) or is unknown."""
+
+    code = "unsupported_peft_method"
+
+
+class ProtocolError(SymbiosisError):
+    """A request was malformed: bad header, unknown layer or op, wrong shape, dtype or size."""
+
+    code = "protocol"
+
+
+class UnknownLayerError(ProtocolError):
+    code = "unknown_layer"
+
+
+class ShapeError(ProtocolError):
+    code = "shape"
+
+
+class ModelMismatchError(SymbiosisError):
+    """Client and executor were built from different checkpoints (fingerprints differ)."""
+
+    code = "model_mismatch"
+
+
+class ExecutorUnavailableError(SymbiosisError, ConnectionError):
+    """The executor could not be reached, or it is shutting down and refuses new work."""
+
+    code = "unavailable"
+
+
+class ExecutorTimeoutError(SymbiosisError, TimeoutError):
+    """A call to the executor did not complete within its timeout."""
+
+    code = "timeout"
+
+
+ERRORS_BY_CODE: dict[str, type[SymbiosisError]] = {
+    cls.code: cls
+    for cls in (
+        SymbiosisError,
+        CheckpointError,
+        UnsupportedModuleError,
+        BaseWeightAccessError,
+        UnsupportedPeftMethodError,
+        ProtocolError,
+        UnknownLayerError,
+        ShapeError,
+        ModelMismatchError,
+        ExecutorUnavailableError,
+        ExecutorTimeoutError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SymbiosisError:
+    """Rebuild a typed error received over the wire (unknown codes become ``SymbiosisError``)."""
+    return ERRORS_BY_CODE.get(code, SymbiosisError)(message)
