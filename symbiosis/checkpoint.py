@@ -1,0 +1,240 @@
+"""Which modules are base layers, and where their tensors live in a checkpoint folder.
+
+Both sides of the split start from the same *skeleton*: the `transformers` model built from the
+checkpoint's config with every parameter on the meta device (no memory) but buffers real, so
+computed buffers such as rotary ``inv_freq`` are correct. From the skeleton we
+
+- discover the base layers (every ``nn.Linear`` and ``transformers`` ``Conv1D``, ``lm_head``
+  included), keyed by qualified module name;
+- map each module tensor to the checkpoint key that holds it, using `transformers`' own loading
+  rules (its key renamings, base-model prefix handling and tied-weight declarations) rather than
+  string guesses, so the executor can read only the base layers and the client only the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from symbiosis.errors import CheckpointError, UnsupportedModuleError
+from symbiosis.executor.requests import LayerSpec
+
+try:  # transformers >= 5 moved Conv1D's home more than once; import it where it is.
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover
+    from transformers.modeling_utils import Conv1D  # type: ignore[no-redef]
+
+BASE_LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
+"""Module types the executor serves, in the order they are matched."""
+
+CLIENT_MODULE_NOTE = (
+    "Symbiosis serves nn.Linear and transformers Conv1D layers from the executor; other modules may "
+    "stay in the client only if they hold embeddings or 1-D parameters (norms, biases, scales)"
+)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one module tensor is stored: a safetensors file and the key inside it."""
+
+    file: Path
+    key: str
+
+
+class Checkpoint:
+    """A local Hugging Face checkpoint folder: ``config.json`` plus ``*.safetensors``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint folder {str(self.path)!r} does not exist or is not a folder")
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"checkpoint folder {str(self.path)!r} has no config.json")
+        self.files = self._find_weight_files()
+
+    def _find_weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+            files = [self.path / name for name in shard_names]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"checkpoint {str(self.path)!r} is missing shard files {missing}")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            other = [p.name for p in self.path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}]
+            hint = f" (found {other}; convert them to safetensors first)" if other else ""
+            raise CheckpointError(f"checkpoint folder {str(self.path)!r} has no *.safetensors weights{hint}")
+        return files
+
+    @cached_property
+    def config(self):
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(self.path, local_files_only=True)
+        except Exception as exc:  # transformers raises many types for a bad config
+            raise CheckpointError(f"cannot read config.json of {str(self.path)!r}: {exc}") from exc
+
+    @cached_property
+    def key_locations(self) -> dict[str, Path]:
+        """Every tensor key stored in the checkpoint, with the file holding it."""
+        locations: dict[str, Path] = {}
+        for file in self.files:
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    for key in handle.keys():
+                        locations[key] = file
+            except Exception as exc:
+                raise CheckpointError(f"cannot read safetensors file {str(file)!r}: {exc}") from exc
+        return locations
+
+    def read(self, sources: Mapping[str, TensorSource]) -> dict[str, torch.Tensor]:
+        """Read only the named tensors (``name -> source``); each file is opened once."""
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for name, source in sources.items():
+            by_file.setdefault(source.file, []).append((name, source.key))
+        tensors: dict[str, torch.Tensor] = {}
+        for file, wanted in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for name, key in wanted:
+                    tensors[name] = handle.get_tensor(key)
+        return tensors
+
+    def fingerprint(self, specs: Mapping[str, LayerSpec]) -> str:
+        """Identity of the checkpoint as the executor sees it, compared when a client connects.
+
+        Hashes the config, the base-layer shapes, each safetensors header (names, dtypes, shapes,
+        offsets) and the first 4 KiB of tensor data: cheap (no full read), and two checkpoints of
+        one architecture with different weights still differ because their data bytes do.
+        """
+        digest = hashlib.sha256()
+        digest.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        for layer_id in sorted(specs):
+            spec = specs[layer_id]
+            digest.update(f"{layer_id}:{spec.in_features}:{spec.out_features}:{spec.has_bias};".encode())
+        for file in self.files:
+            with open(file, "rb") as handle:
+                header_len = int.from_bytes(handle.read(8), "little")
+                digest.update(handle.read(header_len))
+                digest.update(handle.read(4096))  # a sample of the weights themselves
+        return digest.hexdigest()[:32]
+
+
+def build_skeleton(config) -> nn.Module:
+    """The model class `AutoModelForCausalLM` would build, with parameters on meta, buffers real.
+
+    ``include_buffers=False`` matters: buffers such as rotary ``inv_freq`` are computed in
+    ``__init__`` and are not in the checkpoint, so they must be built on a real device.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise CheckpointError(f"transformers cannot build a causal LM from this config: {exc}") from exc
+
+
+def discover_base_layers(model: nn.Module, client_layers: Iterable[str] = ()) -> dict[str, LayerSpec]:
+    """Every base layer of ``model`` by qualified name, except those kept in the client.
+
+    Raises ``UnsupportedModuleError`` for a module that owns a weight matrix but is neither a
+    base layer nor an embedding: splitting would silently drop it, keeping it would load a large
+    weight into every client; ``client_layers`` lets a user decide to keep it client-side.
+    """
+    keep = set(client_layers)
+    unknown = keep - {name for name, _ in model.named_modules()}
+    if unknown:
+        raise CheckpointError(f"client_layers names modules the model does not have: {sorted(unknown)}")
+    specs: dict[str, LayerSpec] = {}
+    for name, module in model.named_modules():
+        if name in keep:
+            continue
+        if isinstance(module, nn.Linear):
+            specs[name] = LayerSpec(name, module.in_features, module.out_features, module.bias is not None)
+        elif isinstance(module, Conv1D):
+            in_features, out_features = module.weight.shape  # Conv1D stores W as [in, out]
+            specs[name] = LayerSpec(name, in_features, out_features, module.bias is not None)
+        elif not isinstance(module, nn.Embedding):
+            matrices = [p for p_name, p in module.named_parameters(recurse=False) if p.dim() >= 2]
+            if matrices:
+                raise UnsupportedModuleError(
+                    f"module {name!r} of type {type(module).__name__} holds a weight matrix of shape "
+                    f"{tuple(matrices[0].shape)} and is not a base layer. {CLIENT_MODULE_NOTE}; "
+                    f"pass client_layers=[{name!r}] to keep it (and its weights) in the client."
+                )
+    return specs
+
+
+def locate_tensors(
+    checkpoint: Checkpoint, model: nn.Module, names: Iterable[str], optional: Iterable[str] = ()
+) -> dict[str, TensorSource]:
+    """Map module tensor names (``model.state_dict()`` keys) to where the checkpoint stores them.
+
+    Names in ``optional`` (e.g. persistent buffers the model computes itself) may be absent.
+
+    Applies `transformers`' own rules in its own order: checkpoint keys are renamed with the
+    model's conversion mapping and base-model prefix handling (``rename_source_key``); a name not
+    stored under its own key may be tied to another (``get_expanded_tied_weights_keys``).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    model_key_to_source: dict[str, TensorSource] = {}
+    converted: dict[str, str] = {}
+    for ckpt_key, file in checkpoint.key_locations.items():
+        model_key, converter = rename_source_key(ckpt_key, renamings, converters, model.base_model_prefix, meta_state)
+        if converter is not None:
+            converted[model_key] = ckpt_key
+        else:
+            model_key_to_source[model_key] = TensorSource(file, ckpt_key)
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True) if hasattr(model, "get_expanded_tied_weights_keys") else {}
+
+    optional = set(optional)
+    sources: dict[str, TensorSource] = {}
+    missing: list[str] = []
+    for name in names:
+        source = model_key_to_source.get(name) or model_key_to_source.get(tied.get(name, ""))
+        if source is not None:
+            sources[name] = source
+        elif name in converted or tied.get(name) in converted:
+            raise CheckpointError(
+                f"tensor {name!r} is stored as {converted.get(name)!r} and needs transformers' weight "
+                "conversion (fusing/splitting) which Symbiosis's selective loader does not support; "
+                "re-save the model with save_pretrained from this transformers version"
+            )
+        elif name not in optional:
+            missing.append(name)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint.path)!r} lacks tensors the model needs: {missing[:8]}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
+    return sources
+
+
+def base_layer_tensor_names(specs: Mapping[str, LayerSpec]) -> dict[str, str]:
+    """``state_dict`` names of every base-layer tensor, mapped to their layer id."""
+    names = {f"{layer_id}.weight": layer_id for layer_id in specs}
+    names.update({f"{layer_id}.bias": layer_id for layer_id, spec in specs.items() if spec.has_bias})
+    return names

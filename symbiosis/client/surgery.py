@@ -1,0 +1,132 @@
+"""``load_client_model``: a `transformers` model whose base layers are served by an executor.
+
+One function does the surgery (STYLE habit 4): build the skeleton (parameters on meta), swap
+every base layer for a VirtLayer, read only the client-side tensors from the checkpoint, and
+check that the executor serves the same checkpoint. The model code of `transformers` is never
+edited, so any architecture made of supported modules works.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from symbiosis.checkpoint import (
+    Checkpoint,
+    base_layer_tensor_names,
+    build_skeleton,
+    discover_base_layers,
+    locate_tensors,
+)
+from symbiosis.client.virt import make_virt_layer
+from symbiosis.errors import CheckpointError, ModelMismatchError
+from symbiosis.executor.executor import parse_dtype
+from symbiosis.transport.base import ExecutorService, Transport
+
+
+def connect(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None) -> Transport:
+    """A transport to ``executor``: an executor object (in-process), an address, or a transport."""
+    if isinstance(executor, str):
+        from symbiosis.transport.zmq import ZmqTransport
+
+        return ZmqTransport(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint)
+    if isinstance(executor, ExecutorService):
+        from symbiosis.transport.inproc import InProcTransport
+
+        return InProcTransport(executor, client_id=client_id, timeout_s=timeout_s)
+    if isinstance(executor, Transport):
+        return executor
+    raise TypeError(f"executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', or a Transport; got {type(executor).__name__}")
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=module._parameters[attr].requires_grad)
+    else:
+        module._buffers[attr] = value
+
+
+def load_client_model(
+    path: str | Path,
+    executor: ExecutorService | Transport | str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    client_layers: Iterable[str] = (),
+    client_id: str | None = None,
+    timeout_s: float = 300.0,
+):
+    """Load the checkpoint at ``path`` as a client of ``executor``.
+
+    Returns the class ``AutoModelForCausalLM.from_pretrained(path)`` would return, in eval mode,
+    on ``device`` in ``dtype`` (default: the checkpoint's dtype, else float32). Base layers are
+    VirtLayers; their weights are never read into this process. ``client_layers`` names base
+    layers to keep (with their weights) in the client instead.
+    """
+    checkpoint = Checkpoint(path)
+    config = checkpoint.config
+    client_dtype = parse_dtype(dtype) if dtype is not None else _checkpoint_dtype(config)
+    device = torch.device(device)
+
+    model = build_skeleton(config)
+    all_specs = discover_base_layers(model)
+    served_specs = discover_base_layers(model, client_layers)
+    fingerprint = checkpoint.fingerprint(all_specs)
+    transport = connect(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint)
+    if transport.fingerprint != fingerprint:
+        transport.close()
+        raise ModelMismatchError(
+            f"the executor serves a different model (fingerprint {transport.fingerprint}) than the "
+            f"checkpoint {str(path)!r} (fingerprint {fingerprint}); start the client from the executor's checkpoint"
+        )
+
+    # Which tensors the client reads: everything the skeleton holds except served base layers.
+    served_names = base_layer_tensor_names(served_specs)
+    wanted = [name for name in model.state_dict() if name not in served_names]
+    # Persistent buffers absent from the checkpoint keep the values the model computed.
+    buffers = {name for name, _ in model.named_buffers()}
+    sources = locate_tensors(checkpoint, model, wanted, optional=buffers)
+    tensors = checkpoint.read(sources)
+
+    for layer_id, spec in served_specs.items():
+        parent_name, _, child = layer_id.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        original = getattr(parent, child)
+        setattr(parent, child, make_virt_layer(original, spec, transport, device=device, dtype=client_dtype))
+    for name, tensor in tensors.items():
+        _set_tensor(model, name, tensor)
+    # The Virt lm_head can no longer share the embedding's Parameter; tying is moot (the
+    # executor serves lm_head from the same stored tensor), so stop transformers from trying.
+    model._tied_weights_keys = {}
+
+    still_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise CheckpointError(f"checkpoint {str(path)!r} did not provide client tensors {still_meta[:8]}")
+    model.to(device=device, dtype=client_dtype)
+    model.eval()
+    model.symbiosis_transport = transport
+    _load_generation_config(model, checkpoint.path)
+    return model
+
+
+def _checkpoint_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _load_generation_config(model, path: Path) -> None:
+    if not (path / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.generation_config = GenerationConfig.from_pretrained(path)

@@ -1,0 +1,162 @@
+"""VirtLayers: stand-ins for base layers that send their rows to the executor.
+
+A VirtLayer must look enough like the layer it replaces that `peft` wraps it unchanged — peft
+dispatches on ``isinstance(layer, nn.Linear | Conv1D)`` and reads ``in_features``,
+``out_features`` and ``weight.device/dtype/shape`` — while holding no weight. Its ``weight`` is
+a :class:`BaseWeightPlaceholder`: a tensor with the real shape, device and dtype but no storage,
+whose every operation raises ``BaseWeightAccessError``. So code that would read or write real
+base weights (merging an adapter, DoRA's weight norm, ``weight.data``) fails loudly instead of
+silently computing on a placeholder.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from symbiosis.errors import BaseWeightAccessError
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.ops import frozen_linear
+from symbiosis.transport.base import Transport
+
+_WHY = (
+    "its weights live only in the base executor, which serves forward/backward products but never "
+    "ships weights to clients. Operations that read or write base weights (merge_and_unload, "
+    "merge_adapter, DoRA's weight norm, weight surgery) are not possible on a split model; keep "
+    "adapters unmerged, or merge on a monolithic copy of the model"
+)
+
+
+class BaseWeightPlaceholder(torch.Tensor):
+    """Shape, dtype and device of a base-layer tensor, without its data."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device, name: str):
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        placeholder.base_tensor_name = name
+        return placeholder
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = []
+        tree_map_only(cls, lambda t: names.append(t.base_tensor_name), (args, kwargs or {}))
+        raise BaseWeightAccessError(f"{func.__name__} on base-layer tensor {names[0]!r} is not possible: {_WHY}")
+
+    def __repr__(self) -> str:
+        return f"BaseWeightPlaceholder({self.base_tensor_name}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __reduce_ex__(self, protocol):
+        raise BaseWeightAccessError(f"cannot serialize base-layer tensor {self.base_tensor_name!r}: {_WHY}")
+
+    def __deepcopy__(self, memo):
+        return self  # no data to copy; a copied model shares the same placeholder
+
+
+class ExecutorLink:
+    """One base layer of one client's connection: what the autograd Function calls."""
+
+    def __init__(self, spec: LayerSpec, transport: Transport):
+        self.layer_id = spec.layer_id
+        self.in_features = spec.in_features
+        self.out_features = spec.out_features
+        self.transport = transport
+
+    def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
+        return self.transport.call(self.layer_id, op, rows, latency_class)
+
+    def __deepcopy__(self, memo) -> "ExecutorLink":
+        return self
+
+
+class _VirtLayerMixin:
+    """What both VirtLayer types share; the concrete classes only fix the base class and layout."""
+
+    _weight_layout: str  # "out_in" (nn.Linear) or "in_out" (Conv1D)
+
+    def _init_virt(self, spec: LayerSpec, transport: Transport, device: torch.device, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate the weight
+        self.layer_id = spec.layer_id
+        self.link = ExecutorLink(spec, transport)
+        self._has_bias = spec.has_bias
+        self._set_placeholders(device, dtype)
+
+    def _set_placeholders(self, device: torch.device, dtype: torch.dtype) -> None:
+        spec = self.link
+        shape = (spec.out_features, spec.in_features) if self._weight_layout == "out_in" else (spec.in_features, spec.out_features)
+        # object.__setattr__: nn.Module would otherwise try to register these as parameters.
+        object.__setattr__(self, "_weight", BaseWeightPlaceholder(shape, dtype=dtype, device=device, name=f"{self.layer_id}.weight"))
+        bias = (
+            BaseWeightPlaceholder((spec.out_features,), dtype=dtype, device=device, name=f"{self.layer_id}.bias")
+            if self._has_bias
+            else None
+        )
+        object.__setattr__(self, "_bias", bias)
+
+    @property
+    def weight(self) -> BaseWeightPlaceholder:
+        return self._weight
+
+    @weight.setter
+    def weight(self, value) -> None:
+        raise BaseWeightAccessError(f"cannot assign the weight of base layer {self.layer_id!r}: {_WHY}")
+
+    @property
+    def bias(self) -> BaseWeightPlaceholder | None:
+        return self._bias
+
+    @bias.setter
+    def bias(self, value) -> None:
+        raise BaseWeightAccessError(f"cannot assign the bias of base layer {self.layer_id!r}: {_WHY}")
+
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
+        probe = fn(torch.empty(0, device=self._weight.device, dtype=self._weight.dtype))
+        self._set_placeholders(probe.device, probe.dtype)
+        return nn.Module._apply(self, fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_linear(x, self.link, self.training)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_id!r}, in_features={self.link.in_features}, out_features={self.link.out_features}, bias={self._has_bias}, served by the base executor"
+
+
+class VirtLinear(_VirtLayerMixin, nn.Linear):
+    """Stand-in for an ``nn.Linear`` base layer."""
+
+    _weight_layout = "out_in"
+
+    def __init__(self, spec: LayerSpec, transport: Transport, *, device: torch.device, dtype: torch.dtype):
+        self._init_virt(spec, transport, device, dtype)
+        self.in_features = spec.in_features
+        self.out_features = spec.out_features
+
+
+def _conv1d_base() -> type[nn.Module]:
+    from symbiosis.checkpoint import Conv1D
+
+    return Conv1D
+
+
+class VirtConv1D(_VirtLayerMixin, _conv1d_base()):
+    """Stand-in for a `transformers` ``Conv1D`` base layer (GPT-2 style, weight stored [in, out])."""
+
+    _weight_layout = "in_out"
+
+    def __init__(self, spec: LayerSpec, transport: Transport, *, device: torch.device, dtype: torch.dtype):
+        self._init_virt(spec, transport, device, dtype)
+        self.nf = spec.out_features
+        self.nx = spec.in_features
+
+
+def make_virt_layer(original: nn.Module, spec: LayerSpec, transport: Transport, *, device, dtype) -> nn.Module:
+    """The VirtLayer type matching ``original``'s type (ordered: Conv1D is checked first)."""
+    conv1d = _conv1d_base()
+    if isinstance(original, conv1d):
+        return VirtConv1D(spec, transport, device=device, dtype=dtype)
+    if isinstance(original, nn.Linear):
+        return VirtLinear(spec, transport, device=device, dtype=dtype)
+    raise TypeError(f"no VirtLayer for {type(original).__name__}; supported: nn.Linear, transformers Conv1D")

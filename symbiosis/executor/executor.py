@@ -1,0 +1,126 @@
+"""``BaseExecutor``: the frozen base layers of one checkpoint, served to many clients.
+
+The executor is stateless between calls: it keeps the weights and nothing else — no
+activations, no KV cache, no optimizer state — so any number of clients can come and go, and a
+restarted executor is indistinguishable from the one before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from symbiosis.executor.engine import ExecutionEngine
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
+from symbiosis.executor.weights import BaseModelWeights
+
+DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in DTYPES_BY_NAME:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES_BY_NAME)}")
+    return DTYPES_BY_NAME[name]
+
+
+class BaseExecutor:
+    """Serves forward, backward and noise ops of every base layer; implements ``ExecutorService``."""
+
+    def __init__(self, weights: BaseModelWeights, scheduler_config: SchedulerConfig | None = None):
+        self.weights = weights
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self._engine = ExecutionEngine(weights, Scheduler(self.scheduler_config))
+        self._servers: list = []
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        policy: str = "opportunistic",
+        **scheduler_options,
+    ) -> "BaseExecutor":
+        """Load only the base layers of the checkpoint at ``path`` onto ``device`` in ``dtype``.
+
+        ``scheduler_options`` are the other ``SchedulerConfig`` fields (``max_wait_ms``,
+        ``row_budget``, ...).
+        """
+        config = SchedulerConfig(policy=policy, **scheduler_options)
+        weights = BaseModelWeights.load(path, device=torch.device(device), dtype=parse_dtype(dtype))
+        return cls(weights, config)
+
+    # ---- ExecutorService -----------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        return self.weights.fingerprint
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._engine.dtype
+
+    def layer_specs(self) -> Mapping[str, LayerSpec]:
+        return self.weights.specs
+
+    def register_client(self, client_id: str) -> None:
+        self._engine.client_joined(client_id)
+
+    def unregister_client(self, client_id: str) -> None:
+        self._engine.client_left(client_id)
+
+    def submit(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass
+    ) -> Future[torch.Tensor]:
+        return self._engine.submit(client_id, layer_id, Op(op), rows, LatencyClass(latency_class))
+
+    # ---- conveniences --------------------------------------------------------------------------
+
+    def run(self, layer_id: str, op: Op | str, rows: torch.Tensor) -> torch.Tensor:
+        """Synchronous single call, for tests and tools (goes through the same batching path)."""
+        return self.submit("direct", layer_id, Op(op), rows, LatencyClass.PREFILL).result()
+
+    def serve(self, address: str, **server_options):
+        """Start serving remote clients at ``address`` (``tcp://host:port`` or ``ipc:///path``).
+
+        Non-blocking; returns the server handle (``.address``, ``.close()``). Binds loopback only
+        unless ``allow_non_loopback=True``.
+        """
+        from symbiosis.transport.zmq import ZmqServer
+
+        server = ZmqServer(self, address, **server_options)
+        server.start()
+        self._servers.append(server)
+        return server
+
+    def stats(self) -> dict:
+        stats = self._engine.stats()
+        stats["config"] = dataclasses.asdict(self.scheduler_config)
+        stats["weights_bytes"] = self.weights.nbytes()
+        stats["device"] = str(self.device)
+        stats["dtype"] = str(self.dtype).removeprefix("torch.")
+        return stats
+
+    def close(self, drain: bool = True) -> None:
+        for server in self._servers:
+            server.close()
+        self._servers.clear()
+        self._engine.close(drain=drain)
+
+    def __enter__(self) -> "BaseExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

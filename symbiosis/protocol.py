@@ -1,0 +1,246 @@
+"""Wire protocol of the ZeroMQ transports: message schema, tensor framing, request validation.
+
+Every message is a multipart ZeroMQ message ``[header, *payload]``. The header is a msgspec
+Struct encoded as msgpack (a tagged union, so one decoder reads every kind); payload frames are
+raw tensor bytes in C order, sent zero-copy. Nothing is ever pickled: a peer can make us decode
+only msgpack maps of known fields and copy bytes into tensors whose size we checked first.
+
+Why validation lives here and runs before any byte is interpreted: the executor is shared by many
+jobs, so one buggy or hostile client must get a typed error (``symbiosis.errors``), not crash the
+server or make it allocate a tensor of a size the client merely *declared*.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Union
+
+import msgspec
+import torch
+
+from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+
+PROTOCOL_VERSION = 1
+
+#: Tensor dtypes allowed on the wire, by wire name. bfloat16 has no numpy dtype, which is why
+#: payloads are always handled as raw bytes (``uint8`` views), never via numpy dtypes.
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30  # 1 GiB: a whole 8k-token prefill of a 70B-wide layer fits
+MAX_HEADER_BYTES = 64 * 1024  # headers are tiny; anything bigger is garbage or an attack
+
+
+class WireLayerSpec(msgspec.Struct, frozen=True):
+    layer_id: str
+    in_features: int
+    out_features: int
+    has_bias: bool
+
+    @classmethod
+    def from_spec(cls, spec: LayerSpec) -> "WireLayerSpec":
+        return cls(spec.layer_id, spec.in_features, spec.out_features, spec.has_bias)
+
+    def to_spec(self) -> LayerSpec:
+        return LayerSpec(self.layer_id, self.in_features, self.out_features, self.has_bias)
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """What a server accepts; sent in ``Welcome`` so clients can refuse oversize calls locally."""
+
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    allowed_dtypes: tuple[str, ...] = tuple(WIRE_DTYPES)
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Client -> server, first message of a session. ``request_id`` matches the answer to it."""
+
+    version: int
+    client_id: str
+    request_id: int
+    expected_fingerprint: str | None = None
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    """Server -> client: what the executor serves and on which terms.
+
+    ``session_token`` is a random per-session secret; shared-memory segments a client names must
+    start with ``shm_prefix(session_token)``, so one client cannot point the server at another's.
+    """
+
+    version: int
+    request_id: int
+    fingerprint: str
+    layers: list[WireLayerSpec]
+    limits: Limits
+    heartbeat_s: float
+    session_token: str
+    shm_supported: bool
+
+
+class Request(msgspec.Struct, tag="request", frozen=True):
+    """One layer call. Inline payload: one frame follows. Shared memory: ``shm_name`` is set, no
+    frame follows, rows lie at ``shm_offset`` of that segment and the result is written back there.
+    """
+
+    version: int
+    client_id: str
+    request_id: int
+    layer_id: str
+    op: str
+    dtype: str
+    shape: list[int]
+    latency_class: str
+    shm_name: str | None = None
+    shm_offset: int = 0
+
+
+class Reply(msgspec.Struct, tag="reply", frozen=True):
+    """Answer to a ``Request`` (or an error answer to a ``Hello``); ``request_id`` 0 = unknown."""
+
+    request_id: int
+    ok: bool
+    dtype: str = ""
+    shape: list[int] = []
+    error_code: str = ""
+    error_message: str = ""
+
+
+class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
+    """Either side ends the session (client closing, or server shutting down)."""
+
+    client_id: str = ""
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    """Heartbeat. Clients ping; servers answer ``Pong`` (and probe dead peers with ``Ping``)."""
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    pass
+
+
+class ShmRelease(msgspec.Struct, tag="shm_release", frozen=True):
+    """Client -> server: these segments are retired (grown or discarded); drop their mappings."""
+
+    names: list[str]
+
+
+Message = Union[Hello, Welcome, Request, Reply, Goodbye, Ping, Pong, ShmRelease]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(header: bytes | memoryview) -> Message:
+    """Decode one header frame; anything that is not a known message raises ``ProtocolError``."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return _decoder.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable header: {exc}") from None
+
+
+def salvage_request_id(header: bytes | memoryview) -> int:
+    """Best-effort request id of a header that failed typed decoding, so the error reply can be
+    matched by the sender; 0 when there is none."""
+    try:
+        raw = msgspec.msgpack.decode(header)
+    except Exception:  # noqa: BLE001 - garbage is expected here
+        return 0
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 < rid < 2**63 else 0
+
+
+def error_reply(request_id: int, code: str, message: str) -> Reply:
+    return Reply(request_id=request_id, ok=False, error_code=code, error_message=message)
+
+
+def shm_prefix(session_token: str) -> str:
+    return f"symb_{session_token}_"
+
+
+def declared_nbytes(dtype: str, shape: list[int]) -> int:
+    return math.prod(shape) * ITEMSIZE[dtype]
+
+
+def validate_request(header: Request, payload_nbytes: int, specs: Mapping[str, LayerSpec], limits: Limits) -> LayerSpec:
+    """Check a request header against the layer registry before any payload byte is read.
+
+    Raises ``ProtocolError`` (version, op, latency class, dtype, size cap), ``UnknownLayerError``
+    or ``ShapeError`` (not 2-D, wrong width, bytes that do not match the declared shape). Sizes
+    are computed with Python ints, so a huge declared shape cannot overflow into a small one.
+    Returns the layer's spec for the caller's convenience.
+    """
+    if header.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header.version} not supported (server speaks {PROTOCOL_VERSION})")
+    try:
+        op = Op(header.op)
+    except ValueError:
+        raise ProtocolError(f"unknown op {header.op!r}; supported: {[o.value for o in Op]}") from None
+    try:
+        LatencyClass(header.latency_class)
+    except ValueError:
+        supported = [c.value for c in LatencyClass]
+        raise ProtocolError(f"unknown latency class {header.latency_class!r}; supported: {supported}") from None
+    spec = specs.get(header.layer_id)
+    if spec is None:
+        raise UnknownLayerError(f"unknown layer {header.layer_id!r} (the executor serves {len(specs)} layers)")
+    if header.dtype not in limits.allowed_dtypes or header.dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"dtype {header.dtype!r} not allowed; allowed: {list(limits.allowed_dtypes)}")
+    shape = header.shape
+    if len(shape) != 2 or any(d < 0 for d in shape):
+        raise ShapeError(f"rows must be a 2-D shape with non-negative dims, got {shape}")
+    width = op.input_width(spec)
+    if shape[1] != width:
+        raise ShapeError(f"{op.value} of layer {spec.layer_id!r} takes rows of width {width}, got {shape[1]}")
+    nbytes = declared_nbytes(header.dtype, shape)
+    out_nbytes = shape[0] * op.output_width(spec) * ITEMSIZE[header.dtype]
+    if max(nbytes, out_nbytes) > limits.max_payload_bytes:
+        raise ProtocolError(
+            f"request of {nbytes} bytes (result {out_nbytes} bytes) exceeds the cap of {limits.max_payload_bytes} bytes"
+        )
+    if nbytes != payload_nbytes:
+        raise ShapeError(f"shape {shape} of {header.dtype} needs {nbytes} payload bytes, got {payload_nbytes}")
+    return spec
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype (``torch.float32`` -> ``"float32"``), allowed or not."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_payload(tensor: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, without copying (works for bfloat16 too)."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("tensor_payload needs a contiguous CPU tensor")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_from_payload(buffer: memoryview | bytes | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
+    """Tensor of ``shape`` over ``buffer`` (zero-copy; the tensor keeps the buffer alive).
+
+    The caller has validated ``len(buffer)``. ZeroMQ may hand us memory at any address; when it is
+    not aligned to the element size the bytes are copied, because CPU kernels assume alignment.
+    """
+    torch_dtype = WIRE_DTYPES[dtype]
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=count * ITEMSIZE[dtype])
+    if tensor.data_ptr() % 64:
+        tensor = tensor.clone()  # 64-byte aligned like every torch allocation: same kernels, same bits
+    return tensor.view(torch_dtype).view(shape)

@@ -1,0 +1,52 @@
+"""In-process transport: client threads call the executor object directly.
+
+No copies beyond the executor's boundary cast; concurrent calls from many threads meet in the
+executor's scheduler and are batched like remote ones.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.transport.base import ExecutorService
+
+
+class InProcTransport:
+    """``Transport`` over an ``ExecutorService`` living in this process."""
+
+    def __init__(self, service: ExecutorService, *, client_id: str | None = None, timeout_s: float = 300.0):
+        self.service = service
+        self.client_id = client_id or f"inproc-{uuid.uuid4().hex[:8]}"
+        self.timeout_s = timeout_s
+        self._closed = False
+        service.register_client(self.client_id)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.service.fingerprint
+
+    def layer_specs(self) -> Mapping[str, LayerSpec]:
+        return self.service.layer_specs()
+
+    def call(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
+        if self._closed:
+            raise ExecutorUnavailableError(f"transport of client {self.client_id!r} is closed")
+        future = self.service.submit(self.client_id, layer_id, op, rows, latency_class)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except TimeoutError as exc:
+            future.cancel()
+            raise ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {self.timeout_s} s") from exc
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.service.unregister_client(self.client_id)
+
+    def __deepcopy__(self, memo) -> "InProcTransport":
+        return self  # a connection is shared, never duplicated (copy.deepcopy of a model keeps it)
