@@ -84,7 +84,9 @@ def test_tokenizer_round_trips(arch: str, tiny_checkpoint: Checkpoint) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_weights_are_a_function_of_the_seed(arch: str, tiny_checkpoint: Checkpoint, tmp_path: pathlib.Path) -> None:
+def test_weights_are_a_function_of_the_seed(
+    arch: str, tiny_checkpoint: Checkpoint, tmp_path: pathlib.Path
+) -> None:
     reference = tiny_checkpoint(arch)
     again = make_model(arch, "tiny", tmp_path / "again", seed=0)
     other = make_model(arch, "tiny", tmp_path / "other", seed=1)
@@ -182,7 +184,8 @@ def test_make_model_leaves_the_global_rng_alone(tmp_path: pathlib.Path) -> None:
 def test_tokenizer_is_deterministic_and_learned_merges(tmp_path: pathlib.Path) -> None:
     first = make_tokenizer(tmp_path / "a")
     make_tokenizer(tmp_path / "b")
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    saved = [(tmp_path / name / "tokenizer.json").read_bytes() for name in ("a", "b")]
+    assert saved[0] == saved[1]
     assert len(first) == TOKENIZER_VOCAB_SIZE
     text = "The frozen model computes a careful answer for every client in the batch."
     assert len(first(text)["input_ids"]) < len(text.encode()) / 3  # BPE merges, not bytes

@@ -1,0 +1,3 @@
+from symbiosis.cli import main
+
+main()

@@ -1,0 +1,67 @@
+"""The ``symbiosis`` command line. Each verb is a thin shell over a library function."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from symbiosis.errors import SymbiosisError
+
+app = typer.Typer(
+    name="symbiosis",
+    help="Share one frozen base LLM among many fine-tuning and inference jobs (split execution).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def root() -> None:
+    """Share one frozen base LLM among many fine-tuning and inference jobs (split execution).
+
+    Add --debug anywhere to see a traceback instead of a one-line error.
+    """
+
+
+@app.command("make-model")
+def make_model_command(
+    output: Annotated[Path, typer.Option(help="Folder to write the checkpoint into (created if missing).")],
+    arch: Annotated[str, typer.Option(help="transformers architecture: llama, mistral, qwen2, gemma2, gpt2, gpt_bigcode, opt, phi3, falcon.")] = "llama",
+    preset: Annotated[str, typer.Option(help="Size: tiny (tests), small (~15M params), base (~120M params).")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+) -> None:
+    """Write a random-weight checkpoint of a real architecture, with a trained byte-level BPE tokenizer."""
+    from symbiosis.modelzoo import make_model
+
+    path = make_model(arch, preset, output, seed=seed)
+    typer.echo(f"wrote {arch}/{preset} checkpoint to {path}")
+
+
+def _register_optional_commands() -> None:
+    """Verbs that live in their own modules register themselves here."""
+    import importlib
+
+    for module in ("symbiosis.cli_serve", "symbiosis.cli_jobs", "symbiosis.cli_bench"):
+        try:
+            importlib.import_module(module).register(app)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+
+
+def main() -> None:
+    _register_optional_commands()
+    debug = "--debug" in sys.argv
+    if debug:
+        sys.argv.remove("--debug")
+    try:
+        app()
+    except SymbiosisError as exc:
+        if debug:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
