@@ -99,17 +99,16 @@ class _VirtLayerMixin:
     def weight(self) -> BaseWeightPlaceholder:
         return self._weight
 
-    @weight.setter
-    def weight(self, value) -> None:
-        raise BaseWeightAccessError(f"cannot assign the weight of base layer {self.layer_id!r}: {_WHY}")
-
     @property
     def bias(self) -> BaseWeightPlaceholder | None:
         return self._bias
 
-    @bias.setter
-    def bias(self, value) -> None:
-        raise BaseWeightAccessError(f"cannot assign the bias of base layer {self.layer_id!r}: {_WHY}")
+    def __setattr__(self, name: str, value) -> None:
+        # nn.Module.__setattr__ would register a Parameter under the name (or fail with a bare
+        # KeyError); either way the client would silently stop using the executor's weight.
+        if name in ("weight", "bias"):
+            raise BaseWeightAccessError(f"cannot assign the {name} of base layer {self.layer_id!r}: {_WHY}")
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.

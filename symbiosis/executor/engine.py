@@ -187,18 +187,20 @@ class ExecutionEngine:
 
     def _loop(self) -> None:
         while (batch := self._next()) is not None:
-            with self._cond:  # requests may have been dropped (client left) since scheduling
-                slices = [s for s in batch.slices if s.request_id in self._inflight]
-                parts = [(s, self._inflight[s.request_id]) for s in slices]
-            if not parts:
-                continue
-            layer = self.weights.layers[batch.layer_id]
-            try:
-                outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
-            except Exception as exc:  # a failed product fails its batch, never the executor
-                self._fail_batch(batch.layer_id, parts, exc)
-                continue
-            self._complete(batch, parts, outputs)
+            self._run(batch)  # a method, so the batch's tensors die with its frame
+
+    def _run(self, batch: Batch) -> None:
+        with self._cond:  # requests may have been dropped (client left) since scheduling
+            parts = [(s, self._inflight[s.request_id]) for s in batch.slices if s.request_id in self._inflight]
+        if not parts:
+            return
+        layer = self.weights.layers[batch.layer_id]
+        try:
+            outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
+        except Exception as exc:  # a failed product fails its batch, never the executor
+            self._fail_batch(batch.layer_id, parts, exc)
+            return
+        self._complete(batch, parts, outputs)
 
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> None:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")

@@ -1,0 +1,234 @@
+"""PEFT methods by name: the registry that turns ``--method NAME`` + common flags into a peft config.
+
+Why a registry: the CLI, the demo and the tests all say "lora" or "ia3" and expect the same
+config; an unknown name must fail loudly and list what is supported (STYLE habit 7). The order of
+``METHODS`` is the order shown to users.
+
+Each builder takes the common options (rank, alpha, dropout, target modules, virtual tokens) and
+the model's config; ``--peft-config FILE.json`` then overrides or adds any keyword the method's
+peft config class accepts, so nothing peft can do is hidden behind our flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import peft
+from torch import nn
+
+from symbiosis.errors import UnsupportedPeftMethodError
+
+TASK = peft.TaskType.CAUSAL_LM
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Options shared by PEFT methods; each field's ``metadata["help"]`` is the CLI help text."""
+
+    rank: int = field(default=8, metadata=_help("Adapter rank r (lora, adalora's init_r, loha, lokr)."))
+    alpha: float = field(default=16.0, metadata=_help("Adapter scaling alpha (lora, loha, lokr; adalora)."))
+    dropout: float = field(default=0.0, metadata=_help("Adapter dropout (lora, adalora, loha/lokr module dropout)."))
+    target_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "Module names to adapt (repeat the flag); empty: all linear layers for lora/adalora/loha/lokr, "
+            "peft's per-architecture default (else attention + MLP output) for ia3."
+        ),
+    )
+    num_virtual_tokens: int = field(default=8, metadata=_help("Virtual tokens of prefix, prompt and p_tuning."))
+    total_steps: int = field(default=100, metadata=_help("Training steps (adalora's rank schedule needs it)."))
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise UnsupportedPeftMethodError(f"rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UnsupportedPeftMethodError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.num_virtual_tokens < 1:
+            raise UnsupportedPeftMethodError(f"num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
+
+
+Builder = Callable[[MethodOptions, nn.Module], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One PEFT method: its peft config class and the keywords our common options map to."""
+
+    name: str
+    config_class: type[peft.PeftConfig]
+    defaults: Builder
+    summary: str
+
+
+def _targets(options: MethodOptions) -> list[str] | str:
+    return list(options.target_modules) or "all-linear"
+
+
+def _lora(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    return dict(r=o.rank, lora_alpha=o.alpha, lora_dropout=o.dropout, target_modules=_targets(o))
+
+
+def _adalora(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    # AdaLoRA prunes ranks from init_r to target_r over the run; it must know the run's length.
+    total = max(o.total_steps, 3)
+    return dict(
+        init_r=o.rank,
+        target_r=max(1, o.rank // 2),
+        lora_alpha=o.alpha,
+        lora_dropout=o.dropout,
+        total_step=total,
+        tinit=total // 10,
+        tfinal=total // 10,
+        target_modules=_targets(o),
+    )
+
+
+def _loha(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    return dict(r=o.rank, alpha=o.alpha, module_dropout=o.dropout, target_modules=_targets(o))
+
+
+def _lokr(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    return dict(r=o.rank, alpha=o.alpha, module_dropout=o.dropout, target_modules=_targets(o))
+
+
+def _ia3(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    targets, feedforward = ia3_modules(model)
+    if o.target_modules:
+        targets = list(o.target_modules)
+        feedforward = [name for name in feedforward if name in targets]
+    return dict(target_modules=targets, feedforward_modules=feedforward)
+
+
+def _virtual(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    return dict(num_virtual_tokens=o.num_virtual_tokens)
+
+
+def _p_tuning(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
+    hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", 128)
+    return dict(num_virtual_tokens=o.num_virtual_tokens, encoder_hidden_size=hidden)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("lora", peft.LoraConfig, _lora, "low-rank update B·A added to each target linear"),
+        Method("ia3", peft.IA3Config, _ia3, "learned per-channel scaling of attention k/v and MLP input"),
+        Method("adalora", peft.AdaLoraConfig, _adalora, "LoRA with SVD-style rank pruned during training"),
+        Method("loha", peft.LoHaConfig, _loha, "low-rank Hadamard product update"),
+        Method("lokr", peft.LoKrConfig, _lokr, "low-rank Kronecker product update"),
+        Method("prefix", peft.PrefixTuningConfig, _virtual, "learned key/value prefix in every attention layer"),
+        Method("prompt", peft.PromptTuningConfig, _virtual, "learned soft prompt embeddings"),
+        Method("p_tuning", peft.PromptEncoderConfig, _p_tuning, "soft prompt produced by a small MLP encoder"),
+    )
+}
+
+
+def method_names() -> list[str]:
+    return list(METHODS)
+
+
+def get_method(name: str) -> Method:
+    """The registered method ``name``, or ``UnsupportedPeftMethodError`` naming the supported ones."""
+    method = METHODS.get(name.lower().replace("-", "_"))
+    if method is None:
+        raise UnsupportedPeftMethodError(f"unknown PEFT method {name!r}; supported: {', '.join(METHODS)}")
+    return method
+
+
+def read_peft_config_file(path: Path) -> dict[str, Any]:
+    """Keyword overrides from a JSON object (``peft_type``/``task_type`` keys are ignored)."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UnsupportedPeftMethodError(f"cannot read --peft-config {str(path)!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UnsupportedPeftMethodError(f"--peft-config {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise UnsupportedPeftMethodError(f"--peft-config {str(path)!r} must hold a JSON object of peft config keywords")
+    for key in ("peft_type", "task_type", "base_model_name_or_path", "revision"):
+        values.pop(key, None)
+    return values
+
+
+def build_peft_config(
+    name: str,
+    model: nn.Module,
+    options: MethodOptions | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> peft.PeftConfig:
+    """The peft config of method ``name`` for ``model`` (a causal LM), common options then overrides."""
+    method = get_method(name)
+    options = options or MethodOptions()
+    kwargs = method.defaults(options, model)
+    kwargs.update(overrides or {})
+    known = {f.name for f in dataclasses.fields(method.config_class)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise UnsupportedPeftMethodError(
+            f"{method.config_class.__name__} ({method.name}) has no option(s) {unknown}; see peft's documentation"
+        )
+    try:
+        return method.config_class(task_type=TASK, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedPeftMethodError(f"invalid {method.name} options: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- IA3 modules
+
+
+def _linear_types() -> tuple[type[nn.Module], ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def _in_out(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.nx, module.nf  # Conv1D
+
+
+def ia3_modules(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(target_modules, feedforward_modules) for IA3 on ``model``.
+
+    IA3 scales the *output* of attention projections but the *input* of the MLP's output
+    projection, so peft must be told which targets are feed-forward. Use peft's own table by
+    ``model_type`` when it has one; otherwise read the structure: among the linear layers of the
+    first block, the feed-forward one is the MLP projection that narrows (in > out) and is not
+    attention; targets are the attention projections plus it.
+    """
+    from peft.utils import (
+        TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD,
+        TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as TARGETS,
+    )
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in TARGETS and model_type in FEEDFORWARD:
+        return list(TARGETS[model_type]), list(FEEDFORWARD[model_type])
+
+    linear = _linear_types()
+    block_linears: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, linear) and ".0." in f".{name}.":
+            block_linears[name.split(".0.", 1)[1]] = module
+    attention = [n for n in block_linears if "attn" in n or "attention" in n]
+    narrowing = [n for n, m in block_linears.items() if n not in attention and _in_out(m)[0] > _in_out(m)[1]]
+    if not narrowing:
+        raise UnsupportedPeftMethodError(
+            f"cannot find the MLP output projection of {model_type!r} for IA3; pass --target-modules and "
+            "feedforward_modules in --peft-config"
+        )
+    leaf = lambda n: n.rsplit(".", 1)[-1]  # noqa: E731
+    feedforward = [narrowing[-1]]
+    targets = [leaf(n) if sum(leaf(n) == leaf(o) for o in block_linears) == 1 else n for n in attention + feedforward]
+    feedforward = [t for t in targets if feedforward[0].endswith(t)]
+    return targets, feedforward

@@ -1,0 +1,98 @@
+"""Base-layer discovery, selective loading, and the errors a bad checkpoint gets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import symbiosis
+from symbiosis.checkpoint import Checkpoint, build_skeleton, discover_base_layers
+from symbiosis.modelzoo import ARCHS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_executor_weights_equal_what_transformers_loads(arch, tiny_checkpoint):
+    """Selective loading agrees with transformers' own loading path, tensor by tensor."""
+    path = tiny_checkpoint(arch)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    weights = symbiosis.BaseExecutor.from_pretrained(path).weights
+    modules = dict(reference.named_modules())
+    assert set(weights.specs) == {n for n, m in modules.items() if isinstance(m, (nn.Linear, symbiosis.checkpoint.Conv1D))}
+    assert "lm_head" in weights.specs
+    for layer_id, layer in weights.layers.items():
+        module = modules[layer_id]
+        expected = module.weight if isinstance(module, nn.Linear) else module.weight.t()
+        torch.testing.assert_close(layer.weight, expected, rtol=0, atol=0)
+        if module.bias is None:
+            assert layer.bias is None
+        else:
+            torch.testing.assert_close(layer.bias, module.bias, rtol=0, atol=0)
+
+
+def test_layer_specs_are_module_names(tiny_checkpoint):
+    specs = symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("gpt2")).layer_specs()
+    spec = specs["transformer.h.0.attn.c_attn"]
+    assert (spec.in_features, spec.out_features, spec.has_bias) == (64, 192, True)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(symbiosis.CheckpointError, match="does not exist"):
+        symbiosis.BaseExecutor.from_pretrained(tmp_path / "nope")
+
+
+def test_missing_config(tiny_checkpoint, tmp_path):
+    broken = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "c")
+    (broken / "config.json").unlink()
+    with pytest.raises(symbiosis.CheckpointError, match="config.json"):
+        symbiosis.BaseExecutor.from_pretrained(broken)
+
+
+def test_missing_weights(tiny_checkpoint, tmp_path):
+    broken = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "w")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(symbiosis.CheckpointError, match="safetensors"):
+        symbiosis.load_client_model(broken, executor="tcp://127.0.0.1:1")
+
+
+def test_missing_shard(tiny_checkpoint, tmp_path):
+    broken = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "s")
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    with pytest.raises(symbiosis.CheckpointError, match="missing shard"):
+        Checkpoint(broken)
+
+
+def test_checkpoint_lacking_a_tensor(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "t")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(symbiosis.CheckpointError, match="down_proj"):
+        symbiosis.BaseExecutor.from_pretrained(broken)
+
+
+def test_architecture_with_unknown_layer_type(tmp_path):
+    """Mamba's mixer owns a 2-D parameter (A_log) that is not a linear layer."""
+    config = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, intermediate_size=32)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
+    with pytest.raises(symbiosis.UnsupportedModuleError, match=r"MambaMixer.*nn.Linear and transformers Conv1D"):
+        symbiosis.BaseExecutor.from_pretrained(tmp_path / "mamba")
+
+
+def test_client_layers_must_exist(tiny_checkpoint):
+    skeleton = build_skeleton(Checkpoint(tiny_checkpoint("llama")).config)
+    with pytest.raises(symbiosis.CheckpointError, match="no_such_layer"):
+        discover_base_layers(skeleton, ["no_such_layer"])
+
+
+def test_skeleton_holds_no_weights(tiny_checkpoint):
+    skeleton = build_skeleton(Checkpoint(tiny_checkpoint("llama")).config)
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert not any(b.is_meta for b in skeleton.buffers())  # rotary inv_freq is computed for real

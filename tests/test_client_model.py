@@ -1,0 +1,176 @@
+"""The client model: what it holds, what it refuses, and how it meets the executor."""
+
+from __future__ import annotations
+
+import warnings
+
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import symbiosis
+from symbiosis.client.virt import BaseWeightPlaceholder, VirtConv1D, VirtLinear
+from symbiosis.modelzoo import make_model
+from tests.reference import close_client, make_pair
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def executor(llama):
+    with symbiosis.BaseExecutor.from_pretrained(llama) as ex:
+        yield ex
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, BaseWeightPlaceholder):
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_client_holds_no_base_weight(arch, tiny_checkpoint):
+    path = tiny_checkpoint(arch)
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        reference, split = make_pair(path, ex, "lora", arch)
+        try:
+            base = split.get_base_model()
+            virt = [m for m in base.modules() if isinstance(m, (VirtLinear, VirtConv1D))]
+            assert len(virt) == len(ex.layer_specs())
+            client_bytes = _storage_bytes(list(split.parameters()) + list(split.buffers()))
+            # What the client may hold: embedding tables and the parameters of every module that
+            # is not a linear layer (norms), the adapters, and the model's buffers.
+            linear_types = (torch.nn.Linear, type(virt[0]).__mro__[2])
+            ref_base = reference.get_base_model()
+            client_side = [
+                p
+                for m in ref_base.modules()
+                if not isinstance(m, linear_types)
+                for p in m.parameters(recurse=False)
+                if not p.requires_grad
+            ]
+            allowed = (
+                _storage_bytes(client_side)
+                + _storage_bytes(p for p in split.parameters() if p.requires_grad)
+                + _storage_bytes(ref_base.buffers())
+            )
+            assert client_bytes <= allowed
+            assert client_bytes + ex.weights.nbytes() >= _storage_bytes(ref_base.parameters())
+            names = set(split.state_dict())
+            assert not any(name.endswith(f"{layer_id}.weight") for layer_id in ex.layer_specs() for name in names)
+        finally:
+            close_client(split)
+
+
+def test_client_is_the_same_class_in_eval_mode(llama, executor):
+    model = symbiosis.load_client_model(llama, executor=executor)
+    try:
+        reference = AutoModelForCausalLM.from_pretrained(llama)
+        assert type(model) is type(reference)
+        assert not model.training
+        assert isinstance(model.lm_head, VirtLinear)
+        assert model.lm_head.weight.shape == reference.lm_head.weight.shape
+    finally:
+        model.symbiosis_transport.close()
+
+
+def test_dora_fails_loudly(llama, executor):
+    model = symbiosis.load_client_model(llama, executor=executor)
+    try:
+        with pytest.raises(symbiosis.BaseWeightAccessError, match="base executor"):
+            peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    finally:
+        model.symbiosis_transport.close()
+
+
+def test_merge_and_unload_fails_loudly(llama, executor):
+    model = symbiosis.load_client_model(llama, executor=executor)
+    try:
+        peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        with pytest.raises(symbiosis.BaseWeightAccessError, match="merge"):
+            peft_model.merge_and_unload()
+        with pytest.raises(symbiosis.BaseWeightAccessError):
+            model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(torch.zeros(64, 64))
+    finally:
+        model.symbiosis_transport.close()
+
+
+def test_client_layers_stay_in_client(llama, executor):
+    model = symbiosis.load_client_model(llama, executor=executor, client_layers=["lm_head"])
+    try:
+        reference = AutoModelForCausalLM.from_pretrained(llama)
+        assert type(model.lm_head) is torch.nn.Linear
+        torch.testing.assert_close(model.lm_head.weight, reference.lm_head.weight)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, reference(ids).logits, **TOL)
+    finally:
+        model.symbiosis_transport.close()
+
+
+def test_tied_embeddings_are_served_from_the_embedding_tensor(tmp_path):
+    path = make_model("llama", "tiny", tmp_path / "tied", tie_word_embeddings=True)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        torch.testing.assert_close(ex.weights.layers["lm_head"].weight, reference.model.embed_tokens.weight)
+        model = symbiosis.load_client_model(path, executor=ex)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, reference(ids).logits, **TOL)
+        model.symbiosis_transport.close()
+
+
+@pytest.mark.parametrize("executor_dtype,client_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_dtype_is_cast_at_the_boundary(llama, executor_dtype, client_dtype):
+    reference = AutoModelForCausalLM.from_pretrained(llama)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with symbiosis.BaseExecutor.from_pretrained(llama, dtype=executor_dtype) as ex:
+        assert ex.weights.layers["lm_head"].weight.dtype == executor_dtype
+        model = symbiosis.load_client_model(llama, executor=ex, dtype=client_dtype)
+        with torch.no_grad():
+            logits = model(ids).logits
+            expected = reference(ids).logits
+        model.symbiosis_transport.close()
+    assert logits.dtype == client_dtype
+    # bf16 keeps ~3 significant digits; the logits must still agree to that precision.
+    torch.testing.assert_close(logits.float(), expected, rtol=0.05, atol=0.05)
+
+
+def test_client_from_another_checkpoint_is_refused(llama, executor, tmp_path):
+    other = make_model("llama", "tiny", tmp_path / "other", seed=1)
+    with pytest.raises(symbiosis.ModelMismatchError, match="different model"):
+        symbiosis.load_client_model(other, executor=executor)
+
+
+def test_deepcopy_shares_the_connection(llama, executor):
+    import copy
+
+    model = symbiosis.load_client_model(llama, executor=executor)
+    clone = copy.deepcopy(model)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(clone(ids).logits, model(ids).logits)
+    assert clone.lm_head.link.transport is model.lm_head.link.transport
+    model.symbiosis_transport.close()
+
+
+def test_to_moves_placeholders(llama, executor):
+    model = symbiosis.load_client_model(llama, executor=executor)
+    model.to(torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2]])).logits.dtype == torch.bfloat16
+    model.symbiosis_transport.close()

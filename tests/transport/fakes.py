@@ -1,0 +1,154 @@
+"""A small ``ExecutorService`` with real torch math, and process entry points for transport tests.
+
+Importable by ``multiprocessing`` 'spawn' children, so the same fake can serve from another
+process. Weights come from a seeded generator: two processes with the same seed hold the same
+weights, so a test can compute the reference locally for a server running elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+
+DEFAULT_SPECS: tuple[LayerSpec, ...] = (
+    LayerSpec("q", in_features=16, out_features=24, has_bias=True),
+    LayerSpec("o", in_features=24, out_features=16, has_bias=False),
+    LayerSpec("wide", in_features=256, out_features=256, has_bias=True),
+    LayerSpec("slow", in_features=16, out_features=8, has_bias=True),  # never completes if hung
+)
+ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class FakeExecutorService:
+    """``ExecutorService`` computing ``x Wᵀ + b``, ``g W``, ``n Wᵀ`` in float32 on small weights.
+
+    ``threaded``: futures complete on a worker thread (after ``delay_s``) instead of before
+    ``submit`` returns. Requests for ``hang_layers`` never complete; ``unregister_client`` cancels
+    them, like the real executor dropping a dead client's work. ``events`` records every call.
+    """
+
+    def __init__(
+        self,
+        specs: Iterable[LayerSpec] = DEFAULT_SPECS,
+        *,
+        seed: int = 0,
+        threaded: bool = False,
+        delay_s: float = 0.0,
+        hang_layers: Iterable[str] = (),
+    ) -> None:
+        self._specs = {s.layer_id: s for s in specs}
+        generator = torch.Generator().manual_seed(seed)
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for spec in self._specs.values():
+            weight = torch.randn(spec.out_features, spec.in_features, generator=generator) / spec.in_features**0.5
+            bias = torch.randn(spec.out_features, generator=generator) if spec.has_bias else None
+            self.weights[spec.layer_id] = (weight, bias)
+        self._fingerprint = f"fake-{seed}"
+        self._delay_s = delay_s
+        self._hang_layers = frozenset(hang_layers)
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="fake-executor") if threaded else None
+        self._cond = threading.Condition()
+        self._hanging: dict[str, list[Future[torch.Tensor]]] = {}
+        self.events: list[tuple[Any, ...]] = []
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def layer_specs(self) -> Mapping[str, LayerSpec]:
+        return dict(self._specs)
+
+    def register_client(self, client_id: str) -> None:
+        self._record("register", client_id)
+
+    def unregister_client(self, client_id: str) -> None:
+        with self._cond:
+            dropped = self._hanging.pop(client_id, [])
+        for future in dropped:
+            future.cancel()
+        self._record("unregister", client_id, len(dropped))
+
+    def submit(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass
+    ) -> Future[torch.Tensor]:
+        self._record("submit", client_id, layer_id, Op(op), tuple(rows.shape), LatencyClass(latency_class))
+        spec = self._specs.get(layer_id)
+        if spec is None:
+            raise UnknownLayerError(f"unknown layer {layer_id!r}")
+        if rows.dtype not in ALLOWED_DTYPES:
+            raise ProtocolError(f"dtype {rows.dtype} not allowed")
+        if rows.dim() != 2 or rows.shape[1] != Op(op).input_width(spec):
+            raise ShapeError(f"{op} of {layer_id!r} takes [n, {Op(op).input_width(spec)}], got {list(rows.shape)}")
+        future: Future[torch.Tensor] = Future()
+        if layer_id in self._hang_layers:
+            with self._cond:
+                self._hanging.setdefault(client_id, []).append(future)
+            return future
+        if self._pool is None:
+            future.set_result(self.compute(layer_id, op, rows))
+        else:
+            self._pool.submit(self._complete_later, future, layer_id, op, rows)
+        return future
+
+    def compute(self, layer_id: str, op: Op, rows: torch.Tensor) -> torch.Tensor:
+        """The reference: float32 math on the layer's weights, cast back to ``rows``' dtype."""
+        weight, bias = self.weights[layer_id]
+        x = rows.to(torch.float32)
+        if Op(op) is Op.BACKWARD:
+            y = x @ weight
+        else:
+            y = x @ weight.T
+            if Op(op) is Op.FORWARD and bias is not None:
+                y = y + bias
+        return y.to(rows.dtype)
+
+    def wait_for(self, predicate: Callable[[list[tuple[Any, ...]]], bool], timeout_s: float) -> bool:
+        """Wait until ``predicate(events)`` holds; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.events), timeout=timeout_s)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _complete_later(self, future: Future[torch.Tensor], layer_id: str, op: Op, rows: torch.Tensor) -> None:
+        if self._delay_s:
+            time.sleep(self._delay_s)
+        try:
+            future.set_result(self.compute(layer_id, op, rows))
+        except Exception as exc:  # noqa: BLE001
+            future.set_exception(exc)
+
+    def _record(self, *event: Any) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+
+def serve_in_process(addresses: list[str], seed: int, ready: Any, stop: Any) -> None:
+    """Spawn-process entry: serve a fake on ``addresses`` until ``stop`` is set (at most 120 s)."""
+    from symbiosis.transport.zmq import ZmqServer
+
+    service = FakeExecutorService(seed=seed, threaded=True)
+    servers = [ZmqServer(service, address).start() for address in addresses]
+    ready.put([server.address for server in servers])
+    stop.wait(120)
+    for server in servers:
+        server.close()
+    service.close()
+
+
+def call_and_wait(address: str, client_id: str, layer_id: str) -> None:
+    """Spawn-process entry: connect and make one call that the test's fake never completes."""
+    from symbiosis.transport.zmq import connect
+
+    transport = connect(address, client_id=client_id, timeout_s=120)
+    transport.call(layer_id, Op.FORWARD, torch.randn(4, 16), LatencyClass.PREFILL)

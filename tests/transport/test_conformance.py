@@ -1,0 +1,433 @@
+"""One conformance suite for every ZeroMQ-based transport: tcp, ipc, and shared memory (shm).
+
+Each test runs against a ``ZmqServer`` serving a ``FakeExecutorService`` (real torch math), in a
+thread of this process unless it says otherwise, and compares results with the fake's own math
+on the same weights: same kernels on the same bits, so results must be *equal*, not just close.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import zmq
+
+from symbiosis import protocol as P
+from symbiosis.errors import (
+    ExecutorTimeoutError,
+    ExecutorUnavailableError,
+    ModelMismatchError,
+    ProtocolError,
+    ShapeError,
+    UnknownLayerError,
+)
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.transport.base import Transport
+from symbiosis.transport.zmq import ZmqServer, ZmqTransport, connect
+
+from .fakes import FakeExecutorService, call_and_wait, serve_in_process
+
+KINDS = ["tcp", "ipc", "shm"]
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def bind_address(kind: str, sock_dir: str) -> str:
+    return "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/executor.sock"
+
+
+def client_address(kind: str, server_address: str) -> str:
+    return f"shm+{server_address}" if kind == "shm" else server_address
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="symb-", dir="/tmp")  # short: ipc paths are limited to ~100 chars
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeExecutorService]:
+    service = FakeExecutorService(threaded=True, hang_layers={"slow"})
+    yield service
+    service.close()
+
+
+@pytest.fixture
+def server(fake: FakeExecutorService, kind: str, sock_dir: str) -> Iterator[ZmqServer]:
+    srv = ZmqServer(fake, bind_address(kind, sock_dir)).start()
+    yield srv
+    srv.close(drain=False)
+
+
+@pytest.fixture
+def open_client(server: ZmqServer, kind: str) -> Iterator[Callable[..., ZmqTransport]]:
+    clients: list[ZmqTransport] = []
+
+    def _open(**kwargs: object) -> ZmqTransport:
+        transport = connect(client_address(kind, server.address), **kwargs)
+        clients.append(transport)
+        return transport
+
+    yield _open
+    for transport in clients:
+        transport.close()
+
+
+class RawPeer:
+    """A bare DEALER socket, for sending what no well-behaved client would."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self) -> tuple[P.Message, list[bytes]]:
+        """Next message that is not a heartbeat."""
+        while True:
+            assert self.sock.poll(5000), "server did not answer"
+            header, *payload = self.sock.recv_multipart()
+            msg = P.decode(header)
+            if not isinstance(msg, (P.Ping, P.Pong)):
+                return msg, payload
+
+    def hello(self) -> P.Welcome:
+        self.send(P.encode(P.Hello(P.PROTOCOL_VERSION, "raw-peer", 1)))
+        welcome, _ = self.recv()
+        assert isinstance(welcome, P.Welcome)
+        return welcome
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def request(rid: int, layer_id: str, shape: list[int], dtype: str = "float32", **kw: object) -> bytes:
+    return P.encode(P.Request(P.PROTOCOL_VERSION, "raw-peer", rid, layer_id, "forward", dtype, shape, "prefill", **kw))
+
+
+def input_width(fake: FakeExecutorService, layer_id: str, op: Op) -> int:
+    return op.input_width(fake.layer_specs()[layer_id])
+
+
+# ---- results ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", list(Op))
+def test_results_equal_direct_math(open_client, fake: FakeExecutorService, op: Op, dtype: torch.dtype) -> None:
+    transport = open_client()
+    assert isinstance(transport, Transport)
+    assert transport.fingerprint == fake.fingerprint
+    assert transport.layer_specs() == fake.layer_specs()
+    for layer_id in ("q", "o"):
+        for n in (0, 1, 37):
+            rows = torch.randn(n, input_width(fake, layer_id, op)).to(dtype)
+            before = rows.clone()
+            got = transport.call(layer_id, op, rows, LatencyClass.PREFILL)
+            expected = fake.compute(layer_id, op, rows)
+            assert got.dtype == dtype and got.shape == expected.shape
+            assert torch.equal(got, expected), (layer_id, n)
+            assert torch.equal(rows, before)  # the transport never writes into the caller's rows
+
+
+def test_non_contiguous_rows(open_client, fake: FakeExecutorService) -> None:
+    rows = torch.randn(16, 10).T  # [10, 16], not contiguous
+    got = open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE)
+    assert torch.equal(got, fake.compute("q", Op.FORWARD, rows.contiguous()))
+
+
+def test_64mb_round_trip(open_client, fake: FakeExecutorService) -> None:
+    rows = torch.randn(65536, 256)  # 64 MiB of float32, and 64 MiB back
+    got = open_client().call("wide", Op.FORWARD, rows, LatencyClass.PREFILL)
+    assert torch.equal(got, fake.compute("wide", Op.FORWARD, rows))
+
+
+def test_eight_clients_concurrently(open_client, fake: FakeExecutorService) -> None:
+    transports = [open_client() for _ in range(8)]
+    shared = open_client()  # and four threads sharing one transport
+    failures: list[str] = []
+
+    def work(index: int, transport: ZmqTransport) -> None:
+        generator = torch.Generator().manual_seed(index)
+        for step in range(15):
+            layer_id, op = [("q", Op.FORWARD), ("o", Op.BACKWARD), ("q", Op.NOISE), ("o", Op.FORWARD)][(index + step) % 4]
+            n = int(torch.randint(0, 50, (1,), generator=generator))
+            rows = torch.randn(n, input_width(fake, layer_id, op), generator=generator)
+            got = transport.call(layer_id, op, rows, LatencyClass.DECODE)
+            if not torch.equal(got, fake.compute(layer_id, op, rows)):
+                failures.append(f"client {index} step {step}")
+
+    threads = [threading.Thread(target=work, args=(i, t)) for i, t in enumerate(transports)]
+    threads += [threading.Thread(target=work, args=(100 + i, shared)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+    assert len([e for e in fake.events if e[0] == "submit"]) == 12 * 15
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def test_typed_errors_come_back(open_client, server: ZmqServer) -> None:
+    transport = open_client()
+    with pytest.raises(UnknownLayerError, match="nope"):
+        transport.call("nope", Op.FORWARD, torch.randn(2, 16), LatencyClass.PREFILL)
+    with pytest.raises(ShapeError):
+        transport.call("q", Op.FORWARD, torch.randn(2, 17), LatencyClass.PREFILL)
+    with pytest.raises(ShapeError):
+        transport.call("q", Op.BACKWARD, torch.randn(2, 16), LatencyClass.PREFILL)  # backward takes width out=24
+    with pytest.raises(ShapeError):
+        transport.call("q", Op.FORWARD, torch.randn(2, 2, 16), LatencyClass.PREFILL)
+    with pytest.raises(ProtocolError, match="float64"):
+        transport.call("q", Op.FORWARD, torch.randn(2, 16, dtype=torch.float64), LatencyClass.PREFILL)
+    assert server.stats()["q"]["errors"] == 4 and server.stats()["<invalid>"]["errors"] == 1
+    assert transport.call("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.PREFILL).shape == (2, 24)
+
+
+def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
+    open_client, server: ZmqServer, fake: FakeExecutorService, kind: str
+) -> None:
+    good = open_client()
+    stop = threading.Event()
+    good_results: list[bool] = []
+
+    def keep_calling() -> None:
+        while not stop.is_set():
+            rows = torch.randn(5, 16)
+            good_results.append(torch.equal(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)))
+
+    caller = threading.Thread(target=keep_calling)
+    caller.start()
+    raw = RawPeer(server.address)
+    try:
+        raw.send(request(7, "q", [1, 16], shm_name=None), bytes(64))  # before Hello: no session
+        reply, _ = raw.recv()
+        assert isinstance(reply, P.Reply) and (reply.request_id, reply.error_code) == (7, "unavailable")
+        welcome = raw.hello()
+        cases: list[tuple[list[bytes], int, tuple[str, ...]]] = [
+            ([b"\xc1 not msgpack at all"], 0, ("protocol",)),
+            ([pickle.dumps({"request_id": 3, "evil": os.system})], 0, ("protocol",)),
+            ([request(11, "q", [10**12, 16]), bytes(64)], 11, ("protocol", "shape")),  # huge shape, tiny payload
+            ([request(12, "q", [2, 16]), pickle.dumps(torch.randn(2, 16))], 12, ("shape",)),  # pickle as payload
+            ([request(13, "q", [2, 16])], 13, ("protocol",)),  # no payload frame
+            ([request(14, "q", [-1, 16]), b""], 14, ("shape",)),
+            ([request(15, "q", [2, 16], dtype="int64"), bytes(256)], 15, ("protocol",)),
+            ([request(16, "q", [2, 16], shm_name="symb_not_mine_x"), ], 16, ("protocol",)),
+            ([request(17, "q", [2, 16], shm_name=P.shm_prefix(welcome.session_token) + "missing")], 17, ("protocol",)),
+            ([request(18, "q", [2, 16], shm_name="../../etc/passwd")], 18, ("protocol",)),
+            ([P.encode(P.Welcome(1, 19, "x", [], P.Limits(), 1.0, "t", True))], 19, ("protocol",)),
+            ([b'{"request_id": 20}'], 0, ("protocol",)),
+        ]
+        for frames, rid, codes in cases:
+            raw.send(*frames)
+            reply, _ = raw.recv()
+            assert isinstance(reply, P.Reply) and not reply.ok, frames[0][:40]
+            assert reply.request_id == rid and reply.error_code in codes, (reply, frames[0][:40])
+        raw.send(request(21, "q", [2, 16]), torch.ones(2, 16).numpy().tobytes())  # still serves this peer
+        reply, payload = raw.recv()
+        assert reply.ok and reply.shape == [2, 24]
+        assert torch.equal(P.tensor_from_payload(bytearray(payload[0]), "float32", [2, 24]), fake.compute("q", Op.FORWARD, torch.ones(2, 16)))
+    finally:
+        raw.close()
+        time.sleep(0.2)
+        stop.set()
+        caller.join(timeout=30)
+    assert good_results and all(good_results)
+    assert server.stats()["<invalid>"]["errors"] >= 4
+
+
+def test_fingerprint_mismatch_at_connect(open_client, fake: FakeExecutorService) -> None:
+    with pytest.raises(ModelMismatchError, match="other-model"):
+        open_client(expected_fingerprint="other-model")
+    assert open_client(expected_fingerprint=fake.fingerprint).fingerprint == fake.fingerprint
+
+
+def test_no_executor_raises_unavailable(kind: str, sock_dir: str) -> None:
+    address = "tcp://127.0.0.1:1" if kind == "tcp" else f"ipc://{sock_dir}/nobody.sock"
+    start = time.monotonic()
+    with pytest.raises(ExecutorUnavailableError):
+        connect(client_address(kind, address), connect_timeout_s=0.5)
+    assert time.monotonic() - start < 3
+
+
+def test_timeout_raises_executor_timeout(open_client, fake: FakeExecutorService) -> None:
+    transport = open_client(timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(ExecutorTimeoutError):
+        transport.call("slow", Op.FORWARD, torch.randn(3, 16), LatencyClass.DECODE)
+    assert 0.4 < time.monotonic() - start < 3
+    rows = torch.randn(3, 16)  # the connection is still good
+    assert torch.equal(transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+
+
+# ---- lifecycle -------------------------------------------------------------------------------
+
+
+def test_reconnects_after_server_restart(open_client, server: ZmqServer, fake: FakeExecutorService) -> None:
+    transport = open_client(connect_timeout_s=5)
+    rows = torch.randn(4, 16)
+    assert torch.equal(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fake.compute("q", Op.FORWARD, rows))
+    server.close()
+    assert ("unregister", transport.client_id, 0) in fake.events
+    restarted = ZmqServer(fake, server.address).start()
+    try:
+        got = transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
+        assert torch.equal(got, fake.compute("q", Op.FORWARD, rows))
+        assert [e for e in fake.events if e[:2] == ("register", transport.client_id)] == [("register", transport.client_id)] * 2
+    finally:
+        transport.close()
+        restarted.close()
+
+
+def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
+    service = FakeExecutorService(threaded=True, delay_s=0.5)
+    server = ZmqServer(service, bind_address(kind, sock_dir)).start()
+    transport = connect(client_address(kind, server.address), connect_timeout_s=0.5, timeout_s=5)
+    rows = torch.randn(3, 16)
+    results: list[torch.Tensor] = []
+    caller = threading.Thread(target=lambda: results.append(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)))
+    caller.start()
+    assert service.wait_for(lambda events: any(e[0] == "submit" for e in events), 5)
+    server.close(drain=True)
+    caller.join(timeout=5)
+    assert len(results) == 1 and torch.equal(results[0], service.compute("q", Op.FORWARD, rows))
+    with pytest.raises(ExecutorUnavailableError):
+        transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
+    transport.close()
+    with pytest.raises(ExecutorUnavailableError):
+        transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
+    service.close()
+
+
+def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: FakeExecutorService, kind: str) -> None:
+    segments_before = set(glob.glob("/dev/shm/symb_*"))
+    client_id = f"doomed-{kind}"
+    child = SPAWN.Process(target=call_and_wait, args=(client_address(kind, server.address), client_id, "slow"), daemon=True)
+    child.start()
+    try:
+        assert fake.wait_for(lambda events: any(e[:3] == ("submit", client_id, "slow") for e in events), 60)
+        if kind == "shm":
+            assert set(glob.glob("/dev/shm/symb_*")) - segments_before  # the child's buffer exists
+        os.kill(child.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert fake.wait_for(lambda events: ("unregister", client_id, 1) in events, 5), fake.events[-5:]
+        assert time.monotonic() - killed_at < 5
+    finally:
+        child.kill()
+        child.join(timeout=10)
+    assert set(glob.glob("/dev/shm/symb_*")) - segments_before == set()  # its shared memory is freed
+    rows = torch.randn(6, 16)
+    assert torch.equal(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+
+
+def test_server_in_another_process(kind: str, sock_dir: str) -> None:
+    ready, stop = SPAWN.Queue(), SPAWN.Event()
+    child = SPAWN.Process(target=serve_in_process, args=([bind_address(kind, sock_dir)], 3, ready, stop), daemon=True)
+    child.start()
+    try:
+        (address,) = ready.get(timeout=60)
+        reference = FakeExecutorService(seed=3)
+        with connect(client_address(kind, address), expected_fingerprint=reference.fingerprint) as transport:
+            for op in Op:
+                for dtype in (torch.float32, torch.bfloat16):
+                    rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)
+                    assert torch.equal(transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows))
+            with pytest.raises(ShapeError):
+                transport.call("q", Op.FORWARD, torch.randn(2, 3), LatencyClass.PREFILL)
+    finally:
+        stop.set()
+        child.join(timeout=20)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+# ---- server configuration and protocol validation --------------------------------------------
+
+
+def test_non_loopback_bind_is_refused(fake: FakeExecutorService) -> None:
+    for address in ("tcp://0.0.0.0:0", "tcp://*:0", "tcp://10.1.2.3:0"):
+        with pytest.raises(ValueError, match="allow_non_loopback"):
+            ZmqServer(fake, address)
+    server = ZmqServer(fake, "tcp://0.0.0.0:0", allow_non_loopback=True).start()
+    server.close()
+
+
+def test_transport_refuses_unknown_scheme() -> None:
+    with pytest.raises(ValueError):
+        ZmqTransport("http://127.0.0.1:80")
+
+
+SPECS = {"q": LayerSpec("q", 16, 24, True)}
+LIMITS = P.Limits(max_payload_bytes=1 << 20)
+
+
+def header(**overrides: object) -> P.Request:
+    fields: dict[str, object] = dict(
+        version=P.PROTOCOL_VERSION, client_id="c", request_id=1, layer_id="q", op="forward",
+        dtype="float32", shape=[2, 16], latency_class="decode",
+    )
+    fields.update(overrides)
+    return P.Request(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nbytes", "error"),
+    [
+        ({}, 128, None),
+        ({"shape": [0, 16]}, 0, None),
+        ({"op": "backward", "shape": [2, 24]}, 192, None),
+        ({"dtype": "bfloat16"}, 64, None),
+        ({"version": 99}, 128, ProtocolError),
+        ({"op": "merge"}, 128, ProtocolError),
+        ({"latency_class": "urgent"}, 128, ProtocolError),
+        ({"layer_id": "k"}, 128, UnknownLayerError),
+        ({"dtype": "float64"}, 256, ProtocolError),
+        ({"shape": [32]}, 128, ShapeError),
+        ({"shape": [2, 8, 2]}, 128, ShapeError),
+        ({"shape": [-2, 16]}, 128, ShapeError),
+        ({"shape": [2, 17]}, 136, ShapeError),
+        ({"op": "backward"}, 128, ShapeError),
+        ({}, 127, ShapeError),
+        ({"shape": [2**62, 16]}, 128, ProtocolError),
+        ({"shape": [1 << 14, 16]}, 1 << 20, ProtocolError),  # result (width 24) over the cap
+    ],
+)
+def test_validate_request(overrides: dict[str, object], nbytes: int, error: type[Exception] | None) -> None:
+    if error is None:
+        assert P.validate_request(header(**overrides), nbytes, SPECS, LIMITS) == SPECS["q"]
+    else:
+        with pytest.raises(error):
+            P.validate_request(header(**overrides), nbytes, SPECS, LIMITS)
+
+
+def test_payload_round_trip_without_numpy_dtypes() -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        tensor = torch.randn(5, 7).to(dtype)
+        name = P.dtype_name(dtype)
+        back = P.tensor_from_payload(bytes(P.tensor_payload(tensor)), name, [5, 7])
+        assert back.dtype == dtype and torch.equal(back, tensor)
+    assert P.tensor_from_payload(b"", "bfloat16", [0, 3]).shape == (0, 3)
