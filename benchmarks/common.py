@@ -77,6 +77,7 @@ def resolve_common(args: argparse.Namespace) -> argparse.Namespace:
         args.cache = default_cache_dir()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    quiet_libraries()
     return args
 
 
@@ -233,6 +234,10 @@ class Panel:
     log_y: bool = False
 
 
+def _short_number(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def plot_panels(path: Path, title: str, panels: Sequence[Panel], *, columns: int = 2) -> Path:
     """Write a PNG with one subplot per panel (matplotlib, headless)."""
     import matplotlib
@@ -251,7 +256,7 @@ def plot_panels(path: Path, title: str, panels: Sequence[Panel], *, columns: int
                 values = [math.nan if v is None else v for v in panel.series[name]]
                 offsets = [p + (index - (len(names) - 1) / 2) * width for p in positions]
                 bars = axis.bar(offsets, values, width=width, label=name)
-                axis.bar_label(bars, fmt="%.3g", fontsize=7)
+                axis.bar_label(bars, fmt=_short_number, fontsize=7)
         elif panel.kind == "line":
             for name in names:
                 values = [math.nan if v is None else v for v in panel.series[name]]
@@ -274,6 +279,18 @@ def plot_panels(path: Path, title: str, panels: Sequence[Panel], *, columns: int
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def quiet_libraries() -> None:
+    """No progress bars or deprecation chatter from transformers/peft in benchmark output."""
+    import warnings
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def print_summary(summary: Mapping[str, Any]) -> None:

@@ -81,7 +81,8 @@ def make_split(task: Task, *, length: int = 3, alphabet: str = ALPHABET, n_held_
 def exact_match_accuracy(model, tokenizer, records: Sequence[Record], *, batch_size: int = 48) -> float:
     """Fraction of ``records`` whose greedy continuation starts with exactly the completion's tokens.
 
-    Generation is greedy for as many tokens as the expected answer has. Prompts are batched only
+    Generation is greedy for as many tokens as the expected answer has (an early end-of-sequence
+    counts as wrong). Prompts are batched only
     with prompts of the same token length, so no padding is involved and the figure is the same
     as one-by-one generation.
     """
@@ -104,7 +105,6 @@ def exact_match_accuracy(model, tokenizer, records: Sequence[Record], *, batch_s
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=width,
-                min_new_tokens=width,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
             )

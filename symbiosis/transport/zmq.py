@@ -424,6 +424,8 @@ class ZmqServer:
             return
         for key in [k for k in self._inflight if k[0] == identity]:
             del self._inflight[key]
+        if session.segments is not None:  # first, so the names are gone once the executor hears of it
+            session.segments.close()
         identities = self._identities_by_client.get(session.client_id, set())
         identities.discard(identity)
         if not identities:
@@ -432,8 +434,6 @@ class ZmqServer:
                 self._service.unregister_client(session.client_id)
             except Exception:  # noqa: BLE001
                 log.exception("unregister_client(%r) failed", session.client_id)
-        if session.segments is not None:
-            session.segments.close()
 
     def _shutdown(self) -> None:
         for entry in list(self._inflight.values()):
@@ -625,7 +625,10 @@ class ZmqTransport:
         rows_cpu = rows.detach().to("cpu").contiguous()
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, ExecutorUnavailableError) and not self._closed),
-            stop=lambda state: state.attempt_number >= 6 or time.monotonic() >= deadline,
+            # A restart window of connect_timeout_s, never past the call's own deadline.
+            stop=lambda state: state.attempt_number >= 6
+            or (state.seconds_since_start or 0.0) >= self.connect_timeout_s
+            or time.monotonic() >= deadline,
             wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
             reraise=True,
         )

@@ -343,26 +343,79 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     assert torch.equal(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
 
 
-def test_server_in_another_process(kind: str, sock_dir: str) -> None:
+@pytest.fixture(scope="module")
+def remote_server() -> Iterator[dict[str, str]]:
+    """One 'spawn' child process serving a fake (seed 3) on tcp and ipc, for the whole module."""
+    sock_dir = tempfile.mkdtemp(prefix="symb-", dir="/tmp")
     ready, stop = SPAWN.Queue(), SPAWN.Event()
-    child = SPAWN.Process(target=serve_in_process, args=([bind_address(kind, sock_dir)], 3, ready, stop), daemon=True)
+    addresses = [bind_address("tcp", sock_dir), bind_address("ipc", sock_dir)]
+    child = SPAWN.Process(target=serve_in_process, args=(addresses, 3, ready, stop), daemon=True)
     child.start()
     try:
-        (address,) = ready.get(timeout=60)
-        reference = FakeExecutorService(seed=3)
-        with connect(client_address(kind, address), expected_fingerprint=reference.fingerprint) as transport:
-            for op in Op:
-                for dtype in (torch.float32, torch.bfloat16):
-                    rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)
-                    assert torch.equal(transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows))
-            with pytest.raises(ShapeError):
-                transport.call("q", Op.FORWARD, torch.randn(2, 3), LatencyClass.PREFILL)
+        tcp, ipc = ready.get(timeout=60)
+        yield {"tcp": tcp, "ipc": ipc, "shm": ipc}
     finally:
         stop.set()
         child.join(timeout=20)
         if child.is_alive():
             child.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     assert child.exitcode == 0
+
+
+def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> None:
+    reference = FakeExecutorService(seed=3)
+    with connect(client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint) as transport:
+        for op in Op:
+            for dtype in (torch.float32, torch.bfloat16):
+                rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)
+                assert torch.equal(transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows))
+        rows = torch.randn(4096, 256)  # 4 MiB: large enough for the zero-copy paths
+        assert torch.equal(transport.call("wide", Op.FORWARD, rows, LatencyClass.PREFILL), reference.compute("wide", Op.FORWARD, rows))
+        with pytest.raises(ShapeError):
+            transport.call("q", Op.FORWARD, torch.randn(2, 3), LatencyClass.PREFILL)
+
+
+def test_reconnects_after_server_crash(sock_dir: str) -> None:
+    """kill -9 the server process (no Goodbye), start another at the same address: calls resume."""
+    address = bind_address("ipc", sock_dir)
+    reference = FakeExecutorService(seed=5)
+    rows = torch.randn(4, 16)
+    children = []
+    try:
+        for attempt in range(2):
+            ready, stop = SPAWN.Queue(), SPAWN.Event()
+            child = SPAWN.Process(target=serve_in_process, args=([address], 5, ready, stop), daemon=True)
+            child.start()
+            children.append(child)
+            ready.get(timeout=60)
+            if attempt == 0:
+                transport = connect(client_address("shm", address), connect_timeout_s=10, timeout_s=30)
+            got = transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
+            assert torch.equal(got, reference.compute("q", Op.FORWARD, rows))
+            if attempt == 0:
+                os.kill(child.pid, signal.SIGKILL)
+                child.join(timeout=10)
+        transport.close()
+    finally:
+        for child in children:
+            child.kill()
+            child.join(timeout=10)
+
+
+def test_silent_client_times_out(fake: FakeExecutorService, sock_dir: str) -> None:
+    """A peer that stops talking without disconnecting (hung host) is dropped after client_timeout_s."""
+    server = ZmqServer(fake, bind_address("ipc", sock_dir), client_timeout_s=1.0).start()
+    raw = RawPeer(server.address)
+    try:
+        raw.hello()
+        assert fake.wait_for(lambda events: ("register", "raw-peer") in events, 5)
+        started = time.monotonic()
+        assert fake.wait_for(lambda events: ("unregister", "raw-peer", 0) in events, 5)
+        assert 0.9 < time.monotonic() - started < 3
+    finally:
+        raw.close()
+        server.close()
 
 
 # ---- server configuration and protocol validation --------------------------------------------
@@ -428,6 +481,6 @@ def test_payload_round_trip_without_numpy_dtypes() -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         tensor = torch.randn(5, 7).to(dtype)
         name = P.dtype_name(dtype)
-        back = P.tensor_from_payload(bytes(P.tensor_payload(tensor)), name, [5, 7])
+        back = P.tensor_from_payload(bytearray(P.tensor_payload(tensor)), name, [5, 7])
         assert back.dtype == dtype and torch.equal(back, tensor)
     assert P.tensor_from_payload(b"", "bfloat16", [0, 3]).shape == (0, 3)
