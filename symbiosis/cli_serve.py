@@ -1,0 +1,65 @@
+"""``symbiosis serve``: run a base executor as a service until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
+
+_HELP = SchedulerConfig.help_texts()
+
+
+def serve(
+    model_dir: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
+    bind: Annotated[str, typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH. Loopback only unless --allow-non-loopback.")] = "tcp://127.0.0.1:7000",
+    device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16.")] = "float32",
+    policy: Annotated[str, typer.Option(help=_HELP["policy"] + f" One of {', '.join(POLICIES)}.")] = "opportunistic",
+    max_wait_ms: Annotated[float, typer.Option(help=_HELP["max_wait_ms"])] = SchedulerConfig.max_wait_ms,
+    row_budget: Annotated[int, typer.Option(help=_HELP["row_budget"])] = SchedulerConfig.row_budget,
+    lockstep_timeout_ms: Annotated[float, typer.Option(help=_HELP["lockstep_timeout_ms"])] = SchedulerConfig.lockstep_timeout_ms,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")] = None,
+    allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback (exposes the service to the network).")] = False,
+) -> None:
+    """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
+
+    SIGINT/SIGTERM stop accepting new requests, finish the ones in flight, and exit cleanly.
+    """
+    from symbiosis.executor.executor import BaseExecutor
+
+    executor = BaseExecutor.from_pretrained(
+        model_dir, device=device, dtype=dtype, policy=policy,
+        max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
+    )
+    server = executor.serve(bind, allow_non_loopback=allow_non_loopback)
+    metrics = None
+    if metrics_port is not None:
+        from symbiosis.executor.metrics import MetricsServer
+
+        metrics = MetricsServer(executor, metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    layers = len(executor.layer_specs())
+    typer.echo(
+        f"serving {layers} base layers of {model_dir} ({executor.weights.model_type}, "
+        f"{executor.weights.nbytes() / 2**20:.1f} MiB, {executor.dtype}, {executor.device}) "
+        f"at {server.address} with policy {policy}"
+        + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
+        err=False,
+    )
+    stop.wait()
+    typer.echo("draining in-flight requests and shutting down", err=True)
+    if metrics:
+        metrics.close()
+    executor.close(drain=True)
+    typer.echo("stopped", err=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,78 @@
+"""Prometheus ``/metrics`` and a ``/health`` endpoint for a running executor.
+
+A custom collector reads ``executor.stats()`` at scrape time, so the executor's hot path keeps
+plain counters and pays nothing for observability. Served by the standard library's HTTP
+server on a background thread; binds loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class ExecutorCollector:
+    """Turns ``executor.stats()`` into Prometheus metric families."""
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def collect(self):
+        stats = self.executor.stats()
+        requests = CounterMetricFamily("symbiosis_requests", "Requests served, per base layer", labels=["layer"])
+        rows = CounterMetricFamily("symbiosis_rows", "Rows (tokens) served, per base layer", labels=["layer"])
+        batches = CounterMetricFamily("symbiosis_batches", "Matrix products run, per base layer", labels=["layer"])
+        errors = CounterMetricFamily("symbiosis_errors", "Failed batches, per base layer", labels=["layer"])
+        rows_per_batch = GaugeMetricFamily("symbiosis_mean_rows_per_batch", "Mean rows per batch", labels=["layer"])
+        latency = GaugeMetricFamily("symbiosis_mean_latency_ms", "Mean time from submit to result (ms)", labels=["layer"])
+        for layer, counters in stats["layers"].items():
+            requests.add_metric([layer], counters["requests"])
+            rows.add_metric([layer], counters["rows"])
+            batches.add_metric([layer], counters["batches"])
+            errors.add_metric([layer], counters["errors"])
+            rows_per_batch.add_metric([layer], counters["mean_rows_per_batch"])
+            latency.add_metric([layer], counters["mean_latency_ms"])
+        yield from (requests, rows, batches, errors, rows_per_batch, latency)
+        yield GaugeMetricFamily("symbiosis_inflight_requests", "Requests not yet answered", value=stats["inflight_requests"])
+        yield GaugeMetricFamily("symbiosis_weights_bytes", "Bytes of base-layer weights held", value=stats["weights_bytes"])
+        yield GaugeMetricFamily("symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"])
+
+
+class MetricsServer:
+    """``GET /metrics`` (Prometheus text format) and ``GET /health`` (JSON) on ``host:port``."""
+
+    def __init__(self, executor, port: int, host: str = "127.0.0.1"):
+        registry = CollectorRegistry()
+        registry.register(ExecutorCollector(executor))
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                if self.path.startswith("/metrics"):
+                    body, ctype, status = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+                elif self.path.startswith("/health"):
+                    stats = executor.stats()
+                    payload = {"status": "ok", "inflight_requests": stats["inflight_requests"], "device": stats["device"]}
+                    body, ctype, status = json.dumps(payload).encode(), "application/json", 200
+                else:
+                    body, ctype, status = b"not found; try /metrics or /health\n", "text/plain", 404
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # scrapes are not news
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="symbiosis-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
