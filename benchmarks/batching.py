@@ -270,7 +270,8 @@ SCALARS = ("tokens_per_s", "latency_ms_mean", "latency_ms_median", "latency_ms_p
 
 def aggregate(runs: Sequence[dict]) -> dict:
     """Median over repeated runs of every scalar, and of every client's numbers."""
-    result = {key: common.median_or_nan([run[key] for run in runs]) if runs[0][key] is not None else None for key in SCALARS}
+    # None (not applicable, or nothing finished inside the window) is skipped; all None gives null.
+    result = {key: common.median_or_nan([run[key] for run in runs]) for key in SCALARS}
     per_client = []
     for index, first in enumerate(runs[0]["per_client"]):
         client = {k: first[k] for k in ("kind", "adapter", "batch_size")}

@@ -19,7 +19,8 @@ Next to them, ``gemm_floor``: the executor's products alone — every (layer, op
 split step made, recorded once and replayed back to back with ``symbiosis.executor.runner.apply_op``
 on random rows. ``gemm_share_of_split`` is ``gemm_floor / split`` (what fraction of a split step is
 base-layer math; the rest is client work plus the thread hand-off per layer), and
-``matmul_ceiling_gflops`` is plain ``torch.matmul`` on a 1024² product (the hardware ceiling).
+``matmul_ceiling_gflops`` is plain ``torch.matmul`` on a 1024² product (the hardware ceiling),
+timed interleaved with the steps so it sees the same background load.
 ``check`` holds both models' loss on the training batch before any step, to show that the two
 candidates do the same work.
 
@@ -27,7 +28,7 @@ JSON (``split_overhead.json`` in ``--output``) keys: ``benchmark, command, machi
 train_step, decode_step, check, matmul_ceiling_gflops, executor, wall_s``; ``train_step`` and
 ``decode_step`` each hold ``monolithic, split, gemm_floor`` (``median_ms, p95_ms, mean_ms, min_ms,
 n``), ``split_over_monolithic``, ``gemm_share_of_split``, ``executor_calls``, ``gemm_gflop``,
-``gemm_floor_gflops``. Plot: ``split_overhead.png``.
+``gemm_floor_gflops``, ``matmul_ceiling_gflops``. Plot: ``split_overhead.png``.
 
 Run: ``python -m benchmarks.split_overhead [--preset base] [--quick] --output DIR``.
 """
@@ -168,10 +169,13 @@ def compare(
     calls = record_calls(executor, split_step)
     monolithic_step()  # keep both candidates at the same step (same KV-cache length when decoding)
     replay, gflop = gemm_replay(executor, calls)
+    ceiling_probe, ceiling_gflop = common.square_matmul()
     samples = common.time_interleaved(
-        {"monolithic": monolithic_step, "split": split_step, "gemm_floor": replay}, warmup=warmup, repeats=repeats
+        {"monolithic": monolithic_step, "split": split_step, "gemm_floor": replay, "matmul_1024": ceiling_probe},
+        warmup=warmup,
+        repeats=repeats,
     )
-    result = {name: common.summarize(values) for name, values in samples.items()}
+    result = {name: common.summarize(values) for name, values in samples.items() if name != "matmul_1024"}
     split_ms, monolithic_ms, floor_ms = (result[k]["median_ms"] for k in ("split", "monolithic", "gemm_floor"))
     result["split_over_monolithic"] = common.ratio(split_ms, monolithic_ms)
     result["gemm_share_of_split"] = common.ratio(floor_ms, split_ms)
@@ -179,6 +183,8 @@ def compare(
     result["executor_rows"] = sum(c.rows for c in calls)
     result["gemm_gflop"] = gflop
     result["gemm_floor_gflops"] = common.ratio(gflop * 1e3, floor_ms)
+    # Ceiling under the same load: median of 1024² matmuls interleaved with the steps above.
+    result["matmul_ceiling_gflops"] = common.ratio(ceiling_gflop * 1e3, common.summarize(samples["matmul_1024"])["median_ms"])
     return result
 
 
@@ -242,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "train_step": train,
         "decode_step": decode,
         "check": check,
-        "matmul_ceiling_gflops": common.matmul_ceiling_gflops(),
+        "matmul_ceiling_gflops": max(train["matmul_ceiling_gflops"], decode["matmul_ceiling_gflops"]),
         "executor": {
             "mean_rows_per_batch": stats["scheduler"]["mean_batch_rows"],
             "batches": stats["scheduler"]["batches"],

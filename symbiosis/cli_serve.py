@@ -16,7 +16,7 @@ _HELP = SchedulerConfig.help_texts()
 
 def serve(
     model_dir: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
-    bind: Annotated[str, typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH. Loopback only unless --allow-non-loopback.")] = "tcp://127.0.0.1:7000",
+    bind: Annotated[list[str], typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients may connect with shm+ADDRESS to pass payloads through shared memory.")] = ["tcp://127.0.0.1:7000"],
     device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16.")] = "float32",
     policy: Annotated[str, typer.Option(help=_HELP["policy"] + f" One of {', '.join(POLICIES)}.")] = "opportunistic",
@@ -36,7 +36,7 @@ def serve(
         model_dir, device=device, dtype=dtype, policy=policy,
         max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
     )
-    server = executor.serve(bind, allow_non_loopback=allow_non_loopback)
+    servers = [executor.serve(address, allow_non_loopback=allow_non_loopback) for address in bind]
     metrics = None
     if metrics_port is not None:
         from symbiosis.executor.metrics import MetricsServer
@@ -49,7 +49,7 @@ def serve(
     typer.echo(
         f"serving {layers} base layers of {model_dir} ({executor.weights.model_type}, "
         f"{executor.weights.nbytes() / 2**20:.1f} MiB, {executor.dtype}, {executor.device}) "
-        f"at {server.address} with policy {policy}"
+        f"at {' and '.join(s.address for s in servers)} with policy {policy}"
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
         err=False,
     )

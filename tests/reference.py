@@ -69,6 +69,7 @@ def randomize_adapters(model: torch.nn.Module, seed: int = 0) -> dict[str, torch
 def make_pair(path, executor, method: str, arch: str):
     """(monolithic peft model, split peft model) with equal adapter weights, both in eval mode."""
     config = peft_config(method, arch)
+    torch.manual_seed(0)  # peft's own adapter init draws from the global generator
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), copy.deepcopy(config))

@@ -31,16 +31,16 @@ from symbiosis.transport.base import ExecutorService, Transport
 def connect(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None) -> Transport:
     """A transport to ``executor``: an executor object (in-process), an address, or a transport."""
     if isinstance(executor, str):
-        from symbiosis.transport.zmq import ZmqTransport
+        from symbiosis.transport.zmq import connect as connect_address
 
-        return ZmqTransport(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint)
+        return connect_address(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint)
     if isinstance(executor, ExecutorService):
         from symbiosis.transport.inproc import InProcTransport
 
         return InProcTransport(executor, client_id=client_id, timeout_s=timeout_s)
     if isinstance(executor, Transport):
         return executor
-    raise TypeError(f"executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', or a Transport; got {type(executor).__name__}")
+    raise TypeError(f"executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', 'ipc:///path' or 'shm+ipc:///path', or a Transport; got {type(executor).__name__}")
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:

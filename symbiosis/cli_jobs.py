@@ -1,0 +1,156 @@
+"""``symbiosis finetune``, ``generate`` and ``demo``: thin typer shells over ``symbiosis.jobs``.
+
+Help texts come from the option dataclasses' field metadata, so the library and the CLI describe
+each option the same way. Errors the user can cause are ``SymbiosisError``s, which ``cli.main``
+prints as one line (exit 2); ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from symbiosis.jobs.finetune import ClientOptions, TrainOptions
+from symbiosis.jobs.methods import METHODS, MethodOptions
+
+
+def _h(cls: type, name: str) -> str:
+    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata["help"]
+
+
+def _d(cls: type, name: str):
+    return {f.name: f for f in dataclasses.fields(cls)}[name].default
+
+
+_T = TrainOptions
+_M = MethodOptions
+_C = ClientOptions
+_METHOD_HELP = "PEFT method: " + ", ".join(f"{name} ({m.summary})" for name, m in METHODS.items()) + "."
+
+# Shared client flags.
+ExecutorOpt = Annotated[Optional[str], typer.Option("--executor", help=_h(_C, "executor"))]
+EmbeddedOpt = Annotated[bool, typer.Option("--embedded", help=_h(_C, "embedded"))]
+DeviceOpt = Annotated[str, typer.Option(help=_h(_C, "device"))]
+DtypeOpt = Annotated[str, typer.Option(help=_h(_C, "dtype"))]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help=_h(_C, "timeout_s"))]
+ConnectTimeoutOpt = Annotated[float, typer.Option("--connect-timeout", help=_h(_C, "connect_timeout_s"))]
+ModelOpt = Annotated[Path, typer.Option("--model", help="Checkpoint folder of the base model (config.json, *.safetensors, tokenizer).")]
+
+
+def finetune_command(
+    model: ModelOpt,
+    data: Annotated[Path, typer.Option(help="JSONL training data: {\"text\": …} per line, or {\"prompt\": …, \"completion\": …} (only the completion is trained on).")],
+    output: Annotated[Path, typer.Option(help="Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go to OUTPUT.run/.")],
+    executor: ExecutorOpt = None,
+    embedded: EmbeddedOpt = False,
+    method: Annotated[str, typer.Option(help=_METHOD_HELP)] = "lora",
+    rank: Annotated[int, typer.Option("--rank", "-r", help=_h(_M, "rank"))] = _d(_M, "rank"),
+    alpha: Annotated[float, typer.Option(help=_h(_M, "alpha"))] = _d(_M, "alpha"),
+    dropout: Annotated[float, typer.Option(help=_h(_M, "dropout"))] = _d(_M, "dropout"),
+    target_modules: Annotated[Optional[list[str]], typer.Option("--target-modules", help=_h(_M, "target_modules"))] = None,
+    num_virtual_tokens: Annotated[int, typer.Option(help=_h(_M, "num_virtual_tokens"))] = _d(_M, "num_virtual_tokens"),
+    peft_config: Annotated[Optional[Path], typer.Option(help="JSON object of extra keyword arguments for the method's peft config class (override the flags above).")] = None,
+    steps: Annotated[int, typer.Option(help=_h(_T, "steps"))] = _d(_T, "steps"),
+    epochs: Annotated[float, typer.Option(help=_h(_T, "epochs"))] = _d(_T, "epochs"),
+    lr: Annotated[float, typer.Option(help=_h(_T, "lr"))] = _d(_T, "lr"),
+    lr_schedule: Annotated[str, typer.Option(help=_h(_T, "lr_schedule"))] = _d(_T, "lr_schedule"),
+    warmup_steps: Annotated[int, typer.Option(help=_h(_T, "warmup_steps"))] = _d(_T, "warmup_steps"),
+    weight_decay: Annotated[float, typer.Option(help=_h(_T, "weight_decay"))] = _d(_T, "weight_decay"),
+    batch_size: Annotated[int, typer.Option(help=_h(_T, "batch_size"))] = _d(_T, "batch_size"),
+    grad_accum: Annotated[int, typer.Option(help=_h(_T, "grad_accum"))] = _d(_T, "grad_accum"),
+    seq_len: Annotated[int, typer.Option(help=_h(_T, "seq_len"))] = _d(_T, "seq_len"),
+    max_grad_norm: Annotated[float, typer.Option(help=_h(_T, "max_grad_norm"))] = _d(_T, "max_grad_norm"),
+    eval_fraction: Annotated[float, typer.Option(help=_h(_T, "eval_fraction"))] = _d(_T, "eval_fraction"),
+    eval_every: Annotated[int, typer.Option(help=_h(_T, "eval_every"))] = _d(_T, "eval_every"),
+    save_every: Annotated[int, typer.Option(help=_h(_T, "save_every"))] = _d(_T, "save_every"),
+    keep_checkpoints: Annotated[int, typer.Option(help=_h(_T, "keep_checkpoints"))] = _d(_T, "keep_checkpoints"),
+    seed: Annotated[int, typer.Option(help=_h(_T, "seed"))] = _d(_T, "seed"),
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in OUTPUT.run/ (same options); the loss curve continues exactly.")] = False,
+    device: DeviceOpt = _d(_C, "device"),
+    dtype: DtypeOpt = _d(_C, "dtype"),
+    timeout: TimeoutOpt = _d(_C, "timeout_s"),
+    connect_timeout: ConnectTimeoutOpt = _d(_C, "connect_timeout_s"),
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (stderr) with loss and tokens/s.")] = True,
+) -> None:
+    """Fine-tune a PEFT adapter on a split client of the base executor; writes a standard PEFT adapter folder."""
+    from symbiosis.jobs.finetune import FinetuneOptions, finetune
+
+    options = FinetuneOptions(
+        model=model,
+        data=data,
+        output=output,
+        client=ClientOptions(executor, embedded, device, dtype, timeout, connect_timeout),
+        method=method,
+        method_options=MethodOptions(rank, alpha, dropout, tuple(target_modules or ()), num_virtual_tokens),
+        peft_config=peft_config,
+        train=TrainOptions(
+            steps, epochs, lr, lr_schedule, warmup_steps, weight_decay, batch_size, grad_accum, seq_len,
+            max_grad_norm, eval_fraction, eval_every, save_every, keep_checkpoints, seed,
+        ),
+        resume=resume,
+        progress=progress,
+    )
+    from symbiosis.jobs.methods import get_method
+
+    get_method(method)  # an unknown method fails before any data is read or connection made
+    result = finetune(options)
+    first, last = (result.losses[0], result.losses[-1]) if result.losses else (float("nan"), float("nan"))
+    typer.echo(
+        f"saved {method} adapter ({result.trainable_parameters:,} trainable parameters) to {result.output}; "
+        f"{result.steps} steps, loss {first:.4f} -> {last:.4f}, {result.tokens_per_s:,.0f} tokens/s"
+    )
+
+
+def generate_command(
+    model: ModelOpt,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="Prompt text (repeat for several).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="File of prompts: one per line, or JSONL with 'prompt' (and optionally 'adapter').")] = None,
+    adapter: Annotated[Optional[list[Path]], typer.Option("--adapter", help="PEFT adapter folder (repeat to load several, each named after its folder); each prompt runs with each adapter.")] = None,
+    executor: ExecutorOpt = None,
+    embedded: EmbeddedOpt = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 means greedy decoding.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest token set with this total probability (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample only among the k most likely tokens (0: off).")] = 0,
+    seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
+    device: DeviceOpt = _d(_C, "device"),
+    dtype: DtypeOpt = _d(_C, "dtype"),
+    timeout: TimeoutOpt = _d(_C, "timeout_s"),
+    connect_timeout: ConnectTimeoutOpt = _d(_C, "connect_timeout_s"),
+) -> None:
+    """Generate from prompts on a split client, with zero or more adapters; tokens stream to stdout as they come."""
+    from symbiosis.jobs.generate import GenerateOptions, SamplingOptions, generate
+
+    options = GenerateOptions(
+        model=model,
+        client=ClientOptions(executor, embedded, device, dtype, timeout, connect_timeout),
+        prompts=list(prompt or ()),
+        prompts_file=prompts,
+        adapters=list(adapter or ()),
+        sampling=SamplingOptions(max_new_tokens, temperature, top_p, top_k, seed),
+    )
+    generate(options)
+
+
+def demo_command(
+    quick: Annotated[bool, typer.Option("--quick", help="A few steps on the tiny model (seconds; for tests).")] = False,
+    preset: Annotated[Optional[str], typer.Option(help="Model size: tiny or small (default: small, tiny with --quick).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Fine-tuning steps per client (default: per method, tuned to fit ~3 minutes).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Where the demo model is made once and reused (default: $SYMBIOSIS_CACHE/demo or ~/.cache/symbiosis/demo).")] = None,
+    output: Annotated[Path, typer.Option(help="Folder for the loss plot, results JSON and the trained adapters.")] = Path("symbiosis-demo"),
+    in_process: Annotated[bool, typer.Option("--in-process", help="Run the executor in this process instead of its own process (debugging).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the model, the tasks and training.")] = 0,
+) -> None:
+    """The main job: one executor process, four fine-tuning clients (LoRA, IA3, prefix, LoHa) on learnable tasks and two inference clients, at once."""
+    from symbiosis.jobs.demo import DemoOptions, run_demo
+
+    run_demo(DemoOptions(quick=quick, preset=preset, steps=steps, cache_dir=cache_dir, output=output, in_process=in_process, seed=seed))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("finetune")(finetune_command)
+    app.command("generate")(generate_command)
+    app.command("demo")(demo_command)

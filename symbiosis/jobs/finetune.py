@@ -1,0 +1,623 @@
+"""Fine-tuning job: a split client model + a PEFT adapter + a plain AdamW loop, resumable exactly.
+
+Why a plain loop and not ``transformers.Trainer``: the loop is ~100 lines, shows what runs where
+(the base layers' products in the executor, everything else here), and makes exact resumption
+easy to state. A split model also trains under ``Trainer`` unchanged (see the tests); nothing
+here depends on the loop being ours.
+
+Exact resume: a checkpoint holds the adapter, the optimizer, the LR scheduler, the RNG states,
+the data position (epoch, index) and the log so far, written at a step boundary. A resumed run
+restores all of them and so computes the same batches with the same dropout masks and the same
+optimizer moments: its loss curve equals the uninterrupted one.
+
+Output: ``--output DIR`` becomes a standard PEFT adapter folder (``adapter_config.json`` +
+``adapter_model.safetensors``, plus ``log.jsonl`` and ``loss.png``), written into a temporary
+sibling folder and renamed into place, so a failed save (a full disk) never leaves a folder that
+looks complete. Checkpoints, the live log and plot go to ``DIR.run/`` next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from symbiosis.errors import CheckpointError, SymbiosisError
+from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
+from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
+
+Schedule = Literal["constant", "linear", "cosine"]
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+TRAINER_STATE = "trainer_state.pt"
+
+
+class JobError(SymbiosisError):
+    """A fine-tuning or inference job cannot run as asked (options, resume state, saving)."""
+
+    code = "job"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class TrainOptions:
+    """How to train; each field's ``metadata["help"]`` is the CLI help text."""
+
+    steps: int = field(default=0, metadata=_help("Optimizer steps to run; 0: derive from --epochs."))
+    epochs: float = field(default=1.0, metadata=_help("Passes over the training split (used when --steps is 0)."))
+    lr: float = field(default=1e-3, metadata=_help("Peak learning rate of AdamW."))
+    lr_schedule: str = field(default="cosine", metadata=_help("Learning-rate schedule after warmup: constant, linear or cosine (decay to 0)."))
+    warmup_steps: int = field(default=0, metadata=_help("Steps of linear warmup from 0 to --lr."))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
+    batch_size: int = field(default=8, metadata=_help("Examples per micro-batch."))
+    grad_accum: int = field(default=1, metadata=_help("Micro-batches accumulated per optimizer step."))
+    seq_len: int = field(default=512, metadata=_help("Longest example in tokens; longer ones are cut."))
+    max_grad_norm: float = field(default=1.0, metadata=_help("Clip the adapter gradient norm to this (0: no clipping)."))
+    eval_fraction: float = field(default=0.0, metadata=_help("Fraction of the data held out for evaluation (0: none)."))
+    eval_every: int = field(default=0, metadata=_help("Evaluate the held-out loss every N steps (0: only at the end, if there is an eval split)."))
+    save_every: int = field(default=0, metadata=_help("Write a resumable checkpoint every N steps (0: never)."))
+    keep_checkpoints: int = field(default=2, metadata=_help("How many of the newest checkpoints to keep."))
+    seed: int = field(default=0, metadata=_help("Seed of adapter init, data order and dropout."))
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.lr_schedule not in SCHEDULES:
+            problems.append(f"lr schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        for name in ("batch_size", "grad_accum", "seq_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        for name in ("steps", "warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
+        if self.steps == 0 and self.epochs <= 0:
+            problems.append("give --steps N or a positive --epochs")
+        if problems:
+            raise JobError("; ".join(problems))
+
+
+# Options that must be equal for a checkpoint to be resumed exactly.
+_RESUME_KEYS = ("steps", "epochs", "lr", "lr_schedule", "warmup_steps", "weight_decay", "batch_size", "grad_accum", "seq_len", "seed")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step reports (to the progress bar, the log, and callers such as the demo)."""
+
+    step: int
+    total_steps: int
+    loss: float
+    lr: float
+    tokens: int
+    tokens_per_s: float
+    elapsed_s: float
+    eval_loss: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
+class FinetuneResult:
+    steps: int
+    losses: list[float]
+    eval_losses: list[tuple[int, float]]
+    tokens_per_s: float
+    trainable_parameters: int
+    output: Path | None
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak LR at step ``s`` (0-based): linear warmup, then the schedule."""
+
+    def factor(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = (s - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(1.0, progress)
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+class FinetuneRun:
+    """One training run of a PEFT model on tokenized examples, with checkpoints and a log."""
+
+    def __init__(
+        self,
+        peft_model,
+        train_set: list[TokenizedExample],
+        eval_set: list[TokenizedExample],
+        options: TrainOptions,
+        *,
+        pad_token_id: int,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.model = peft_model
+        self.train_set = train_set
+        self.eval_set = eval_set
+        self.options = options
+        self.pad_token_id = pad_token_id
+        self.run_dir = run_dir
+        self.order = BatchOrder(len(train_set), options.batch_size, options.seed)
+        self.total_steps = options.steps or max(1, math.ceil(options.epochs * self.order.steps_per_epoch(options.grad_accum)))
+        self.params = trainable_parameters(peft_model)
+        if not self.params:
+            raise JobError("the model has no trainable parameters (was a PEFT adapter applied?)")
+        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=options.lr, weight_decay=options.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(options.lr_schedule, options.warmup_steps, self.total_steps)
+        )
+        self.step = 0
+        self.tokens = 0
+        self.log: list[dict[str, Any]] = []
+        # AdaLoRA reallocates ranks from the gradients after each step (peft's documented loop).
+        self._update_and_allocate = getattr(getattr(peft_model, "base_model", None), "update_and_allocate", None)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def train(self, on_step: Callable[[StepRecord], None] | None = None) -> FinetuneResult:
+        """Run from ``self.step`` to ``total_steps``; ``on_step`` sees every step (may raise to stop)."""
+        self.model.train()
+        started = time.perf_counter()
+        tokens_at_start = self.tokens
+        while self.step < self.total_steps:
+            loss, tokens = self._one_step()
+            self.step += 1
+            self.tokens += tokens
+            elapsed = time.perf_counter() - started
+            eval_loss = self._maybe_eval()
+            record = StepRecord(
+                step=self.step,
+                total_steps=self.total_steps,
+                loss=loss,
+                lr=self.scheduler.get_last_lr()[0],
+                tokens=self.tokens,
+                tokens_per_s=(self.tokens - tokens_at_start) / max(elapsed, 1e-9),
+                elapsed_s=elapsed,
+                eval_loss=eval_loss,
+            )
+            self.log.append(record.as_dict())
+            self._append_log(record)
+            if self.options.save_every and self.step % self.options.save_every == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+            if on_step is not None:
+                on_step(record)
+        self.model.eval()
+        elapsed = time.perf_counter() - started
+        return FinetuneResult(
+            steps=self.step,
+            losses=[r["loss"] for r in self.log],
+            eval_losses=[(r["step"], r["eval_loss"]) for r in self.log if "eval_loss" in r],
+            tokens_per_s=(self.tokens - tokens_at_start) / max(elapsed, 1e-9),
+            trainable_parameters=sum(p.numel() for _, p in self.params),
+            output=None,
+        )
+
+    def _one_step(self) -> tuple[float, int]:
+        accum = self.options.grad_accum
+        total_loss = 0.0
+        tokens = 0
+        for _ in range(accum):
+            batch = collate([self.train_set[i] for i in self.order.next_indices()], self.pad_token_id)
+            loss = self.model(**batch).loss / accum
+            loss.backward()
+            total_loss += loss.item()
+            tokens += int(batch["attention_mask"].sum())
+        if self.options.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], self.options.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        if self._update_and_allocate is not None:
+            self._update_and_allocate(self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss, tokens
+
+    def _maybe_eval(self) -> float | None:
+        if not self.eval_set:
+            return None
+        every = self.options.eval_every
+        if not ((every and self.step % every == 0) or self.step == self.total_steps):
+            return None
+        return self.evaluate()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over the eval split (token-weighted across batches)."""
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        for start in range(0, len(self.eval_set), self.options.batch_size):
+            batch = collate(self.eval_set[start : start + self.options.batch_size], self.pad_token_id)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += self.model(**batch).loss.item() * n
+            count += n
+        self.model.train(was_training)
+        return total / max(count, 1)
+
+    # ---- log and checkpoints -------------------------------------------------------------------
+
+    def _append_log(self, record: StepRecord) -> None:
+        if self.run_dir is None:
+            return
+        with open(self.run_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(record.as_dict()) + "\n")
+
+    def _checkpoints(self) -> list[Path]:
+        folder = self.run_dir / "checkpoints" if self.run_dir else None
+        if folder is None or not folder.is_dir():
+            return []
+        done = [p for p in folder.glob("step-*") if (p / TRAINER_STATE).is_file()]
+        return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+    def save_checkpoint(self) -> Path:
+        """Adapter + optimizer + scheduler + RNG + data position + log, as one atomic folder."""
+        assert self.run_dir is not None, "checkpoints need a run folder"
+        folder = self.run_dir / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "options": {k: getattr(self.options, k) for k in _RESUME_KEYS},
+            "trainable": {name: p.detach().clone() for name, p in self.params},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "order": self.order.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "python": random.getstate(),
+            },
+            "log": list(self.log),
+        }
+        final = folder / f"step-{self.step:07d}"
+        write_atomically(final, lambda tmp: (self.model.save_pretrained(tmp), torch.save(state, tmp / TRAINER_STATE)))
+        for old in self._checkpoints()[: -max(1, self.options.keep_checkpoints)]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def resume(self) -> int:
+        """Load the newest checkpoint in the run folder; returns its step."""
+        found = self._checkpoints()
+        if not found:
+            raise JobError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints' if self.run_dir else '(no run folder)'}")
+        state = torch.load(found[-1] / TRAINER_STATE, weights_only=False)
+        mine = {k: getattr(self.options, k) for k in _RESUME_KEYS}
+        changed = {k: (state["options"][k], mine[k]) for k in _RESUME_KEYS if state["options"].get(k) != mine[k]}
+        if changed:
+            raise JobError(f"--resume: options differ from the checkpoint's (was, now): {changed}")
+        params = dict(self.params)
+        missing = set(params) ^ set(state["trainable"])
+        if missing:
+            raise JobError(f"--resume: the checkpoint's adapter does not match this method/options ({sorted(missing)[:3]})")
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.order.load_state_dict(state["order"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        random.setstate(state["rng"]["python"])
+        self.step, self.tokens, self.log = state["step"], state["tokens"], list(state["log"])
+        if self.run_dir is not None:  # the log restarts from the checkpoint: later lines are redone
+            (self.run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.log))
+        return self.step
+
+
+# ---- saving -------------------------------------------------------------------------------------
+
+
+def write_atomically(final: Path, write: Callable[[Path], Any]) -> Path:
+    """Call ``write(tmp)`` on a fresh sibling folder of ``final``, then rename it to ``final``.
+
+    On any failure the temporary folder is removed and ``final`` is left as it was, so a folder
+    at ``final`` is always complete. An existing ``final`` is replaced only after the new one is
+    fully written.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)
+        if final.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, trash / final.name)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise JobError(f"could not write {str(final)!r}: {exc.strerror or exc}; nothing was left there") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_adapter(peft_model, output: Path, extra_files: tuple[Path, ...] = ()) -> Path:
+    """Write ``peft_model``'s adapter as a standard PEFT folder at ``output``, atomically."""
+    output = Path(output)
+    if output.is_dir() and any(output.iterdir()) and not (output / "adapter_config.json").is_file():
+        raise JobError(f"--output {str(output)!r} is a non-empty folder that is not an adapter; refusing to overwrite it")
+
+    def write(tmp: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model.save_pretrained(tmp)
+        for path in extra_files:
+            if path.is_file():
+                shutil.copy2(path, tmp / path.name)
+
+    return write_atomically(output, write)
+
+
+def save_loss_plot(curves: dict[str, list[tuple[int, float]]], path: Path, title: str = "training loss") -> Path:
+    """One line per curve (step, loss) into a PNG; matplotlib's Agg backend, no display needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for label, points in curves.items():
+        if points:
+            ax.plot([s for s, _ in points], [v for _, v in points], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(curves) > 1 or any(label for label in curves):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---- connecting ---------------------------------------------------------------------------------
+
+
+def require_model_dir(model: Path) -> Path:
+    model = Path(model)
+    if not model.is_dir():
+        raise CheckpointError(f"model folder {str(model)!r} does not exist")
+    if not (model / "config.json").is_file():
+        raise CheckpointError(f"model folder {str(model)!r} has no config.json (not a transformers checkpoint)")
+    return model
+
+
+@dataclass
+class ClientOptions:
+    """Where the base layers are served; each field's ``metadata["help"]`` is the CLI help text."""
+
+    executor: str | None = field(default=None, metadata=_help("Address of a running executor (tcp://HOST:PORT or ipc:///PATH; shm+ipc://… for shared memory)."))
+    embedded: bool = field(default=False, metadata=_help("Start an executor in this process instead of connecting to one."))
+    device: str = field(default="cpu", metadata=_help("Device of the client (and of an embedded executor): cpu, cuda, cuda:N."))
+    dtype: str = field(default="float32", metadata=_help("Client dtype (and embedded executor dtype): float32, bfloat16, float16."))
+    timeout_s: float = field(default=60.0, metadata=_help("Seconds one executor call may take before failing."))
+    connect_timeout_s: float = field(default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting."))
+
+    def __post_init__(self) -> None:
+        if (self.executor is None) == (not self.embedded):
+            raise JobError("give exactly one of --executor ADDRESS or --embedded")
+
+
+class ExecutorTarget:
+    """Where client models get their base layers: an embedded executor or a remote address.
+
+    ``client()`` makes one more split client model (each with its own connection); ``close()``
+    disconnects them all and stops an embedded executor.
+    """
+
+    def __init__(self, model_dir: Path, options: ClientOptions) -> None:
+        import symbiosis
+
+        self.model_dir = require_model_dir(model_dir)
+        self.options = options
+        self.executor = None
+        self._models: list = []
+        if options.embedded:
+            self.executor = symbiosis.BaseExecutor.from_pretrained(self.model_dir, device=options.device, dtype=options.dtype)
+
+    def client(self, client_id: str | None = None):
+        import symbiosis
+
+        options = self.options
+        if self.executor is not None:
+            target: Any = self.executor
+        else:
+            from symbiosis.transport.zmq import connect
+
+            target = connect(options.executor, client_id=client_id, timeout_s=options.timeout_s, connect_timeout_s=options.connect_timeout_s)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = symbiosis.load_client_model(
+                    self.model_dir, executor=target, device=options.device, dtype=options.dtype, client_id=client_id, timeout_s=options.timeout_s
+                )
+        except BaseException:
+            if self.executor is None:
+                target.close()
+            raise
+        self._models.append(model)
+        return model
+
+    def close(self) -> None:
+        for model in self._models:
+            model.symbiosis_transport.close()
+        self._models.clear()
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+
+    def __enter__(self) -> "ExecutorTarget":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SplitClient:
+    """One split client model plus what must be closed with it (connection, embedded executor)."""
+
+    def __init__(self, model_dir: Path, options: ClientOptions, client_id: str | None = None) -> None:
+        self.target = ExecutorTarget(model_dir, options)
+        try:
+            self.model = self.target.client(client_id)
+        except BaseException:
+            self.target.close()
+            raise
+
+    def close(self) -> None:
+        self.target.close()
+
+    def __enter__(self) -> "SplitClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load the tokenizer of {str(model_dir)!r}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# ---- the job ------------------------------------------------------------------------------------
+
+
+@dataclass
+class FinetuneOptions:
+    """Everything ``symbiosis finetune`` needs; the CLI builds it from flags."""
+
+    model: Path
+    data: Path
+    output: Path
+    client: ClientOptions
+    method: str = "lora"
+    method_options: MethodOptions = field(default_factory=MethodOptions)
+    peft_config: Path | None = None
+    train: TrainOptions = field(default_factory=TrainOptions)
+    resume: bool = False
+    progress: bool = True
+
+    @property
+    def run_dir(self) -> Path:
+        """Checkpoints, live log and plot: ``OUTPUT.run`` next to the output folder."""
+        return self.output.parent / f"{self.output.name}.run"
+
+
+def _progress_printer(total: int, label: str) -> tuple[Callable[[StepRecord], None], Callable[[], None]]:
+    """A rich progress bar on stderr showing step, loss and tokens/s; returns (update, stop)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+    task = progress.add_task(label, total=total, loss="-", tps="-")
+    progress.start()
+
+    def update(record: StepRecord) -> None:
+        progress.update(task, completed=record.step, loss=f"{record.loss:.4f}", tps=f"{record.tokens_per_s:,.0f}")
+
+    return update, progress.stop
+
+
+def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | None = None) -> FinetuneResult:
+    """Train a PEFT adapter on a split client of the executor and save it as a PEFT folder."""
+    records = read_jsonl(options.data)  # bad data fails before any connection is made
+    tokenizer = load_tokenizer(require_model_dir(options.model))
+    train_records, eval_records = split_eval(records, options.train.eval_fraction, options.train.seed)
+    train_set = tokenize_all(tokenizer, train_records, options.train.seq_len, str(options.data))
+    eval_set = tokenize_all(tokenizer, eval_records, options.train.seq_len, str(options.data)) if eval_records else []
+    overrides = read_peft_config_file(options.peft_config) if options.peft_config else None
+
+    with SplitClient(options.model, options.client) as client:
+        import peft
+
+        torch.manual_seed(options.train.seed)
+        order = BatchOrder(len(train_set), options.train.batch_size, options.train.seed)
+        total = options.train.steps or max(1, math.ceil(options.train.epochs * order.steps_per_epoch(options.train.grad_accum)))
+        method_options = dataclasses.replace(options.method_options, total_steps=total)
+        config = build_peft_config(options.method, client.model, method_options, overrides)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = peft.get_peft_model(client.model, config)
+        run_dir = options.run_dir
+        if not options.resume and run_dir.exists():
+            shutil.rmtree(run_dir)  # a fresh run: stale checkpoints must not be resumed later
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = FinetuneRun(peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir)
+        if options.resume:
+            run.resume()
+        update, stop = _progress_printer(run.total_steps, f"{options.method}") if options.progress else (None, lambda: None)
+        if update is not None:
+            update_start = run.step
+            update(StepRecord(update_start, run.total_steps, float("nan"), 0.0, run.tokens, 0.0, 0.0))
+
+        def report(record: StepRecord) -> None:
+            if update is not None:
+                update(record)
+            if on_step is not None:
+                on_step(record)
+
+        try:
+            result = run.train(report)
+        finally:
+            stop()
+        points = [(r["step"], r["loss"]) for r in run.log]
+        evals = [(r["step"], r["eval_loss"]) for r in run.log if "eval_loss" in r]
+        save_loss_plot({"train": points, **({"eval": evals} if evals else {})}, run_dir / "loss.png", f"{options.method} on {options.data.name}")
+        (run_dir / "training_options.json").write_text(json.dumps(_jsonable(options), indent=2) + "\n")
+        extra = (run_dir / "log.jsonl", run_dir / "loss.png", run_dir / "training_options.json")
+        result.output = save_adapter(peft_model, options.output, extra)
+        result.losses = [r["loss"] for r in run.log]
+        return result
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,0 +1,240 @@
+"""Inference job: a split client model with zero or more PEFT adapters, streaming tokens as they come.
+
+Adapters are loaded with plain peft (``PeftModel.from_pretrained`` for the first, ``load_adapter``
+for the others, each named after its folder) and chosen per prompt with ``set_adapter``; the
+split model makes no difference to that code. peft cannot hold adapters of different types
+(LoRA and IA3) in one model, so each type gets its own client model: clients are cheap here,
+since they share the executor's base weights. Tokens are decoded incrementally and written as
+soon as they form complete characters, like ``transformers.TextStreamer`` but without waiting for
+a whole word (task outputs such as "CBA" have no spaces).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from symbiosis.errors import CheckpointError
+from symbiosis.jobs.data import DataError
+from symbiosis.jobs.finetune import ClientOptions, ExecutorTarget, JobError, load_tokenizer
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Decoding parameters; ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise JobError("need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+
+    def generate_kwargs(self) -> dict:
+        if self.temperature == 0:
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k or None,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    prompt: str
+    adapter: str | None = None  # None: every loaded adapter (or the base model if none)
+
+
+@dataclass
+class GenerateOptions:
+    model: Path
+    client: ClientOptions
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: Path | None = None
+    adapters: list[Path] = field(default_factory=list)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt: str
+    adapter: str | None
+    text: str
+    new_tokens: int
+
+
+class TextWriterStreamer(BaseStreamer):
+    """Writes decoded text to ``write`` as tokens arrive (batch size 1), skipping the prompt.
+
+    Decodes the whole generated sequence each time and emits only the new suffix, holding back a
+    trailing incomplete character (U+FFFD) until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, write: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.write = write
+        self._prompt_pending = True
+        self._tokens: list[int] = []
+        self._emitted = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.dim() > 1 and value.shape[0] > 1:
+            raise ValueError("TextWriterStreamer supports batch size 1 only")
+        if self._prompt_pending:  # generate() first puts the prompt
+            self._prompt_pending = False
+            return
+        self._tokens.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self._emitted:
+            self.write(text[self._emitted :])
+            self._emitted = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if len(text) > self._emitted:
+            self.write(text[self._emitted :])
+        self._emitted = len(text)
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self._tokens, skip_special_tokens=True)
+
+
+def read_prompts(path: Path) -> list[PromptJob]:
+    """Plain lines, or JSONL objects with ``prompt`` (and optional ``adapter``)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise DataError(f"cannot read prompts file {str(path)!r}: {exc.strerror or exc}") from None
+    jobs = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{path}:{number}: not valid JSON ({exc})") from None
+            if not isinstance(value.get("prompt"), str):
+                raise DataError(f"{path}:{number}: expected a 'prompt' string")
+            jobs.append(PromptJob(value["prompt"], value.get("adapter")))
+        else:
+            jobs.append(PromptJob(line))
+    return jobs
+
+
+def adapter_names(folders: list[Path]) -> list[str]:
+    """A unique name per adapter folder: its folder name, suffixed if two folders share it."""
+    names: list[str] = []
+    for folder in folders:
+        base = Path(folder).name or "adapter"
+        name, n = base, 2
+        while name in names:
+            name, n = f"{base}_{n}", n + 1
+        names.append(name)
+    return names
+
+
+def adapter_type(folder: Path) -> str:
+    config = Path(folder) / "adapter_config.json"
+    try:
+        return str(json.loads(config.read_text()).get("peft_type", "?"))
+    except OSError:
+        raise CheckpointError(f"adapter folder {str(folder)!r} has no adapter_config.json") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{config} is not valid JSON: {exc}") from None
+
+
+def attach_adapters(model, folders: list[Path], names: list[str]):
+    """``model`` with the adapters in ``folders`` (all of one peft type) loaded as ``names``."""
+    if not folders:
+        return model
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = PeftModel.from_pretrained(model, str(folders[0]), adapter_name=names[0])
+        for folder, name in zip(folders[1:], names[1:]):
+            peft_model.load_adapter(str(folder), adapter_name=name)
+    peft_model.eval()
+    return peft_model
+
+
+@torch.no_grad()
+def generate_one(model, tokenizer, prompt: str, sampling: SamplingOptions, write: Callable[[str], None] | None = None) -> Completion:
+    """Generate a continuation of ``prompt``, streaming it to ``write`` token by token."""
+    input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if input_ids.shape[1] == 0:
+        input_ids = torch.tensor([[tokenizer.bos_token_id or tokenizer.eos_token_id]])
+    device = next(model.parameters()).device
+    streamer = TextWriterStreamer(tokenizer, write or (lambda s: None))
+    torch.manual_seed(sampling.seed)
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=torch.ones_like(input_ids).to(device),
+        pad_token_id=tokenizer.pad_token_id,
+        streamer=streamer,
+        **sampling.generate_kwargs(),
+    )
+    new_tokens = output.shape[1] - input_ids.shape[1]
+    return Completion(prompt, None, streamer.text, new_tokens)
+
+
+def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Completion]:
+    """Run every prompt with every chosen adapter, streaming to ``out`` (stdout by default)."""
+    out = out or sys.stdout
+    jobs = [PromptJob(p) for p in options.prompts]
+    if options.prompts_file is not None:
+        jobs += read_prompts(options.prompts_file)
+    if not jobs:
+        raise JobError("give --prompt TEXT or --prompts FILE")
+    tokenizer = load_tokenizer(options.model)
+    names = adapter_names(options.adapters)
+    for folder in options.adapters:
+        adapter_type(folder)  # a bad adapter folder fails before connecting
+    for job in jobs:
+        if job.adapter is not None and job.adapter not in names:
+            raise JobError(f"prompt names adapter {job.adapter!r}, but the loaded adapters are {names}")
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    completions = []
+    with ExecutorTarget(options.model, options.client) as target:
+        model_of: dict[str | None, object] = {}
+        groups: dict[str, list[int]] = {}
+        for i, folder in enumerate(options.adapters):
+            groups.setdefault(adapter_type(folder), []).append(i)
+        for indices in groups.values():
+            model = attach_adapters(target.client(), [options.adapters[i] for i in indices], [names[i] for i in indices])
+            model_of.update({names[i]: model for i in indices})
+        if not names:
+            model_of[None] = target.client()
+        for job in jobs:
+            for name in [job.adapter] if job.adapter else (names or [None]):
+                model = model_of[name]
+                if name is not None:
+                    model.set_adapter(name)
+                header = f"[{name}] " if len(names) > 1 else ""
+                write(f"{header}{job.prompt}")
+                completion = generate_one(model, tokenizer, job.prompt, options.sampling, write)
+                write("\n")
+                completions.append(Completion(job.prompt, name, completion.text, completion.new_tokens))
+    return completions

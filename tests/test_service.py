@@ -1,0 +1,107 @@
+"""The executor as a service: an executor process, client processes, every ZeroMQ transport.
+Each remote client matches its monolithic reference; a restarted executor is invisible to a
+training run."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import symbiosis
+from tests.reference import close_client, make_pair
+from tests.service_helpers import compare_client, start_executor, stop
+
+
+def _address(kind: str, tmp_path) -> str:
+    if kind == "tcp":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return f"tcp://127.0.0.1:{port}"
+    if kind == "ipc":
+        return f"ipc://{tmp_path}/executor.sock"
+    return f"shm+ipc://{tmp_path}/executor.sock"
+
+
+def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path):
+    """One executor process listening on tcp and ipc; three client processes, one per transport."""
+    path = tiny_checkpoint("qwen2")
+    tcp, ipc = _address("tcp", tmp_path), _address("ipc", tmp_path)
+    executor = start_executor(path, tcp, "--bind", ipc)
+    clients_by_method = {"lora": tcp, "ia3": ipc, "prefix": f"shm+{ipc}"}
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        clients = [
+            ctx.Process(target=compare_client, args=(str(path), address, method, "qwen2", results))
+            for method, address in clients_by_method.items()
+        ]
+        for c in clients:
+            c.start()
+        outcomes = [results.get(timeout=180) for _ in clients]
+        for c in clients:
+            c.join(timeout=30)
+    finally:
+        stop(executor)
+    assert {o[0] for o in outcomes} == set(clients_by_method)
+    for method, ok, error in outcomes:
+        assert ok and isinstance(error, float) and error < 1e-4, (method, clients_by_method[method], error)
+
+
+def _train(model, steps, on_step=None):
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    g = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        ids = torch.randint(3, 300, (2, 8), generator=g)
+        if on_step:
+            on_step(step)
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    with symbiosis.BaseExecutor.from_pretrained(path) as local:
+        _, uninterrupted_model = make_pair(path, local, "lora", "llama")
+        uninterrupted = _train(uninterrupted_model, steps=6)
+        close_client(uninterrupted_model)
+
+    address = _address("tcp", tmp_path)
+    executors = [start_executor(path, address)]
+    restarted = threading.Event()
+    restarted_at: list[float] = []
+
+    def kill_and_restart():
+        os.kill(executors[0].pid, signal.SIGKILL)  # mid-step: requests are in flight
+        executors[0].wait()
+        executors.append(start_executor(path, address))
+        restarted_at.append(time.monotonic())
+        restarted.set()
+
+    def on_step(step):
+        if step == 3:
+            threading.Timer(0.05, kill_and_restart).start()
+
+    try:
+        _, remote = make_pair(path, address, "lora", "llama")
+        remote.get_base_model().symbiosis_transport.connect_timeout_s = 60.0
+        resumed = _train(remote, steps=6, on_step=on_step)
+        finished_at = time.monotonic()
+        close_client(remote)
+        assert restarted.wait(timeout=60)
+        assert restarted_at[0] < finished_at, "training ended before the executor came back: nothing was retried"
+    finally:
+        for e in executors:
+            stop(e)
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
