@@ -60,7 +60,9 @@ def main() -> None:
         sys.argv.remove("--debug")
     try:
         app()
-    except SymbiosisError as exc:
+    except (SymbiosisError, ValueError, FileNotFoundError, FileExistsError) as exc:
+        # Bad input (a missing folder, a malformed flag value, an unreachable executor) gets one
+        # line; --debug shows the traceback.
         if debug:
             raise
         typer.echo(f"error: {exc}", err=True)

@@ -105,3 +105,24 @@ def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
             stop(e)
     for name, value in uninterrupted.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_serve_drains_and_exits_cleanly_on_sigterm(tiny_checkpoint, tmp_path):
+    executor = start_executor(tiny_checkpoint("llama"), _address("ipc", tmp_path))
+    executor.send_signal(signal.SIGTERM)
+    output, _ = executor.communicate(timeout=60)
+    assert executor.returncode == 0
+    assert "stopped" in output
+
+
+def test_serve_refuses_a_public_bind_without_consent(tiny_checkpoint):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "symbiosis", "serve", str(tiny_checkpoint("llama")), "--bind", "tcp://0.0.0.0:0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "loopback" in (result.stdout + result.stderr).lower()
+    assert "Traceback" not in result.stderr

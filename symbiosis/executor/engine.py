@@ -38,6 +38,7 @@ class _Inflight:
     submitted_s: float
     output: torch.Tensor | None = None  # only for requests served in several chunks
     rows_done: int = 0
+    started: bool = False  # its first rows reached a matrix product
 
 
 @dataclass
@@ -48,6 +49,7 @@ class LayerCounters:
     batch_rows: int = 0
     errors: int = 0
     latency_s: float = 0.0
+    queue_wait_s: float = 0.0
 
     def as_dict(self) -> dict:
         return {
@@ -56,6 +58,7 @@ class LayerCounters:
             "batches": self.batches,
             "mean_rows_per_batch": self.batch_rows / self.batches if self.batches else 0.0,
             "errors": self.errors,
+            "mean_queue_wait_ms": 1e3 * self.queue_wait_s / self.requests if self.requests else 0.0,
             "mean_latency_ms": 1e3 * self.latency_s / self.requests if self.requests else 0.0,
         }
 
@@ -192,6 +195,12 @@ class ExecutionEngine:
     def _run(self, batch: Batch) -> None:
         with self._cond:  # requests may have been dropped (client left) since scheduling
             parts = [(s, self._inflight[s.request_id]) for s in batch.slices if s.request_id in self._inflight]
+            now = self._clock()
+            counters = self._counters.per_layer[batch.layer_id]
+            for _, inflight in parts:
+                if not inflight.started:
+                    inflight.started = True
+                    counters.queue_wait_s += now - inflight.submitted_s
         if not parts:
             return
         layer = self.weights.layers[batch.layer_id]

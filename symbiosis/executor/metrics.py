@@ -29,6 +29,7 @@ class ExecutorCollector:
         errors = CounterMetricFamily("symbiosis_errors", "Failed batches, per base layer", labels=["layer"])
         rows_per_batch = GaugeMetricFamily("symbiosis_mean_rows_per_batch", "Mean rows per batch", labels=["layer"])
         latency = GaugeMetricFamily("symbiosis_mean_latency_ms", "Mean time from submit to result (ms)", labels=["layer"])
+        queue_wait = GaugeMetricFamily("symbiosis_mean_queue_wait_ms", "Mean time from submit to first product (ms)", labels=["layer"])
         for layer, counters in stats["layers"].items():
             requests.add_metric([layer], counters["requests"])
             rows.add_metric([layer], counters["rows"])
@@ -36,7 +37,8 @@ class ExecutorCollector:
             errors.add_metric([layer], counters["errors"])
             rows_per_batch.add_metric([layer], counters["mean_rows_per_batch"])
             latency.add_metric([layer], counters["mean_latency_ms"])
-        yield from (requests, rows, batches, errors, rows_per_batch, latency)
+            queue_wait.add_metric([layer], counters["mean_queue_wait_ms"])
+        yield from (requests, rows, batches, errors, rows_per_batch, latency, queue_wait)
         yield GaugeMetricFamily("symbiosis_inflight_requests", "Requests not yet answered", value=stats["inflight_requests"])
         yield GaugeMetricFamily("symbiosis_weights_bytes", "Bytes of base-layer weights held", value=stats["weights_bytes"])
         yield GaugeMetricFamily("symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"])
