@@ -9,7 +9,10 @@ inputs is measured before and after fine-tuning, never assumed.
 The clients are threads of this process, each with its own model copy (embeddings, norms,
 adapters, KV cache) and its own connection; the executor batches their rows together. The
 hyperparameters below were measured on the random-weight model: IA3 and prefix tuning have far
-fewer parameters than LoRA and need much larger learning rates to move a random network.
+fewer parameters than LoRA and need much larger learning rates to move a random network, and
+prefix tuning (which adds attention entries but cannot re-route attention between the input's
+tokens) gets a task whose every answer letter follows from the letter just before it; on tasks
+that need to look back several tokens it only learns a constant guess (~1/6 accuracy).
 """
 
 from __future__ import annotations
@@ -49,10 +52,10 @@ class TunerSpec:
 
 
 TUNERS: tuple[TunerSpec, ...] = (
-    TunerSpec("lora", "reverse", 3e-3, 150, MethodOptions(rank=8, alpha=16)),
-    TunerSpec("ia3", "first", 0.3, 150),
-    TunerSpec("prefix", "copy", 0.1, 150, MethodOptions(num_virtual_tokens=16)),
-    TunerSpec("loha", "sort", 1e-2, 150, MethodOptions(rank=8, alpha=16)),
+    TunerSpec("lora", "reverse", 3e-3, 300, MethodOptions(rank=8, alpha=16)),
+    TunerSpec("ia3", "first", 1.0, 300),
+    TunerSpec("prefix", "next", 0.3, 300, MethodOptions(num_virtual_tokens=8)),
+    TunerSpec("loha", "sort", 1e-2, 300, MethodOptions(rank=8, alpha=16)),
 )
 INFERENCE_PROMPTS = ("The executor ", "Once upon a time", "def main():", "Shared base weights ")
 
@@ -324,17 +327,17 @@ def live_table(states: list[ClientState], elapsed_s: float):
 def final_tables(states: list[ClientState], figures: dict, wall_s: float):
     from rich.table import Table
 
-    clients = Table(title="clients", title_justify="left")
-    for column in ("client", "kind", "method", "task", "trainable params", "tokens/s", "loss first → last10", "held-out accuracy before → after"):
+    clients = Table(title="clients (accuracy: exact match on held-out inputs, greedy)", title_justify="left")
+    for column in ("client", "method", "task", "trainable", "tokens/s", "loss first → last 10", "accuracy before → after"):
         clients.add_column(column)
     for s in states:
         if s.kind == "fine-tune":
             improved = s.accuracy_after is not None and s.accuracy_before is not None and s.accuracy_after > s.accuracy_before
             mark = "[green]✓" if improved else "[red]✗"
             acc = f"{_fmt_acc(s.accuracy_before)} → {_fmt_acc(s.accuracy_after)} {mark}"
-            clients.add_row(s.name, s.kind, s.method, s.task, f"{s.trainable_parameters:,}", f"{s.tokens_per_s:,.0f}", _loss_span(s.losses), acc)
+            clients.add_row(s.name, s.method, s.task, f"{s.trainable_parameters:,}", f"{s.tokens_per_s:,.0f}", _loss_span(s.losses), acc)
         else:
-            clients.add_row(s.name, s.kind, s.method, f"{s.requests} generations", "0", f"{s.tokens_per_s:,.0f}", "-", f"{s.generated_tokens} tokens generated")
+            clients.add_row(s.name, s.method, "generation", "-", f"{s.tokens_per_s:,.0f}", "-", f"n/a ({s.requests} requests, {s.generated_tokens} tokens)")
     executor = Table(title="executor", title_justify="left")
     for column in ("requests", "batches", "mean rows/batch", "base weights", "peak RSS", "wall time"):
         executor.add_column(column)
@@ -360,6 +363,8 @@ def run_demo(options: DemoOptions) -> dict:
     from symbiosis.modelzoo import make_model
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # logs and pipes: keep the tables readable
     started = time.perf_counter()
     torch.set_num_threads(1)  # six clients share the cores; one BLAS thread each avoids oversubscription
     preset = "tiny" if options.quick and options.preset is None else options.model_preset
@@ -400,6 +405,7 @@ def run_demo(options: DemoOptions) -> dict:
         executor.close()
 
     wall_s = time.perf_counter() - started
+    console.print()
     for table in final_tables(states, figures, wall_s):
         console.print(table)
     curves = {f"{s.method} ({s.task})": list(enumerate(s.losses, start=1)) for s in states if s.kind == "fine-tune"}

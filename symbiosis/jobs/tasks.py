@@ -31,6 +31,14 @@ def _cipher(alphabet: str) -> Callable[[str], str]:
     return lambda s: "".join(mapping.get(c, c) for c in s)
 
 
+def _successors(alphabet: str) -> Callable[[str], str]:
+    def rule(s: str) -> str:
+        i = alphabet.index(s[-1])
+        return "".join(alphabet[(i + k) % len(alphabet)] for k in range(1, len(s) + 1))
+
+    return rule
+
+
 @dataclass(frozen=True)
 class Task:
     """A string-to-string rule over ``alphabet``."""
@@ -38,6 +46,7 @@ class Task:
     name: str
     description: str
     rule: Callable[[str], str]
+    separator: str = SEPARATOR  # between input and answer; "" makes the answer continue the input
 
 
 TASKS: dict[str, Task] = {
@@ -48,6 +57,10 @@ TASKS: dict[str, Task] = {
         Task("sort", "the letters in alphabetical order", lambda s: "".join(sorted(s))),
         Task("map", "each letter shifted by two (A→C, F→B)", _cipher(ALPHABET)),
         Task("first", "the first letter, repeated", lambda s: s[0] * len(s)),
+        Task("last", "the last letter, repeated", lambda s: s[-1] * len(s)),
+        # No separator: each answer letter follows from the letter just before it, a rule that
+        # even methods which cannot re-route attention (prefix tuning) can learn.
+        Task("next", "continue the alphabet after the last letter (F is followed by A)", _successors(ALPHABET), separator=""),
     )
 }
 
@@ -73,7 +86,7 @@ def make_split(task: Task, *, length: int = 3, alphabet: str = ALPHABET, n_held_
     random.Random(seed).shuffle(inputs)
     if not 0 < n_held_out < len(inputs):
         raise ValueError(f"n_held_out must be between 1 and {len(inputs) - 1}")
-    records = [Record(s + SEPARATOR, task.rule(s)) for s in inputs]
+    records = [Record(s + task.separator, task.rule(s)) for s in inputs]
     return TaskSplit(task, train=records[n_held_out:], held_out=records[:n_held_out])
 
 

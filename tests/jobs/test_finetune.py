@@ -182,6 +182,20 @@ def test_finetuned_adapter_loads_in_plain_peft_with_equal_logits(tiny_checkpoint
             split.get_base_model().symbiosis_transport.close()
 
 
+def test_finetune_against_a_served_executor(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    data = write_task_data(tmp_path / "copy.jsonl", task="copy", n=8)
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+        server = executor.serve(f"ipc://{tmp_path}/executor.sock")
+        job = options(path, data, tmp_path / "adapter", steps=2, method="ia3", method_options=MethodOptions())
+        job.client = ClientOptions(executor=server.address, connect_timeout_s=5)
+        result = finetune(job)
+        served = sum(layer["requests"] for layer in executor.stats()["layers"].values())
+    assert result.steps == 2 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert served > 0, "the base layers were not served by the executor"
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["peft_type"] == "IA3"
+
+
 class Interrupt(Exception):
     pass
 

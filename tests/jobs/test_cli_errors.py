@@ -1,0 +1,149 @@
+"""Bad input exits non-zero with a one-line message and no traceback (unless --debug).
+
+Most cases run ``symbiosis.cli.main`` in-process (the real entry point, with its error handling)
+to keep the suite fast; one runs the installed command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import symbiosis
+from symbiosis import cli
+
+
+def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["symbiosis", *args])
+    capsys.readouterr()
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{c}=", "completion": c}) + "\n" for c in "ABCDEF"))
+    return path
+
+
+def finetune_args(model, data, output, *extra) -> list[str]:
+    return ["finetune", "--model", str(model), "--data", str(data), "--output", str(output), "--steps", "1", "--batch-size", "2", "--no-progress", *extra]
+
+
+def test_missing_model_folder(tmp_path, data, capsys, monkeypatch):
+    code, _, err = run_cli(finetune_args(tmp_path / "nope", data, tmp_path / "out", "--embedded"), capsys, monkeypatch)
+    assert_one_line_error(code, err, "nope", "does not exist")
+
+
+def test_malformed_jsonl_line_names_line_number(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    data.write_text(data.read_text() + '{"prompt": "A=", "completion": \n')
+    code, _, err = run_cli(finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded"), capsys, monkeypatch)
+    assert_one_line_error(code, err, "data.jsonl:7", "not valid JSON")
+
+
+def test_unknown_peft_method_lists_supported(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded", "--method", "dora-xl")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line_error(code, err, "dora-xl", "lora, ia3, adalora, loha, lokr, prefix, prompt, p_tuning")
+
+
+def test_unreachable_executor_fails_within_timeout(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    address = f"ipc://{tmp_path}/nobody.sock"
+    started = time.monotonic()
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--executor", address, "--connect-timeout", "1")
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert time.monotonic() - started < 15
+    assert_one_line_error(code, err, address)
+    assert not (tmp_path / "out").exists()
+
+
+def test_executor_of_another_model(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("qwen2")) as executor:
+        server = executor.serve(f"ipc://{tmp_path}/qwen.sock")
+        args = ["generate", "--model", str(tiny_checkpoint("llama")), "--executor", server.address, "--prompt", "hi"]
+        code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line_error(code, err)
+    assert "fingerprint" in err or "serves" in err
+
+
+def test_full_disk_leaves_no_adapter(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    import errno
+
+    import peft.peft_model
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", full_disk)
+    output = tmp_path / "out"
+    code, _, err = run_cli(finetune_args(tiny_checkpoint("llama"), data, output, "--embedded"), capsys, monkeypatch)
+    assert_one_line_error(code, err, "No space left on device", str(output))
+    assert not output.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "temporary folder left behind"
+
+
+def test_full_disk_keeps_the_previous_adapter(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    output = tmp_path / "out"
+    code, out, _ = run_cli(finetune_args(tiny_checkpoint("llama"), data, output, "--embedded"), capsys, monkeypatch)
+    assert code == 0 and "saved lora adapter" in out
+    before = (output / "adapter_model.safetensors").read_bytes()
+
+    import peft.peft_model
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", full_disk)
+    code, _, err = run_cli(finetune_args(tiny_checkpoint("llama"), data, output, "--embedded", "--seed", "1"), capsys, monkeypatch)
+    assert_one_line_error(code, err, "No space left on device")
+    assert (output / "adapter_model.safetensors").read_bytes() == before
+
+
+def test_neither_executor_nor_embedded(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    code, _, err = run_cli(finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out"), capsys, monkeypatch)
+    assert_one_line_error(code, err, "--executor", "--embedded")
+
+
+def test_installed_command_and_debug_flag(tmp_path):
+    args = [sys.executable, "-m", "symbiosis", "finetune", "--embedded", "--model", str(tmp_path / "missing"), "--data", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "o")]
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and plain.stderr.strip().count("\n") == 0 and "does not exist" in plain.stderr
+    debug = subprocess.run([*args, "--debug"], capture_output=True, text=True, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "CheckpointError" in debug.stderr
+
+
+def test_every_flag_has_help():
+    import typer
+
+    from symbiosis.cli_jobs import register
+
+    app = typer.Typer()
+    register(app)
+    group = typer.main.get_command(app)
+    for name in ("finetune", "generate", "demo"):
+        command = group.commands[name]
+        assert command.help, f"{name} has no help"
+        for param in command.params:
+            assert getattr(param, "help", None), f"{name} {param.opts} has no help text"
