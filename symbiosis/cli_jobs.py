@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from symbiosis.jobs.finetune import ClientOptions, TrainOptions
+from symbiosis.jobs.client import ClientOptions
+from symbiosis.jobs.finetune import TrainOptions
 from symbiosis.jobs.methods import METHODS, MethodOptions
 
 

@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 
-import pytest
 import torch
 
 import symbiosis

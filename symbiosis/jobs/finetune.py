@@ -21,10 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -34,23 +32,15 @@ from typing import Any, Literal
 
 import torch
 
-from symbiosis.errors import CheckpointError, SymbiosisError
+from symbiosis.jobs.artifacts import save_adapter, save_loss_plot, write_atomically
+from symbiosis.jobs.base import JobError, _help
+from symbiosis.jobs.client import ClientOptions, SplitClient, load_tokenizer, require_model_dir
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
 
 Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 TRAINER_STATE = "trainer_state.pt"
-
-
-class JobError(SymbiosisError):
-    """A fine-tuning or inference job cannot run as asked (options, resume state, saving)."""
-
-    code = "job"
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 @dataclass
@@ -328,192 +318,6 @@ class FinetuneRun:
 
 
 # ---- saving -------------------------------------------------------------------------------------
-
-
-def write_atomically(final: Path, write: Callable[[Path], Any]) -> Path:
-    """Call ``write(tmp)`` on a fresh sibling folder of ``final``, then rename it to ``final``.
-
-    On any failure the temporary folder is removed and ``final`` is left as it was, so a folder
-    at ``final`` is always complete. An existing ``final`` is replaced only after the new one is
-    fully written.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write(tmp)
-        tmp.chmod(0o755)
-        if final.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            os.replace(final, trash / final.name)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(tmp, final)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise JobError(f"could not write {str(final)!r}: {exc.strerror or exc}; nothing was left there") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
-def save_adapter(peft_model, output: Path, extra_files: tuple[Path, ...] = ()) -> Path:
-    """Write ``peft_model``'s adapter as a standard PEFT folder at ``output``, atomically."""
-    output = Path(output)
-    if output.is_dir() and any(output.iterdir()) and not (output / "adapter_config.json").is_file():
-        raise JobError(f"--output {str(output)!r} is a non-empty folder that is not an adapter; refusing to overwrite it")
-
-    def write(tmp: Path) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peft_model.save_pretrained(tmp)
-        for path in extra_files:
-            if path.is_file():
-                shutil.copy2(path, tmp / path.name)
-
-    return write_atomically(output, write)
-
-
-def save_loss_plot(curves: dict[str, list[tuple[int, float]]], path: Path, title: str = "training loss") -> Path:
-    """One line per curve (step, loss) into a PNG; matplotlib's Agg backend, no display needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for label, points in curves.items():
-        if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if len(curves) > 1 or any(label for label in curves):
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-# ---- connecting ---------------------------------------------------------------------------------
-
-
-def require_model_dir(model: Path) -> Path:
-    model = Path(model)
-    if not model.is_dir():
-        raise CheckpointError(f"model folder {str(model)!r} does not exist")
-    if not (model / "config.json").is_file():
-        raise CheckpointError(f"model folder {str(model)!r} has no config.json (not a transformers checkpoint)")
-    return model
-
-
-@dataclass
-class ClientOptions:
-    """Where the base layers are served; each field's ``metadata["help"]`` is the CLI help text."""
-
-    executor: str | None = field(default=None, metadata=_help("Address of a running executor (tcp://HOST:PORT or ipc:///PATH; shm+ipc://… for shared memory)."))
-    embedded: bool = field(default=False, metadata=_help("Start an executor in this process instead of connecting to one."))
-    device: str = field(default="cpu", metadata=_help("Device of the client (and of an embedded executor): cpu, cuda, cuda:N."))
-    dtype: str = field(default="float32", metadata=_help("Client dtype (and embedded executor dtype): float32, bfloat16, float16."))
-    timeout_s: float = field(default=60.0, metadata=_help("Seconds one executor call may take before failing."))
-    connect_timeout_s: float = field(default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting."))
-
-    def __post_init__(self) -> None:
-        if (self.executor is None) == (not self.embedded):
-            raise JobError("give exactly one of --executor ADDRESS or --embedded")
-
-
-class ExecutorTarget:
-    """Where client models get their base layers: an embedded executor or a remote address.
-
-    ``client()`` makes one more split client model (each with its own connection); ``close()``
-    disconnects them all and stops an embedded executor.
-    """
-
-    def __init__(self, model_dir: Path, options: ClientOptions) -> None:
-        import symbiosis
-
-        self.model_dir = require_model_dir(model_dir)
-        self.options = options
-        self.executor = None
-        self._models: list = []
-        if options.embedded:
-            self.executor = symbiosis.BaseExecutor.from_pretrained(self.model_dir, device=options.device, dtype=options.dtype)
-
-    def client(self, client_id: str | None = None):
-        import symbiosis
-
-        options = self.options
-        if self.executor is not None:
-            target: Any = self.executor
-        else:
-            from symbiosis.transport.zmq import connect
-
-            target = connect(options.executor, client_id=client_id, timeout_s=options.timeout_s, connect_timeout_s=options.connect_timeout_s)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model = symbiosis.load_client_model(
-                    self.model_dir, executor=target, device=options.device, dtype=options.dtype, client_id=client_id, timeout_s=options.timeout_s
-                )
-        except BaseException:
-            if self.executor is None:
-                target.close()
-            raise
-        self._models.append(model)
-        return model
-
-    def close(self) -> None:
-        for model in self._models:
-            model.symbiosis_transport.close()
-        self._models.clear()
-        if self.executor is not None:
-            self.executor.close()
-            self.executor = None
-
-    def __enter__(self) -> "ExecutorTarget":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SplitClient:
-    """One split client model plus what must be closed with it (connection, embedded executor)."""
-
-    def __init__(self, model_dir: Path, options: ClientOptions, client_id: str | None = None) -> None:
-        self.target = ExecutorTarget(model_dir, options)
-        try:
-            self.model = self.target.client(client_id)
-        except BaseException:
-            self.target.close()
-            raise
-
-    def close(self) -> None:
-        self.target.close()
-
-    def __enter__(self) -> "SplitClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot load the tokenizer of {str(model_dir)!r}: {exc}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-# ---- the job ------------------------------------------------------------------------------------
 
 
 @dataclass

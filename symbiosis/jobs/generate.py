@@ -24,7 +24,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from symbiosis.errors import CheckpointError
 from symbiosis.jobs.data import DataError
-from symbiosis.jobs.finetune import ClientOptions, ExecutorTarget, JobError, load_tokenizer
+from symbiosis.jobs.base import JobError
+from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer
 
 
 @dataclass(frozen=True)

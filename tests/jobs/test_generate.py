@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import symbiosis
-from symbiosis.jobs.finetune import ClientOptions, JobError, save_adapter
-from symbiosis.jobs.generate import GenerateOptions, SamplingOptions, TextWriterStreamer, adapter_names, generate, generate_one, read_prompts
+from symbiosis.jobs.artifacts import save_adapter
+from symbiosis.jobs.base import JobError
+from symbiosis.jobs.client import ClientOptions
+from symbiosis.jobs.generate import GenerateOptions, SamplingOptions, TextWriterStreamer, adapter_names, generate, read_prompts
 from symbiosis.jobs.methods import MethodOptions, build_peft_config
 from tests.reference import randomize_adapters
 

@@ -1,0 +1,127 @@
+"""How a job reaches the base executor: a running one at an address, or one it embeds."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from symbiosis.errors import CheckpointError
+from symbiosis.jobs.base import JobError, _help
+
+
+def require_model_dir(model: Path) -> Path:
+    model = Path(model)
+    if not model.is_dir():
+        raise CheckpointError(f"model folder {str(model)!r} does not exist")
+    if not (model / "config.json").is_file():
+        raise CheckpointError(f"model folder {str(model)!r} has no config.json (not a transformers checkpoint)")
+    return model
+
+
+@dataclass
+class ClientOptions:
+    """Where the base layers are served; each field's ``metadata["help"]`` is the CLI help text."""
+
+    executor: str | None = field(default=None, metadata=_help("Address of a running executor (tcp://HOST:PORT or ipc:///PATH; shm+ipc://… for shared memory)."))
+    embedded: bool = field(default=False, metadata=_help("Start an executor in this process instead of connecting to one."))
+    device: str = field(default="cpu", metadata=_help("Device of the client (and of an embedded executor): cpu, cuda, cuda:N."))
+    dtype: str = field(default="float32", metadata=_help("Client dtype (and embedded executor dtype): float32, bfloat16, float16."))
+    timeout_s: float = field(default=60.0, metadata=_help("Seconds one executor call may take before failing."))
+    connect_timeout_s: float = field(default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting."))
+
+    def __post_init__(self) -> None:
+        if (self.executor is None) == (not self.embedded):
+            raise JobError("give exactly one of --executor ADDRESS or --embedded")
+
+
+class ExecutorTarget:
+    """Where client models get their base layers: an embedded executor or a remote address.
+
+    ``client()`` makes one more split client model (each with its own connection); ``close()``
+    disconnects them all and stops an embedded executor.
+    """
+
+    def __init__(self, model_dir: Path, options: ClientOptions) -> None:
+        import symbiosis
+
+        self.model_dir = require_model_dir(model_dir)
+        self.options = options
+        self.executor = None
+        self._models: list = []
+        if options.embedded:
+            self.executor = symbiosis.BaseExecutor.from_pretrained(self.model_dir, device=options.device, dtype=options.dtype)
+
+    def client(self, client_id: str | None = None):
+        import symbiosis
+
+        options = self.options
+        if self.executor is not None:
+            target: Any = self.executor
+        else:
+            from symbiosis.transport.zmq import connect
+
+            target = connect(options.executor, client_id=client_id, timeout_s=options.timeout_s, connect_timeout_s=options.connect_timeout_s)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = symbiosis.load_client_model(
+                    self.model_dir, executor=target, device=options.device, dtype=options.dtype, client_id=client_id, timeout_s=options.timeout_s
+                )
+        except BaseException:
+            if self.executor is None:
+                target.close()
+            raise
+        self._models.append(model)
+        return model
+
+    def close(self) -> None:
+        for model in self._models:
+            model.symbiosis_transport.close()
+        self._models.clear()
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+
+    def __enter__(self) -> "ExecutorTarget":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SplitClient:
+    """One split client model plus what must be closed with it (connection, embedded executor)."""
+
+    def __init__(self, model_dir: Path, options: ClientOptions, client_id: str | None = None) -> None:
+        self.target = ExecutorTarget(model_dir, options)
+        try:
+            self.model = self.target.client(client_id)
+        except BaseException:
+            self.target.close()
+            raise
+
+    def close(self) -> None:
+        self.target.close()
+
+    def __enter__(self) -> "SplitClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load the tokenizer of {str(model_dir)!r}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# ---- the job ------------------------------------------------------------------------------------
