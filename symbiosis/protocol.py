@@ -35,6 +35,7 @@ ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30  # 1 GiB: a whole 8k-token prefill of a 70B-wide layer fits
 MAX_HEADER_BYTES = 64 * 1024  # headers are tiny; anything bigger is garbage or an attack
+COPY_THRESHOLD = 64 * 1024  # smaller payload frames are copied into ZeroMQ messages (cheaper than tracking)
 
 
 class WireLayerSpec(msgspec.Struct, frozen=True):
@@ -65,6 +66,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     client_id: str
     request_id: int
     expected_fingerprint: str | None = None
+    dist_backend: str = ""  # "gloo" / "nccl": open a torch.distributed pair group for payloads
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -82,11 +84,15 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     heartbeat_s: float
     session_token: str
     shm_supported: bool
+    dist_store: str = ""  # "HOST:PORT" of the executor's TCPStore, when the Hello asked for dist
+    dist_prefix: str = ""  # this session's secret key prefix in that store
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):
     """One layer call. Inline payload: one frame follows. Shared memory: ``shm_name`` is set, no
     frame follows, rows lie at ``shm_offset`` of that segment and the result is written back there.
+    torch.distributed: ``dist_tag`` is set, no frame follows, ``dist_nbytes`` bytes travel on the
+    session's pair group with that tag, and so does the result (see ``transport/dist.py``).
     """
 
     version: int
@@ -99,6 +105,8 @@ class Request(msgspec.Struct, tag="request", frozen=True):
     latency_class: str
     shm_name: str | None = None
     shm_offset: int = 0
+    dist_tag: int | None = None
+    dist_nbytes: int = 0
 
 
 class Reply(msgspec.Struct, tag="reply", frozen=True):

@@ -31,11 +31,11 @@ def _address(kind: str, tmp_path) -> str:
 
 
 def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path):
-    """One executor process listening on tcp and ipc; three client processes, one per transport."""
+    """One executor process listening on tcp and ipc; a client process per transport."""
     path = tiny_checkpoint("qwen2")
     tcp, ipc = _address("tcp", tmp_path), _address("ipc", tmp_path)
     executor = start_executor(path, tcp, "--bind", ipc)
-    clients_by_method = {"lora": tcp, "ia3": ipc, "prefix": f"shm+{ipc}"}
+    clients_by_method = {"lora": tcp, "ia3": ipc, "prefix": f"shm+{ipc}", "loha": f"dist+{tcp}"}
     try:
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()

@@ -38,8 +38,9 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ProtocolError
-from symbiosis.executor.requests import Op
-from symbiosis.transport.zmq import ZmqTransport, _Connection
+from symbiosis.executor.requests import LayerSpec, Op
+from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
+from symbiosis.transport.zmq_client import ZmqTransport, _Connection
 
 SHM_DIR = "/dev/shm"
 MIN_BUFFER_BYTES = 1 << 20
@@ -89,6 +90,49 @@ class SegmentMap:
             except FileNotFoundError:
                 pass
         self._maps.clear()
+
+
+class ShmChannel:
+    """Server side (``channels.PayloadChannel``): rows are read from, and results written into,
+    the segment a request names; the session's ``SegmentMap`` lives in its ``channel_state``."""
+
+    def __init__(self, host: ChannelHost, specs: dict[str, LayerSpec], limits: P.Limits) -> None:
+        self._host = host
+        self._specs = specs
+        self._limits = limits
+
+    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
+        if frames:
+            raise ProtocolError("a shared-memory request carries no payload frame")
+        well_formed = req.dtype in P.ITEMSIZE and len(req.shape) == 2 and min(req.shape) >= 0
+        nbytes = P.declared_nbytes(req.dtype, req.shape) if well_formed else -1
+        spec = P.validate_request(req, nbytes, self._specs, self._limits)
+        out_nbytes = req.shape[0] * Op(req.op).output_width(spec) * P.ITEMSIZE[req.dtype]
+        segments = session.channel_state.get("shm")
+        if segments is None:
+            segments = session.channel_state["shm"] = SegmentMap(P.shm_prefix(session.token))
+        assert req.shm_name is not None
+        region = segments.region(req.shm_name, req.shm_offset, max(nbytes, out_nbytes))
+        return Accepted(spec, region[:nbytes].view(P.WIRE_DTYPES[req.dtype]).view(req.shape), region)
+
+    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
+        if result.numel():
+            result = result.to("cpu").contiguous()
+            ticket[: result.numel() * result.element_size()].copy_(result.reshape(-1).view(torch.uint8))
+        self._host.send(session.identity, reply)
+
+    def release(self, session: Session, names: list[str]) -> None:
+        segments = session.channel_state.get("shm")
+        if segments is not None:
+            segments.release(names)
+
+    def end_session(self, session: Session) -> None:
+        segments = session.channel_state.pop("shm", None)
+        if segments is not None:
+            segments.close()
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(eq=False)

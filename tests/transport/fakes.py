@@ -152,3 +152,27 @@ def call_and_wait(address: str, client_id: str, layer_id: str) -> None:
 
     transport = connect(address, client_id=client_id, timeout_s=120)
     transport.call(layer_id, Op.FORWARD, torch.randn(4, 16), LatencyClass.PREFILL)
+
+
+def declare_dist_payload(transport: Any, layer_id: str = "q", rows: int = 4) -> int:
+    """Send a dist request header over ``transport``'s connection but never post its payload (a
+    stuck or dying peer); returns the request id. Uses ``DistTransport`` internals on purpose."""
+    from symbiosis import protocol as P
+
+    rid = 10**6
+    width = transport.layer_specs()[layer_id].in_features
+    request = P.Request(
+        P.PROTOCOL_VERSION, transport.client_id, rid, layer_id, "forward", "float32", [rows, width], "prefill",
+        dist_tag=rid, dist_nbytes=rows * width * 4,
+    )
+    transport._conn.submit(rid, [P.encode(request)], True)
+    return rid
+
+
+def declare_dist_payload_and_hang(address: str, client_id: str) -> None:
+    """Spawn-process entry: open a dist session, declare a payload, never send it, wait to be killed."""
+    from symbiosis.transport.zmq import connect
+
+    transport = connect(address, client_id=client_id, timeout_s=120)
+    declare_dist_payload(transport)
+    time.sleep(120)

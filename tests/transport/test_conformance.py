@@ -1,4 +1,5 @@
-"""One conformance suite for every ZeroMQ-based transport: tcp, ipc, and shared memory (shm).
+"""One conformance suite for every ZeroMQ-based transport: tcp, ipc, shared memory (shm), and
+torch.distributed payloads over gloo (dist).
 
 Each test runs against a ``ZmqServer`` serving a ``FakeExecutorService`` (real torch math), in a
 thread of this process unless it says otherwise, and compares results with the fake's own math
@@ -35,9 +36,15 @@ from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.transport.base import Transport
 from symbiosis.transport.zmq import ZmqServer, ZmqTransport, connect
 
-from .fakes import FakeExecutorService, call_and_wait, serve_in_process
+from .fakes import (
+    FakeExecutorService,
+    call_and_wait,
+    declare_dist_payload,
+    declare_dist_payload_and_hang,
+    serve_in_process,
+)
 
-KINDS = ["tcp", "ipc", "shm"]
+KINDS = ["tcp", "ipc", "shm", "dist"]
 SPAWN = multiprocessing.get_context("spawn")
 
 
@@ -46,7 +53,7 @@ def bind_address(kind: str, sock_dir: str) -> str:
 
 
 def client_address(kind: str, server_address: str) -> str:
-    return f"shm+{server_address}" if kind == "shm" else server_address
+    return f"{kind}+{server_address}" if kind in ("shm", "dist") else server_address
 
 
 @pytest.fixture(params=KINDS)
@@ -240,6 +247,9 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
             ([request(18, "q", [2, 16], shm_name="../../etc/passwd")], 18, ("protocol",)),
             ([P.encode(P.Welcome(1, 19, "x", [], P.Limits(), 1.0, "t", True))], 19, ("protocol",)),
             ([b'{"request_id": 20}'], 0, ("protocol",)),
+            ([request(22, "q", [2, 16], dist_tag=22, dist_nbytes=128)], 22, ("protocol",)),  # no dist session
+            ([request(23, "q", [2, 16], dist_tag=23, dist_nbytes=128), bytes(128)], 23, ("protocol",)),
+            ([request(24, "q", [2, 16], dist_tag=24, shm_name="symb_x")], 24, ("protocol",)),
         ]
         for frames, rid, codes in cases:
             raw.send(*frames)
@@ -353,7 +363,7 @@ def remote_server() -> Iterator[dict[str, str]]:
     child.start()
     try:
         tcp, ipc = ready.get(timeout=60)
-        yield {"tcp": tcp, "ipc": ipc, "shm": ipc}
+        yield {"tcp": tcp, "ipc": ipc, "shm": ipc, "dist": tcp}
     finally:
         stop.set()
         child.join(timeout=20)
@@ -415,6 +425,61 @@ def test_silent_client_times_out(fake: FakeExecutorService, sock_dir: str) -> No
         assert 0.9 < time.monotonic() - started < 3
     finally:
         raw.close()
+        server.close()
+
+
+# ---- torch.distributed specifics -------------------------------------------------------------
+
+
+def test_dist_peer_that_never_sends_its_payload_times_out(fake: FakeExecutorService, sock_dir: str) -> None:
+    """A live peer declares a dist payload and never posts it: the group timeout ends its session
+    (the executor is not wedged), while heartbeats alone would have kept it alive."""
+    server = ZmqServer(fake, bind_address("dist", sock_dir), client_timeout_s=1.0).start()
+    stuck = connect(client_address("dist", server.address), client_id="stuck")
+    good = connect(client_address("dist", server.address), client_id="good")
+    try:
+        declare_dist_payload(stuck)
+        started = time.monotonic()
+        assert fake.wait_for(lambda events: ("unregister", "stuck", 0) in events, 5), fake.events[-5:]
+        assert time.monotonic() - started < 4
+        rows = torch.randn(3, 16)
+        assert torch.equal(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+        assert torch.equal(stuck.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+    finally:
+        stuck.close()
+        good.close()
+        server.close()
+
+
+@pytest.mark.parametrize("kind", ["dist"])
+def test_dist_client_killed_before_its_payload(
+    open_client, server: ZmqServer, fake: FakeExecutorService, kind: str
+) -> None:
+    """kill -9 while the executor's pair worker waits for a declared payload: the wait fails at once."""
+    address = client_address(kind, server.address)
+    child = SPAWN.Process(target=declare_dist_payload_and_hang, args=(address, "doomed"), daemon=True)
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while server.stats().get("q", {}).get("requests", 0) < 1:  # header accepted: the worker now waits
+            assert time.monotonic() < deadline, "the child's header never arrived"
+            time.sleep(0.05)
+        assert not any(e[0] == "submit" for e in fake.events)  # no rows reached the executor
+        os.kill(child.pid, signal.SIGKILL)
+        assert fake.wait_for(lambda events: ("unregister", "doomed", 0) in events, 5), fake.events[-5:]
+    finally:
+        child.kill()
+        child.join(timeout=10)
+    rows = torch.randn(6, 16)
+    assert torch.equal(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+
+
+def test_dist_refused_when_server_disallows_it(fake: FakeExecutorService, sock_dir: str) -> None:
+    server = ZmqServer(fake, bind_address("dist", sock_dir), allow_dist=False).start()
+    try:
+        with pytest.raises(ProtocolError, match="torch.distributed"):
+            connect(client_address("dist", server.address), connect_timeout_s=2)
+    finally:
         server.close()
 
 

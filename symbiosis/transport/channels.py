@@ -1,0 +1,112 @@
+"""Payload channels: how a request's tensor bytes reach the executor and its result goes back.
+
+A ``ZmqServer`` reads every control message (Hello, request headers, replies, errors) from its one
+ZeroMQ socket; the *payload* of a request can travel three ways, chosen by its header:
+
+- inline (``InlineChannel``, here): one raw frame after the header, the result likewise;
+- shared memory (``shm.ShmChannel``): the header names a segment of the client's;
+- torch.distributed (``dist.DistChannel``): the header names a tag on a per-session pair group.
+
+Every channel validates the header (``protocol.validate_request``) *before* touching a payload
+byte, and runs on the server's socket thread unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from symbiosis import protocol as P
+from symbiosis.errors import ProtocolError
+from symbiosis.executor.requests import LayerSpec
+
+#: (ZeroMQ identity of the connection, request id): the key of one in-flight request.
+RequestKey = tuple[bytes, int]
+
+
+@dataclass(eq=False)
+class Session:
+    """One client connection's session on a server. ``channel_state`` is owned by the channels."""
+
+    identity: bytes
+    client_id: str
+    token: str
+    last_seen: float
+    channel_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Accepted:
+    """A request header a channel accepted.
+
+    ``rows`` is ``None`` when the payload arrives later: the channel then calls
+    ``ChannelHost.rows_arrived(key, rows)`` (or ``transfer_failed``) once it has. ``ticket`` is
+    what the channel needs to send the result back (a shared-memory region, a dist tag).
+    """
+
+    spec: LayerSpec
+    rows: torch.Tensor | None
+    ticket: Any = None
+
+
+class ChannelHost(Protocol):
+    """What a channel may call on its server. ``call_soon`` is thread-safe; the rest must run on
+    the socket thread (use ``call_soon`` from any other thread)."""
+
+    def send(self, identity: bytes, message: P.Message, payload: memoryview | None = None) -> None: ...
+
+    def call_soon(self, task: Callable[[], None]) -> None: ...
+
+    def rows_arrived(self, key: RequestKey, rows: torch.Tensor) -> None: ...
+
+    def transfer_failed(self, session: Session, reason: str) -> None:
+        """A payload transfer of ``session`` failed: its pending requests get errors, it ends."""
+        ...
+
+
+class PayloadChannel(Protocol):
+    """One way for payloads to travel; the server holds one instance of each it allows."""
+
+    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
+        """Validate ``req`` against the layer registry before any payload byte is read and take its
+        rows; raise a ``SymbiosisError`` to refuse it (nothing of the payload was accepted)."""
+        ...
+
+    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
+        """Send the successful ``reply`` and ``result`` (rows in the request's wire dtype)."""
+        ...
+
+    def end_session(self, session: Session) -> None:
+        """``session`` ended (Goodbye, dead client, shutdown): free what the channel holds for it."""
+        ...
+
+    def close(self) -> None:
+        """The server is shutting down (after every session ended)."""
+        ...
+
+
+class InlineChannel:
+    """Payload in one raw ZeroMQ frame after the header; the result comes back the same way."""
+
+    def __init__(self, host: ChannelHost, specs: dict[str, LayerSpec], limits: P.Limits) -> None:
+        self._host = host
+        self._specs = specs
+        self._limits = limits
+
+    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
+        if len(frames) != 1:
+            raise ProtocolError(f"expected 1 payload frame, got {len(frames)}")
+        spec = P.validate_request(req, len(frames[0].buffer), self._specs, self._limits)
+        return Accepted(spec, P.tensor_from_payload(frames[0].buffer, req.dtype, req.shape))
+
+    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
+        self._host.send(session.identity, reply, P.tensor_payload(result.to("cpu").contiguous()))
+
+    def end_session(self, session: Session) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,358 @@
+"""ZeroMQ client: ``ZmqTransport`` (implements ``Transport``) and ``connect(address)``.
+
+Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``connect()`` also accepts
+``shm+ipc://…`` / ``shm+tcp://…`` (same host: payloads in shared memory, see ``shm.py``) and
+``dist+ipc://…`` / ``dist+tcp://…`` (payloads over torch.distributed, see ``dist.py``); one
+``ZmqServer`` serves all of them. Those transports subclass ``ZmqTransport`` through its hooks.
+
+Threading: a ZeroMQ socket must be used by one thread at a time, so each connection has one I/O
+thread that owns its DEALER socket; calling threads hand frames over through a queue plus a
+``Waker`` and wait on per-request futures matched by request id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import tenacity
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from symbiosis import protocol as P
+from symbiosis.errors import (
+    ExecutorTimeoutError,
+    ExecutorUnavailableError,
+    ModelMismatchError,
+    ProtocolError,
+    error_from_code,
+)
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.transport.waker import Waker
+
+log = logging.getLogger(__name__)
+
+
+
+class _Connection:
+    """One DEALER socket (and its monitor) owned by one I/O thread; replaced whole on reconnect.
+
+    Callers hand frames over through ``submit`` and wait on the returned future, which the I/O
+    thread resolves with ``(Welcome | Reply, payload frames)`` when the matching request id comes
+    back, or fails with ``ExecutorUnavailableError`` when the connection is lost.
+    """
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.dead: str | None = None
+        self._pending: dict[int, Future[tuple[P.Message, list[zmq.Frame]]]] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple[list[Any], bool]] = queue.SimpleQueue()
+        self._waker = Waker()
+        self._stop = False
+        self._goodbye: bytes | None = None
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._thread = threading.Thread(target=self._run, name=f"ZmqTransport({endpoint})", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: int, frames: list[Any], copy: bool) -> Future[tuple[P.Message, list[zmq.Frame]]]:
+        future: Future[tuple[P.Message, list[zmq.Frame]]] = Future()
+        with self._lock:
+            if self.dead is not None:
+                raise ExecutorUnavailableError(self.dead)
+            self._pending[request_id] = future
+        self.send(frames, copy)
+        return future
+
+    def send(self, frames: list[Any], copy: bool = True) -> None:
+        self._outbox.put((frames, copy))
+        self._waker.wake()
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def fail(self, reason: str) -> None:
+        """Mark the connection lost; every waiting call gets ``ExecutorUnavailableError``."""
+        with self._lock:
+            self.dead = self.dead or reason
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(ExecutorUnavailableError(reason))
+
+    def close(self, goodbye: bytes | None) -> None:
+        self._goodbye = goodbye
+        self._stop = True
+        self._waker.wake()
+        self._thread.join(timeout=5.0)
+        self.fail("transport closed")
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - waiting callers must learn about it
+            log.exception("transport I/O thread failed")
+            self.fail(f"transport I/O thread failed: {exc}")
+        finally:
+            if self._goodbye is not None and self.dead is None:
+                self._sock.send(self._goodbye)
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._sock.close(linger=500 if self._goodbye is not None else 0)
+            self._waker.close()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        last_heard = last_ping = time.monotonic()
+        while not self._stop:
+            events = dict(poller.poll(int(self.heartbeat_s * 1000)))
+            now = time.monotonic()
+            self._waker.drain()
+            while True:
+                try:
+                    frames, copy = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._sock.send_multipart(frames, copy=copy)
+            if self._sock in events:
+                while self._sock.poll(0):
+                    last_heard = now
+                    self._dispatch(self._sock.recv_multipart(copy=False))
+            if self._monitor in events and recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self.fail("connection to the executor was lost")
+            if now - last_ping >= self.heartbeat_s:
+                self._sock.send(P.encode(P.Ping()))
+                last_ping = now
+            if self._pending and now - last_heard > max(5.0, 5 * self.heartbeat_s):
+                self.fail(f"executor silent for {now - last_heard:.1f}s")
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = P.decode(frames[0].buffer)
+        except ProtocolError:
+            log.warning("ignoring an undecodable message from the executor")
+            return
+        if isinstance(msg, (P.Reply, P.Welcome)):
+            with self._lock:
+                future = self._pending.pop(msg.request_id, None)
+            if future is not None and not future.done():
+                future.set_result((msg, frames[1:]))
+        elif isinstance(msg, P.Goodbye):
+            self.fail("the executor shut down")
+
+
+class ZmqTransport:
+    """Client of a ``ZmqServer`` at ``tcp://…`` or ``ipc://…`` (implements ``Transport``).
+
+    Thread-safe: one I/O thread owns the socket, callers wait on per-request futures matched by
+    request id. Payloads go in the caller's dtype (the executor casts at its boundary) and results
+    come back in it, on the caller's device. When the connection is lost or the executor restarts,
+    a call re-handshakes and retries with bounded exponential backoff (tenacity): safe because the
+    executor keeps no state between calls. Large CPU payloads are sent zero-copy; ZeroMQ may drop
+    its reference to them a moment after ``call`` returns (the bytes were sent before the reply).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        client_id: str | None = None,
+        expected_fingerprint: str | None = None,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"unsupported executor address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
+        self.address = address
+        self._endpoint = address
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        self.expected_fingerprint = expected_fingerprint
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._ctx = zmq.Context()
+        self._request_ids = itertools.count(1)
+        self._conn_lock = threading.Lock()
+        self._closed = False
+        self._welcome: P.Welcome | None = None
+        self._specs: dict[str, LayerSpec] = {}
+        self._conn: _Connection | None = None
+        try:
+            self._conn = self._handshake(time.monotonic() + connect_timeout_s)
+        except BaseException:
+            self._ctx.term()
+            raise
+
+    @property
+    def fingerprint(self) -> str:
+        assert self._welcome is not None
+        return self._welcome.fingerprint
+
+    def layer_specs(self) -> Mapping[str, LayerSpec]:
+        return dict(self._specs)
+
+    def call(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout_s
+        staged = self._stage(rows)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, ExecutorUnavailableError) and not self._closed),
+            # A restart window of connect_timeout_s, never past the call's own deadline.
+            stop=lambda state: state.attempt_number >= 6
+            or (state.seconds_since_start or 0.0) >= self.connect_timeout_s
+            or time.monotonic() >= deadline,
+            wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                result = self._call_once(layer_id, Op(op), staged, LatencyClass(latency_class), deadline)
+        return result.to(device=rows.device, dtype=rows.dtype)
+
+    def close(self) -> None:
+        with self._conn_lock:
+            if self._closed:
+                return
+            self._closed = True
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close(goodbye=P.encode(P.Goodbye(self.client_id)))
+        self._on_close()
+        self._ctx.term()
+
+    def __enter__(self) -> "ZmqTransport":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- hooks the shared-memory and torch.distributed transports override ---------------
+
+    def _stage(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as the payload is sent: contiguous, on the device the payload leaves from."""
+        return rows.detach().to("cpu").contiguous()
+
+    def _encode(self, request: P.Request, rows: torch.Tensor) -> tuple[P.Request, list[Any], Any]:
+        """Frames to send for ``request`` and a lease to give back to ``_finish``/``_abandon``."""
+        payload = P.tensor_payload(rows)
+        return request, [P.encode(request), payload], None
+
+    def _decode(self, reply: P.Reply, frames: list[zmq.Frame], lease: Any) -> torch.Tensor:
+        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or len(frames) != 1:
+            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(frames)} frames")
+        if len(frames[0].buffer) != P.declared_nbytes(reply.dtype, reply.shape):
+            raise ProtocolError("reply payload size does not match its shape")
+        return P.tensor_from_payload(frames[0].buffer, reply.dtype, reply.shape)
+
+    def _release(self, lease: Any, reusable: bool) -> None:
+        """The server is done with ``lease`` (``reusable``) or may still touch it (not)."""
+
+    def _hello_options(self) -> dict[str, Any]:
+        """Extra ``Hello`` fields this transport asks for."""
+        return {}
+
+    def _on_session(self, welcome: P.Welcome, conn: _Connection) -> None:
+        """A new session started (first connect or reconnect)."""
+
+    def _on_close(self) -> None:
+        """The transport closed; free what the hooks hold."""
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _handshake(self, deadline: float) -> _Connection:
+        conn = _Connection(self._ctx, self._endpoint, heartbeat_s=1.0)
+        rid = next(self._request_ids)
+        hello = P.Hello(P.PROTOCOL_VERSION, self.client_id, rid, self.expected_fingerprint, **self._hello_options())
+        try:
+            future = conn.submit(rid, [P.encode(hello)], True)
+            try:
+                msg, _ = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ExecutorUnavailableError(f"no executor answered at {self.address}") from None
+            if isinstance(msg, P.Reply):
+                raise error_from_code(msg.error_code, msg.error_message)
+            assert isinstance(msg, P.Welcome)
+            expected = self.expected_fingerprint or (self._welcome.fingerprint if self._welcome else None)
+            if expected is not None and msg.fingerprint != expected:
+                raise ModelMismatchError(f"executor at {self.address} serves {msg.fingerprint!r}, expected {expected!r}")
+            conn.heartbeat_s = msg.heartbeat_s
+            self._welcome = msg
+            self._specs = {w.layer_id: w.to_spec() for w in msg.layers}
+            self._on_session(msg, conn)
+        except BaseException:
+            conn.close(goodbye=None)
+            raise
+        return conn
+
+    def _live_connection(self, deadline: float) -> _Connection:
+        with self._conn_lock:
+            if self._closed:
+                raise ExecutorUnavailableError("transport is closed")
+            if self._conn is not None and self._conn.dead is None:
+                return self._conn
+            if self._conn is not None:
+                self._conn.close(goodbye=None)
+                self._conn = None
+            self._conn = self._handshake(min(deadline, time.monotonic() + self.connect_timeout_s))
+            return self._conn
+
+    def _call_once(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, deadline: float) -> torch.Tensor:
+        conn = self._live_connection(deadline)
+        assert self._welcome is not None
+        nbytes = rows.numel() * rows.element_size()
+        if nbytes > self._welcome.limits.max_payload_bytes:
+            raise ProtocolError(f"{nbytes} bytes exceed the executor's cap of {self._welcome.limits.max_payload_bytes}")
+        rid = next(self._request_ids)
+        request = P.Request(
+            P.PROTOCOL_VERSION, self.client_id, rid, layer_id, op.value, P.dtype_name(rows.dtype), list(rows.shape), latency_class.value
+        )
+        request, frames, lease = self._encode(request, rows)
+        try:
+            future = conn.submit(rid, frames, copy=nbytes < P.COPY_THRESHOLD)
+            try:
+                reply, payload = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                conn.forget(rid)
+                raise ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {self.timeout_s}s") from None
+        except BaseException:
+            self._release(lease, reusable=False)
+            raise
+        assert isinstance(reply, P.Reply)
+        if not reply.ok:
+            self._release(lease, reusable=True)
+            error = error_from_code(reply.error_code, reply.error_message)
+            if isinstance(error, ExecutorUnavailableError):
+                conn.fail(reply.error_message)  # the session is gone or going: re-handshake
+            raise error
+        try:
+            return self._decode(reply, payload, lease)
+        finally:
+            self._release(lease, reusable=True)
+
+
+def connect(address: str, **kwargs: Any) -> ZmqTransport:
+    """Open the transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://``/``shm+tcp://``
+    (payloads in shared memory) or ``dist+ipc://``/``dist+tcp://`` (payloads over torch.distributed)."""
+    if address.startswith("shm+"):
+        from symbiosis.transport.shm import ShmTransport
+
+        return ShmTransport(address, **kwargs)
+    if address.startswith("dist+"):
+        from symbiosis.transport.dist import DistTransport
+
+        return DistTransport(address, **kwargs)
+    return ZmqTransport(address, **kwargs)

@@ -1,0 +1,478 @@
+"""``ZmqServer``: serves an ``ExecutorService`` to ZeroMQ clients (``tcp://…``, ``ipc://…``).
+
+One ROUTER socket carries every control message of every client; request payloads travel over a
+*payload channel* chosen by the request header (``channels.py``): inline frames, shared memory
+(``shm.py``) or a torch.distributed pair group (``dist.py``). One server serves all of them.
+
+Threading: one thread owns the socket. Other threads (executor threads completing
+``service.submit`` futures, dist receiver threads) never touch it: they ``call_soon`` a task, which
+queues it and wakes the socket thread through a ``Waker``.
+
+Dead clients: the ROUTER is ``ROUTER_MANDATORY``, so sending to a peer whose connection is gone
+fails with ``EHOSTUNREACH``. A socket monitor reports every disconnect (a ``kill -9``ed process's
+connection is closed by its kernel at once); the server then probes every session with a ``Ping``
+and ends the ones that fail. Clients also ping every ``heartbeat_s``; a session silent for
+``client_timeout_s`` is ended too (hung hosts, lost FINs). Ending a session calls
+``unregister_client`` (the executor drops its pending work) and lets every channel free what it
+holds for the session (shared-memory mappings, the dist pair group).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from symbiosis import protocol as P
+from symbiosis.errors import ExecutorUnavailableError, ModelMismatchError, ProtocolError, SymbiosisError
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.transport.base import ExecutorService
+from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
+from symbiosis.transport.waker import Waker
+
+log = logging.getLogger(__name__)
+
+_INVALID = "<invalid>"  # stats key for requests that name no known layer
+
+
+def check_bind_address(address: str, allow_non_loopback: bool) -> str:
+    """Return the address to bind; refuse non-loopback tcp unless explicitly allowed."""
+    if address.startswith(("ipc://", "inproc://")):
+        return address
+    if not address.startswith("tcp://"):
+        raise ValueError(f"unsupported address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # '*', interface names, host names
+        loopback = False
+    if not loopback and not allow_non_loopback:
+        raise ValueError(
+            f"refusing to bind {address!r}: not a loopback address. Pass allow_non_loopback=True "
+            "to serve other hosts (the wire is neither authenticated nor encrypted)."
+        )
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _channel_name(req: P.Request) -> str:
+    if req.shm_name is not None and req.dist_tag is not None:
+        raise ProtocolError("a request names both a shared-memory segment and a dist tag")
+    return "shm" if req.shm_name is not None else "dist" if req.dist_tag is not None else "inline"
+
+
+@dataclass
+class _InFlight:
+    session: Session
+    request: P.Request
+    spec: LayerSpec
+    channel: PayloadChannel
+    ticket: Any
+    future: Future[torch.Tensor] | None = None  # None while the payload is still on its way
+
+
+class ZmqServer:
+    """Serves ``service`` on a ZeroMQ ROUTER socket from one background thread (see module doc).
+
+    ``allow_shm`` / ``allow_dist`` enable those payload channels; ``dist_host`` is the address the
+    dist channel listens on (default: the tcp bind host, or loopback for ipc) and ``dist_device``
+    where it receives payloads (``cuda:N`` for NCCL clients).
+    """
+
+    def __init__(
+        self,
+        service: ExecutorService,
+        address: str,
+        *,
+        max_payload_bytes: int = P.DEFAULT_MAX_PAYLOAD_BYTES,
+        allow_non_loopback: bool = False,
+        allow_shm: bool = True,
+        allow_dist: bool = True,
+        dist_host: str | None = None,
+        dist_device: str | torch.device = "cpu",
+        heartbeat_s: float = 1.0,
+        client_timeout_s: float = 15.0,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self._service = service
+        self._bind_address = check_bind_address(address, allow_non_loopback)
+        self._limits = P.Limits(max_payload_bytes=max_payload_bytes)
+        self._allow_shm = allow_shm
+        self._allow_dist = allow_dist
+        self._dist_host = dist_host
+        self._dist_device = torch.device(dist_device)
+        self._heartbeat_s = heartbeat_s
+        self._client_timeout_s = client_timeout_s
+        self._drain_timeout_s = drain_timeout_s
+        self._specs: dict[str, LayerSpec] = {}
+        self._channels: dict[str, PayloadChannel] = {}
+        self._sessions: dict[bytes, Session] = {}
+        self._identities_by_client: dict[str, set[bytes]] = {}
+        self._inflight: dict[RequestKey, _InFlight] = {}
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stats: dict[str, dict[str, int]] = {}
+        self._stats_lock = threading.Lock()
+        self._waker = Waker()
+        self._close_request: bool | None = None  # None: running; else drain flag
+        self._thread: threading.Thread | None = None
+        self._address = ""
+
+    @property
+    def address(self) -> str:
+        """The bound address, with a tcp port 0 resolved to the real port."""
+        return self._address
+
+    def start(self) -> "ZmqServer":
+        """Bind (errors raise here, in the caller's thread) and serve from a background thread."""
+        self._specs = dict(self._service.layer_specs())
+        self._fingerprint = self._service.fingerprint
+        self._channels = self._make_channels()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes + P.MAX_HEADER_BYTES)
+        self._router.setsockopt(zmq.LINGER, 500)
+        try:
+            self._router.bind(self._bind_address)
+        except zmq.ZMQError:
+            self._router.close(0)
+            self._ctx.term()
+            raise
+        self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._thread = threading.Thread(target=self._run, name=f"ZmqServer({self._address})", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, drain: bool = True) -> None:
+        """Refuse new requests; with ``drain``, wait (up to ``drain_timeout_s``) for in-flight ones,
+        otherwise answer them ``ExecutorUnavailableError``; say Goodbye to clients; close."""
+        if self._thread is None or self._close_request is not None:
+            return
+        self._close_request = drain
+        self._waker.wake()
+        self._thread.join()
+        self._ctx.term()
+        self._waker.close()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per layer id: requests accepted, rows accepted, error replies (unknown layers: '<invalid>')."""
+        with self._stats_lock:
+            return {layer: dict(counts) for layer, counts in self._stats.items()}
+
+    def _make_channels(self) -> dict[str, PayloadChannel]:
+        channels: dict[str, PayloadChannel] = {"inline": InlineChannel(self, self._specs, self._limits)}
+        if self._allow_shm:
+            from symbiosis.transport.shm import ShmChannel  # shm.py imports the client module
+
+            channels["shm"] = ShmChannel(self, self._specs, self._limits)
+        if self._allow_dist:
+            from symbiosis.transport.dist import DistChannel
+
+            host = self._dist_host or _dist_host_for(self._bind_address)
+            timeout_s = self._client_timeout_s
+            channels["dist"] = DistChannel(self, self._specs, self._limits, host, self._dist_device, timeout_s)
+        return channels
+
+    # ---- ChannelHost: what payload channels call back ------------------------------------
+
+    def call_soon(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the socket thread (thread-safe)."""
+        self._tasks.put(task)
+        self._waker.wake()
+
+    def send(self, identity: bytes, message: P.Message, payload: memoryview | None = None) -> None:
+        frames: list[Any] = [identity, P.encode(message)]
+        if payload is not None:
+            frames.append(payload)
+        copy = payload is None or payload.nbytes < P.COPY_THRESHOLD
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._end_session(identity)  # the peer's connection is gone
+            else:
+                log.warning("dropping a reply: %s", exc)
+
+    def rows_arrived(self, key: RequestKey, rows: torch.Tensor) -> None:
+        entry = self._inflight.get(key)
+        if entry is None or entry.future is not None:  # its session ended meanwhile
+            return
+        try:
+            self._submit(key, entry, rows)
+        except SymbiosisError as exc:
+            del self._inflight[key]
+            self._count(entry.request.layer_id, "errors")
+            self.send(key[0], P.error_reply(entry.request.request_id, exc.code, str(exc)))
+
+    def transfer_failed(self, session: Session, reason: str) -> None:
+        if self._sessions.get(session.identity) is not session:
+            return  # already ended
+        log.warning("payload transfer of client %s failed (%s); ending its session", session.client_id, reason)
+        for key in [k for k in self._inflight if k[0] == session.identity]:
+            msg = f"payload transfer failed: {reason}"
+            self.send(session.identity, P.error_reply(key[1], ExecutorUnavailableError.code, msg))
+        self._end_session(session.identity)
+
+    # ---- socket thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        probes: list[float] = []
+        next_idle_check = 0.0
+        drain_deadline: float | None = None
+        while True:
+            events = dict(poller.poll(100))
+            now = time.monotonic()
+            if self._waker.fileno() in events:
+                self._waker.drain()
+            if self._monitor in events:
+                self._read_monitor(probes, now)
+            if self._router in events:
+                for _ in range(256):  # bounded, so completions and timers are not starved
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._guarded(lambda: self._on_message(frames), frames)
+            self._run_tasks()
+            if probes and probes[0] <= now:  # a peer disconnected: find which sessions are gone
+                probes[:] = [t for t in probes if t > now]
+                for identity in list(self._sessions):
+                    self.send(identity, P.Ping())
+            if now >= next_idle_check:
+                next_idle_check = now + 0.5
+                for identity, session in list(self._sessions.items()):
+                    if now - session.last_seen > self._client_timeout_s:
+                        log.warning("client %s silent for %.1fs; ending its session", session.client_id, now - session.last_seen)
+                        self._end_session(identity)
+            if self._close_request is not None:
+                if drain_deadline is None:
+                    drain_deadline = now + (self._drain_timeout_s if self._close_request else 0.0)
+                if not self._inflight or now >= drain_deadline:
+                    break
+        self._shutdown()
+
+    def _run_tasks(self) -> None:
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            self._guarded(task, [])
+
+    def _read_monitor(self, probes: list[float], now: float) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                # ZeroMQ may process the pipe's end a moment after the event: probe again later.
+                probes[:] = sorted(set(probes) | {now, now + 0.25, now + 1.0, now + 3.0})
+
+    def _guarded(self, handler: Callable[[], None], frames: list[zmq.Frame]) -> None:
+        """Run a handler; no exception escapes, the sender (if known) gets an 'internal' error."""
+        try:
+            handler()
+        except Exception as exc:  # noqa: BLE001 - the server must survive any input
+            log.exception("error handling a message")
+            if len(frames) >= 2:
+                rid = P.salvage_request_id(frames[1].buffer)
+                self.send(frames[0].bytes, P.error_reply(rid, SymbiosisError.code, f"{type(exc).__name__}: {exc}"))
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            self.send(identity, P.error_reply(0, ProtocolError.code, "message has no header frame"))
+            return
+        try:
+            msg = P.decode(frames[1].buffer)
+        except ProtocolError as exc:
+            self._count(_INVALID, "errors")
+            self.send(identity, P.error_reply(P.salvage_request_id(frames[1].buffer), exc.code, str(exc)))
+            return
+        session = self._sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        if isinstance(msg, P.Request):
+            self._on_request(identity, session, msg, frames[2:])
+        elif isinstance(msg, P.Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, P.Ping):
+            self.send(identity, P.Pong())
+        elif isinstance(msg, P.Goodbye):
+            self._end_session(identity)
+        elif isinstance(msg, P.ShmRelease):
+            shm = self._channels.get("shm")
+            if session is not None and shm is not None:
+                shm.release(session, msg.names)  # type: ignore[attr-defined]
+        elif not isinstance(msg, P.Pong):
+            rid = P.salvage_request_id(frames[1].buffer)
+            self._count(_INVALID, "errors")
+            self.send(identity, P.error_reply(rid, ProtocolError.code, f"unexpected message {type(msg).__name__}"))
+
+    def _on_hello(self, identity: bytes, hello: P.Hello) -> None:
+        rid = hello.request_id
+        if self._close_request is not None:
+            self.send(identity, P.error_reply(rid, ExecutorUnavailableError.code, "executor is shutting down"))
+            return
+        if hello.version != P.PROTOCOL_VERSION:
+            msg = f"protocol version {hello.version} not supported (server speaks {P.PROTOCOL_VERSION})"
+            self.send(identity, P.error_reply(rid, ProtocolError.code, msg))
+            return
+        if hello.expected_fingerprint is not None and hello.expected_fingerprint != self._fingerprint:
+            msg = f"client expects checkpoint {hello.expected_fingerprint!r}, executor serves {self._fingerprint!r}"
+            self.send(identity, P.error_reply(rid, ModelMismatchError.code, msg))
+            return
+        dist = self._channels.get("dist")
+        if hello.dist_backend and dist is None:
+            msg = "this executor does not accept torch.distributed clients"
+            self.send(identity, P.error_reply(rid, ProtocolError.code, msg))
+            return
+        session = self._sessions.get(identity)
+        if session is None or session.client_id != hello.client_id:
+            self._end_session(identity)
+            identities = self._identities_by_client.setdefault(hello.client_id, set())
+            if not identities:  # one client may hold several sessions (reconnects): count once
+                self._service.register_client(hello.client_id)
+            identities.add(identity)
+            session = Session(identity, hello.client_id, secrets.token_hex(4), time.monotonic())
+            self._sessions[identity] = session
+        store = prefix = ""
+        if hello.dist_backend:
+            try:
+                store, prefix = dist.open(session, hello.dist_backend)  # type: ignore[union-attr]
+            except SymbiosisError as exc:
+                self.send(identity, P.error_reply(rid, exc.code, str(exc)))
+                return
+        layers = [P.WireLayerSpec.from_spec(s) for s in self._specs.values()]
+        welcome = P.Welcome(
+            P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
+            "shm" in self._channels, dist_store=store, dist_prefix=prefix,
+        )
+        self.send(identity, welcome)
+
+    def _on_request(self, identity: bytes, session: Session | None, req: P.Request, payload: list[zmq.Frame]) -> None:
+        rid = req.request_id
+        key = (identity, rid)
+        stats_key = req.layer_id if req.layer_id in self._specs else _INVALID
+        try:
+            if session is None:
+                raise ExecutorUnavailableError("no session for this connection: say Hello first (executor restarted?)")
+            if self._close_request is not None:
+                raise ExecutorUnavailableError("executor is shutting down")
+            if req.client_id != session.client_id:
+                raise ProtocolError(f"request names client {req.client_id!r}, session is {session.client_id!r}")
+            if key in self._inflight:
+                raise ProtocolError(f"request id {rid} is already in flight")
+            name = _channel_name(req)
+            channel = self._channels.get(name)
+            if channel is None:
+                kind = {"shm": "shared-memory", "dist": "torch.distributed"}[name]
+                raise ProtocolError(f"this executor does not accept {kind} requests")
+            accepted = channel.accept(session, key, req, payload)
+            entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket)
+            if accepted.rows is not None:
+                self._submit(key, entry, accepted.rows)
+        except SymbiosisError as exc:
+            self._count(stats_key, "errors")
+            self.send(identity, P.error_reply(rid, exc.code, str(exc)))
+            return
+        self._inflight[key] = entry
+        self._count(stats_key, "requests")
+        self._count(stats_key, "rows", req.shape[0])
+
+    def _submit(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor) -> None:
+        """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies)."""
+        req = entry.request
+        client_id, op, latency_class = entry.session.client_id, Op(req.op), LatencyClass(req.latency_class)
+        entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
+        entry.future.add_done_callback(lambda _f: self.call_soon(lambda: self._complete(key)))
+
+    def _complete(self, key: RequestKey) -> None:
+        """A future completed: reply (on the socket thread)."""
+        entry = self._inflight.pop(key, None)
+        if entry is None:  # its session ended meanwhile; nobody waits for it
+            return
+        req = entry.request
+        assert entry.future is not None
+        try:
+            if entry.future.cancelled():
+                raise ExecutorUnavailableError("the executor dropped this request")
+            exc = entry.future.exception()
+            if exc is not None:
+                raise exc
+            result = entry.future.result()
+            expected = [req.shape[0], Op(req.op).output_width(entry.spec)]
+            if not isinstance(result, torch.Tensor) or list(result.shape) != expected:
+                raise SymbiosisError(f"executor returned {getattr(result, 'shape', type(result))}, expected {expected}")
+            result = result.detach().to(dtype=P.WIRE_DTYPES[req.dtype])
+            reply = P.Reply(req.request_id, True, req.dtype, expected)
+            entry.channel.reply(entry.session, req, reply, result, entry.ticket)
+        except Exception as exc:  # noqa: BLE001 - any executor failure becomes a typed reply
+            code = exc.code if isinstance(exc, SymbiosisError) else SymbiosisError.code
+            self._count(req.layer_id, "errors")
+            self.send(key[0], P.error_reply(req.request_id, code, f"{type(exc).__name__}: {exc}"))
+
+    def _end_session(self, identity: bytes) -> None:
+        session = self._sessions.pop(identity, None)
+        if session is None:
+            return
+        for key in [k for k in self._inflight if k[0] == identity]:
+            del self._inflight[key]
+        for channel in self._channels.values():  # first, so e.g. shm names are gone once the executor hears
+            channel.end_session(session)
+        identities = self._identities_by_client.get(session.client_id, set())
+        identities.discard(identity)
+        if not identities:
+            self._identities_by_client.pop(session.client_id, None)
+            try:
+                self._service.unregister_client(session.client_id)
+            except Exception:  # noqa: BLE001
+                log.exception("unregister_client(%r) failed", session.client_id)
+
+    def _shutdown(self) -> None:
+        for key, entry in list(self._inflight.items()):
+            msg = "executor shut down before the request completed"
+            self.send(key[0], P.error_reply(entry.request.request_id, ExecutorUnavailableError.code, msg))
+        self._inflight.clear()
+        for identity in list(self._sessions):
+            self.send(identity, P.Goodbye())
+            self._end_session(identity)
+        for channel in self._channels.values():
+            channel.close()
+        self._router.disable_monitor()
+        self._monitor.close(0)
+        self._router.close()
+
+    def _count(self, layer_id: str, field: str, n: int = 1) -> None:
+        with self._stats_lock:
+            counts = self._stats.setdefault(layer_id, {"requests": 0, "rows": 0, "errors": 0})
+            counts[field] += n
+
+
+def _dist_host_for(bind_address: str) -> str:
+    """The address the dist channel listens on: the tcp bind host when concrete, else loopback."""
+    if bind_address.startswith("tcp://"):
+        host = bind_address[len("tcp://") :].rpartition(":")[0].strip("[]")
+        try:
+            if not ipaddress.ip_address(host).is_unspecified:
+                return host
+        except ValueError:
+            pass
+    return "127.0.0.1"
