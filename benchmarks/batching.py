@@ -4,6 +4,8 @@ Clients are threads of this process, each a plain ``transformers`` model with it
 adapter and KV cache, all served by one ``BaseExecutor`` (in-process transport; with
 ``--executor ADDRESS`` they connect to a running executor there instead, whose policy is fixed
 and whose stats are not visible, so only one "remote" run is made and rows per batch are null).
+With ``--clients-as processes`` each client and the executor run in their own process, over
+``ipc://`` (``batching_processes.py``), so the clients' Python no longer shares one GIL.
 Every run starts a fresh executor over the same loaded weights and fresh clients; each client
 warms up (prefill + 2 decode steps, or 1 training step), all start together at a barrier, and
 the run measures a window of ``--window-s`` seconds. Runs of different policies are interleaved
@@ -11,10 +13,13 @@ the run measures a window of ``--window-s`` seconds. Runs of different policies 
 
 (a) ``inference``: 8 inference clients with batch sizes 1, 2, 4, 8, 16, 32, 64, 1 and alternating
     adapters (LoRA r=8 on q_proj; LoRA r=64 on q,k,v,o_proj) decode greedily, one token per
-    sequence per step, for each policy (immediate, lockstep, opportunistic). Reported:
+    sequence per step, for each policy (``VARIANTS``: immediate, lockstep, opportunistic, and
+    opportunistic-fixed, the opportunistic policy as first built). Reported:
     aggregate tokens/s (tokens of steps finished inside the window / window), mean, median and
     p95 per-token latency (time of one decode step of one client, pooled over clients), mean rows
-    per executor batch (scheduler ``rows_served / batches`` over the window), per-client latency.
+    per executor batch (scheduler ``rows_served / batches`` over the window), per-client latency,
+    the scheduler's mean wait per latency class (arrival -> first rows handed out) and why
+    groups became ready (``ready_reasons``).
 (b) ``mixed``: the first 6 of those inference clients alone, the same 6 plus 2 fine-tuning clients
     (LoRA r=16 on q,k,v,o; AdamW; ``--ft-batch`` x ``--ft-seq-len`` tokens per step), and the 2
     fine-tuning clients alone, for each policy. Reported: inference latency alone vs mixed (and
@@ -25,17 +30,20 @@ across all clients, as a monolithic server would) for (a); inference alone for (
 
 Threads share one Python interpreter: the GIL serializes client-side Python (attention, PEFT,
 sampling) and the executor thread; torch releases it inside its kernels. On a 2-core machine
-this bounds what any policy can gain; the numbers are what this machine gives.
+this bounds what any policy can gain, and stretches every wait by GIL hand-offs; the numbers
+are what this machine gives.
 
 JSON (``batching.json`` in ``--output``) keys: ``benchmark, command, machine, config, inference,
 mixed, summary, wall_s``. ``inference[policy]``: ``tokens_per_s, latency_ms_mean,
-latency_ms_median, latency_ms_p95, mean_rows_per_batch, batches, per_client, runs``.
+latency_ms_median, latency_ms_p95, mean_rows_per_batch, batches, per_client, runs`` (each run
+also has ``mean_first_wait_ms`` per class and ``ready_reasons``).
 ``mixed[policy]``: ``inference_alone, inference_with_finetune, finetune_alone`` (each with
 ``tokens_per_s, latency_ms_mean, latency_ms_p95, finetune_tokens_per_s, mean_rows_per_batch``),
 ``latency_mean_ratio_mixed_over_alone, latency_p95_ratio_mixed_over_alone,
-finetune_tokens_ratio_mixed_over_alone``. Plot: ``batching.png``.
+finetune_tokens_ratio_mixed_over_alone``. ``summary`` adds ``inference_ratios_vs_immediate`` and,
+per policy, the scheduler's mean wait of fine-tuning and decode requests when mixed. Plot: ``batching.png``.
 
-Run: ``python -m benchmarks.batching [--quick] [--preset base] --output DIR``.
+Run: ``python -m benchmarks.batching [--quick] [--preset base] [--clients-as processes] --output DIR``.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ from transformers import AutoConfig
 
 import symbiosis
 from benchmarks import common
-from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
+from symbiosis.executor.scheduler import SchedulerConfig
 
 NAME = "batching"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -69,6 +77,22 @@ MIXED_INFERENCE_CLIENTS = 6
 FINETUNE_CLIENTS = 2
 FINETUNE_ADAPTER = "lora_r16_qkvo"
 SCENARIOS = ("inference", "inference_alone", "inference_with_finetune", "finetune_alone")
+# What is compared: a name -> the SchedulerConfig fields that make it. "opportunistic-fixed" is the
+# opportunistic policy as first built (no predicted arrivals: it always holds a group for its whole
+# wait budget; and its original, shorter budgets), kept as knobs so both run side by side.
+VARIANTS: dict[str, dict] = {
+    "immediate": {"policy": "immediate"},
+    "lockstep": {"policy": "lockstep"},
+    "opportunistic": {"policy": "opportunistic", "predict_arrivals": True},
+    # Before: fixed waits with the budgets first shipped (decode 0.25 ms, prefill 1 ms, fine-tuning 2 ms).
+    "opportunistic-fixed": {
+        "policy": "opportunistic",
+        "predict_arrivals": False,
+        "decode_base_wait_ms": 0.25,
+        "prefill_base_wait_ms": 1.0,
+        "finetune_base_wait_ms": 2.0,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -178,10 +202,19 @@ def client_thread(client, record: ClientRecord, barrier: threading.Barrier, wind
 
 
 def scheduler_counters(executor) -> dict:
+    """Counters read at the window's start and end; waits and reasons are since the executor started."""
     if executor is None:
         return {"batches": 0, "rows": 0}
-    stats = executor.stats()["scheduler"]
-    return {"batches": stats["batches"], "rows": stats["rows_served"]}
+    return counters_from_stats(executor.stats()["scheduler"])
+
+
+def counters_from_stats(stats: dict) -> dict:
+    return {
+        "batches": stats["batches"],
+        "rows": stats["rows_served"],
+        "mean_first_wait_ms": stats["mean_first_wait_ms"],
+        "ready_reasons": stats["ready_reasons"],
+    }
 
 
 def run_once(path: Path, target, specs: Sequence[ClientSpec], args: argparse.Namespace, seed: int) -> dict:
@@ -249,6 +282,9 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
         "finetune_step_ms_median": 1e3 * statistics.median([s for r in finetune for s in r.step_s]) if any(r.step_s for r in finetune) else None,
         "mean_rows_per_batch": rows / batches if have_stats and batches else None,
         "batches": batches if have_stats else None,
+        # Time from arrival to first rows handed out, per latency class (whole run, warm-up included).
+        "mean_first_wait_ms": counters["end"].get("mean_first_wait_ms") if have_stats else None,
+        "ready_reasons": counters["end"].get("ready_reasons") if have_stats else None,
         "per_client": [
             {
                 "kind": r.spec.kind,
@@ -287,13 +323,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_repeats=3, quick_repeats=1)
     parser.add_argument("--executor", default=None, metavar="ADDRESS", help="Connect clients to a running executor at ADDRESS (e.g. tcp://127.0.0.1:7000) instead of an in-process one; needs --model with its checkpoint.")
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="Policies to compare (default: all).")
+    parser.add_argument("--policies", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="Policies to compare (default: all); 'opportunistic-fixed' is opportunistic without predicted arrivals.")
+    parser.add_argument(
+        "--clients-as",
+        choices=("threads", "processes"),
+        default="threads",
+        help="Run each client as a thread of this process with an in-process executor (default; one GIL for all), "
+        "or each client and the executor as its own process, connected over ipc:// (benchmarks/batching_processes.py).",
+    )
     parser.add_argument("--max-wait-ms", type=float, default=None, help="Executor max_wait_ms (default: SchedulerConfig's).")
     parser.add_argument("--window-s", type=float, default=None, help="Measured seconds per run (default 6; 0.6 with --quick).")
     parser.add_argument("--prompt-len", type=int, default=16, help="Prompt tokens per inference sequence (default: %(default)s).")
     parser.add_argument("--ft-batch", type=int, default=None, help="Sequences per fine-tuning step (default 4; 2 with --quick).")
     parser.add_argument("--ft-seq-len", type=int, default=None, help="Tokens per fine-tuning sequence (default 64; 16 with --quick).")
     args = common.resolve_common(parser.parse_args(argv))
+    if args.clients_as == "processes" and args.quick:
+        parser.error("--clients-as processes is for full runs; --quick uses threads")
     if args.executor and args.model is None:
         parser.error("--executor needs --model DIR: the checkpoint the executor at ADDRESS serves")
     args.window_s = args.window_s or (0.6 if args.quick else 6.0)
@@ -310,24 +355,36 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.segment_tokens = max(8, min(512, max_positions - args.prompt_len - 8))
 
     weights = None
-    if args.executor is None:
-        weights = symbiosis.BaseExecutor.from_pretrained(path).weights  # loaded once, shared by every run
-        policies = list(args.policies)
-    else:
-        policies = ["remote"]
+    policies = ["remote"] if args.executor else list(args.policies)
     options = {} if args.max_wait_ms is None else {"max_wait_ms": args.max_wait_ms}
+    configs = {p: SchedulerConfig(**VARIANTS.get(p, {}), **options) for p in policies}
+    pool = None
+    if args.clients_as == "processes":
+        from benchmarks.batching_processes import ProcessPool
+
+        pool = ProcessPool(path, len(INFERENCE_BATCH_SIZES), args)
+    elif args.executor is None:
+        weights = symbiosis.BaseExecutor.from_pretrained(path).weights  # loaded once, shared by every run
 
     runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in SCENARIOS for p in policies}
-    for repeat in range(args.repeats):
-        for scenario in SCENARIOS:
-            shift = repeat % len(policies)
-            for policy in policies[shift:] + policies[:shift]:
-                target = args.executor or symbiosis.BaseExecutor(weights, SchedulerConfig(policy=policy, **options))
-                try:
-                    runs[scenario, policy].append(run_once(path, target, clients_for(scenario, args), args, seed=100 * repeat))
-                finally:
-                    if not isinstance(target, str):
-                        target.close()
+    try:
+        for repeat in range(args.repeats):
+            for scenario in SCENARIOS:
+                shift = repeat % len(policies)
+                for policy in policies[shift:] + policies[:shift]:
+                    specs, seed = clients_for(scenario, args), 100 * repeat
+                    if pool is not None:
+                        runs[scenario, policy].append(pool.run_once(None if args.executor else configs[policy], specs, seed))
+                        continue
+                    target = args.executor or symbiosis.BaseExecutor(weights, configs[policy])
+                    try:
+                        runs[scenario, policy].append(run_once(path, target, specs, args, seed=seed))
+                    finally:
+                        if not isinstance(target, str):
+                            target.close()
+    finally:
+        if pool is not None:
+            pool.close()
 
     inference = {p: aggregate(runs["inference", p]) for p in policies}
     mixed = {}
@@ -344,10 +401,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     summary = {
         "benchmark": NAME,
         "preset": args.preset,
-        "transport": args.executor or "inproc",
+        "transport": args.executor or ("ipc" if pool else "inproc"),
+        "clients_as": args.clients_as,
         "window_s": args.window_s,
         "repeats": args.repeats,
         "inference": {p: {k: inference[p][k] for k in ("tokens_per_s", "latency_ms_mean", "latency_ms_p95", "mean_rows_per_batch")} for p in policies},
+        "inference_ratios_vs_immediate": {
+            p: {
+                k: common.ratio(inference[p][k], inference["immediate"][k])
+                for k in ("tokens_per_s", "latency_ms_mean", "latency_ms_p95")
+            }
+            for p in policies
+            if "immediate" in inference
+        },
         "mixed": {
             p: {
                 "inference_latency_ms_mean_alone": mixed[p]["inference_alone"]["latency_ms_mean"],
@@ -355,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "latency_mean_ratio_mixed_over_alone": mixed[p]["latency_mean_ratio_mixed_over_alone"],
                 "finetune_tokens_per_s_alone": mixed[p]["finetune_alone"]["finetune_tokens_per_s"],
                 "finetune_tokens_per_s_mixed": mixed[p]["inference_with_finetune"]["finetune_tokens_per_s"],
+                "finetune_mean_first_wait_ms_mixed": median_wait(runs["inference_with_finetune", p], "finetune"),
+                "decode_mean_first_wait_ms_mixed": median_wait(runs["inference_with_finetune", p], "decode"),
             }
             for p in policies
         },
@@ -368,9 +436,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "arch": args.arch,
             "preset": args.preset,
             "quick": args.quick,
-            "transport": args.executor or "inproc (client threads in this process)",
+            "transport": args.executor
+            or ("ipc (executor and each client in its own process)" if pool else "inproc (client threads in this process)"),
+            "clients_as": args.clients_as,
             "policies": policies,
-            "scheduler": None if weights is None else {k: v for k, v in dataclasses.asdict(SchedulerConfig(**options)).items() if k != "policy"},
+            "scheduler": None if args.executor else {p: dataclasses.asdict(configs[p]) for p in policies},
             "window_s": args.window_s,
             "repeats": args.repeats,
             "prompt_len": args.prompt_len,
@@ -390,12 +460,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return result
 
 
+def median_wait(runs: Sequence[dict], latency_class: str) -> float:
+    """Median over runs of the scheduler's mean wait (arrival -> first rows handed out) for a class."""
+    return common.median_or_nan([(r["mean_first_wait_ms"] or {}).get(latency_class) for r in runs])
+
+
 def plot(path: Path, result: dict, policies: list[str]) -> None:
     inference, mixed = result["inference"], result["mixed"]
     sizes = [str(c["batch_size"]) for c in inference[policies[0]]["per_client"]]
     common.plot_panels(
         path,
-        f"Batching policies, {result['config']['arch']} {result['config']['preset']}, {result['config']['window_s']} s windows, median of {result['config']['repeats']}",
+        f"Batching policies, {result['config']['arch']} {result['config']['preset']}, clients as {result['config']['clients_as']}, "
+        f"{result['config']['window_s']} s windows, median of {result['config']['repeats']}",
         [
             common.Panel("(a) 8 inference clients: aggregate throughput", "tokens/s", policies, {"tokens/s": [inference[p]["tokens_per_s"] for p in policies]}),
             common.Panel(

@@ -300,3 +300,285 @@ def quiet_libraries() -> None:
 
 def print_summary(summary: Mapping[str, Any]) -> None:
     print(json.dumps(_jsonable(summary), indent=2, allow_nan=False), flush=True)
+
+
+# ---- processes and memory (the multi-process benchmarks) ----------------------------------------
+#
+# Scenarios that compare processes (one executor + K clients vs K monolithic jobs) run every
+# process from this interpreter with the same environment, and talk to workers in JSON lines on
+# stdin/stdout: a worker prints one ``EVENT_PREFIX {"event": "ready", ...}`` line once loaded, then
+# runs once per ``go`` line it reads (printing ``{"event": "done", ...}``) until ``exit``. Other
+# stdout lines (library chatter) are ignored.
+
+EVENT_PREFIX = "@@bench "
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def process_env(threads: int) -> dict[str, str]:
+    """Environment of a benchmark child: unbuffered, ``threads`` torch threads, this repo importable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def stop_process(process, timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; always reaps the child."""
+    import subprocess
+
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class _LineReader:
+    """Reads a child's stdout on a daemon thread (so a full pipe never blocks the child)."""
+
+    def __init__(self, stream) -> None:
+        import collections
+        import queue
+        import threading
+
+        self.events: "queue.Queue[dict | None]" = queue.Queue()
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream) -> None:
+        for line in stream:
+            self.tail.append(line)
+            if line.startswith(EVENT_PREFIX):
+                self.events.put(json.loads(line[len(EVENT_PREFIX) :]))
+            elif line.startswith("serving"):
+                self.events.put({"event": "serving", "line": line.strip()})
+        self.events.put(None)  # EOF
+
+    def next_event(self, timeout_s: float, what: str) -> dict:
+        import queue
+
+        try:
+            event = self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"{what}: no answer in {timeout_s:.0f}s; last output:\n{''.join(self.tail)}") from None
+        if event is None:
+            raise RuntimeError(f"{what}: process exited; last output:\n{''.join(self.tail)}")
+        if event.get("event") == "error":
+            raise RuntimeError(f"{what} failed: {event.get('error')}")
+        return event
+
+
+class ServerProcess:
+    """A serving child process (``command``); ``addresses`` parsed from the line it prints when ready.
+
+    The line has the shape ``symbiosis serve`` prints: ``serving … at ADDR[ and ADDR…] with policy …``.
+    """
+
+    def __init__(self, command: Sequence[str], *, threads: int = 1, timeout_s: float = 180.0, wait: bool = True) -> None:
+        import subprocess
+
+        self.process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=process_env(threads))
+        self.pid = self.process.pid
+        self._reader = _LineReader(self.process.stdout)
+        self._addresses: list[str] | None = None
+        if wait:
+            self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> list[str]:
+        """Block until the server prints its ``serving`` line (``wait=False`` lets the caller overlap the load)."""
+        if self._addresses is None:
+            try:
+                line = self._reader.next_event(timeout_s, "server")["line"]
+            except BaseException:
+                stop_process(self.process)
+                raise
+            self._addresses = line.rsplit(" with policy", 1)[0].rsplit(" at ", 1)[1].split(" and ")
+        return self._addresses
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.wait_ready()
+
+    def close(self) -> None:
+        stop_process(self.process)
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def executor_process(path: Path, binds: Sequence[str], *, threads: int = 1, extra: Sequence[str] = (), wait: bool = True) -> ServerProcess:
+    """``symbiosis serve MODEL --bind …`` in a child process with ``threads`` torch threads."""
+    command = [sys.executable, "-m", "symbiosis", "serve", str(path), *[a for b in binds for a in ("--bind", b)], *extra]
+    return ServerProcess(command, threads=threads, wait=wait)
+
+
+def loopback_binds(folder: Path) -> list[str]:
+    """A free loopback tcp port and an ipc socket in ``folder`` (the executor serves both)."""
+    return ["tcp://127.0.0.1:0", f"ipc://{Path(folder) / 'executor.sock'}"]
+
+
+class Worker:
+    """A benchmark worker child (``python -m MODULE worker SPEC_JSON``); see the protocol above."""
+
+    def __init__(self, module: str, spec: Mapping[str, Any], *, threads: int = 1) -> None:
+        import subprocess
+        import tempfile
+
+        self.spec = dict(spec)
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, "worker", json.dumps(self.spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=process_env(threads),
+        )
+        self.pid = self.process.pid
+        self._reader = _LineReader(self.process.stdout)
+        self.ready: dict | None = None
+
+    def wait_ready(self, timeout_s: float = 300.0) -> dict:
+        if self.ready is None:
+            self.ready = self._event(timeout_s, "ready")
+        return self.ready
+
+    def go(self) -> None:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def wait_done(self, timeout_s: float = 600.0) -> dict:
+        return self._event(timeout_s, "done")
+
+    def _event(self, timeout_s: float, expected: str) -> dict:
+        try:
+            event = self._reader.next_event(timeout_s, f"worker {self.spec.get('role', '')} (pid {self.pid})")
+        except RuntimeError as exc:
+            self._stderr.seek(0)
+            raise RuntimeError(f"{exc}\nstderr tail:\n{self._stderr.read()[-3000:]}") from None
+        if event.get("event") != expected:
+            raise RuntimeError(f"worker pid {self.pid}: expected {expected!r}, got {event}")
+        return event
+
+    def request_exit(self) -> None:
+        """Ask the worker to finish (closing many: ask all first, then ``close`` each)."""
+        if self.process.poll() is None and not self.process.stdin.closed:
+            try:
+                self.process.stdin.write("exit\n")
+                self.process.stdin.close()
+            except OSError:  # already gone
+                pass
+
+    def close(self) -> None:
+        self.request_exit()
+        try:
+            self.process.wait(timeout=15)
+        except Exception:
+            pass
+        stop_process(self.process)
+        self._stderr.close()
+
+
+def emit_event(event: str, **fields: Any) -> None:
+    """Worker side: one protocol line on stdout."""
+    print(EVENT_PREFIX + json.dumps(_jsonable({"event": event, **fields}), allow_nan=False), flush=True)
+
+
+def serve_worker(setup: Callable[[], Callable[[], dict]]) -> None:
+    """Worker side: ``setup()`` loads and returns ``run_once``; answer ``go`` lines until ``exit``.
+
+    ``ready`` and every ``done`` carry the process's peak RSS so far (``ru_maxrss``, exact, unlike
+    sampling) next to whatever ``run_once`` returns.
+    """
+    import traceback
+
+    try:
+        run_once = setup()
+        emit_event("ready", pid=os.getpid(), **own_memory())
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "exit":
+                break
+            if command == "go":
+                emit_event("done", **run_once(), **own_memory())
+    except Exception:
+        emit_event("error", error=traceback.format_exc()[-3000:])
+        raise SystemExit(1)
+
+
+def own_memory() -> dict[str, int]:
+    import resource
+
+    import psutil
+
+    return {"rss_bytes": psutil.Process().memory_info().rss, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class RssSampler:
+    """Samples the RSS of watched processes every ``interval_s`` on a background thread (psutil).
+
+    ``peak_by_pid``: highest RSS seen per process; ``peak_total``: highest *sum* over the watched
+    processes at one sampling instant (what the machine had to hold at once). RSS counts shared
+    library pages in every process, so sums slightly overstate; both sides of a comparison
+    include them alike.
+    """
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.roles: dict[int, str] = {}
+        self.peak_by_pid: dict[int, int] = {}
+        self.last_by_pid: dict[int, int] = {}
+        self.peak_total = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def watch(self, pid: int, role: str) -> None:
+        with self._lock:
+            self.roles[pid] = role
+
+    def start(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        import psutil
+
+        with self._lock:
+            pids = list(self.roles)
+        total = 0
+        for pid in pids:
+            try:
+                rss = psutil.Process(pid).memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            total += rss
+            self.last_by_pid[pid] = rss
+            self.peak_by_pid[pid] = max(rss, self.peak_by_pid.get(pid, 0))
+        self.peak_total = max(self.peak_total, total)
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> "RssSampler":
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.sample()
+        return self
+
+    def peaks_of(self, role: str) -> list[int]:
+        return [self.peak_by_pid.get(pid, 0) for pid, r in self.roles.items() if r == role]
+
+
+GIB = float(2**30)
+MIB = float(2**20)

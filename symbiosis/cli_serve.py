@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
+from symbiosis.transport.security import CurveServerKeys
 
 _HELP = SchedulerConfig.help_texts()
 
@@ -24,19 +25,27 @@ def serve(
     row_budget: Annotated[int, typer.Option(help=_HELP["row_budget"])] = SchedulerConfig.row_budget,
     lockstep_timeout_ms: Annotated[float, typer.Option(help=_HELP["lockstep_timeout_ms"])] = SchedulerConfig.lockstep_timeout_ms,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")] = None,
-    allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback (exposes the service to the network).")] = False,
+    allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key.")] = False,
+    curve_secret_key: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind.")] = None,
+    authorized_clients: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["authorized_clients_dir"])] = None,
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
 
     SIGINT/SIGTERM stop accepting new requests, finish the ones in flight, and exit cleanly.
+    With --curve-secret-key and --authorized-clients, clients authenticate with CURVE keys
+    (`symbiosis keys`) and all ZeroMQ traffic is encrypted.
     """
     from symbiosis.executor.executor import BaseExecutor
+
+    if (curve_secret_key is None) != (authorized_clients is None):
+        raise typer.BadParameter("--curve-secret-key and --authorized-clients go together")
+    curve = CurveServerKeys(curve_secret_key, authorized_clients) if curve_secret_key and authorized_clients else None
 
     executor = BaseExecutor.from_pretrained(
         model_dir, device=device, dtype=dtype, policy=policy,
         max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
     )
-    servers = [executor.serve(address, allow_non_loopback=allow_non_loopback) for address in bind]
+    servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
     metrics = None
     if metrics_port is not None:
         from symbiosis.executor.metrics import MetricsServer
@@ -50,6 +59,7 @@ def serve(
         f"serving {layers} base layers of {model_dir} ({executor.weights.model_type}, "
         f"{executor.weights.nbytes() / 2**20:.1f} MiB, {executor.dtype}, {executor.device}) "
         f"at {' and '.join(s.address for s in servers)} with policy {policy}"
+        + (f"; CURVE on, {len(curve.authorized_public_keys())} authorized client keys" if curve else "")
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
         err=False,
     )

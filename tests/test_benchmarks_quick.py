@@ -48,7 +48,7 @@ def test_batching_quick_writes_documented_json(tmp_path):
     assert (tmp_path / "out" / "batching.png").stat().st_size > 0
     assert {"benchmark", "command", "machine", "config", "inference", "mixed", "summary", "wall_s"} <= written.keys()
     assert MACHINE_KEYS <= written["machine"].keys()
-    assert set(written["inference"]) == set(written["mixed"]) == {"immediate", "lockstep", "opportunistic"}
+    assert set(written["inference"]) == set(written["mixed"]) == set(batching.VARIANTS)
     for policy, result in written["inference"].items():
         assert INFERENCE_KEYS <= result.keys(), policy
         assert [c["batch_size"] for c in result["per_client"]] == list(batching.INFERENCE_BATCH_SIZES)

@@ -223,8 +223,8 @@ def test_lockstep_counts_unjoined_senders_and_forgets_leavers():
     assert scheduler.next_batch(0.1) is not None  # only "b" is left, and it is present
 
 
-def test_opportunistic_waits_its_budget_unless_waiting_cannot_help():
-    config = SchedulerConfig(policy="opportunistic", row_budget=64)
+def test_opportunistic_fixed_waits_its_budget_unless_waiting_cannot_help():
+    config = SchedulerConfig(policy="opportunistic", row_budget=64, predict_arrivals=False)
     scheduler = Scheduler(config)
     for c in ("a", "b"):
         scheduler.client_joined(c)
@@ -248,7 +248,8 @@ def test_opportunistic_wait_budget_grows_with_rows_and_class_and_is_capped():
     assert 0 < decode_1 < decode_256
     assert decode_1 < config.wait_budget_s(1, P) < config.wait_budget_s(1, F)
     assert config.wait_budget_s(1_000_000, F) == pytest.approx(0.005)
-    assert config.wait_budget_s(100, P) == pytest.approx((1.0 + 0.002 * 100) / 1000)
+    assert config.wait_budget_s(100, P) == pytest.approx(min(5.0, config.prefill_base_wait_ms + 0.002 * 100) / 1000)
+    assert SchedulerConfig(decode_base_wait_ms=0.25, prefill_base_wait_ms=1.0).wait_budget_s(100, P) == pytest.approx((1.0 + 0.002 * 100) / 1000)
 
 
 # ------------------------------------------------------------------------------------ ordering and splitting
@@ -395,3 +396,176 @@ def test_stats_report_policy_and_counts():
     after = scheduler.stats()
     assert after["completed_requests"] == {"decode": 1, "prefill": 0, "finetune": 1}
     assert after["batches"] == 3 and after["rows_served"] == 7
+
+
+# ------------------------------------------------------------------------------------ predicted arrivals
+
+LAYERS = ("l0", "l1", "l2", "l3")
+FIVE_MS = dict(decode_base_wait_ms=5.0, prefill_base_wait_ms=5.0, finetune_base_wait_ms=5.0, max_wait_ms=5.0)
+
+
+class Walker:
+    """Drives a scheduler by hand: each added request must be served at once (asserted)."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.scheduler = Scheduler(config)
+        self.ids = iter(range(1_000_000))
+
+    def serve(self, client: str, layer: str, at: float, op: Op = Op.FORWARD) -> Batch:
+        self.scheduler.add(req(next(self.ids), client=client, layer=layer, op=op, at=at))
+        batch = self.scheduler.next_batch(at)
+        assert batch is not None, f"{client}@{layer} was held back"
+        return batch
+
+    def walk(self, client: str, start: float, gap: float, op: Op = Op.FORWARD) -> None:
+        layers = LAYERS if op is Op.FORWARD else tuple(reversed(LAYERS))
+        for index, layer in enumerate(layers):
+            self.serve(client, layer, start + index * gap, op)
+
+
+def warmed_walker(**overrides) -> Walker:
+    """Layer order l0..l3 learned; client a walks 1 ms per layer, client b 2 ms per layer."""
+    walker = Walker(SchedulerConfig(policy="opportunistic", **{**FIVE_MS, **overrides}))
+    walker.walk("a", 0.0, 0.001)  # alone: nobody to wait for
+    walker.walk("b", 0.1, 0.002)  # a is past every layer (ahead): nobody to wait for
+    return walker
+
+
+# (b's requests, each served at once: (layer, time, op)), a's request (layer, time), expected
+# hold-until (None: served at once). b walks 2 ms per layer and is expected at layer ``n`` of its
+# pass at ``last hand-out + hops * 2 ms``; a group holds until min(deadline, expected + 2 ms).
+PREDICTION_CASES = {
+    "b_one_layer_behind": ([("l0", 1.0, Op.FORWARD)], ("l1", 1.0015), 1.004),
+    "b_two_layers_behind_capped_by_deadline": ([("l0", 1.0, Op.FORWARD)], ("l2", 1.0005), 1.0055),
+    "b_ahead": ([("l0", 1.0, Op.FORWARD), ("l1", 1.002, Op.FORWARD), ("l2", 1.004, Op.FORWARD)], ("l1", 1.0045), None),
+    "b_served_at_this_layer": ([("l0", 1.0, Op.FORWARD), ("l1", 1.002, Op.FORWARD)], ("l1", 1.0025), None),
+    "b_too_far_behind_for_budget": ([("l0", 1.0, Op.FORWARD)], ("l3", 1.0005), None),
+    "b_finished_its_pass": ([(layer, 1.0 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)], ("l1", 1.007), None),
+    "b_in_backward": ([("l3", 1.0, Op.BACKWARD)], ("l1", 1.0005), None),
+    "b_overdue": ([("l0", 1.0, Op.FORWARD)], ("l1", 1.0045), None),
+}
+
+
+@pytest.mark.parametrize("case", PREDICTION_CASES)
+def test_opportunistic_holds_only_for_a_client_on_its_way(case):
+    b_moves, (a_layer, a_at), hold_until = PREDICTION_CASES[case]
+    walker = warmed_walker()
+    for layer, at, op in b_moves:
+        walker.serve("b", layer, at, op)
+    scheduler = walker.scheduler
+    scheduler.add(req(900, client="a", layer=a_layer, at=a_at))
+    batch = scheduler.next_batch(a_at)
+    if hold_until is None:
+        assert batch is not None and [s.request_id for s in batch.slices] == [900]
+        return
+    assert batch is None
+    assert scheduler.next_wakeup(a_at) == pytest.approx(hold_until)
+    assert hold_until - a_at <= scheduler.config.wait_budget_s(1, D) + EPS
+    assert scheduler.next_batch(hold_until - 1e-6) is None
+    assert [s.request_id for s in scheduler.next_batch(hold_until).slices] == [900]
+
+
+def test_expected_client_arriving_joins_the_held_batch():
+    walker = warmed_walker()
+    walker.serve("b", "l0", 1.0)
+    scheduler = walker.scheduler
+    before = scheduler.stats()["ready_reasons"]["all_clients"]
+    scheduler.add(req(900, client="a", layer="l1", at=1.0015))
+    assert scheduler.next_batch(1.0015) is None
+    scheduler.add(req(901, client="b", layer="l1", at=1.002))
+    batch = scheduler.next_batch(1.002)
+    assert [s.request_id for s in batch.slices] == [900, 901]
+    assert scheduler.stats()["ready_reasons"]["all_clients"] == before + 1
+
+
+def test_late_client_is_given_up_at_expected_arrival_plus_one_gap():
+    walker = warmed_walker()
+    walker.serve("b", "l0", 1.0)
+    scheduler = walker.scheduler
+    scheduler.add(req(900, client="a", layer="l1", at=1.0015))
+    before = scheduler.stats()["ready_reasons"]["overdue"]
+    assert scheduler.next_batch(1.0039) is None
+    assert scheduler.next_batch(1.004) is not None  # deadline 1.0065 not reached: given up on b
+    assert scheduler.stats()["ready_reasons"]["overdue"] == before + 1
+
+
+def test_joined_client_without_requests_is_not_waited_for_unless_prediction_is_off():
+    for predict, held in ((True, False), (False, True)):
+        scheduler = Scheduler(SchedulerConfig(policy="opportunistic", predict_arrivals=predict, **FIVE_MS))
+        scheduler.client_joined("idle")
+        scheduler.add(req(1, client="a"))
+        assert (scheduler.next_batch(0.0) is None) == held
+
+
+def test_layer_order_and_pace_are_learned_per_op():
+    walker = warmed_walker()
+    walker.walk("b", 1.0, 0.003, Op.BACKWARD)  # backward walks l3..l0: its own order, its own pace
+    scheduler = walker.scheduler
+    assert scheduler._arrivals.positions[Op.FORWARD] == {"l0": 0, "l1": 1, "l2": 2, "l3": 3}
+    assert scheduler._arrivals.positions[Op.BACKWARD] == {"l3": 0, "l2": 1, "l1": 2, "l0": 3}
+    assert scheduler._arrivals.tracks["b"].gap_s[Op.FORWARD] == pytest.approx(0.002)
+    assert scheduler._arrivals.tracks["b"].gap_s[Op.BACKWARD] == pytest.approx(0.003)
+    assert scheduler.client_left("b") == [] and "b" not in scheduler._arrivals.tracks
+
+
+def closed_loop(config: SchedulerConfig, gaps_s: dict[str, float], starts_s: dict[str, float], passes: int,
+                layers: int = 8, exec_s: float = 0.0001, joins: tuple[str, ...] = ()) -> tuple[list[Batch], dict, float]:
+    """Clients walk ``layers`` layers ``passes`` times; each sends its next request ``gap`` after its
+    previous one's batch finished (the executor runs one batch at a time, ``exec_s`` each).
+    Returns the batches, each request's wait (arrival -> first hand-out) and its budget, and the end time."""
+    scheduler = Scheduler(config)
+    for client in joins:
+        scheduler.client_joined(client)
+    next_at = dict(starts_s)
+    step = {c: 0 for c in gaps_s}
+    ids = iter(range(1_000_000))
+    owner: dict[int, tuple[str, float]] = {}
+    waits: dict[int, tuple[float, float]] = {}
+    batches, now = [], 0.0
+    for _ in range(100_000):
+        for client, at in list(next_at.items()):
+            if at is not None and at <= now:
+                rid = next(ids)
+                scheduler.add(req(rid, client=client, layer=f"l{step[client] % layers}", at=at))
+                owner[rid] = (client, at)
+                next_at[client] = None
+        batch = scheduler.next_batch(now)
+        if batch is not None:
+            batches.append(batch)
+            now += exec_s
+            for s in batch.slices:
+                client, at = owner.pop(s.request_id)
+                waits[s.request_id] = (now - exec_s - at, config.wait_budget_s(1, D))
+                step[client] += 1
+                if step[client] < passes * layers:
+                    next_at[client] = now + gaps_s[client]
+            continue
+        events = [t for t in next_at.values() if t is not None]
+        wakeup = scheduler.next_wakeup(now)
+        if wakeup is not None:
+            events.append(wakeup)
+        if not events:
+            return batches, waits, now
+        now = max(now, min(events))
+    raise AssertionError("closed loop did not terminate")
+
+
+def test_predicted_arrivals_form_convoys_within_budget_and_skip_idle_clients():
+    gaps = {"a": 0.0010, "b": 0.0012, "c": 0.0009}
+    starts = {"a": 0.0, "b": 0.0004, "c": 0.0011}
+    runs = {
+        name: closed_loop(SchedulerConfig(**kwargs, **FIVE_MS), gaps, starts, passes=6, joins=("idle",))
+        for name, kwargs in {
+            "immediate": {"policy": "immediate"},
+            "predicted": {"policy": "opportunistic"},
+            "fixed": {"policy": "opportunistic", "predict_arrivals": False},
+        }.items()
+    }
+    rows_per_batch = {name: sum(b.rows for b in run[0]) / len(run[0]) for name, run in runs.items()}
+    assert rows_per_batch["immediate"] < 1.5 < 2.0 < rows_per_batch["predicted"]
+    assert all(wait <= budget + EPS for wait, budget in runs["predicted"][1].values())
+    # The fixed budget waits for the idle client at every layer; predictions never do.
+    assert runs["predicted"][2] < 0.7 * runs["fixed"][2]
+    # Same inputs, same decisions: the policy is a function of its inputs and the clock.
+    again = closed_loop(SchedulerConfig(policy="opportunistic", **FIVE_MS), gaps, starts, passes=6, joins=("idle",))
+    assert again[0] == runs["predicted"][0]

@@ -26,14 +26,15 @@ from symbiosis.client.virt import make_virt_layer
 from symbiosis.errors import CheckpointError, ModelMismatchError
 from symbiosis.executor.executor import parse_dtype
 from symbiosis.transport.base import ExecutorService, Transport
+from symbiosis.transport.security import CurveClientKeys
 
 
-def connect(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None) -> Transport:
+def connect(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None, curve: CurveClientKeys | None = None) -> Transport:
     """A transport to ``executor``: an executor object (in-process), an address, or a transport."""
     if isinstance(executor, str):
         from symbiosis.transport.zmq import connect as connect_address
 
-        return connect_address(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint)
+        return connect_address(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint, curve=curve)
     if isinstance(executor, ExecutorService):
         from symbiosis.transport.inproc import InProcTransport
 
@@ -61,13 +62,15 @@ def load_client_model(
     client_layers: Iterable[str] = (),
     client_id: str | None = None,
     timeout_s: float = 300.0,
+    curve: CurveClientKeys | None = None,
 ):
     """Load the checkpoint at ``path`` as a client of ``executor``.
 
     Returns the class ``AutoModelForCausalLM.from_pretrained(path)`` would return, in eval mode,
     on ``device`` in ``dtype`` (default: the checkpoint's dtype, else float32). Base layers are
     VirtLayers; their weights are never read into this process. ``client_layers`` names base
-    layers to keep (with their weights) in the client instead.
+    layers to keep (with their weights) in the client instead. ``curve``: ``CurveClientKeys`` for
+    an executor address that requires CURVE (default: the ``SYMBIOSIS_CURVE_*`` environment).
     """
     checkpoint = Checkpoint(path)
     config = checkpoint.config
@@ -78,7 +81,7 @@ def load_client_model(
     all_specs = discover_base_layers(model)
     served_specs = discover_base_layers(model, client_layers)
     fingerprint = checkpoint.fingerprint(all_specs)
-    transport = connect(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint)
+    transport = connect(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint, curve=curve)
     if transport.fingerprint != fingerprint:
         transport.close()
         raise ModelMismatchError(

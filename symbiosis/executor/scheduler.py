@@ -13,7 +13,19 @@ can share one GEMM. Three policies decide when a group is *ready* (paper §3.6-3
 - ``opportunistic`` (default): wait a little to collect more rows, with a budget that grows with
   the request's size and latency class (see ``SchedulerConfig.wait_budget_s``), and stop waiting
   as soon as waiting cannot help (the group already fills ``row_budget``, or every joined client
-  is already in it).
+  is already in it). With ``predict_arrivals`` (default) it waits only for clients that are *on
+  their way* to the group's layer; see "Predicted arrivals" below.
+
+Predicted arrivals. Clients walk the base layers of an op in a fixed order, one request at a
+time; ``arrivals.ArrivalPredictor`` learns that order and each client's pace (``gap`` per layer)
+from arrivals, and predicts when a client behind a group's layer in the same pass reaches it. The
+group is held only while some client is expected no
+later than the group's budget deadline, and at most until the latest such expectation plus one
+``gap`` of slack (a client that falls behind its prediction stops being waited for). Clients that
+are ahead (already at or past the layer), idle between passes, in another op (a fine-tuning
+client in backward while the group is forward), or without a measured pace are not waited for:
+the group is served at once. Waiting for them cannot grow the batch within the budget, only delay
+it. The budget deadline remains the bound in every case.
 
 Among ready groups, and among requests inside a batch, requests that waited ``aging_ms`` go first
 (oldest first); otherwise decode before prefill before fine-tuning, then oldest arrival. A batch
@@ -23,8 +35,8 @@ token windows that ride along with inference) done at the executor, where it is 
 are row-independent, so any row chunking gives the same result. It bounds how much other work a
 decode request can find in front of it.
 
-Cost per call is O(groups with pending work) plus O(log n) per request handed out; requests are
-never scanned as a whole, except by ``client_left`` (rare) for the leaving client's own requests.
+Cost per call is O(groups with pending work) plus O(log n) per request handed out (opportunistic
+with predictions: O(groups x clients)); requests are never scanned as a whole, except by ``client_left`` (rare) for the leaving client's own requests.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
+from symbiosis.executor.arrivals import ArrivalPredictor
 from symbiosis.executor.requests import Batch, LatencyClass, Op, PendingRequest, RowSlice
 
 Policy = Literal["immediate", "lockstep", "opportunistic"]
@@ -72,22 +85,23 @@ class SchedulerConfig:
         metadata=_help("Lockstep: serve a layer anyway once its oldest request waited this long (ms)."),
     )
     aging_ms: float = field(
-        default=100.0,
+        default=20.0,
         metadata=_help(
             "A request that waited this long is served before any class priority, oldest first (ms); "
-            "prevents fine-tuning from starving under a steady stream of decode requests."
+            "prevents fine-tuning from starving under a steady stream of decode requests. A fine-tuning "
+            "step makes ~2 requests per base layer, so this bounds its queueing per step."
         ),
     )
     decode_base_wait_ms: float = field(
-        default=0.25,
+        default=3.0,
         metadata=_help("Opportunistic: wait budget of a decode request before its per-row growth (ms)."),
     )
     prefill_base_wait_ms: float = field(
-        default=1.0,
+        default=4.0,
         metadata=_help("Opportunistic: wait budget of a prefill request before its per-row growth (ms)."),
     )
     finetune_base_wait_ms: float = field(
-        default=2.0,
+        default=5.0,
         metadata=_help("Opportunistic: wait budget of a fine-tuning request before its per-row growth (ms)."),
     )
     wait_per_row_ms: float = field(
@@ -98,11 +112,22 @@ class SchedulerConfig:
         ),
     )
 
+    predict_arrivals: bool = field(
+        default=True,
+        metadata=_help(
+            "Opportunistic: hold a layer's requests only while another client is on its way to that "
+            "layer (behind it in the same pass and expected within the wait budget, learned from the "
+            "order and pace of each client's requests); off: always hold for the whole wait budget."
+        ),
+    )
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if isinstance(self.row_budget, bool) or not isinstance(self.row_budget, int) or self.row_budget < 1:
             raise ValueError(f"SchedulerConfig.row_budget must be an integer >= 1, got {self.row_budget!r}")
+        if not isinstance(self.predict_arrivals, bool):
+            raise ValueError(f"SchedulerConfig.predict_arrivals must be a bool, got {self.predict_arrivals!r}")
         for name in (
             "max_wait_ms",
             "lockstep_timeout_ms",
@@ -243,7 +268,10 @@ class Scheduler:
         self._completed = {c.value: 0 for c in _CLASS_ORDER}
         self._dropped = 0
         self._max_first_wait_s = {c.value: 0.0 for c in _CLASS_ORDER}
-        self._ready_reasons = {"deadline": 0, "started": 0, "full": 0, "all_clients": 0}
+        self._sum_first_wait_s = {c.value: 0.0 for c in _CLASS_ORDER}
+        self._ready_reasons = {"deadline": 0, "started": 0, "full": 0, "all_clients": 0, "none_coming": 0, "overdue": 0}
+        self._predict = config.policy == "opportunistic" and config.predict_arrivals
+        self._arrivals = ArrivalPredictor()  # fed always; consulted by opportunistic with predictions
 
     # ----------------------------------------------------------------------------- clients
 
@@ -253,6 +281,7 @@ class Scheduler:
     def client_left(self, client_id: str) -> list[int]:
         """Forget the client and drop its pending requests (partly served ones too); returns their ids."""
         self._clients.discard(client_id)
+        self._arrivals.forget(client_id)
         dropped = list(self._by_client.pop(client_id, {}))
         for request_id in dropped:
             entry = self._entries.pop(request_id)
@@ -281,6 +310,7 @@ class Scheduler:
         if group is None:
             group = self._groups[key] = _Group(request.layer_id, request.op)
         group.insert(entry, self._ready_s(request))
+        self._arrivals.arrived(request)
         self._entries[request.request_id] = entry
         self._by_client.setdefault(request.client_id, {})[request.request_id] = None
         self._pending_rows += request.rows
@@ -307,10 +337,28 @@ class Scheduler:
             return "full"
         return None
 
+    def _hold_until_s(self, group: _Group, now_s: float) -> tuple[float, str]:
+        """Until when ``group`` may wait without new arrivals, and what ends the wait then."""
+        deadline_s = group.earliest_ready_s()
+        if not self._predict:
+            return deadline_s, "deadline"
+        latest_s = -math.inf
+        for expected_s, gap_s in self._arrivals.expected(group.layer_id, group.op, group.client_counts, now_s):
+            give_up_s = expected_s + gap_s  # one hop of slack for jitter in its pace
+            if expected_s <= deadline_s:  # one that arrives later cannot be waited for anyway
+                latest_s = max(latest_s, give_up_s)
+        if latest_s == -math.inf:
+            return -math.inf, "none_coming"
+        if latest_s < deadline_s:
+            return latest_s, "overdue"
+        return deadline_s, "deadline"
+
     def _ready_reason(self, group: _Group, now_s: float) -> str | None:
         reason = self._ready_now_reason(group)
-        if reason is None and group.earliest_ready_s() <= now_s:
-            reason = "deadline"
+        if reason is None:
+            hold_until_s, why = self._hold_until_s(group, now_s)
+            if hold_until_s <= now_s:
+                reason = why
         return reason
 
     def next_wakeup(self, now_s: float) -> float | None:
@@ -322,7 +370,7 @@ class Scheduler:
         for group in self._groups.values():
             if self._ready_now_reason(group) is not None:
                 return now_s
-            wakeup = min(wakeup, group.earliest_ready_s())
+            wakeup = min(wakeup, self._hold_until_s(group, now_s)[0])
         return max(now_s, wakeup)
 
     # ----------------------------------------------------------------------------- batching
@@ -385,6 +433,7 @@ class Scheduler:
                 waited = now_s - request.arrival_s
                 cls = request.latency_class.value
                 self._max_first_wait_s[cls] = max(self._max_first_wait_s[cls], waited)
+                self._sum_first_wait_s[cls] += waited
             slices.append(RowSlice(request.request_id, entry.next_row, entry.next_row + take))
             rows += take
             self._pending_rows -= take
@@ -392,7 +441,7 @@ class Scheduler:
                 group.queues[request.latency_class].popleft()
                 entry.next_row += take
                 group.pending_rows -= take
-                self._finish(group, entry)
+                self._finish(group, entry, now_s)
             else:  # split: the rest is continued in a later batch
                 if not entry.split:
                     entry.split = True
@@ -406,8 +455,9 @@ class Scheduler:
         self._rows_served += rows
         return Batch(layer_id=group.layer_id, op=group.op, slices=tuple(slices))
 
-    def _finish(self, group: _Group, entry: _Entry) -> None:
+    def _finish(self, group: _Group, entry: _Entry, now_s: float) -> None:
         request = entry.request
+        self._arrivals.handed_out(request, now_s)  # its client's pace is measured from here
         group.forget(entry)
         del self._entries[request.request_id]
         client_requests = self._by_client[request.client_id]
@@ -442,5 +492,8 @@ class Scheduler:
             "rows_served": self._rows_served,
             "mean_batch_rows": self._rows_served / self._batches if self._batches else 0.0,
             "max_first_wait_ms": {c: s * 1000.0 for c, s in self._max_first_wait_s.items()},
+            "mean_first_wait_ms": {
+                c: 1000.0 * s / self._completed[c] if self._completed[c] else 0.0 for c, s in self._sum_first_wait_s.items()
+            },
             "ready_reasons": dict(self._ready_reasons),
         }

@@ -42,6 +42,11 @@ NCCL (code path present, not tested here — no GPU in CI, and NCCL cannot pair 
 GPU): NCCL ignores tags and matches sends and receives by order, and an unmatched send blocks the
 communicator. The client therefore keeps one call in flight per NCCL transport, so both sides
 post in the same order, and refused headers after a posted send rebuild the group as above.
+
+Security: CURVE (``security.py``) covers the ZeroMQ control messages only; gloo/NCCL payloads and
+the TCPStore are neither authenticated nor encrypted. With CURVE on, a server keeps its dist
+channel on loopback unless ``allow_non_loopback=True``, and a client refuses a pair group on a
+non-loopback host unless ``allow_unencrypted_payloads=True``.
 """
 
 from __future__ import annotations
@@ -289,6 +294,8 @@ class DistTransport(ZmqTransport):
     ``device``: where payloads leave from and results arrive (default ``cpu``); ``backend``:
     ``gloo`` (default for CPU) or ``nccl`` (default for CUDA). ``hostname``: the address this
     client's gloo device listens on (default: the interface that reaches the executor's store).
+    ``allow_unencrypted_payloads``: with CURVE keys, accept a pair group on a non-loopback host
+    (payload bytes then cross the network in plaintext; CURVE protects only control messages).
     """
 
     def __init__(
@@ -298,6 +305,7 @@ class DistTransport(ZmqTransport):
         device: str | torch.device = "cpu",
         backend: str | None = None,
         hostname: str | None = None,
+        allow_unencrypted_payloads: bool = False,
         **kwargs: Any,
     ) -> None:
         if not address.startswith("dist+"):
@@ -306,6 +314,13 @@ class DistTransport(ZmqTransport):
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         _check_backend(self.backend, self.device)
         self._hostname = hostname
+        self._allow_unencrypted_payloads = allow_unencrypted_payloads
+        server_host = address[len("dist+tcp://") :].rpartition(":")[0].strip("[]") if address.startswith("dist+tcp://") else ""
+        if kwargs.get("curve") is not None and not allow_unencrypted_payloads and server_host and not _is_loopback(server_host):
+            raise ValueError(
+                f"refusing {address!r} with CURVE: torch.distributed payloads are not encrypted (CURVE covers control "
+                "messages only); connect with tcp:// for encrypted inline payloads, or pass allow_unencrypted_payloads=True"
+            )
         self._group: Any = None
         self._group_conn: _Connection | None = None
         self._store: dist.Store | None = None
@@ -330,6 +345,12 @@ class DistTransport(ZmqTransport):
             raise ProtocolError(f"executor at {self.address} did not open a torch.distributed session")
         host, _, port = welcome.dist_store.rpartition(":")
         host = host.strip("[]")
+        if self.curve is not None and not self._allow_unencrypted_payloads and not _is_loopback(host):
+            raise ProtocolError(
+                f"refusing torch.distributed payloads to {host}: CURVE encrypts control messages only and "
+                "gloo/NCCL payloads would cross the network in plaintext; use tcp:// (inline, encrypted) or "
+                "pass allow_unencrypted_payloads=True"
+            )
         timeout = datetime.timedelta(seconds=self.connect_timeout_s)
         try:
             store = dist.TCPStore(host, int(port), None, False, timeout)
@@ -418,6 +439,13 @@ class DistTransport(ZmqTransport):
             lease.conn.fail(reason)
         if self._group is lease.group:
             self._group = None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _local_address_towards(host: str) -> str:

@@ -8,6 +8,12 @@ Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``connect
 Threading: a ZeroMQ socket must be used by one thread at a time, so each connection has one I/O
 thread that owns its DEALER socket; calling threads hand frames over through a queue plus a
 ``Waker`` and wait on per-request futures matched by request id.
+
+Security: ``curve=CurveClientKeys(...)`` (or the ``SYMBIOSIS_CURVE_SERVER_KEY`` /
+``SYMBIOSIS_CURVE_CLIENT_KEY`` environment variables, read by ``connect``) makes the socket a
+CURVE client (``security.py``). A failed handshake (no CURVE against a CURVE server, a key the
+server does not authorize, a wrong server key) is reported by the socket monitor and fails the
+connection at once with ``ExecutorUnavailableError`` naming the cause, instead of a silent wait.
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from symbiosis.errors import (
     error_from_code,
 )
 from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
 
 log = logging.getLogger(__name__)
-
 
 
 class _Connection:
@@ -50,8 +56,10 @@ class _Connection:
     back, or fails with ``ExecutorUnavailableError`` when the connection is lost.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, curve: CurveClientKeys | None = None) -> None:
         self.heartbeat_s = heartbeat_s
+        self._endpoint = endpoint
+        self._curve_on = curve is not None
         self.dead: str | None = None
         self._pending: dict[int, Future[tuple[P.Message, list[zmq.Frame]]]] = {}
         self._lock = threading.Lock()
@@ -62,8 +70,10 @@ class _Connection:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            configure_client_socket(self._sock, curve)
         self._sock.connect(endpoint)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         self._thread = threading.Thread(target=self._run, name=f"ZmqTransport({endpoint})", daemon=True)
         self._thread.start()
 
@@ -108,7 +118,7 @@ class _Connection:
             self.fail(f"transport I/O thread failed: {exc}")
         finally:
             if self._goodbye is not None and self.dead is None:
-                self._sock.send(self._goodbye)
+                self._send([self._goodbye], True)
             self._sock.disable_monitor()
             self._monitor.close(0)
             self._sock.close(linger=500 if self._goodbye is not None else 0)
@@ -129,18 +139,36 @@ class _Connection:
                     frames, copy = self._outbox.get_nowait()
                 except queue.Empty:
                     break
-                self._sock.send_multipart(frames, copy=copy)
+                self._send(frames, copy)
             if self._sock in events:
                 while self._sock.poll(0):
                     last_heard = now
                     self._dispatch(self._sock.recv_multipart(copy=False))
-            if self._monitor in events and recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                self.fail("connection to the executor was lost")
+            if self._monitor in events:
+                self._read_monitor()
             if now - last_ping >= self.heartbeat_s:
-                self._sock.send(P.encode(P.Ping()))
+                self._send([P.encode(P.Ping())], True)
                 last_ping = now
             if self._pending and now - last_heard > max(5.0, 5 * self.heartbeat_s):
                 self.fail(f"executor silent for {now - last_heard:.1f}s")
+
+    def _send(self, frames: list[Any], copy: bool) -> None:
+        # Never block: a DEALER blocks when it has no pipe, which is the case for good once a
+        # handshake failed on a protocol error (libzmq does not reconnect then). SNDHWM is 0,
+        # so EAGAIN means exactly that.
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            self._read_monitor()  # the handshake failure, if that is why, names the cause
+            self.fail("connection to the executor was lost")
+
+    def _read_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.fail("connection to the executor was lost")
+            elif event["event"] & HANDSHAKE_EVENTS:  # comes before its DISCONNECTED: the cause wins
+                self.fail(handshake_failure(self._endpoint, event["event"], event["value"], self._curve_on))
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -166,6 +194,9 @@ class ZmqTransport:
     a call re-handshakes and retries with bounded exponential backoff (tenacity): safe because the
     executor keeps no state between calls. Large CPU payloads are sent zero-copy; ZeroMQ may drop
     its reference to them a moment after ``call`` returns (the bytes were sent before the reply).
+
+    ``curve``: authenticate to (and encrypt traffic with) a CURVE executor; key files are checked
+    here. The environment-variable route lives in ``connect``.
     """
 
     def __init__(
@@ -176,6 +207,7 @@ class ZmqTransport:
         expected_fingerprint: str | None = None,
         timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         if not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"unsupported executor address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
@@ -185,6 +217,7 @@ class ZmqTransport:
         self.expected_fingerprint = expected_fingerprint
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.curve = curve
         self._ctx = zmq.Context()
         self._request_ids = itertools.count(1)
         self._conn_lock = threading.Lock()
@@ -274,7 +307,7 @@ class ZmqTransport:
     # ---- internals -----------------------------------------------------------------------
 
     def _handshake(self, deadline: float) -> _Connection:
-        conn = _Connection(self._ctx, self._endpoint, heartbeat_s=1.0)
+        conn = _Connection(self._ctx, self._endpoint, heartbeat_s=1.0, curve=self.curve)
         rid = next(self._request_ids)
         hello = P.Hello(P.PROTOCOL_VERSION, self.client_id, rid, self.expected_fingerprint, **self._hello_options())
         try:
@@ -344,9 +377,13 @@ class ZmqTransport:
             self._release(lease, reusable=True)
 
 
-def connect(address: str, **kwargs: Any) -> ZmqTransport:
+def connect(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any) -> ZmqTransport:
     """Open the transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://``/``shm+tcp://``
-    (payloads in shared memory) or ``dist+ipc://``/``dist+tcp://`` (payloads over torch.distributed)."""
+    (payloads in shared memory) or ``dist+ipc://``/``dist+tcp://`` (payloads over torch.distributed).
+
+    ``curve``: CURVE keys for an authenticating executor; when None, the key files named by
+    ``SYMBIOSIS_CURVE_SERVER_KEY`` and ``SYMBIOSIS_CURVE_CLIENT_KEY`` are used if set."""
+    kwargs["curve"] = curve if curve is not None else CurveClientKeys.from_env()
     if address.startswith("shm+"):
         from symbiosis.transport.shm import ShmTransport
 

@@ -15,6 +15,11 @@ and ends the ones that fail. Clients also ping every ``heartbeat_s``; a session 
 ``client_timeout_s`` is ended too (hung hosts, lost FINs). Ending a session calls
 ``unregister_client`` (the executor drops its pending work) and lets every channel free what it
 holds for the session (shared-memory mappings, the dist pair group).
+
+Security: with ``curve=CurveServerKeys(...)`` the ROUTER is a CURVE server and a ZAP handler in
+the server's context admits only the authorized client keys (``security.py``); every ZeroMQ
+frame is then authenticated and encrypted, which is what makes a non-loopback bind acceptable.
+Without CURVE, non-loopback binds need ``allow_non_loopback=True``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from symbiosis.errors import ExecutorUnavailableError, ModelMismatchError, Proto
 from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
+from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
 
 log = logging.getLogger(__name__)
@@ -46,8 +52,9 @@ log = logging.getLogger(__name__)
 _INVALID = "<invalid>"  # stats key for requests that name no known layer
 
 
-def check_bind_address(address: str, allow_non_loopback: bool) -> str:
-    """Return the address to bind; refuse non-loopback tcp unless explicitly allowed."""
+def check_bind_address(address: str, allow_non_loopback: bool, authenticated: bool = False) -> str:
+    """Return the address to bind; refuse non-loopback tcp unless the service is ``authenticated``
+    (CURVE) or unauthenticated exposure is explicitly allowed."""
     if address.startswith(("ipc://", "inproc://")):
         return address
     if not address.startswith("tcp://"):
@@ -60,10 +67,12 @@ def check_bind_address(address: str, allow_non_loopback: bool) -> str:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:  # '*', interface names, host names
         loopback = False
-    if not loopback and not allow_non_loopback:
+    if not loopback and not allow_non_loopback and not authenticated:
         raise ValueError(
-            f"refusing to bind {address!r}: not a loopback address. Pass allow_non_loopback=True "
-            "to serve other hosts (the wire is neither authenticated nor encrypted)."
+            f"refusing to bind {address!r}: not a loopback address. Turn on CURVE "
+            "(curve=CurveServerKeys(...); `symbiosis serve --curve-secret-key FILE --authorized-clients DIR`) "
+            "to serve other hosts authenticated and encrypted, or pass allow_non_loopback=True to serve them "
+            "without authentication or encryption."
         )
     return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
 
@@ -90,6 +99,10 @@ class ZmqServer:
     ``allow_shm`` / ``allow_dist`` enable those payload channels; ``dist_host`` is the address the
     dist channel listens on (default: the tcp bind host, or loopback for ipc) and ``dist_device``
     where it receives payloads (``cuda:N`` for NCCL clients).
+
+    ``curve``: authenticate and encrypt every client (see module doc). gloo/NCCL payloads are not
+    encrypted, so with CURVE the dist channel stays on loopback (same-host clients) unless
+    ``allow_non_loopback=True`` accepts plaintext payloads on the network.
     """
 
     def __init__(
@@ -106,9 +119,19 @@ class ZmqServer:
         heartbeat_s: float = 1.0,
         client_timeout_s: float = 15.0,
         drain_timeout_s: float = 30.0,
+        curve: CurveServerKeys | None = None,
     ) -> None:
         self._service = service
-        self._bind_address = check_bind_address(address, allow_non_loopback)
+        self._curve = curve
+        self._bind_address = check_bind_address(address, allow_non_loopback, authenticated=curve is not None)
+        if curve is not None and allow_dist and not allow_non_loopback:
+            if dist_host is not None and not _is_loopback(dist_host):
+                raise ValueError(
+                    f"refusing dist_host={dist_host!r} with CURVE: torch.distributed payloads are not encrypted. "
+                    "Pass allow_dist=False, a loopback dist_host, or allow_non_loopback=True to accept plaintext payloads."
+                )
+            if dist_host is None and not _is_loopback(_dist_host_for(self._bind_address)):
+                dist_host = "127.0.0.1"  # same-host dist clients only: their payloads never leave the host
         self._limits = P.Limits(max_payload_bytes=max_payload_bytes)
         self._allow_shm = allow_shm
         self._allow_dist = allow_dist
@@ -128,6 +151,7 @@ class ZmqServer:
         self._waker = Waker()
         self._close_request: bool | None = None  # None: running; else drain flag
         self._thread: threading.Thread | None = None
+        self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
 
     @property
@@ -142,14 +166,18 @@ class ZmqServer:
         self._channels = self._make_channels()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.SNDHWM, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes + P.MAX_HEADER_BYTES)
-        self._router.setsockopt(zmq.LINGER, 500)
         try:
+            if self._curve is not None:  # the ZAP handler first: a CURVE server without one admits any key
+                self._auth = start_authenticator(self._ctx, self._curve)
+                configure_server_socket(self._router, self._curve)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.SNDHWM, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes + P.MAX_HEADER_BYTES)
+            self._router.setsockopt(zmq.LINGER, 500)
             self._router.bind(self._bind_address)
-        except zmq.ZMQError:
+        except BaseException:
             self._router.close(0)
+            self._stop_authenticator()
             self._ctx.term()
             raise
         self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -166,8 +194,19 @@ class ZmqServer:
         self._close_request = drain
         self._waker.wake()
         self._thread.join()
+        self._stop_authenticator()
         self._ctx.term()
         self._waker.close()
+
+    @property
+    def curve(self) -> CurveServerKeys | None:
+        """The CURVE keys this server authenticates with (None: no authentication)."""
+        return self._curve
+
+    def _stop_authenticator(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per layer id: requests accepted, rows accepted, error replies (unknown layers: '<invalid>')."""
@@ -464,6 +503,13 @@ class ZmqServer:
         with self._stats_lock:
             counts = self._stats.setdefault(layer_id, {"requests": 0, "rows": 0, "errors": 0})
             counts[field] += n
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _dist_host_for(bind_address: str) -> str:

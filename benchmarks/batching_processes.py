@@ -1,0 +1,193 @@
+"""``benchmarks.batching --clients-as processes``: the executor and every client in its own process.
+
+In thread mode every client and the executor share one interpreter, so the GIL serializes their
+Python and a policy's waits are stretched by GIL hand-offs (``sys.getswitchinterval()``, 5 ms). Here
+each client is a process with its own interpreter (one torch thread each), talking to an executor
+process over ``ipc://`` through the ZeroMQ transport, as ``symbiosis serve`` clients do.
+
+Processes are started once (spawn) and reused for every run: the executor process loads the
+weights once and starts a fresh ``BaseExecutor`` with the run's ``SchedulerConfig`` at a fresh
+address; each client process builds a fresh client model and adapter per run, warms up, reports
+ready, and then runs from a common start time (``time.perf_counter`` is CLOCK_MONOTONIC, shared by
+processes on Linux) until the window's end, counting the steps that finish inside the window.
+It returns the same per-run summary as thread mode (``batching.summarize_run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from symbiosis.executor.scheduler import SchedulerConfig
+
+# Clients start this long after the last one reported ready, so all of them see the same start.
+_START_DELAY_S = 0.2
+_REPLY_TIMEOUT_S = 300.0
+
+
+def _executor_main(conn, path: str, threads: int | None) -> None:
+    import torch
+
+    import symbiosis
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    weights = symbiosis.BaseExecutor.from_pretrained(path).weights
+    executor = None
+    while True:
+        command, payload = conn.recv()
+        if command == "start":
+            config, address = payload
+            executor = symbiosis.BaseExecutor(weights, SchedulerConfig(**config))
+            executor.serve(address)
+            conn.send(("ok", None))
+        elif command == "stats":
+            from benchmarks.batching import counters_from_stats
+
+            conn.send(("ok", counters_from_stats(executor.stats()["scheduler"])))
+        elif command == "stop":
+            executor.close()
+            executor = None
+            conn.send(("ok", None))
+        else:  # "exit"
+            if executor is not None:
+                executor.close()
+            conn.send(("ok", None))
+            return
+
+
+def _client_main(conn, path: str) -> None:
+    import peft
+    import torch
+
+    import symbiosis
+    from benchmarks import batching, common
+
+    torch.set_num_threads(1)  # one core's worth per client; the executor process takes its own
+    common.quiet_libraries()
+    while True:
+        command, payload = conn.recv()
+        if command == "exit":
+            return
+        spec, address, seed, prompt_len, segment_tokens = payload
+        try:
+            base = symbiosis.load_client_model(path, executor=address)
+            model = peft.get_peft_model(base, batching.ADAPTERS[spec.adapter]())
+            if spec.kind == "inference":
+                model.eval()
+                client = batching.InferenceClient(model, spec, prompt_len, segment_tokens, seed=seed)
+                warmup_steps = 3
+            else:
+                model.train()
+                client = batching.FinetuneClient(model, spec, seed=seed)
+                warmup_steps = 1
+            for _ in range(warmup_steps):
+                client.step()
+            conn.send(("ready", None))
+            _, (start_s, end_s) = conn.recv()
+            time.sleep(max(0.0, start_s - time.perf_counter()))
+            tokens_per_step = spec.batch_size * max(1, spec.seq_len)
+            step_s, tokens = [], 0
+            while True:
+                started = time.perf_counter()
+                counted = client.step()
+                finished = time.perf_counter()
+                if finished > end_s:
+                    break
+                if counted:
+                    step_s.append(finished - started)
+                    tokens += tokens_per_step
+            base.symbiosis_transport.close()  # unregister at once, so that lockstep stops waiting
+            del client, model, base
+            conn.send(("done", (step_s, tokens)))
+        except Exception as exc:  # reported by the parent
+            conn.send(("error", repr(exc)))
+
+
+class ProcessPool:
+    """One executor process (unless ``--executor`` names a running one) and ``clients`` client processes."""
+
+    def __init__(self, path: Path, clients: int, args: argparse.Namespace):
+        self.args = args
+        self.path = str(path)
+        context = mp.get_context("spawn")
+        self._runs = 0
+        self._executor = None
+        if args.executor is None:
+            parent, child = context.Pipe()
+            process = context.Process(target=_executor_main, args=(child, self.path, args.threads), daemon=True)
+            process.start()
+            self._executor = (process, parent)
+        self._clients = []
+        for _ in range(clients):
+            parent, child = context.Pipe()
+            process = context.Process(target=_client_main, args=(child, self.path), daemon=True)
+            process.start()
+            self._clients.append((process, parent))
+
+    @staticmethod
+    def _reply(process, conn, what: str):
+        if not conn.poll(_REPLY_TIMEOUT_S):
+            raise RuntimeError(f"{what} (pid {process.pid}) did not answer within {_REPLY_TIMEOUT_S:.0f} s")
+        status, payload = conn.recv()
+        if status == "error":
+            raise RuntimeError(f"{what} failed: {payload}")
+        return payload
+
+    def _executor_call(self, command: str, payload=None):
+        process, conn = self._executor
+        conn.send((command, payload))
+        return self._reply(process, conn, "executor process")
+
+    def run_once(self, config: SchedulerConfig | None, specs: Sequence, seed: int) -> dict:
+        """One measured window of ``specs``; ``config`` None means the running executor at ``--executor``."""
+        from benchmarks.batching import ClientRecord, summarize_run
+
+        self._runs += 1
+        if config is not None:
+            address = f"ipc:///tmp/symbiosis-batching-{os.getpid()}-{self._runs}.sock"
+            self._executor_call("start", (dataclasses.asdict(config), address))
+        else:
+            address = self.args.executor
+        used = self._clients[: len(specs)]
+        try:
+            for index, ((_, conn), spec) in enumerate(zip(used, specs)):
+                conn.send(("run", (spec, address, seed + index, self.args.prompt_len, self.args.segment_tokens)))
+            for index, (process, conn) in enumerate(used):
+                self._reply(process, conn, f"client process {index}")
+            counters = {}
+            start_s = time.perf_counter() + _START_DELAY_S
+            end_s = start_s + self.args.window_s
+            for _, conn in used:
+                conn.send(("go", (start_s, end_s)))
+            time.sleep(max(0.0, start_s - time.perf_counter()))
+            counters["start"] = self._executor_call("stats") if config is not None else {"batches": 0, "rows": 0}
+            time.sleep(max(0.0, end_s - time.perf_counter()))
+            counters["end"] = self._executor_call("stats") if config is not None else {"batches": 0, "rows": 0}
+            records = []
+            for index, ((process, conn), spec) in enumerate(zip(used, specs)):
+                step_s, tokens = self._reply(process, conn, f"client process {index}")
+                records.append(ClientRecord(spec, step_s=step_s, tokens=tokens))
+        finally:
+            if config is not None:
+                self._executor_call("stop")
+                Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+        return summarize_run(records, counters, self.args.window_s, config is not None)
+
+    def close(self) -> None:
+        processes = self._clients + ([self._executor] if self._executor else [])
+        for process, conn in processes:
+            try:
+                conn.send(("exit", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for process, _ in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()

@@ -1,0 +1,132 @@
+"""Render the README's benchmark section from result JSON files (never typed by hand).
+
+Reads ``<results>/<scenario>/result.json`` for every suite scenario (``benchmarks/suite.py``) and,
+when present, ``<results>/transport/transport.json`` (``benchmarks/transport.py``), and writes one
+markdown file: per scenario the command that produced it, its headline ratios, an honest line for
+everything where the baseline wins, its table and its plot. Missing results are listed as not run.
+
+Run: ``python -m benchmarks.report [--results docs/benchmarks] [--output docs/benchmarks/RESULTS.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite import SCENARIOS
+
+TITLES = {
+    "multi_job_finetune": "Multi-job fine-tuning: one executor + K clients vs K HF PEFT processes",
+    "executor_memory": "Executor memory vs number of training clients",
+    "multi_adapter_inference": "Multi-adapter inference: K adapters decoding at once",
+    "split_overhead": "Split overhead per transport (one client vs the monolithic model)",
+    "executor_efficiency": "Executor efficiency: batched products vs plain torch.matmul",
+}
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return str(value)
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    load = machine.get("load_average_1_5_15min")
+    load_text = f", load average {load[0]:.1f} at the start" if load else ""
+    return (f"{machine.get('processor')}, {machine.get('usable_cpus')} usable CPUs{load_text}; torch {machine.get('torch')}, "
+            f"transformers {machine.get('transformers')}, peft {machine.get('peft')}")
+
+
+def scenario_section(index: int, name: str, result: dict[str, Any] | None, results_dir: Path, relative_to: Path) -> list[str]:
+    lines = [f"### {index}. {TITLES.get(name, name)}", ""]
+    if result is None:
+        return lines + [f"_Not run: no `{name}/result.json` in `{results_dir}`._", ""]
+    lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}).", ""]
+    lines += [f"- {line}" for line in result["headline"]]
+    losses = result.get("losses") or []
+    lines += [f"- **Where we lose:** {line}" for line in losses] or ["- Where we lose: nothing in this run."]
+    table = results_dir / name / "table.md"
+    if table.is_file():
+        body = table.read_text().strip().splitlines()
+        lines += ["", *[line for line in body if not line.startswith("### ")]]
+    plot = results_dir / name / "plot.png"
+    if plot.is_file():
+        lines += ["", f"![{name}]({os.path.relpath(plot, relative_to)})"]
+    return lines + [""]
+
+
+def transport_section(result: dict[str, Any] | None, results_dir: Path, relative_to: Path) -> list[str]:
+    lines = ["### Transports: round trips at hidden size 4096 (issue 3)", ""]
+    if result is None:
+        return lines + [f"_Not run: no `transport/transport.json` in `{results_dir}`._", ""]
+    lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}).", ""]
+    lines += [f"Server: {result['config']['round_trip_service']}. Ceiling: {result['config']['memcpy']}.", ""]
+    round_trip = result["round_trip"]
+    rows = list(round_trip)
+    names = [n for n, v in round_trip[rows[0]].items() if isinstance(v, dict)]
+    lines += ["| rows (MiB) | " + " | ".join(f"{n} ms (GB/s)" for n in names) + " | layer GEMM ms |", "|" + "---|" * (len(names) + 2)]
+    for r in rows:
+        entry = round_trip[r]
+        cells = [f"{_fmt(entry[n]['median_ms'])} ({_fmt(entry[n]['gbytes_per_s'])})" for n in names]
+        lines.append(f"| {r} ({entry['bytes'] / 2**20:.3g}) | " + " | ".join(cells) + f" | {_fmt(entry.get('gemm_ms'))} |")
+    largest = round_trip[rows[-1]]
+    best = min((n for n in names if n not in ("memcpy", "inproc")), key=lambda n: largest[n]["median_ms"], default=None)
+    lines.append("")
+    if best:
+        lines.append(f"- At {rows[-1]} rows the fastest cross-process transport is {best}: x{largest[best]['over_memcpy']:.1f} the memcpy ceiling.")
+    steps = result.get("steps")
+    if steps:
+        train, decode = steps["train_step"]["ratio_over_monolithic"], steps["decode_step"]["ratio_over_monolithic"]
+        lines.append("- Split / monolithic (" + str(Path(steps["config"]["model"]).name) + "), training step: "
+                     + ", ".join(f"{t} x{v:.2f}" for t, v in train.items()) + "; decode step: " + ", ".join(f"{t} x{v:.2f}" for t, v in decode.items()) + ".")
+    dist = result.get("dist") or {}
+    if not dist.get("available", False):
+        lines.append(f"- **Not measured:** dist+tcp ({dist.get('reason', 'unknown')}).")
+    plot = results_dir / "transport" / "transport.png"
+    if plot.is_file():
+        lines += ["", f"![transport]({os.path.relpath(plot, relative_to)})"]
+    return lines + [""]
+
+
+def render(results_dir: Path, output: Path) -> str:
+    results_dir, output = Path(results_dir), Path(output)
+    relative_to = output.parent
+    lines = [
+        "## Benchmark results",
+        "",
+        f"_Generated by `python -m benchmarks.report --results {results_dir} --output {output}` from the JSON files next to it; "
+        "do not edit by hand. Numbers are medians of interleaved runs on a shared, noisy machine; ratios matter more than absolute values._",
+        "",
+    ]
+    for index, name in enumerate(SCENARIOS, 1):
+        lines += scenario_section(index, name, _load(results_dir / name / "result.json"), results_dir, relative_to)
+    lines += transport_section(_load(results_dir / "transport" / "transport.json"), results_dir, relative_to)
+    text = "\n".join(lines).rstrip() + "\n"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=Path("docs/benchmarks"), help="Folder holding <scenario>/result.json (default: %(default)s).")
+    parser.add_argument("--output", type=Path, default=None, help="Markdown file to write (default: RESULTS.md in --results).")
+    args = parser.parse_args(argv)
+    output = args.output or args.results / "RESULTS.md"
+    text = render(args.results, output)
+    print(f"wrote {output} ({len(text.splitlines())} lines)")
+    return text
+
+
+if __name__ == "__main__":
+    main()

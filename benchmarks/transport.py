@@ -1,0 +1,364 @@
+"""What does each transport cost? Round trips at hidden size 4096, and whole steps split vs monolithic.
+
+Two measurements, each side by side in one run:
+
+* **Round trips** (the transport alone). A child process serves ``EchoService``: a minimal
+  ``ExecutorService`` with one ``4096 x 4096`` layer whose "product" is a copy of the rows (one
+  output buffer, like a real result), so the time is the transport's, not a GEMM's. For each row
+  count (1, 16, 512, 4096 rows of 4096 float32 = 16 KiB ... 64 MiB) every transport
+  (``inproc``: ``InProcTransport`` on an ``EchoService`` in this process; ``tcp``, ``ipc``,
+  ``shm+ipc`` to the child; ``dist+tcp`` when ``symbiosis.transport.dist`` exists) is timed
+  interleaved with the ceiling ``memcpy``: two ``torch`` copies of the same bytes (request there,
+  result back). Reported per transport: median / p95 round trip, throughput ``2 x bytes / median``
+  (GB/s), ``over_memcpy`` (median / memcpy median). ``gemm_ms`` is, for context, what the real
+  layer's product ``x Wᵀ`` costs for those rows on this machine (fewer samples).
+* **Steps** (what a client feels). A real ``symbiosis serve`` child on a random-weight checkpoint
+  (``--preset``, default ``small``) serves tcp and ipc; one client per transport, plus an
+  in-process ``BaseExecutor``, plus the monolithic ``transformers+peft`` model (the baseline),
+  all with the same LoRA adapter weights, run a training step (forward + backward + AdamW) and a
+  decode step (one token per sequence, KV cache), interleaved. ``ratio_over_monolithic`` per
+  transport is split median / monolithic median (> 1: splitting costs time).
+
+Every process uses ``--threads`` torch threads (default 1: on a shared 2-core machine a second
+OpenMP thread mostly waits for a busy core).
+
+JSON (``transport.json`` in ``--output``) keys: ``benchmark, command, machine, config,
+round_trip, steps, dist, wall_s``. ``round_trip[str(rows)]``: ``bytes, memcpy, gemm_ms`` and one
+entry per transport with ``median_ms, p95_ms, mean_ms, min_ms, n, gbytes_per_s, over_memcpy``.
+``steps``: ``train_step, decode_step`` (each ``{candidate: timing}`` with candidates
+``monolithic`` and every transport, plus ``ratio_over_monolithic: {transport: ratio}``), ``check``
+(loss of every candidate on one batch). ``dist``: ``{"available": bool, "reason": str}``.
+Plot: ``transport.png``.
+
+Run: ``python -m benchmarks.transport [--quick] [--preset base] --output DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+from transformers import AutoConfig
+
+import symbiosis
+from benchmarks import common
+from benchmarks.split_overhead import Decoder, build_models, lora_config, train_step_fn
+from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+
+NAME = "transport"
+HIDDEN = 4096
+ROW_COUNTS = (1, 16, 512, 4096)
+ECHO_LAYER = "echo"
+REMOTE_TRANSPORTS = ("shm+ipc", "ipc", "tcp")
+# Samples per row count: small payloads are cheap and noisy, large ones slow and steady.
+FULL_REPEATS = {1: 300, 16: 300, 512: 60, 4096: 10}
+QUICK_REPEATS = {1: 30, 16: 30, 512: 8, 4096: 3}
+
+
+class EchoService:
+    """``ExecutorService`` with one ``width x width`` layer whose every op returns a copy of the rows.
+
+    It isolates the transport: a real executor would add a GEMM (see ``gemm_ms``) and a thread
+    hand-off. The copy stands for the result buffer a real product allocates.
+    """
+
+    def __init__(self, width: int = HIDDEN) -> None:
+        self._specs = {ECHO_LAYER: LayerSpec(ECHO_LAYER, width, width, has_bias=False)}
+
+    @property
+    def fingerprint(self) -> str:
+        return f"echo-{self._specs[ECHO_LAYER].in_features}"
+
+    def layer_specs(self) -> Mapping[str, LayerSpec]:
+        return self._specs
+
+    def register_client(self, client_id: str) -> None:
+        pass
+
+    def unregister_client(self, client_id: str) -> None:
+        pass
+
+    def submit(self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> Future[torch.Tensor]:
+        future: Future[torch.Tensor] = Future()
+        future.set_result(rows.clone())
+        return future
+
+
+def serve_echo(binds: Sequence[str], width: int) -> None:
+    """Child process: serve ``EchoService`` at ``binds`` until SIGTERM."""
+    import signal
+    import threading
+
+    from symbiosis.transport.zmq import ZmqServer
+
+    servers = [ZmqServer(EchoService(width), bind).start() for bind in binds]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"serving echo {width}x{width} at {' and '.join(s.address for s in servers)} with policy none", flush=True)
+    stop.wait()
+    for server in servers:
+        server.close()
+
+
+def dist_status() -> dict[str, Any]:
+    """Whether the ``dist+`` (torch.distributed) transport exists in this checkout."""
+    if importlib.util.find_spec("symbiosis.transport.dist") is None:
+        return {"available": False, "reason": "symbiosis.transport.dist is not in this checkout yet (connect() names dist+ but the module is missing)"}
+    return {"available": True, "reason": "symbiosis.transport.dist found"}
+
+
+def open_transports(addresses: Mapping[str, str], include_dist: bool, **kwargs: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """Client addresses per transport name from the server's ``{"tcp": …, "ipc": …}``; dist status."""
+    targets = {"shm+ipc": "shm+" + addresses["ipc"], "ipc": addresses["ipc"], "tcp": addresses["tcp"]}
+    dist = dist_status()
+    if include_dist and dist["available"]:
+        from symbiosis.transport.zmq import connect
+
+        try:  # the transport is new: if it cannot connect here, say why instead of failing the run
+            connect("dist+" + addresses["tcp"], **kwargs).close()
+            targets["dist+tcp"] = "dist+" + addresses["tcp"]
+        except Exception as exc:  # noqa: BLE001 (recorded, not hidden)
+            dist = {"available": False, "reason": f"dist+ connect failed: {exc!r}"[:500]}
+    return targets, dist
+
+
+def split_addresses(server: common.ServerProcess) -> dict[str, str]:
+    return {address.split("://", 1)[0]: address for address in server.addresses}
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[int], repeats: Mapping[int, int], warmup: int) -> dict[str, Any]:
+    """Median round trip per transport and row count, interleaved with the memcpy ceiling."""
+    from symbiosis.transport.inproc import InProcTransport
+    from symbiosis.transport.zmq import connect
+
+    transports: dict[str, Any] = {"inproc": InProcTransport(EchoService(width))}
+    try:
+        for name, address in targets.items():
+            transports[name] = connect(address)
+        weight = torch.randn(width, width)
+        results: dict[str, Any] = {}
+        for rows in row_counts:
+            x = torch.randn(rows, width)
+            for name, transport in transports.items():  # exactness first: an echo must come back equal
+                torch.testing.assert_close(transport.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL), x, rtol=0, atol=0, msg=name)
+            there, back = torch.empty_like(x), torch.empty_like(x)
+            candidates: dict[str, Callable[[], Any]] = {
+                name: (lambda t=transport: t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL)) for name, transport in transports.items()
+            }
+            candidates["memcpy"] = lambda: back.copy_(there.copy_(x))
+            samples = common.time_interleaved(candidates, warmup=warmup, repeats=repeats[rows])
+            nbytes = x.numel() * x.element_size()
+            memcpy_ms = common.summarize(samples["memcpy"])["median_ms"]
+            entry: dict[str, Any] = {"bytes": nbytes}
+            for name, values in samples.items():
+                timing = common.summarize(values)
+                timing["gbytes_per_s"] = common.ratio(2 * nbytes / 1e9 * 1e3, timing["median_ms"])
+                if name != "memcpy":
+                    timing["over_memcpy"] = common.ratio(timing["median_ms"], memcpy_ms)
+                entry[name] = timing
+            gemm = common.time_interleaved({"gemm": lambda: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4)))["gemm"]
+            entry["gemm_ms"] = common.summarize(gemm)["median_ms"]
+            results[str(rows)] = entry
+            print(f"  round trip {rows:>5} rows: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in samples), flush=True)
+        return results
+    finally:
+        for transport in transports.values():
+            transport.close()
+
+
+# ---- steps: split per transport vs monolithic ----------------------------------------------------
+
+
+def step_ratios(
+    path: Path,
+    *,
+    transports: Sequence[str] = ("inproc", *REMOTE_TRANSPORTS),
+    include_dist: bool = True,
+    train_batch: int,
+    seq_len: int,
+    decode_batch: int,
+    prompt_len: int,
+    warmup: int,
+    repeats: int,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Training and decode step of one client per transport vs the monolithic model, interleaved.
+
+    Starts a ``symbiosis serve`` child (tcp + ipc) for the remote transports and an in-process
+    ``BaseExecutor`` for ``inproc``; returns ``train_step, decode_step, check, dist, config``.
+    """
+    max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 1024)
+    decode_repeats = max(1, min(4 * repeats, max_positions - prompt_len - warmup - 2))
+    with tempfile.TemporaryDirectory(prefix="symbiosis-bench-") as folder, common.executor_process(path, common.loopback_binds(Path(folder)), threads=threads) as server:
+        targets, dist = open_transports(split_addresses(server), include_dist)
+        wanted = [t for t in transports if t == "inproc" or t in targets] + [t for t in targets if t.startswith("dist") and t not in transports]
+        executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32)
+        models: dict[str, Any] = {}
+        try:
+            monolithic, inproc = build_models(path, executor)
+            models["monolithic"] = monolithic
+            adapter = peft.get_peft_model_state_dict(monolithic)
+            for name in wanted:
+                if name == "inproc":
+                    models[name] = inproc
+                    continue
+                split = peft.get_peft_model(symbiosis.load_client_model(path, executor=targets[name]), lora_config())
+                peft.set_peft_model_state_dict(split, adapter)
+                models[name] = split
+            generator = torch.Generator().manual_seed(1)
+            vocab = monolithic.config.vocab_size
+            batch = torch.randint(0, vocab, (train_batch, seq_len), generator=generator)
+            prompt = torch.randint(0, vocab, (decode_batch, prompt_len), generator=generator)
+            for model in models.values():
+                model.train()
+            with torch.no_grad():
+                check = {name: float(model(input_ids=batch, labels=batch).loss) for name, model in models.items()}
+            train = common.time_interleaved({n: train_step_fn(m, batch) for n, m in models.items()}, warmup=warmup, repeats=repeats)
+            for model in models.values():
+                model.eval()
+            decoders = {name: Decoder(model, prompt) for name, model in models.items()}
+            decode = common.time_interleaved({n: d.step for n, d in decoders.items()}, warmup=warmup, repeats=decode_repeats)
+        finally:
+            for name, model in models.items():
+                if name != "monolithic":
+                    model.base_model.model.symbiosis_transport.close()
+            executor.close()
+
+    def summarize_step(samples: Mapping[str, list[float]]) -> dict[str, Any]:
+        step = {name: common.summarize(values) for name, values in samples.items()}
+        base = step["monolithic"]["median_ms"]
+        step["ratio_over_monolithic"] = {n: common.ratio(step[n]["median_ms"], base) for n in samples if n != "monolithic"}
+        return step
+
+    return {
+        "train_step": summarize_step(train),
+        "decode_step": summarize_step(decode),
+        "check": {"loss": check, "max_abs_diff_vs_monolithic": max(abs(v - check["monolithic"]) for v in check.values())},
+        "dist": dist,
+        "config": {
+            "model": str(path),
+            "train_batch": train_batch,
+            "seq_len": seq_len,
+            "decode_batch": decode_batch,
+            "prompt_len": prompt_len,
+            "warmup": warmup,
+            "train_repeats": repeats,
+            "decode_repeats": decode_repeats,
+            "threads_per_process": threads,
+            "adapter": "LoRA r=8 alpha=16 on q,k,v,o_proj",
+            "baseline": "monolithic transformers+peft in this process, same checkpoint and adapter weights",
+        },
+    }
+
+
+# ---- the script ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
+    common.add_common_arguments(parser, default_repeats=20, quick_repeats=3)
+    parser.add_argument("--width", type=int, default=HIDDEN, help="Hidden size of the echo layer (default: %(default)s).")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROW_COUNTS), help="Row counts of the round trips (default: %(default)s).")
+    parser.add_argument("--no-steps", action="store_true", help="Only the round trips (skip the split-vs-monolithic steps).")
+    args = parser.parse_args(argv)
+    args.threads = 1 if args.threads is None else args.threads
+    return common.resolve_common(args)
+
+
+def plot(output: Path, result: dict[str, Any]) -> None:
+    rows = list(result["round_trip"])
+    names = [n for n in result["round_trip"][rows[0]] if isinstance(result["round_trip"][rows[0]][n], dict)]
+    panels = [
+        common.Panel("round trip (median), log scale", "ms", rows, {n: [result["round_trip"][r][n]["median_ms"] for r in rows] for n in names}, kind="line", log_y=True),
+        common.Panel("throughput 2 x bytes / round trip", "GB/s", rows, {n: [result["round_trip"][r][n]["gbytes_per_s"] for r in rows] for n in names}, kind="line"),
+    ]
+    if result.get("steps"):
+        steps = result["steps"]
+        candidates = list(steps["train_step"]["ratio_over_monolithic"])
+        panels.append(
+            common.Panel(
+                "split / monolithic (1.0 = no overhead)",
+                "ratio of medians",
+                candidates,
+                {k: [steps[k]["ratio_over_monolithic"][c] for c in candidates] for k in ("train_step", "decode_step")},
+            )
+        )
+    common.plot_panels(output / f"{NAME}.png", f"Transports at hidden {result['config']['width']} (rows on x axis)", panels, columns=3)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve-echo"]:
+        serve_echo(argv[2:], int(argv[1]))
+        return {}
+    started = time.perf_counter()
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    repeats = {rows: (QUICK_REPEATS if args.quick else FULL_REPEATS).get(rows, args.repeats) for rows in args.rows}
+    warmup = 1 if args.quick else 3
+    with tempfile.TemporaryDirectory(prefix="symbiosis-echo-") as folder:
+        command = [sys.executable, "-m", f"benchmarks.{NAME}", "serve-echo", str(args.width), *common.loopback_binds(Path(folder))]
+        with common.ServerProcess(command, threads=args.threads) as server:
+            targets, dist = open_transports(split_addresses(server), include_dist=True)
+            round_trip = round_trips(targets, width=args.width, row_counts=args.rows, repeats=repeats, warmup=warmup)
+    steps = None
+    if not args.no_steps:
+        path = common.checkpoint_path(args)
+        steps = step_ratios(
+            path,
+            train_batch=2 if args.quick else 4,
+            seq_len=32 if args.quick else 64,
+            decode_batch=4,
+            prompt_len=16 if args.quick else 32,
+            warmup=warmup,
+            repeats=args.repeats,
+            threads=args.threads,
+        )
+        dist = steps["dist"]
+    result = {
+        "benchmark": NAME,
+        "command": common.command_line(argv, f"benchmarks.{NAME}"),
+        "machine": common.machine_info(),
+        "config": {
+            "width": args.width,
+            "rows": args.rows,
+            "repeats_per_rows": repeats,
+            "warmup": warmup,
+            "preset": args.preset,
+            "arch": args.arch,
+            "quick": args.quick,
+            "threads_per_process": args.threads,
+            "round_trip_service": "EchoService (minimal ExecutorService: one width x width layer, result = copy of the rows) in a child process; inproc = InProcTransport on an EchoService here",
+            "memcpy": "two torch copy_ of the payload (request there, result back), same process",
+        },
+        "round_trip": round_trip,
+        "steps": steps,
+        "dist": dist,
+        "wall_s": time.perf_counter() - started,
+    }
+    output = Path(args.output)
+    common.write_json(output / f"{NAME}.json", result)
+    plot(output, result)
+    summary = {"benchmark": NAME, "round_trip_median_ms": {r: {n: v["median_ms"] for n, v in e.items() if isinstance(v, dict)} for r, e in round_trip.items()}}
+    if steps:
+        summary["train_ratio_over_monolithic"] = steps["train_step"]["ratio_over_monolithic"]
+        summary["decode_ratio_over_monolithic"] = steps["decode_step"]["ratio_over_monolithic"]
+    summary.update(dist=dist, wall_s=result["wall_s"], output=str(output / f"{NAME}.json"))
+    common.print_summary(summary)
+    return result
+
+
+if __name__ == "__main__":
+    main()

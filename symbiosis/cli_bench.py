@@ -1,0 +1,56 @@
+"""``symbiosis bench``: run the benchmark suite (``benchmarks/suite.py``) from the command line.
+
+The suite lives in the repository's ``benchmarks/`` folder, next to this package, not inside it:
+it is a development tool that needs a checkout. This verb finds it there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+SCENARIOS = ("multi_job_finetune", "executor_memory", "multi_adapter_inference", "split_overhead", "executor_efficiency")
+
+
+def _import_suite():
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "benchmarks" / "suite.py").is_file() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    try:
+        from benchmarks import suite
+    except ModuleNotFoundError as exc:
+        raise FileNotFoundError(f"the benchmark suite needs a source checkout with benchmarks/suite.py next to symbiosis/ ({exc})") from None
+    return suite
+
+
+def bench(
+    scenarios: Annotated[
+        list[str] | None,
+        typer.Argument(help=f"Scenarios to run, in order (default: all): {', '.join(SCENARIOS)}.", show_default=False),
+    ] = None,
+    quick: Annotated[bool, typer.Option(help="Small model (tiny preset) and short runs: about 2 minutes for everything. Numbers are for smoke tests.")] = False,
+    output: Annotated[Path, typer.Option(help="Folder for <scenario>/result.json, plot.png and table.md (created if missing).")] = Path("bench-results"),
+    cache: Annotated[Path | None, typer.Option(help="Folder where the random-weight benchmark checkpoints are made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench).")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads of every process (executor, clients, baselines).")] = 1,
+    budget_gib: Annotated[float, typer.Option(help="Memory budget (GiB) for counting how many fine-tuning jobs fit.")] = 24.0,
+) -> None:
+    """Benchmark Symbiosis against HF PEFT baselines: multi-job fine-tuning, executor memory, multi-adapter inference, split overhead per transport, executor GEMM efficiency.
+
+    Full runs use the base preset (~105M params; about 20 minutes on 2 cores) plus a ~1B model where memory is measured. Render the README section afterwards with: python -m benchmarks.report --results DIR
+    """
+    names = list(scenarios or SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    suite = _import_suite()
+    command = "symbiosis bench " + " ".join([*(scenarios or []), *(["--quick"] if quick else []), "--output", str(output)])
+    suite.run(names, quick=quick, output=output, cache=cache, threads=threads, budget_gib=budget_gib, command=command,
+              log=lambda line: typer.echo(line))
+    typer.echo(f"results in {output}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)
