@@ -24,6 +24,8 @@ def serve(
     max_wait_ms: Annotated[float, typer.Option(help=_HELP["max_wait_ms"])] = SchedulerConfig.max_wait_ms,
     row_budget: Annotated[int, typer.Option(help=_HELP["row_budget"])] = SchedulerConfig.row_budget,
     lockstep_timeout_ms: Annotated[float, typer.Option(help=_HELP["lockstep_timeout_ms"])] = SchedulerConfig.lockstep_timeout_ms,
+    aging_ms: Annotated[float, typer.Option(help=_HELP["aging_ms"])] = SchedulerConfig.aging_ms,
+    predict_arrivals: Annotated[bool, typer.Option(help=_HELP["predict_arrivals"])] = SchedulerConfig.predict_arrivals,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")] = None,
     allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key.")] = False,
     curve_secret_key: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind.")] = None,
@@ -44,6 +46,7 @@ def serve(
     executor = BaseExecutor.from_pretrained(
         model_dir, device=device, dtype=dtype, policy=policy,
         max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
+        aging_ms=aging_ms, predict_arrivals=predict_arrivals,
     )
     servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
     metrics = None
