@@ -47,7 +47,7 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
         assert written["headline"] and all(isinstance(line, str) for line in written["headline"])
         assert (folder / "plot.png").stat().st_size > 0
         assert "|---" in (folder / "table.md").read_text()
-        assert any(line.startswith(f"[") and name in line and "done" in line for line in lines), name  # progress per scenario
+        assert any(line.startswith("[") and name in line and "done" in line for line in lines), name  # progress per scenario
 
     finetune = json.loads((output / "multi_job_finetune" / "result.json").read_text())["results"]
     assert [row["k"] for row in finetune["per_k"]] == [1]

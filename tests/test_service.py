@@ -11,6 +11,7 @@ import threading
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import symbiosis
 from tests.reference import close_client, make_pair
@@ -125,3 +126,59 @@ def test_serve_refuses_a_public_bind_without_consent(tiny_checkpoint):
     assert result.returncode != 0
     assert "loopback" in (result.stdout + result.stderr).lower()
     assert "Traceback" not in result.stderr
+
+
+def test_hostile_peer_cannot_disturb_a_real_executor(tiny_checkpoint, tmp_path):
+    """Garbage, a pickle, a wrong shape, an unknown layer and a huge declared tensor, sent to a
+    real `symbiosis serve` process while a good client decodes: typed errors for the peer, exact
+    results for the client, and the executor keeps serving."""
+    import pickle
+
+    from symbiosis import protocol as P
+    from tests.transport.test_conformance import RawPeer, request
+
+    path = tiny_checkpoint("llama")
+    address = _address("tcp", tmp_path)
+    executor = start_executor(path, address)
+    try:
+        reference = AutoModelForCausalLM.from_pretrained(path)
+        client = symbiosis.load_client_model(path, executor=address)
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        with torch.no_grad():
+            expected = reference(ids).logits
+        done, outcomes = threading.Event(), []
+
+        def decode_loop():
+            while not done.is_set():
+                with torch.no_grad():
+                    outcomes.append(torch.allclose(client(ids).logits, expected, rtol=1e-4, atol=1e-5))
+
+        worker = threading.Thread(target=decode_loop)
+        worker.start()
+        raw = RawPeer(address)
+        try:
+            raw.hello()
+            q = "model.layers.0.self_attn.q_proj"
+            cases = [
+                ([b"\xc1 garbage"], ("protocol",)),
+                ([pickle.dumps({"evil": os.system})], ("protocol",)),
+                ([request(3, q, [2, 63]), bytes(2 * 63 * 4)], ("shape",)),
+                ([request(4, "model.no_such_layer", [2, 64]), bytes(2 * 64 * 4)], ("unknown_layer",)),
+                ([request(5, q, [10**12, 64]), bytes(64)], ("protocol", "shape")),
+                ([request(6, q, [2, 64]), pickle.dumps(torch.randn(2, 64))], ("shape",)),
+            ]
+            for frames, codes in cases:
+                raw.send(*frames)
+                reply, _ = raw.recv()
+                assert isinstance(reply, P.Reply) and not reply.ok and reply.error_code in codes, reply
+        finally:
+            raw.close()
+            time.sleep(0.3)
+            done.set()
+            worker.join(timeout=60)
+        assert outcomes and all(outcomes)
+        with torch.no_grad():  # still serving after the peer left
+            torch.testing.assert_close(client(ids).logits, expected, rtol=1e-4, atol=1e-5)
+        client.symbiosis_transport.close()
+    finally:
+        stop(executor)
