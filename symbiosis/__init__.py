@@ -7,6 +7,7 @@ Public API::
     model = symbiosis.load_client_model(path, executor=ex)   # or executor="tcp://127.0.0.1:7000"
 """
 
+from symbiosis.client.privacy import enable_activation_noise
 from symbiosis.client.surgery import load_client_model
 from symbiosis.errors import (
     BaseWeightAccessError,
@@ -25,6 +26,7 @@ from symbiosis.executor.scheduler import SchedulerConfig
 __all__ = [
     "BaseExecutor",
     "load_client_model",
+    "enable_activation_noise",
     "SchedulerConfig",
     "SymbiosisError",
     "CheckpointError",
