@@ -1,0 +1,225 @@
+"""Per-call latency of one layer request: in-process vs the ZeroMQ transports (ipc, tcp, shm+ipc).
+
+What a decode step feels: ~85 round trips per token, each a 1-row (or a few-row) request, so the
+fixed cost per call, not bandwidth, sets the speed. This script times exactly that: a real
+``BaseExecutor`` (policy ``immediate``, so no batching wait is added) with two random layers,
+``h64`` (64 x 64) and ``h4096`` (4096 x 4096), serves ``ipc://`` and ``tcp://`` from a **child
+process**; a client child process calls ``forward`` on 1 and 16 rows over ``inproc`` (its own
+in-process ``BaseExecutor`` on the same weights: the floor), ``ipc``, ``tcp`` and ``shm+ipc``.
+
+A/B in one run: ``--baseline DIR`` names a folder holding another copy of the ``symbiosis``
+package (e.g. the code before a change, copied with ``cp -r symbiosis DIR/``). Each variant gets
+its own server and client processes, importing ``symbiosis`` from its own folder; the parent
+alternates between the variants block by block (rotating which goes first), so both see the same
+background load. Every block starts with a few untimed warm-up calls.
+
+JSON on stdout (and in ``--output`` when given): ``config``, ``machine`` and ``results[case]`` with
+``case = "<transport>/h<hidden>/r<rows>"`` and per variant ``median_us, p90_us, mean_us, n``, plus
+``ratio_median`` (current / baseline) when a baseline ran.
+
+Run: ``python -m benchmarks.roundtrip [--baseline /tmp/orig] [--calls 2000] [--blocks 10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TRANSPORTS = ("inproc", "ipc", "tcp", "shm+ipc")
+HIDDENS = (64, 4096)
+ROWS = (1, 16)
+MARK = "@@ "  # protocol lines between parent and children; anything else on stdout is ignored
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low, high = int(position), min(int(position) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# ---- children -----------------------------------------------------------------------------------
+
+
+def _make_executor(seed: int):
+    import torch
+
+    from symbiosis.executor.executor import BaseExecutor
+    from symbiosis.executor.requests import LayerSpec
+    from symbiosis.executor.scheduler import SchedulerConfig
+    from symbiosis.executor.weights import BaseModelWeights, LayerWeights
+
+    generator = torch.Generator().manual_seed(seed)
+    specs = {f"h{h}": LayerSpec(f"h{h}", h, h, has_bias=False) for h in HIDDENS}
+    layers = {name: LayerWeights(torch.randn(s.out_features, s.in_features, generator=generator) / s.in_features**0.5, None) for name, s in specs.items()}
+    weights = BaseModelWeights(specs, layers, f"roundtrip-bench-{seed}", "bench")
+    return BaseExecutor(weights, SchedulerConfig(policy="immediate"))
+
+
+def _serve(folder: str) -> None:
+    executor = _make_executor(0)
+    servers = [executor.serve(f"ipc://{folder}/executor.sock"), executor.serve("tcp://127.0.0.1:0")]
+    print(MARK + json.dumps({"addresses": [s.address for s in servers]}), flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    executor.close(drain=False)
+
+
+def _client(addresses: list[str]) -> None:
+    import torch
+
+    from symbiosis.executor.requests import LatencyClass, Op
+    from symbiosis.transport.inproc import InProcTransport
+    from symbiosis.transport.zmq import connect
+
+    ipc, tcp = addresses
+    transports: dict[str, Any] = {"inproc": InProcTransport(_make_executor(0)), "ipc": connect(ipc), "tcp": connect(tcp), "shm+ipc": connect("shm+" + ipc)}
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        transport = transports[command["transport"]]
+        rows = torch.randn(command["rows"], command["hidden"])
+        layer = f"h{command['hidden']}"
+        for _ in range(command["warmup"]):
+            transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
+        samples = []
+        for _ in range(command["calls"]):
+            start = time.perf_counter_ns()
+            transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
+            samples.append(time.perf_counter_ns() - start)
+        print(MARK + json.dumps({"samples_ns": samples}), flush=True)
+    for transport in transports.values():
+        transport.close()
+    transports["inproc"].service.close()
+
+
+def child_main() -> None:
+    role, threads, arg = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    import torch
+
+    torch.set_num_threads(threads)
+    import symbiosis
+
+    print(f"[{role}] symbiosis from {symbiosis.__file__}", file=sys.stderr, flush=True)
+    if role == "server":
+        _serve(arg)
+    else:
+        _client(json.loads(arg))
+
+
+# ---- parent -------------------------------------------------------------------------------------
+
+
+class _Child:
+    def __init__(self, package_root: Path, role: str, threads: int, arg: str) -> None:
+        bootstrap = f"import sys; sys.path[:0] = [{str(package_root)!r}, {str(REPO)!r}]; from benchmarks.roundtrip import child_main; child_main()"
+        env = dict(os.environ, PYTHONPATH="")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", bootstrap, role, str(threads), arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/"
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RuntimeError(f"child exited with {self.proc.wait()}")
+
+    def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, default=None, help="Folder holding a baseline copy of the symbiosis package (A/B in one run).")
+    parser.add_argument("--calls", type=int, default=2000, help="Timed calls per case and variant, over all blocks (default: %(default)s).")
+    parser.add_argument("--blocks", type=int, default=10, help="Blocks per case; variants alternate block by block (default: %(default)s).")
+    parser.add_argument("--warmup", type=int, default=20, help="Untimed calls before every block (default: %(default)s).")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (default: %(default)s).")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="Comma-separated subset of %(default)s.")
+    parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
+    parser.add_argument("--output", type=Path, default=None, help="Also write the JSON to this file.")
+    args = parser.parse_args(argv)
+
+    variants = {"current": REPO}
+    if args.baseline is not None:
+        if not (args.baseline / "symbiosis" / "__init__.py").exists():
+            raise SystemExit(f"{args.baseline} holds no symbiosis package")
+        variants["baseline"] = args.baseline.resolve()
+    cases = [(t, int(h), r) for t in args.transports.split(",") for h in args.hiddens.split(",") for r in ROWS]
+    per_block = max(1, args.calls // args.blocks)
+    started = time.monotonic()
+    children: list[_Child] = []
+    samples: dict[str, dict[str, list[int]]] = {f"{t}/h{h}/r{r}": {v: [] for v in variants} for t, h, r in cases}
+    with tempfile.TemporaryDirectory(prefix="symb-rt-") as tmp:
+        try:
+            clients: dict[str, _Child] = {}
+            for name, root in variants.items():
+                folder = Path(tmp) / name
+                folder.mkdir()
+                server = _Child(root, "server", args.threads, str(folder))
+                children.append(server)
+                addresses = server.read()["addresses"]
+                clients[name] = _Child(root, "client", args.threads, json.dumps(addresses))
+                children.append(clients[name])
+                clients[name].read()
+            order = list(variants)
+            for block in range(args.blocks):
+                for transport, hidden, rows in cases:
+                    rotated = order[block % len(order) :] + order[: block % len(order)]
+                    for name in rotated:
+                        command = {"transport": transport, "hidden": hidden, "rows": rows, "calls": per_block, "warmup": args.warmup}
+                        samples[f"{transport}/h{hidden}/r{rows}"][name] += clients[name].ask(command)["samples_ns"]
+        finally:
+            for child in reversed(children):
+                child.close()
+
+    results: dict[str, Any] = {}
+    for case, by_variant in samples.items():
+        entry: dict[str, Any] = {}
+        for name, values in by_variant.items():
+            us = [v / 1e3 for v in values]
+            entry[name] = {"median_us": round(statistics.median(us), 1), "p90_us": round(_percentile(us, 90), 1), "mean_us": round(statistics.fmean(us), 1), "n": len(us)}
+        if "baseline" in entry:
+            entry["ratio_median"] = round(entry["current"]["median_us"] / entry["baseline"]["median_us"], 3)
+            entry["ratio_p90"] = round(entry["current"]["p90_us"] / entry["baseline"]["p90_us"], 3)
+        results[case] = entry
+    report = {
+        "benchmark": "roundtrip",
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.roundtrip", *(argv if argv is not None else sys.argv[1:])]),
+        "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "variants": {k: str(v) for k, v in variants.items()}, "policy": "immediate"},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(), "load_average": list(os.getloadavg())},
+        "results": results,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
