@@ -292,7 +292,7 @@ class FinetuneRun:
         found = self._checkpoints()
         if not found:
             raise JobError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints' if self.run_dir else '(no run folder)'}")
-        state = torch.load(found[-1] / TRAINER_STATE, weights_only=False)
+        state = torch.load(found[-1] / TRAINER_STATE, weights_only=True)  # plain containers and tensors only
         mine = {k: getattr(self.options, k) for k in _RESUME_KEYS}
         changed = {k: (state["options"][k], mine[k]) for k in _RESUME_KEYS if state["options"].get(k) != mine[k]}
         if changed:
