@@ -33,9 +33,6 @@ try:  # transformers >= 5 moved Conv1D's home more than once; import it where it
 except ImportError:  # pragma: no cover
     from transformers.modeling_utils import Conv1D  # type: ignore[no-redef]
 
-BASE_LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
-"""Module types the executor serves, in the order they are matched."""
-
 CLIENT_MODULE_NOTE = (
     "Symbiosis serves nn.Linear and transformers Conv1D layers from the executor; other modules may "
     "stay in the client only if they hold embeddings or 1-D parameters (norms, biases, scales)"

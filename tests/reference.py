@@ -97,3 +97,16 @@ def loss_and_grads(model, input_ids: torch.Tensor):
 def close_client(model) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.symbiosis_transport.close()
+
+
+def assert_matches_reference(split_outputs, reference_outputs, *, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """``loss_and_grads`` of the split model equals the monolithic one's: logits, loss, and every
+    adapter gradient (each non-zero in the reference, so the comparison could fail)."""
+    logits, loss, grads = split_outputs
+    ref_logits, ref_loss, ref_grads = reference_outputs
+    torch.testing.assert_close(logits, ref_logits, rtol=rtol, atol=atol)
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+    assert ref_grads and set(grads) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        assert grad.abs().sum() > 0, f"reference gradient of {name} is zero: the test could not fail"
+        torch.testing.assert_close(grads[name], grad, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")

@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,12 +63,6 @@ class LayerCounters:
         }
 
 
-@dataclass
-class _Counters:
-    per_layer: dict[str, LayerCounters] = field(default_factory=lambda: defaultdict(LayerCounters))
-    rejected: int = 0
-
-
 class ExecutionEngine:
     """Thread-safe front (``submit``) and one compute thread around a ``Scheduler``."""
 
@@ -80,7 +74,7 @@ class ExecutionEngine:
         self._inflight: dict[int, _Inflight] = {}
         self._owner: dict[int, str] = {}
         self._ids = itertools.count()
-        self._counters = _Counters()
+        self._per_layer: defaultdict[str, LayerCounters] = defaultdict(LayerCounters)
         self._accepting = True
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
@@ -121,7 +115,7 @@ class ExecutionEngine:
             self._inflight[request_id] = _Inflight(local, future, rows.dtype, rows.device, now)
             self._owner[request_id] = client_id
             self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
-            counters = self._counters.per_layer[layer_id]
+            counters = self._per_layer[layer_id]
             counters.requests += 1
             counters.rows += rows.shape[0]
             self._cond.notify()
@@ -161,7 +155,7 @@ class ExecutionEngine:
     def stats(self) -> dict:
         with self._cond:
             return {
-                "layers": {k: v.as_dict() for k, v in self._counters.per_layer.items()},
+                "layers": {k: v.as_dict() for k, v in self._per_layer.items()},
                 "inflight_requests": len(self._inflight),
                 "scheduler": self.scheduler.stats(),
             }
@@ -196,7 +190,7 @@ class ExecutionEngine:
         with self._cond:  # requests may have been dropped (client left) since scheduling
             parts = [(s, self._inflight[s.request_id]) for s in batch.slices if s.request_id in self._inflight]
             now = self._clock()
-            counters = self._counters.per_layer[batch.layer_id]
+            counters = self._per_layer[batch.layer_id]
             for _, inflight in parts:
                 if not inflight.started:
                     inflight.started = True
@@ -214,7 +208,7 @@ class ExecutionEngine:
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> None:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")
         with self._cond:
-            self._counters.per_layer[layer_id].errors += 1
+            self._per_layer[layer_id].errors += 1
             for s, inflight in parts:
                 if self._inflight.pop(s.request_id, None) is not None:
                     self._owner.pop(s.request_id, None)
@@ -225,7 +219,7 @@ class ExecutionEngine:
         finished: list[tuple[_Inflight, torch.Tensor]] = []
         now = self._clock()
         with self._cond:
-            counters = self._counters.per_layer[batch.layer_id]
+            counters = self._per_layer[batch.layer_id]
             counters.batches += 1
             counters.batch_rows += sum(s.rows for s, _ in parts)
             for (s, inflight), out in zip(parts, outputs):

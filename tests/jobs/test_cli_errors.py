@@ -14,20 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_helpers import run_cli
+
 import symbiosis
-from symbiosis import cli
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["symbiosis", *args])
-    capsys.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:

@@ -11,7 +11,6 @@ import select
 import shutil
 import socket
 import stat
-import sys
 import tempfile
 import threading
 import time
@@ -19,11 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.cli_helpers import run_cli
 import torch
 import zmq
 
 import symbiosis
-from symbiosis import cli
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.executor.requests import LatencyClass, Op
@@ -270,18 +270,6 @@ def test_key_files(tmp_path: Path) -> None:
     os.chmod(secret, 0o600)
     with pytest.raises(ValueError, match="no client public keys"):
         CurveServerKeys(secret, tmp_path / "empty")
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["symbiosis", *args])
-    capsys.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_keys_and_serve_options(tmp_path: Path, capsys, monkeypatch) -> None:
