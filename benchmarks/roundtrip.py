@@ -55,9 +55,9 @@ def _make_executor(seed: int):
     import torch
 
     from symbiosis.executor.executor import BaseExecutor
-    from symbiosis.executor.requests import LayerSpec
     from symbiosis.executor.scheduler import SchedulerConfig
     from symbiosis.executor.weights import BaseModelWeights, LayerWeights
+    from symbiosis.vocabulary import LayerSpec
 
     generator = torch.Generator().manual_seed(seed)
     specs = {f"h{h}": LayerSpec(f"h{h}", h, h, has_bias=False) for h in HIDDENS}
@@ -77,9 +77,9 @@ def _serve(folder: str) -> None:
 def _client(addresses: list[str]) -> None:
     import torch
 
-    from symbiosis.executor.requests import LatencyClass, Op
     from symbiosis.transport.inproc import InProcTransport
     from symbiosis.transport.zmq import connect
+    from symbiosis.vocabulary import LatencyClass, Op
 
     ipc, tcp = addresses
     transports: dict[str, Any] = {"inproc": InProcTransport(_make_executor(0)), "ipc": connect(ipc), "tcp": connect(tcp), "shm+ipc": connect("shm+" + ipc)}

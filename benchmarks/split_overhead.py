@@ -47,8 +47,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import symbiosis
 from benchmarks import common
-from symbiosis.executor.requests import Op
 from symbiosis.executor.runner import apply_op
+from symbiosis.vocabulary import Op
 
 NAME = "split_overhead"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -52,7 +52,7 @@ from transformers import AutoConfig
 import symbiosis
 from benchmarks import common
 from benchmarks.split_overhead import Decoder, build_models, lora_config, train_step_fn
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 NAME = "transport"
 HIDDEN = 4096

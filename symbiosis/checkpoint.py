@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from symbiosis.errors import CheckpointError, UnsupportedModuleError
-from symbiosis.executor.requests import LayerSpec
+from symbiosis.vocabulary import LayerSpec
 
 try:  # transformers >= 5 moved Conv1D's home more than once; import it where it is.
     from transformers.pytorch_utils import Conv1D

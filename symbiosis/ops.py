@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from symbiosis.executor.requests import LatencyClass, Op
+from symbiosis.vocabulary import LatencyClass, Op
 
 
 class LayerLink(Protocol):

@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 PROTOCOL_VERSION = 1
 

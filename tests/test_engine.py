@@ -11,7 +11,7 @@ import torch
 
 import symbiosis
 from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
-from symbiosis.executor.requests import LatencyClass, Op
+from symbiosis.vocabulary import LatencyClass, Op
 
 
 @pytest.fixture(scope="module")

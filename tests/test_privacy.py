@@ -12,8 +12,8 @@ import torch
 import symbiosis
 from symbiosis.client.privacy import NoiseConfig, NoisyLink, enable_activation_noise
 from symbiosis.client.virt import ExecutorLink, VirtConv1D, VirtLinear
-from symbiosis.executor.requests import LatencyClass, Op
 from symbiosis.transport.inproc import InProcTransport
+from symbiosis.vocabulary import LatencyClass, Op
 from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
 from tests.transport.fakes import FakeExecutorService
 

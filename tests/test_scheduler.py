@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from symbiosis.executor.requests import Batch, LatencyClass, Op, PendingRequest
+from symbiosis.executor.requests import Batch, PendingRequest
 from symbiosis.executor.scheduler import POLICIES, Scheduler, SchedulerConfig
+from symbiosis.vocabulary import LatencyClass, Op
 
 D, P, F = LatencyClass.DECODE, LatencyClass.PREFILL, LatencyClass.FINETUNE
 EPS = 1e-12

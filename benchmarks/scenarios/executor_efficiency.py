@@ -91,8 +91,8 @@ def run(ctx: Context) -> dict:
 
 def efficiency_of(records: list, wall_s: float, repeats: int) -> dict[str, Any]:
     """GFLOP/s of recorded batches: in place, replayed via ``run_batch``, and as plain ``torch.matmul``."""
-    from symbiosis.executor.requests import Op
     from symbiosis.executor.runner import run_batch
+    from symbiosis.vocabulary import Op
 
     replays = []
     flop = 0.0

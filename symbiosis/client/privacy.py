@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from symbiosis.client.virt import VirtConv1D, VirtLinear
-from symbiosis.executor.requests import LatencyClass, Op
 from symbiosis.ops import LayerLink
+from symbiosis.vocabulary import LatencyClass, Op
 
 __all__ = ["NoiseConfig", "NoisyLink", "PrivacyHandle", "enable_activation_noise"]
 

@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from symbiosis.errors import BaseWeightAccessError
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.ops import frozen_linear
 from symbiosis.transport.base import Transport
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 _WHY = (
     "its weights live only in the base executor, which serves forward/backward products but never "

@@ -17,7 +17,8 @@ A client behind a layer in the same pass (``hops = position(layer) - position(it
 
 from __future__ import annotations
 
-from symbiosis.executor.requests import Op, PendingRequest
+from symbiosis.executor.requests import PendingRequest
+from symbiosis.vocabulary import Op
 
 # Weight of a new sample in a client's pace EWMA: the last few hops dominate, so the estimate
 # follows a client whose pace changes (prefill -> decode, more load) within a few layers.

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from symbiosis.errors import ExecutorUnavailableError, ProtocolError, ShapeError, SymbiosisError, UnknownLayerError
-from symbiosis.executor.requests import Batch, LatencyClass, Op, PendingRequest
+from symbiosis.executor.requests import Batch, PendingRequest
 from symbiosis.executor.runner import run_batch
 from symbiosis.executor.scheduler import Scheduler
 from symbiosis.executor.weights import BaseModelWeights
+from symbiosis.vocabulary import LatencyClass, Op
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from symbiosis.executor.engine import ExecutionEngine
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

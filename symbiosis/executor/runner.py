@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from symbiosis.executor.requests import Op
 from symbiosis.executor.weights import LayerWeights
+from symbiosis.vocabulary import Op
 
 
 def apply_op(layer: LayerWeights, op: Op, rows: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 from symbiosis.executor.arrivals import ArrivalPredictor
-from symbiosis.executor.requests import Batch, LatencyClass, Op, PendingRequest, RowSlice
+from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
+from symbiosis.vocabulary import LatencyClass, Op
 
 Policy = Literal["immediate", "lockstep", "opportunistic"]
 POLICIES: tuple[str, ...] = ("immediate", "lockstep", "opportunistic")

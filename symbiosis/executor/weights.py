@@ -20,7 +20,7 @@ from symbiosis.checkpoint import (
     discover_base_layers,
     locate_tensors,
 )
-from symbiosis.executor.requests import LayerSpec
+from symbiosis.vocabulary import LayerSpec
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from symbiosis.jobs.data import tokenize_all
 from symbiosis.jobs.artifacts import save_adapter, save_loss_plot
 from symbiosis.jobs.client import load_tokenizer
+from symbiosis.jobs.data import tokenize_all
 from symbiosis.jobs.finetune import FinetuneRun, StepRecord, TrainOptions
 from symbiosis.jobs.methods import MethodOptions, build_peft_config
 from symbiosis.jobs.tasks import exact_match_accuracy, get_task, make_split

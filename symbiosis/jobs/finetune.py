@@ -344,7 +344,14 @@ class FinetuneOptions:
 def _progress_printer(total: int, label: str) -> tuple[Callable[[StepRecord], None], Callable[[], None]]:
     """A rich progress bar on stderr showing step, loss and tokens/s; returns (update, stop)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),

@@ -23,9 +23,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from symbiosis.errors import CheckpointError
-from symbiosis.jobs.data import DataError
 from symbiosis.jobs.base import JobError
 from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer
+from symbiosis.jobs.data import DataError
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,8 @@ def ia3_modules(model: nn.Module) -> tuple[list[str], list[str]]:
     """
     from peft.utils import (
         TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD,
+    )
+    from peft.utils import (
         TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as TARGETS,
     )
 

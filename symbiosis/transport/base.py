@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ProtocolError
-from symbiosis.executor.requests import LayerSpec
+from symbiosis.vocabulary import LayerSpec
 
 #: (ZeroMQ identity of the connection, request id): the key of one in-flight request.
 RequestKey = tuple[bytes, int]

@@ -68,9 +68,9 @@ import torch.distributed as dist
 
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError, ProtocolError, SymbiosisError
-from symbiosis.executor.requests import LayerSpec
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
+from symbiosis.vocabulary import LayerSpec
 
 log = logging.getLogger(__name__)
 

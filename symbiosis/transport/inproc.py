@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.transport.base import ExecutorService
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 
 class InProcTransport:

@@ -38,9 +38,9 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ProtocolError
-from symbiosis.executor.requests import LayerSpec, Op
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
+from symbiosis.vocabulary import LayerSpec, Op
 
 SHM_DIR = "/dev/shm"
 MIN_BUFFER_BYTES = 1 << 20

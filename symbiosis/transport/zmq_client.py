@@ -41,9 +41,9 @@ from symbiosis.errors import (
     ProtocolError,
     error_from_code,
 )
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 log = logging.getLogger(__name__)
 

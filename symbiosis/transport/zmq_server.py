@@ -41,11 +41,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError, ModelMismatchError, ProtocolError, SymbiosisError
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 log = logging.getLogger(__name__)
 

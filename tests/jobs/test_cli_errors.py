@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import run_cli
-
 import symbiosis
+from tests.cli_helpers import run_cli
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:

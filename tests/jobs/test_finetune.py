@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import symbiosis
 from symbiosis.errors import UnsupportedPeftMethodError
-from symbiosis.jobs.data import IGNORE_INDEX, BatchOrder, DataError, Record, collate, read_jsonl, split_eval, tokenize
 from symbiosis.jobs.client import ClientOptions
+from symbiosis.jobs.data import IGNORE_INDEX, BatchOrder, DataError, Record, collate, read_jsonl, split_eval, tokenize
 from symbiosis.jobs.finetune import FinetuneOptions, StepRecord, TrainOptions, finetune, lr_lambda
 from symbiosis.jobs.methods import METHODS, MethodOptions, build_peft_config, get_method, ia3_modules
 from symbiosis.jobs.tasks import get_task, make_split

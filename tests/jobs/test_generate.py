@@ -14,7 +14,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from symbiosis.jobs.artifacts import save_adapter
 from symbiosis.jobs.base import JobError
 from symbiosis.jobs.client import ClientOptions
-from symbiosis.jobs.generate import GenerateOptions, SamplingOptions, TextWriterStreamer, adapter_names, generate, read_prompts
+from symbiosis.jobs.generate import (
+    GenerateOptions,
+    SamplingOptions,
+    TextWriterStreamer,
+    adapter_names,
+    generate,
+    read_prompts,
+)
 from symbiosis.jobs.methods import MethodOptions, build_peft_config
 from tests.reference import randomize_adapters
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
-from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 DEFAULT_SPECS: tuple[LayerSpec, ...] = (
     LayerSpec("q", in_features=16, out_features=24, has_bias=True),

@@ -32,9 +32,9 @@ from symbiosis.errors import (
     ShapeError,
     UnknownLayerError,
 )
-from symbiosis.executor.requests import LatencyClass, Op
 from symbiosis.transport.base import Transport
 from symbiosis.transport.zmq import ZmqServer, ZmqTransport, connect
+from symbiosis.vocabulary import LatencyClass, Op
 
 from .fakes import (
     FakeExecutorService,

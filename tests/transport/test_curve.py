@@ -18,15 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.cli_helpers import run_cli
 import torch
 import zmq
 
 import symbiosis
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
-from symbiosis.executor.requests import LatencyClass, Op
 from symbiosis.transport.security import (
     CLIENT_KEY_ENV,
     SERVER_KEY_ENV,
@@ -37,6 +34,8 @@ from symbiosis.transport.security import (
     load_secret_key,
 )
 from symbiosis.transport.zmq import ZmqServer, connect
+from symbiosis.vocabulary import LatencyClass, Op
+from tests.cli_helpers import run_cli
 
 from .fakes import FakeExecutorService
 

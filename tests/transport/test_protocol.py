@@ -7,8 +7,8 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
-from symbiosis.executor.requests import LayerSpec
 from symbiosis.transport.zmq import ZmqServer, ZmqTransport
+from symbiosis.vocabulary import LayerSpec
 
 from .fakes import FakeExecutorService
 
