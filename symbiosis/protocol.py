@@ -243,12 +243,30 @@ def tensor_from_payload(buffer: memoryview | bytes | bytearray, dtype: str, shap
 
     The caller has validated ``len(buffer)``. ZeroMQ may hand us memory at any address; when it is
     not aligned to the element size the bytes are copied, because CPU kernels assume alignment.
+
+    The result is a tensor of its own, not a view (``owned_tensor``): a transport's result flows
+    out of a custom autograd Function, where autograd forbids in-place ops on views, and peft
+    adds adapter outputs in place.
     """
     torch_dtype = WIRE_DTYPES[dtype]
     count = math.prod(shape)
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=count * ITEMSIZE[dtype])
-    if tensor.data_ptr() % 64:
-        tensor = tensor.clone()  # 64-byte aligned like every torch allocation: same kernels, same bits
-    return tensor.view(torch_dtype).view(shape)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count * ITEMSIZE[dtype])
+    if flat.data_ptr() % 64:
+        flat = flat.clone()  # 64-byte aligned like every torch allocation: same kernels, same bits
+    return owned_tensor(flat, torch_dtype, shape)
+
+
+def owned_tensor(flat_bytes: torch.Tensor, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """``flat_bytes`` (a contiguous ``uint8`` tensor) reinterpreted as ``dtype`` of ``shape``,
+    sharing its memory but *not* a view of it (``_base`` is None), so autograd lets callers modify
+    it in place. ``.view(dtype).view(shape)`` would give the same bits as a view."""
+    assert flat_bytes.dtype == torch.uint8 and flat_bytes.is_contiguous()
+    offset_bytes = flat_bytes.storage_offset()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if offset_bytes % itemsize:
+        flat_bytes = flat_bytes.clone()
+        offset_bytes = 0
+    owned = torch.empty(0, dtype=dtype, device=flat_bytes.device)
+    return owned.set_(flat_bytes.untyped_storage(), offset_bytes // itemsize, tuple(shape))

@@ -398,7 +398,7 @@ class DistTransport(ZmqTransport):
         if nbytes:
             work = self._post(lease, lambda: lease.group.recv([result], _EXECUTOR_RANK, lease.tag))
             self._wait(lease, work, device)
-        return result.view(P.WIRE_DTYPES[reply.dtype]).view(reply.shape)
+        return P.owned_tensor(result, P.WIRE_DTYPES[reply.dtype], reply.shape)  # not a view: see owned_tensor
 
     def _release(self, lease: Any, reusable: bool) -> None:
         if lease is None:

@@ -222,8 +222,11 @@ class ShmTransport(ZmqTransport):
         dtype = P.WIRE_DTYPES[reply.dtype]
         if nbytes == 0:
             return torch.empty(reply.shape, dtype=dtype)
-        # Copy out: the buffer is reused by the next call, the result must outlive it.
-        return lease.data[:nbytes].clone().view(dtype).view(reply.shape)
+        # Copy out: the buffer is reused by the next call, the result must outlive it. The result
+        # is a tensor of its own, never a view (autograd forbids in-place ops on those).
+        result = torch.empty(reply.shape, dtype=dtype)
+        result.view(-1).view(torch.uint8).copy_(lease.data[:nbytes])
+        return result
 
     def _release(self, lease: Any, reusable: bool) -> None:
         if lease is None:
