@@ -78,11 +78,11 @@ def _client(addresses: list[str]) -> None:
     import torch
 
     from symbiosis.transport.inproc import InProcTransport
-    from symbiosis.transport.zmq import connect
+    from symbiosis.transport.schemes import open_transport
     from symbiosis.vocabulary import LatencyClass, Op
 
     ipc, tcp = addresses
-    transports: dict[str, Any] = {"inproc": InProcTransport(_make_executor(0)), "ipc": connect(ipc), "tcp": connect(tcp), "shm+ipc": connect("shm+" + ipc)}
+    transports: dict[str, Any] = {"inproc": InProcTransport(_make_executor(0)), "ipc": open_transport(ipc), "tcp": open_transport(tcp), "shm+ipc": open_transport("shm+" + ipc)}
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

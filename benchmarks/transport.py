@@ -112,7 +112,7 @@ def serve_echo(binds: Sequence[str], width: int) -> None:
 def dist_status() -> dict[str, Any]:
     """Whether the ``dist+`` (torch.distributed) transport exists in this checkout."""
     if importlib.util.find_spec("symbiosis.transport.dist") is None:
-        return {"available": False, "reason": "symbiosis.transport.dist is not in this checkout yet (connect() names dist+ but the module is missing)"}
+        return {"available": False, "reason": "symbiosis.transport.dist is not in this checkout yet (open_transport() names dist+ but the module is missing)"}
     return {"available": True, "reason": "symbiosis.transport.dist found"}
 
 
@@ -121,10 +121,10 @@ def open_transports(addresses: Mapping[str, str], include_dist: bool, **kwargs: 
     targets = {"shm+ipc": "shm+" + addresses["ipc"], "ipc": addresses["ipc"], "tcp": addresses["tcp"]}
     dist = dist_status()
     if include_dist and dist["available"]:
-        from symbiosis.transport.zmq import connect
+        from symbiosis.transport.schemes import open_transport
 
         try:  # the transport is new: if it cannot connect here, say why instead of failing the run
-            connect("dist+" + addresses["tcp"], **kwargs).close()
+            open_transport("dist+" + addresses["tcp"], **kwargs).close()
             targets["dist+tcp"] = "dist+" + addresses["tcp"]
         except Exception as exc:  # noqa: BLE001 (recorded, not hidden)
             dist = {"available": False, "reason": f"dist+ connect failed: {exc!r}"[:500]}
@@ -141,12 +141,12 @@ def split_addresses(server: common.ServerProcess) -> dict[str, str]:
 def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[int], repeats: Mapping[int, int], warmup: int) -> dict[str, Any]:
     """Median round trip per transport and row count, interleaved with the memcpy ceiling."""
     from symbiosis.transport.inproc import InProcTransport
-    from symbiosis.transport.zmq import connect
+    from symbiosis.transport.schemes import open_transport
 
     transports: dict[str, Any] = {"inproc": InProcTransport(EchoService(width))}
     try:
         for name, address in targets.items():
-            transports[name] = connect(address)
+            transports[name] = open_transport(address)
         weight = torch.randn(width, width)
         results: dict[str, Any] = {}
         for rows in row_counts:

@@ -29,12 +29,12 @@ from symbiosis.transport.base import ExecutorService, Transport
 from symbiosis.transport.security import CurveClientKeys
 
 
-def connect(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None, curve: CurveClientKeys | None = None) -> Transport:
+def open_connection(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None, curve: CurveClientKeys | None = None) -> Transport:
     """A transport to ``executor``: an executor object (in-process), an address, or a transport."""
     if isinstance(executor, str):
-        from symbiosis.transport.zmq import connect as connect_address
+        from symbiosis.transport.schemes import open_transport
 
-        return connect_address(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint, curve=curve)
+        return open_transport(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint, curve=curve)
     if isinstance(executor, ExecutorService):
         from symbiosis.transport.inproc import InProcTransport
 
@@ -81,7 +81,7 @@ def load_client_model(
     all_specs = discover_base_layers(model)
     served_specs = discover_base_layers(model, client_layers)
     fingerprint = checkpoint.fingerprint(all_specs)
-    transport = connect(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint, curve=curve)
+    transport = open_connection(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint, curve=curve)
     if transport.fingerprint != fingerprint:
         transport.close()
         raise ModelMismatchError(

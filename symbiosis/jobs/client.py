@@ -60,9 +60,9 @@ class ExecutorTarget:
         if self.executor is not None:
             target: Any = self.executor
         else:
-            from symbiosis.transport.zmq import connect
+            from symbiosis.transport.schemes import open_transport
 
-            target = connect(options.executor, client_id=client_id, timeout_s=options.timeout_s, connect_timeout_s=options.connect_timeout_s)
+            target = open_transport(options.executor, client_id=client_id, timeout_s=options.timeout_s, connect_timeout_s=options.connect_timeout_s)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -1,6 +1,6 @@
-"""ZeroMQ client: ``ZmqTransport`` (implements ``Transport``) and ``connect(address)``.
+"""ZeroMQ client: ``ZmqTransport`` (implements ``Transport``).
 
-Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``connect()`` also accepts
+Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``schemes.open_transport()`` also accepts
 ``shm+ipc://…`` / ``shm+tcp://…`` (same host: payloads in shared memory, see ``shm.py``) and
 ``dist+ipc://…`` / ``dist+tcp://…`` (payloads over torch.distributed, see ``dist.py``); one
 ``ZmqServer`` serves all of them. Those transports subclass ``ZmqTransport`` through its hooks.
@@ -393,21 +393,3 @@ class ZmqTransport:
             return self._decode(reply, payload, lease)
         finally:
             self._release(lease, reusable=True)
-
-
-def connect(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any) -> ZmqTransport:
-    """Open the transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://``/``shm+tcp://``
-    (payloads in shared memory) or ``dist+ipc://``/``dist+tcp://`` (payloads over torch.distributed).
-
-    ``curve``: CURVE keys for an authenticating executor; when None, the key files named by
-    ``SYMBIOSIS_CURVE_SERVER_KEY`` and ``SYMBIOSIS_CURVE_CLIENT_KEY`` are used if set."""
-    kwargs["curve"] = curve if curve is not None else CurveClientKeys.from_env()
-    if address.startswith("shm+"):
-        from symbiosis.transport.shm import ShmTransport
-
-        return ShmTransport(address, **kwargs)
-    if address.startswith("dist+"):
-        from symbiosis.transport.dist import DistTransport
-
-        return DistTransport(address, **kwargs)
-    return ZmqTransport(address, **kwargs)

@@ -148,9 +148,9 @@ def serve_in_process(addresses: list[str], seed: int, ready: Any, stop: Any) -> 
 
 def call_and_wait(address: str, client_id: str, layer_id: str) -> None:
     """Spawn-process entry: connect and make one call that the test's fake never completes."""
-    from symbiosis.transport.zmq import connect
+    from symbiosis.transport.schemes import open_transport
 
-    transport = connect(address, client_id=client_id, timeout_s=120)
+    transport = open_transport(address, client_id=client_id, timeout_s=120)
     transport.call(layer_id, Op.FORWARD, torch.randn(4, 16), LatencyClass.PREFILL)
 
 
@@ -171,8 +171,8 @@ def declare_dist_payload(transport: Any, layer_id: str = "q", rows: int = 4) -> 
 
 def declare_dist_payload_and_hang(address: str, client_id: str) -> None:
     """Spawn-process entry: open a dist session, declare a payload, never send it, wait to be killed."""
-    from symbiosis.transport.zmq import connect
+    from symbiosis.transport.schemes import open_transport
 
-    transport = connect(address, client_id=client_id, timeout_s=120)
+    transport = open_transport(address, client_id=client_id, timeout_s=120)
     declare_dist_payload(transport)
     time.sleep(120)

@@ -33,7 +33,8 @@ from symbiosis.errors import (
     UnknownLayerError,
 )
 from symbiosis.transport.base import Transport
-from symbiosis.transport.zmq import ZmqServer, ZmqTransport, connect
+from symbiosis.transport.schemes import open_transport
+from symbiosis.transport.zmq import ZmqServer, ZmqTransport
 from symbiosis.vocabulary import LatencyClass, Op
 
 from .fakes import (
@@ -73,7 +74,7 @@ def open_client(server: ZmqServer, kind: str) -> Iterator[Callable[..., ZmqTrans
     clients: list[ZmqTransport] = []
 
     def _open(**kwargs: object) -> ZmqTransport:
-        transport = connect(client_address(kind, server.address), **kwargs)
+        transport = open_transport(client_address(kind, server.address), **kwargs)
         clients.append(transport)
         return transport
 
@@ -265,7 +266,7 @@ def test_no_executor_raises_unavailable(kind: str, sock_dir: str) -> None:
     address = "tcp://127.0.0.1:1" if kind == "tcp" else f"ipc://{sock_dir}/nobody.sock"
     start = time.monotonic()
     with pytest.raises(ExecutorUnavailableError):
-        connect(client_address(kind, address), connect_timeout_s=0.5)
+        open_transport(client_address(kind, address), connect_timeout_s=0.5)
     assert time.monotonic() - start < 3
 
 
@@ -301,7 +302,7 @@ def test_reconnects_after_server_restart(open_client, server: ZmqServer, fake: F
 def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
     service = FakeExecutorService(threaded=True, delay_s=0.5)
     server = ZmqServer(service, bind_address(kind, sock_dir)).start()
-    transport = connect(client_address(kind, server.address), connect_timeout_s=0.5, timeout_s=5)
+    transport = open_transport(client_address(kind, server.address), connect_timeout_s=0.5, timeout_s=5)
     rows = torch.randn(3, 16)
     results: list[torch.Tensor] = []
     caller = threading.Thread(target=lambda: results.append(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)))
@@ -361,7 +362,7 @@ def remote_server() -> Iterator[dict[str, str]]:
 
 def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> None:
     reference = FakeExecutorService(seed=3)
-    with connect(client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint) as transport:
+    with open_transport(client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint) as transport:
         for op in Op:
             for dtype in (torch.float32, torch.bfloat16):
                 rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)
@@ -386,7 +387,7 @@ def test_reconnects_after_server_crash(sock_dir: str) -> None:
             children.append(child)
             ready.get(timeout=60)
             if attempt == 0:
-                transport = connect(client_address("shm", address), connect_timeout_s=10, timeout_s=30)
+                transport = open_transport(client_address("shm", address), connect_timeout_s=10, timeout_s=30)
             got = transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
             assert torch.equal(got, reference.compute("q", Op.FORWARD, rows))
             if attempt == 0:
@@ -421,8 +422,8 @@ def test_dist_peer_that_never_sends_its_payload_times_out(fake: FakeExecutorServ
     """A live peer declares a dist payload and never posts it: the group timeout ends its session
     (the executor is not wedged), while heartbeats alone would have kept it alive."""
     server = ZmqServer(fake, bind_address("dist", sock_dir), client_timeout_s=1.0).start()
-    stuck = connect(client_address("dist", server.address), client_id="stuck")
-    good = connect(client_address("dist", server.address), client_id="good")
+    stuck = open_transport(client_address("dist", server.address), client_id="stuck")
+    good = open_transport(client_address("dist", server.address), client_id="good")
     try:
         declare_dist_payload(stuck)
         started = time.monotonic()
@@ -464,6 +465,6 @@ def test_dist_refused_when_server_disallows_it(fake: FakeExecutorService, sock_d
     server = ZmqServer(fake, bind_address("dist", sock_dir), allow_dist=False).start()
     try:
         with pytest.raises(ProtocolError, match="torch.distributed"):
-            connect(client_address("dist", server.address), connect_timeout_s=2)
+            open_transport(client_address("dist", server.address), connect_timeout_s=2)
     finally:
         server.close()

@@ -24,6 +24,7 @@ import zmq
 import symbiosis
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
+from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.security import (
     CLIENT_KEY_ENV,
     SERVER_KEY_ENV,
@@ -33,7 +34,7 @@ from symbiosis.transport.security import (
     load_public_key,
     load_secret_key,
 )
-from symbiosis.transport.zmq import ZmqServer, connect
+from symbiosis.transport.zmq import ZmqServer
 from symbiosis.vocabulary import LatencyClass, Op
 from tests.cli_helpers import run_cli
 
@@ -100,7 +101,7 @@ def test_authorized_client_gets_exact_results(fake: FakeExecutorService, keys: P
     server = ZmqServer(fake, bind, curve=server_keys(keys)).start()
     try:
         address = f"{kind}+{server.address}" if kind in ("shm", "dist") else server.address
-        with connect(address, curve=client_keys(keys), connect_timeout_s=5) as transport:
+        with open_transport(address, curve=client_keys(keys), connect_timeout_s=5) as transport:
             rows = torch.randn(5, 16)
             assert torch.equal(call_q(transport, rows), fake.compute("q", Op.FORWARD, rows))
             grads = torch.randn(3, 24, dtype=torch.bfloat16)
@@ -112,12 +113,12 @@ def test_authorized_client_gets_exact_results(fake: FakeExecutorService, keys: P
 def test_keys_from_environment(curve_server: ZmqServer, fake: FakeExecutorService, keys: Path, monkeypatch) -> None:
     monkeypatch.setenv(SERVER_KEY_ENV, str(keys / "server" / "server.key"))
     monkeypatch.setenv(CLIENT_KEY_ENV, str(keys / "alice" / "alice.key_secret"))
-    with connect(curve_server.address, connect_timeout_s=5) as transport:
+    with open_transport(curve_server.address, connect_timeout_s=5) as transport:
         rows = torch.randn(2, 16)
         assert torch.equal(call_q(transport, rows), fake.compute("q", Op.FORWARD, rows))
     monkeypatch.delenv(CLIENT_KEY_ENV)
     with pytest.raises(ValueError, match=CLIENT_KEY_ENV):
-        connect(curve_server.address, connect_timeout_s=5)
+        open_transport(curve_server.address, connect_timeout_s=5)
 
 
 # ---- refused clients: typed, fast, clear -----------------------------------------------------
@@ -135,10 +136,10 @@ def test_unauthenticated_clients_are_refused_fast(curve_server: ZmqServer, fake:
     curve = {None: None, "mallory": client_keys(keys, "mallory"), "wrong-server-key": client_keys(keys, "alice", "mallory/mallory.key")}[who]
     start = time.monotonic()
     with pytest.raises(ExecutorUnavailableError, match=match):
-        connect(curve_server.address, curve=curve, connect_timeout_s=10)
+        open_transport(curve_server.address, curve=curve, connect_timeout_s=10)
     assert time.monotonic() - start < 3.0  # the handshake failure is reported, not waited out
     assert not any(event[0] == "register" for event in fake.events)  # never got a session
-    with connect(curve_server.address, curve=client_keys(keys), connect_timeout_s=5) as transport:  # still serving
+    with open_transport(curve_server.address, curve=client_keys(keys), connect_timeout_s=5) as transport:  # still serving
         assert call_q(transport, torch.ones(1, 16)).shape == (1, 24)
 
 
@@ -146,7 +147,7 @@ def test_curve_client_refuses_a_plain_server(fake: FakeExecutorService, keys: Pa
     server = ZmqServer(fake, "tcp://127.0.0.1:0").start()
     try:
         with pytest.raises(ExecutorUnavailableError, match="does not use CURVE"):
-            connect(server.address, curve=client_keys(keys), connect_timeout_s=10)
+            open_transport(server.address, curve=client_keys(keys), connect_timeout_s=10)
     finally:
         server.close(drain=False)
 
@@ -214,7 +215,7 @@ def test_traffic_is_encrypted(fake: FakeExecutorService, keys: Path, use_curve: 
     relay = Recorder(server.address)
     try:
         curve = client_keys(keys) if use_curve else None
-        with connect(relay.address, client_id=MARKER, curve=curve, connect_timeout_s=5) as transport:
+        with open_transport(relay.address, client_id=MARKER, curve=curve, connect_timeout_s=5) as transport:
             assert torch.equal(call_q(transport, PATTERN), fake.compute("q", Op.FORWARD, PATTERN))
     finally:
         relay.close()
@@ -244,7 +245,7 @@ def test_non_loopback_bind_needs_curve_or_explicit_consent(fake: FakeExecutorSer
 
 def test_dist_client_refuses_non_loopback_with_curve(keys: Path) -> None:
     with pytest.raises(ValueError, match="not encrypted"):
-        connect("dist+tcp://10.1.2.3:7000", curve=client_keys(keys))  # refused before any connection
+        open_transport("dist+tcp://10.1.2.3:7000", curve=client_keys(keys))  # refused before any connection
 
 
 # ---- key handling and the CLI ----------------------------------------------------------------

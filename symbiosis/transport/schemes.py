@@ -1,0 +1,43 @@
+"""Which client transport serves an executor address: a table from address scheme to class.
+
+``open_transport(address)`` looks the scheme up here and imports that one module, so the ZeroMQ
+client never imports the shared-memory or torch.distributed transports (which build on it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from symbiosis.transport.security import CurveClientKeys
+
+#: address prefix -> "module:Class" of the client transport. Longest prefixes first.
+TRANSPORTS: dict[str, str] = {
+    "shm+ipc://": "symbiosis.transport.shm:ShmTransport",
+    "shm+tcp://": "symbiosis.transport.shm:ShmTransport",
+    "dist+ipc://": "symbiosis.transport.dist:DistTransport",
+    "dist+tcp://": "symbiosis.transport.dist:DistTransport",
+    "ipc://": "symbiosis.transport.zmq_client:ZmqTransport",
+    "tcp://": "symbiosis.transport.zmq_client:ZmqTransport",
+}
+
+
+def transport_class(address: str) -> type:
+    for prefix, target in TRANSPORTS.items():
+        if address.startswith(prefix):
+            module_name, class_name = target.split(":")
+            return getattr(importlib.import_module(module_name), class_name)
+    schemes = ", ".join(TRANSPORTS)
+    raise ValueError(f"unsupported executor address {address!r}: use one of the schemes {schemes}")
+
+
+def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any):
+    """Open the client transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://`` /
+    ``shm+tcp://`` (payloads in shared memory) or ``dist+ipc://`` / ``dist+tcp://`` (payloads over
+    torch.distributed).
+
+    ``curve``: CURVE keys for an authenticating executor; when None, the key files named by
+    ``SYMBIOSIS_CURVE_SERVER_KEY`` and ``SYMBIOSIS_CURVE_CLIENT_KEY`` are used if set."""
+    cls = transport_class(address)
+    kwargs["curve"] = curve if curve is not None else CurveClientKeys.from_env()
+    return cls(address, **kwargs)
