@@ -1,9 +1,24 @@
 """Mechanism: receive requests, ask the scheduler what to run, run it, complete the futures.
 
-One compute thread owns the matrix products; callers (in-process client threads or a transport
-server) only enqueue. The scheduler decides *what* and *when* (pure policy, see
-``scheduler.py``); this module does the bookkeeping around it: casting at the boundary, gathering
-row slices, reassembling chunked requests, and failing a batch without failing the executor.
+The scheduler decides *what* and *when* (pure policy, see ``scheduler.py``); this module does the
+bookkeeping around it: casting at the boundary, gathering row slices, reassembling chunked
+requests, and failing a batch without failing the executor.
+
+Who runs a product (flat combining). At most one batch is computed at a time, by whichever thread
+finds it ready first:
+
+- ``call`` (in-process clients) enqueues its request and, in the same critical section, asks the
+  scheduler for a ready batch and runs it *in the caller's own thread* — its own rows and any
+  rows other clients queued meanwhile. While the caller's request is held back (the policy waits
+  for more rows) or another thread is computing, the caller waits and then tries again. A lone
+  client therefore pays no thread hand-off, and concurrent clients still share one product.
+- ``submit`` (transport servers, tools) enqueues and returns a future; the engine's own compute
+  thread runs what no waiting caller is there to run.
+
+Running products in the callers' threads also keeps a second OpenMP team out of the process: the
+compute thread of an in-process executor never multiplies while a client waits, so it never
+creates the idle worker team that made every torch op of its neighbours slower (libgomp sleeps
+and wakes its workers with syscalls once more threads exist than cores).
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from symbiosis.errors import ExecutorUnavailableError, ProtocolError, ShapeError, SymbiosisError, UnknownLayerError
+from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, ShapeError, SymbiosisError, UnknownLayerError
 from symbiosis.executor.requests import Batch, PendingRequest
 from symbiosis.executor.runner import run_batch
 from symbiosis.executor.scheduler import Scheduler
@@ -65,7 +80,7 @@ class LayerCounters:
 
 
 class ExecutionEngine:
-    """Thread-safe front (``submit``) and one compute thread around a ``Scheduler``."""
+    """Thread-safe front (``call`` / ``submit``) around a ``Scheduler``; see the module docstring."""
 
     def __init__(self, weights: BaseModelWeights, scheduler: Scheduler, clock: Callable[[], float] = time.monotonic):
         self.weights = weights
@@ -78,11 +93,13 @@ class ExecutionEngine:
         self._per_layer: defaultdict[str, LayerCounters] = defaultdict(LayerCounters)
         self._accepting = True
         self._running = True
-        self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
-        self._thread.start()
+        self._computing = False  # some thread is running a batch (at most one at a time)
+        self._callers_waiting = 0  # threads inside ``call``: while any waits, they run the batches
         first = next(iter(weights.layers.values()), None)
         self.device = first.weight.device if first else torch.device("cpu")
         self.dtype = first.weight.dtype if first else torch.float32
+        self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
+        self._thread.start()
 
     # ---- front ---------------------------------------------------------------------------------
 
@@ -100,32 +117,81 @@ class ExecutionEngine:
             raise ProtocolError(f"dtype {rows.dtype} is not allowed; use one of {[str(d) for d in ALLOWED_DTYPES]}")
 
     def submit(self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> Future:
+        """Enqueue a request; the compute thread (or a waiting caller) runs it."""
+        future = self._prepare(layer_id, op, rows)
+        if future.done():
+            return future
+        local = rows.to(device=self.device, dtype=self.dtype)  # cast here: the computing thread only multiplies
+        with self._cond:
+            self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
+            self._cond.notify_all()
+        return future
+
+    def call(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, timeout_s: float
+    ) -> torch.Tensor:
+        """Run a request and return its result, computing ready batches in this thread (see module doc)."""
+        future = self._prepare(layer_id, op, rows)
+        if future.done():
+            return future.result()
+        local = rows.to(device=self.device, dtype=self.dtype)
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            request_id = self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
+            self._callers_waiting += 1
+            try:
+                while not future.done():
+                    if not self._running:
+                        raise ExecutorUnavailableError("the executor was closed")
+                    now = self._clock()
+                    if now >= deadline:
+                        self._drop(request_id, ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"))
+                        break
+                    if not self._computing and (batch := self.scheduler.next_batch(now)) is not None:
+                        self._run_locked(batch)
+                        continue
+                    wakeup = None if self._computing else self.scheduler.next_wakeup(now)
+                    self._cond.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
+            finally:
+                self._callers_waiting -= 1
+                if self._callers_waiting == 0 and self._inflight:
+                    self._cond.notify_all()  # what is left is the compute thread's again
+        return future.result()
+
+    def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:
+        """Validate; a future already resolved for an empty request, else a pending one."""
         self.validate(layer_id, op, rows)
         future: Future = Future()
-        spec = self.weights.specs[layer_id]
         if rows.shape[0] == 0:
-            future.set_result(rows.new_empty((0, op.output_width(spec))))
-            return future
-        # Cast in the caller's thread so the compute thread only multiplies.
-        local = rows.to(device=self.device, dtype=self.dtype)
-        with self._cond:
-            if not self._accepting:
-                raise ExecutorUnavailableError("the executor is shutting down and accepts no new requests")
-            request_id = next(self._ids)
-            now = self._clock()
-            self._inflight[request_id] = _Inflight(local, future, rows.dtype, rows.device, now)
-            self._owner[request_id] = client_id
-            self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
-            counters = self._per_layer[layer_id]
-            counters.requests += 1
-            counters.rows += rows.shape[0]
-            self._cond.notify()
+            future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
         return future
+
+    def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future) -> int:
+        """Record the request and hand it to the scheduler (holding ``_cond``)."""
+        if not self._accepting:
+            raise ExecutorUnavailableError("the executor is shutting down and accepts no new requests")
+        request_id = next(self._ids)
+        now = self._clock()
+        self._inflight[request_id] = _Inflight(local, future, rows.dtype, rows.device, now)
+        self._owner[request_id] = client_id
+        self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
+        counters = self._per_layer[layer_id]
+        counters.requests += 1
+        counters.rows += rows.shape[0]
+        return request_id
+
+    def _drop(self, request_id: int, error: Exception) -> None:
+        """Fail one request (its caller timed out) holding ``_cond``. It stays scheduled — the
+        scheduler removes requests only per client, and the other requests of its client must
+        stay — and its result is discarded when its batch completes."""
+        inflight = self._inflight.get(request_id)
+        if inflight is not None and not inflight.future.done():
+            inflight.future.set_exception(error)
 
     def client_joined(self, client_id: str) -> None:
         with self._cond:
             self.scheduler.client_joined(client_id)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def client_left(self, client_id: str) -> None:
         with self._cond:
@@ -135,22 +201,22 @@ class ExecutionEngine:
                 self._owner.pop(request_id, None)
                 if inflight is not None:
                     inflight.future.set_exception(ExecutorUnavailableError(f"client {client_id!r} left"))
-            self._cond.notify()
+            self._cond.notify_all()
 
     def close(self, drain: bool = True, timeout_s: float = 30.0) -> None:
-        """Refuse new requests; with ``drain`` finish those in flight, else fail them."""
+        """Refuse new requests; with ``drain`` finish those in flight (up to ``timeout_s``), else
+        fail them at once."""
         with self._cond:
             self._accepting = False
             if not drain:
                 self._fail_all(ExecutorUnavailableError("the executor was closed"))
-            self._cond.notify()
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
+            self._cond.notify_all()
+            deadline = time.monotonic() + timeout_s
             while self._inflight and time.monotonic() < deadline:
                 self._cond.wait(0.05)
             self._running = False
             self._fail_all(ExecutorUnavailableError("the executor was closed"))
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout=5)
 
     def stats(self) -> dict:
@@ -161,7 +227,7 @@ class ExecutionEngine:
                 "scheduler": self.scheduler.stats(),
             }
 
-    # ---- compute thread ------------------------------------------------------------------------
+    # ---- computing -----------------------------------------------------------------------------
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self._inflight):
@@ -172,32 +238,43 @@ class ExecutionEngine:
         self._inflight.clear()
         self._owner.clear()
 
-    def _next(self) -> Batch | None:
+    def _loop(self) -> None:
+        """The compute thread: runs what is ready while no caller is waiting to run it."""
         with self._cond:
             while self._running:
                 now = self._clock()
-                batch = self.scheduler.next_batch(now)
-                if batch is not None:
-                    return batch
-                wakeup = self.scheduler.next_wakeup(now)
+                if self._callers_waiting == 0 and not self._computing:
+                    batch = self.scheduler.next_batch(now)
+                    if batch is not None:
+                        self._run_locked(batch)
+                        continue
+                    wakeup = self.scheduler.next_wakeup(now)
+                else:
+                    wakeup = None  # a waiting caller runs the batches; it notifies when it leaves
                 self._cond.wait(None if wakeup is None else max(0.0, wakeup - now))
-            return None
 
-    def _loop(self) -> None:
-        while (batch := self._next()) is not None:
-            self._run(batch)  # a method, so the batch's tensors die with its frame
-
-    def _run(self, batch: Batch) -> None:
-        with self._cond:  # requests may have been dropped (client left) since scheduling
-            parts = [(s, self._inflight[s.request_id]) for s in batch.slices if s.request_id in self._inflight]
-            now = self._clock()
-            counters = self._per_layer[batch.layer_id]
-            for _, inflight in parts:
-                if not inflight.started:
-                    inflight.started = True
-                    counters.queue_wait_s += now - inflight.submitted_s
-        if not parts:
+    def _run_locked(self, batch: Batch) -> None:
+        """Run ``batch`` with ``_cond`` held on entry and exit, released around the product."""
+        parts = [(s, self._inflight[s.request_id]) for s in batch.slices if s.request_id in self._inflight]
+        if not parts:  # requests dropped (client left) since scheduling
             return
+        now = self._clock()
+        counters = self._per_layer[batch.layer_id]
+        for _, inflight in parts:
+            if not inflight.started:
+                inflight.started = True
+                counters.queue_wait_s += now - inflight.submitted_s
+        self._computing = True
+        self._cond.release()
+        try:
+            self._compute(batch, parts)
+        finally:
+            self._cond.acquire()
+            self._computing = False
+            self._cond.notify_all()
+
+    def _compute(self, batch: Batch, parts) -> None:
+        """The product and completing its requests' futures (called without ``_cond`` held)."""
         layer = self.weights.layers[batch.layer_id]
         try:
             outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
@@ -205,7 +282,6 @@ class ExecutionEngine:
             self._fail_batch(batch.layer_id, parts, exc)
             return
         self._complete(batch, parts, outputs)
-
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> None:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")
         with self._cond:
@@ -213,7 +289,8 @@ class ExecutionEngine:
             for s, inflight in parts:
                 if self._inflight.pop(s.request_id, None) is not None:
                     self._owner.pop(s.request_id, None)
-                    inflight.future.set_exception(error)
+                    if not inflight.future.done():
+                        inflight.future.set_exception(error)
             self._cond.notify_all()
 
     def _complete(self, batch: Batch, parts, outputs: list[torch.Tensor]) -> None:
@@ -244,4 +321,5 @@ class ExecutionEngine:
             if not self._inflight:
                 self._cond.notify_all()
         for inflight, result in finished:
-            inflight.future.set_result(result.to(device=inflight.out_device, dtype=inflight.out_dtype))
+            if not inflight.future.done():  # a caller that timed out has its error already
+                inflight.future.set_result(result.to(device=inflight.out_device, dtype=inflight.out_dtype))

@@ -86,11 +86,25 @@ class BaseExecutor:
     ) -> Future[torch.Tensor]:
         return self._engine.submit(client_id, layer_id, Op(op), rows, LatencyClass(latency_class))
 
+    def call(
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        timeout_s: float = 300.0,
+    ) -> torch.Tensor:
+        """Blocking ``submit`` for in-process clients: the calling thread runs ready batches itself
+        (its own rows and any rows others queued meanwhile), so a lone client pays no thread
+        hand-off while concurrent ones still share products. Raises ``ExecutorTimeoutError``."""
+        return self._engine.call(client_id, layer_id, Op(op), rows, LatencyClass(latency_class), timeout_s)
+
     # ---- conveniences --------------------------------------------------------------------------
 
     def run(self, layer_id: str, op: Op | str, rows: torch.Tensor) -> torch.Tensor:
         """Synchronous single call, for tests and tools (goes through the same batching path)."""
-        return self.submit("direct", layer_id, Op(op), rows, LatencyClass.PREFILL).result()
+        return self.call("direct", layer_id, Op(op), rows, LatencyClass.PREFILL)
 
     def serve(self, address: str, **server_options):
         """Start serving remote clients at ``address`` (``tcp://host:port`` or ``ipc:///path``).

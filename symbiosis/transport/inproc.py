@@ -1,7 +1,8 @@
 """In-process transport: client threads call the executor object directly.
 
-No copies beyond the executor's boundary cast; concurrent calls from many threads meet in the
-executor's scheduler and are batched like remote ones.
+No copies beyond the executor's boundary cast, and no thread hand-off: an executor with a blocking
+``call`` (``BaseExecutor``) runs ready batches in the calling thread. Concurrent calls from many
+threads still meet in the executor's scheduler and are batched like remote ones.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class InProcTransport:
     def call(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
         if self._closed:
             raise ExecutorUnavailableError(f"transport of client {self.client_id!r} is closed")
-        future = self.service.submit(self.client_id, layer_id, op, rows, latency_class)
+        call = getattr(self.service, "call", None)
+        if call is not None:
+            return call(self.client_id, layer_id, op, rows, latency_class, self.timeout_s)
+        future = self.service.submit(self.client_id, layer_id, op, rows, latency_class)  # any other ExecutorService
         try:
             return future.result(timeout=self.timeout_s)
         except TimeoutError as exc:
