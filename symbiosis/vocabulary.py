@@ -8,6 +8,7 @@ row slices, batches) stay in ``executor/requests.py``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -45,3 +46,35 @@ class LayerSpec:
     in_features: int
     out_features: int
     has_bias: bool
+
+
+# ---- sibling groups -----------------------------------------------------------------------------
+# Base layers that read the same input (q/k/v, gate/up) can be served by one request and one
+# product. The executor stores each *block* of candidate siblings as one weight matrix (members'
+# weights are row slices of it, so nothing is duplicated); a client that sees members called on
+# the same input asks for a contiguous run of a block under a *group id*: the member ids, in block
+# order, joined by GROUP_SEPARATOR. The result rows are the members' outputs side by side.
+
+GROUP_SEPARATOR = "+"
+
+
+def sibling_blocks(specs: Iterable[LayerSpec]) -> list[tuple[str, ...]]:
+    """Blocks of candidate siblings, in the order ``specs`` lists them (the model's module order).
+
+    Candidates are layers of the same parent module with the same input width and bias presence;
+    whether they really read the same input is learned by each client at run time (llama's
+    ``o_proj`` is a candidate next to q/k/v but never called on their input, so no client asks
+    for it with them). Both sides compute this from the same ordered specs."""
+    blocks: dict[tuple[str, int, bool], list[str]] = {}
+    for spec in specs:
+        parent = spec.layer_id.rpartition(".")[0]
+        blocks.setdefault((parent, spec.in_features, spec.has_bias), []).append(spec.layer_id)
+    return [tuple(members) for members in blocks.values() if len(members) > 1]
+
+
+def group_id(members: Iterable[str]) -> str:
+    return GROUP_SEPARATOR.join(members)
+
+
+def group_members(layer_id: str) -> list[str]:
+    return layer_id.split(GROUP_SEPARATOR)

@@ -22,6 +22,7 @@ from symbiosis.checkpoint import (
     discover_base_layers,
     locate_tensors,
 )
+from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import make_virt_layer
 from symbiosis.errors import CheckpointError, ModelMismatchError
 from symbiosis.executor.executor import parse_dtype
@@ -63,6 +64,7 @@ def load_client_model(
     client_id: str | None = None,
     timeout_s: float = 300.0,
     curve: CurveClientKeys | None = None,
+    fuse_siblings: bool = True,
 ):
     """Load the checkpoint at ``path`` as a client of ``executor``.
 
@@ -71,6 +73,8 @@ def load_client_model(
     VirtLayers; their weights are never read into this process. ``client_layers`` names base
     layers to keep (with their weights) in the client instead. ``curve``: ``CurveClientKeys`` for
     an executor address that requires CURVE (default: the ``SYMBIOSIS_CURVE_*`` environment).
+    ``fuse_siblings``: serve base layers that read the same input (q/k/v, gate/up) with one
+    request each time (``client/fusion.py``); results are the same either way.
     """
     checkpoint = Checkpoint(path)
     config = checkpoint.config
@@ -97,11 +101,14 @@ def load_client_model(
     sources = locate_tensors(checkpoint, model, wanted, optional=buffers)
     tensors = checkpoint.read(sources)
 
+    fusion = SiblingFusion(all_specs, transport, served_specs) if fuse_siblings else None
     for layer_id, spec in served_specs.items():
         parent_name, _, child = layer_id.rpartition(".")
         parent = model.get_submodule(parent_name)
         original = getattr(parent, child)
-        setattr(parent, child, make_virt_layer(original, spec, transport, device=device, dtype=client_dtype))
+        virt = make_virt_layer(original, spec, transport, device=device, dtype=client_dtype)
+        virt.fusion = fusion
+        setattr(parent, child, virt)
     for name, tensor in tensors.items():
         _set_tensor(model, name, tensor)
     # The Virt lm_head can no longer share the embedding's Parameter; tying is moot (the

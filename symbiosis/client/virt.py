@@ -80,6 +80,7 @@ class _VirtLayerMixin:
         nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate the weight
         self.layer_id = spec.layer_id
         self.link = ExecutorLink(spec, transport)
+        self.fusion = None  # a SiblingFusion shared with this layer's siblings (client/fusion.py)
         self._has_bias = spec.has_bias
         self._set_placeholders(device, dtype)
 
@@ -117,6 +118,12 @@ class _VirtLayerMixin:
         return nn.Module._apply(self, fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Fusion serves only plain links: a wrapped one (activation noise) must see its own calls.
+        if self.fusion is not None and type(self.link) is ExecutorLink:
+            return self.fusion.forward(self.layer_id, x, self.training, self._call_alone)
+        return frozen_linear(x, self.link, self.training)
+
+    def _call_alone(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_linear(x, self.link, self.training)
 
     def extra_repr(self) -> str:

@@ -2,11 +2,16 @@
 
 Every layer is stored as ``W`` [out, in] (``nn.Linear``'s layout; ``Conv1D``'s [in, out] is
 transposed once at load time) so the runner has one code path for all of them.
+
+Sibling blocks (``vocabulary.sibling_blocks``: q/k/v/o of one attention, gate/up of one MLP) are
+stored as one matrix whose row slices are the members' weights, so a *group* — a contiguous run
+of a block, named by its group id — is one product against a view, with no weight held twice.
+``specs`` and ``layers`` resolve group ids on lookup; iterating them lists only real layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +25,74 @@ from symbiosis.checkpoint import (
     discover_base_layers,
     locate_tensors,
 )
-from symbiosis.vocabulary import LayerSpec
+from symbiosis.vocabulary import GROUP_SEPARATOR, LayerSpec, group_members, sibling_blocks
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
+
+
+class _GroupResolver:
+    """Group id -> (spec, weights) of a contiguous run of one sibling block, cached.
+
+    Only ids that name such a run are resolved (and cached): there are at most ``k(k-1)/2`` of
+    them per block of ``k`` members, so a client cannot grow the cache with made-up ids."""
+
+    def __init__(self, specs: Mapping[str, LayerSpec], layers: Mapping[str, LayerWeights], blocks: list[tuple[str, ...]], block_weights: list[LayerWeights]):
+        self._specs = specs
+        self._layers = layers
+        self._position = {member: (b, i) for b, block in enumerate(blocks) for i, member in enumerate(block)}
+        self._blocks = blocks
+        self._block_weights = block_weights
+        self._resolved: dict[str, tuple[LayerSpec, LayerWeights]] = {}
+
+    def resolve(self, layer_id: str) -> tuple[LayerSpec, LayerWeights] | None:
+        if GROUP_SEPARATOR not in layer_id:
+            return None
+        found = self._resolved.get(layer_id)
+        if found is not None:
+            return found
+        members = group_members(layer_id)
+        places = [self._position.get(member) for member in members]
+        if None in places or len({b for b, _ in places}) != 1:
+            return None
+        block, first = places[0]
+        if [i for _, i in places] != list(range(first, first + len(members))):
+            return None  # not a contiguous run in block order: no single view serves it
+        start = sum(self._specs[m].out_features for m in self._blocks[block][:first])
+        stop = start + sum(self._specs[m].out_features for m in members)
+        whole = self._block_weights[block]
+        weights = LayerWeights(whole.weight[start:stop], None if whole.bias is None else whole.bias[start:stop])
+        head = self._specs[members[0]]
+        spec = LayerSpec(layer_id, head.in_features, stop - start, head.has_bias)
+        self._resolved[layer_id] = (spec, weights)
+        return spec, weights
+
+
+class _Registry(Mapping):
+    """The real layers' mapping, plus group ids resolved on lookup (never listed)."""
+
+    def __init__(self, real: Mapping, resolver: _GroupResolver, part: int):
+        self._real = real
+        self._resolver = resolver
+        self._part = part  # 0: specs, 1: weights
+
+    def __getitem__(self, layer_id: str):
+        found = self._real.get(layer_id)
+        if found is not None:
+            return found
+        resolved = self._resolver.resolve(layer_id) if isinstance(layer_id, str) else None
+        if resolved is None:
+            raise KeyError(layer_id)
+        return resolved[self._part]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._real)
+
+    def __len__(self) -> int:
+        return len(self._real)
 
 
 @dataclass(frozen=True)
@@ -58,9 +124,33 @@ class BaseModelWeights:
             )
             if tuple(layers[layer_id].weight.shape) != (spec.out_features, spec.in_features):
                 raise ValueError(f"weight of {layer_id} has shape {tuple(weight.shape)}, expected {spec}")
-        return cls(specs, layers, checkpoint.fingerprint(specs), checkpoint.config.model_type)
+        return cls.assemble(specs, layers, checkpoint.fingerprint(specs), checkpoint.config.model_type)
+
+    @classmethod
+    def assemble(cls, specs: dict[str, LayerSpec], layers: dict[str, LayerWeights], fingerprint: str, model_type: str) -> "BaseModelWeights":
+        """Store each sibling block as one matrix (members become row-slice views of it) and wrap
+        ``specs``/``layers`` so that group ids resolve."""
+        blocks = sibling_blocks(specs.values())
+        block_weights = []
+        for block in blocks:
+            members = [layers[m] for m in block]
+            weight = torch.cat([w.weight for w in members])
+            bias = None if members[0].bias is None else torch.cat([w.bias for w in members])
+            block_weights.append(LayerWeights(weight, bias))
+            start = 0
+            for member in block:  # the separate copies are dropped: each member is now a view
+                stop = start + specs[member].out_features
+                layers[member] = LayerWeights(weight[start:stop], None if bias is None else bias[start:stop])
+                start = stop
+        resolver = _GroupResolver(specs, layers, blocks, block_weights)
+        return cls(_Registry(specs, resolver, 0), _Registry(layers, resolver, 1), fingerprint, model_type)
 
     def nbytes(self) -> int:
-        return sum(
-            w.weight.nbytes + (0 if w.bias is None else w.bias.nbytes) for w in self.layers.values()
-        )
+        """Bytes of the stored weights (each storage once: block members share theirs)."""
+        storages = {}
+        for w in self.layers.values():
+            for tensor in (w.weight, w.bias):
+                if tensor is not None:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())

@@ -161,7 +161,7 @@ class ZmqServer:
 
     def start(self) -> "ZmqServer":
         """Bind (errors raise here, in the caller's thread) and serve from a background thread."""
-        self._specs = dict(self._service.layer_specs())
+        self._specs = self._service.layer_specs()  # not a copy: it resolves sibling group ids
         self._fingerprint = self._service.fingerprint
         self._channels = self._make_channels()
         self._ctx = zmq.Context()
@@ -216,7 +216,7 @@ class ZmqServer:
     def _make_channels(self) -> dict[str, PayloadChannel]:
         channels: dict[str, PayloadChannel] = {"inline": InlineChannel(self, self._specs, self._limits)}
         if self._allow_shm:
-            from symbiosis.transport.shm import ShmChannel  # shm.py imports the client module
+            from symbiosis.transport.shm_channel import ShmChannel
 
             channels["shm"] = ShmChannel(self, self._specs, self._limits)
         if self._allow_dist:
