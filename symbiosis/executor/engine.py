@@ -12,8 +12,13 @@ finds it ready first:
   rows other clients queued meanwhile. While the caller's request is held back (the policy waits
   for more rows) or another thread is computing, the caller waits and then tries again. A lone
   client therefore pays no thread hand-off, and concurrent clients still share one product.
-- ``submit`` (transport servers, tools) enqueues and returns a future; the engine's own compute
-  thread runs what no waiting caller is there to run.
+- A transport server's socket thread is a *driver* (``attach_driver``): after reading a burst of
+  requests it calls ``run_ready``, which runs every batch that is ready now in that thread, and
+  it polls its sockets no longer than until the scheduler's next wake-up; ``wake`` callbacks tell
+  it when work arrives from elsewhere. So a remote request, too, is received, multiplied and
+  answered by one thread.
+- ``submit`` (tools, servers without a driver) enqueues and returns a future; the engine's own
+  compute thread runs what no waiting caller and no driver is there to run.
 
 Running products in the callers' threads also keeps a second OpenMP team out of the process: the
 compute thread of an in-process executor never multiplies while a client waits, so it never
@@ -33,7 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, ShapeError, SymbiosisError, UnknownLayerError
+from symbiosis.errors import (
+    ExecutorTimeoutError,
+    ExecutorUnavailableError,
+    ProtocolError,
+    ShapeError,
+    SymbiosisError,
+    UnknownLayerError,
+)
 from symbiosis.executor.requests import Batch, PendingRequest
 from symbiosis.executor.runner import run_batch
 from symbiosis.executor.scheduler import Scheduler
@@ -95,6 +107,7 @@ class ExecutionEngine:
         self._running = True
         self._computing = False  # some thread is running a batch (at most one at a time)
         self._callers_waiting = 0  # threads inside ``call``: while any waits, they run the batches
+        self._drivers: list[Callable[[], None]] = []  # wake callbacks of attached drivers
         first = next(iter(weights.layers.values()), None)
         self.device = first.weight.device if first else torch.device("cpu")
         self.dtype = first.weight.dtype if first else torch.float32
@@ -116,16 +129,52 @@ class ExecutionEngine:
         if rows.dtype not in ALLOWED_DTYPES:
             raise ProtocolError(f"dtype {rows.dtype} is not allowed; use one of {[str(d) for d in ALLOWED_DTYPES]}")
 
-    def submit(self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> Future:
-        """Enqueue a request; the compute thread (or a waiting caller) runs it."""
+    def submit(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, *, wake: bool = True
+    ) -> Future:
+        """Enqueue a request; a waiting caller, a driver or the compute thread runs it. A driver
+        that will call ``run_ready`` itself next passes ``wake=False`` (no one else is woken)."""
         future = self._prepare(layer_id, op, rows)
         if future.done():
             return future
         local = rows.to(device=self.device, dtype=self.dtype)  # cast here: the computing thread only multiplies
         with self._cond:
             self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
-            self._cond.notify_all()
+            if wake:
+                self._wake_others()
         return future
+
+    def attach_driver(self, wake: Callable[[], None]) -> None:
+        """A thread that will call ``run_ready`` whenever ``wake()`` is called (from any thread) and
+        by the wake-up time ``run_ready`` returns; while any is attached the compute thread rests."""
+        with self._cond:
+            self._drivers.append(wake)
+
+    def detach_driver(self, wake: Callable[[], None]) -> None:
+        with self._cond:
+            if wake in self._drivers:
+                self._drivers.remove(wake)
+            self._cond.notify_all()  # the compute thread may have work again
+
+    def run_ready(self) -> float | None:
+        """Run, in this thread, every batch that is ready now; return the scheduler's next wake-up
+        (a monotonic time; None: nothing is held). Returns early while another thread computes
+        (that thread wakes the drivers when it is done)."""
+        with self._cond:
+            while self._running and not self._computing:
+                now = self._clock()
+                batch = self.scheduler.next_batch(now)
+                if batch is None:
+                    return self.scheduler.next_wakeup(now)
+                self._run_locked(batch)
+            return None
+
+    def _wake_others(self) -> None:
+        """Work arrived or is left (holding ``_cond``): wake whoever runs batches now."""
+        self._cond.notify_all()  # waiting callers and the compute thread
+        if self._callers_waiting == 0:
+            for wake in self._drivers:
+                wake()
 
     def call(
         self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, timeout_s: float
@@ -155,7 +204,7 @@ class ExecutionEngine:
             finally:
                 self._callers_waiting -= 1
                 if self._callers_waiting == 0 and self._inflight:
-                    self._cond.notify_all()  # what is left is the compute thread's again
+                    self._wake_others()  # what is left is the drivers' or the compute thread's again
         return future.result()
 
     def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:
@@ -243,14 +292,14 @@ class ExecutionEngine:
         with self._cond:
             while self._running:
                 now = self._clock()
-                if self._callers_waiting == 0 and not self._computing:
+                if self._callers_waiting == 0 and not self._drivers and not self._computing:
                     batch = self.scheduler.next_batch(now)
                     if batch is not None:
                         self._run_locked(batch)
                         continue
                     wakeup = self.scheduler.next_wakeup(now)
                 else:
-                    wakeup = None  # a waiting caller runs the batches; it notifies when it leaves
+                    wakeup = None  # callers or drivers run the batches; they notify when they stop
                 self._cond.wait(None if wakeup is None else max(0.0, wakeup - now))
 
     def _run_locked(self, batch: Batch) -> None:
@@ -271,7 +320,10 @@ class ExecutionEngine:
         finally:
             self._cond.acquire()
             self._computing = False
-            self._cond.notify_all()
+            if self._inflight:
+                self._wake_others()
+            else:
+                self._cond.notify_all()
 
     def _compute(self, batch: Batch, parts) -> None:
         """The product and completing its requests' futures (called without ``_cond`` held)."""

@@ -82,9 +82,20 @@ class BaseExecutor:
         self._engine.client_left(client_id)
 
     def submit(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, *, wake: bool = True
     ) -> Future[torch.Tensor]:
-        return self._engine.submit(client_id, layer_id, Op(op), rows, LatencyClass(latency_class))
+        return self._engine.submit(client_id, layer_id, Op(op), rows, LatencyClass(latency_class), wake=wake)
+
+    def attach_driver(self, wake) -> None:
+        """See ``ExecutionEngine.attach_driver``: a server thread that runs ready batches itself."""
+        self._engine.attach_driver(wake)
+
+    def detach_driver(self, wake) -> None:
+        self._engine.detach_driver(wake)
+
+    def run_ready(self) -> float | None:
+        """Run every batch ready now in the calling thread; the next wake-up time (monotonic) or None."""
+        return self._engine.run_ready()
 
     def call(
         self,

@@ -4,8 +4,11 @@ One ROUTER socket carries every control message of every client; request payload
 *payload channel* chosen by the request header (``channels.py``): inline frames, shared memory
 (``shm.py``) or a torch.distributed pair group (``dist.py``). One server serves all of them.
 
-Threading: one thread owns the socket. Other threads (executor threads completing
-``service.submit`` futures, dist receiver threads) never touch it: they ``call_soon`` a task, which
+Threading: one thread owns the socket. With an executor that can be driven (``BaseExecutor``:
+``attach_driver``/``run_ready``), that thread also runs the products: it reads a burst of
+requests, runs every batch that is ready, and answers, so a request meets no thread hand-off in
+the server. Other threads (in-process clients that ran a batch holding remote rows, the executor's
+compute thread, dist receiver threads) never touch the socket: they ``call_soon`` a task, which
 queues it and wakes the socket thread through a ``Waker``.
 
 Dead clients: the ROUTER is ``ROUTER_MANDATORY``, so sending to a peer whose connection is gone
@@ -151,6 +154,8 @@ class ZmqServer:
         self._waker = Waker()
         self._close_request: bool | None = None  # None: running; else drain flag
         self._thread: threading.Thread | None = None
+        self._socket_thread_id: int | None = None
+        self._driving = False  # the socket thread runs the executor's ready batches (see module doc)
         self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
 
@@ -232,7 +237,8 @@ class ZmqServer:
     def call_soon(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the socket thread (thread-safe)."""
         self._tasks.put(task)
-        self._waker.wake()
+        if threading.get_ident() != self._socket_thread_id:  # the socket thread runs its tasks next anyway
+            self._waker.wake()
 
     def send(self, identity: bytes, message: P.Message, payload: memoryview | None = None) -> None:
         frames: list[Any] = [identity, P.encode(message)]
@@ -270,6 +276,19 @@ class ZmqServer:
     # ---- socket thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._socket_thread_id = threading.get_ident()
+        attach = getattr(self._service, "attach_driver", None)
+        if attach is not None:
+            attach(self._waker.wake)
+            self._driving = True
+        try:
+            self._serve()
+        finally:
+            if self._driving:
+                self._service.detach_driver(self._waker.wake)  # type: ignore[attr-defined]
+                self._driving = False
+
+    def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -277,8 +296,10 @@ class ZmqServer:
         probes: list[float] = []
         next_idle_check = 0.0
         drain_deadline: float | None = None
+        wakeup: float | None = None  # the executor's next scheduled batch, while driving
         while True:
-            events = dict(poller.poll(100))
+            timeout_ms = 100.0 if wakeup is None else min(100.0, max(0.0, (wakeup - time.monotonic()) * 1e3))
+            events = dict(poller.poll(timeout_ms))
             now = time.monotonic()
             if self._waker.fileno() in events:
                 self._waker.drain()
@@ -292,6 +313,8 @@ class ZmqServer:
                         break
                     self._guarded(lambda: self._on_message(frames), frames)
             self._run_tasks()
+            if self._driving:
+                wakeup = self._drive()
             if probes and probes[0] <= now:  # a peer disconnected: find which sessions are gone
                 probes[:] = [t for t in probes if t > now]
                 for identity in list(self._sessions):
@@ -308,6 +331,16 @@ class ZmqServer:
                 if not self._inflight or now >= drain_deadline:
                     break
         self._shutdown()
+
+    def _drive(self) -> float | None:
+        """Run the executor's ready batches here, then send the replies they completed."""
+        try:
+            wakeup = self._service.run_ready()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - a failing batch fails its requests, never the server
+            log.exception("running ready batches failed")
+            wakeup = None
+        self._run_tasks()
+        return wakeup
 
     def _run_tasks(self) -> None:
         while True:
@@ -440,7 +473,10 @@ class ZmqServer:
         """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies)."""
         req = entry.request
         client_id, op, latency_class = entry.session.client_id, Op(req.op), LatencyClass(req.latency_class)
-        entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
+        if self._driving:  # this thread runs it after the burst: wake no one
+            entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class, wake=False)  # type: ignore[call-arg]
+        else:
+            entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
         entry.future.add_done_callback(lambda _f: self.call_soon(lambda: self._complete(key)))
 
     def _complete(self, key: RequestKey) -> None:
