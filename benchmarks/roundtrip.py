@@ -57,13 +57,23 @@ def _make_executor(seed: int):
     from symbiosis.executor.executor import BaseExecutor
     from symbiosis.executor.scheduler import SchedulerConfig
     from symbiosis.executor.weights import BaseModelWeights, LayerWeights
-    from symbiosis.vocabulary import LayerSpec
+
+    LayerSpec, _, _ = _vocabulary()
 
     generator = torch.Generator().manual_seed(seed)
     specs = {f"h{h}": LayerSpec(f"h{h}", h, h, has_bias=False) for h in HIDDENS}
     layers = {name: LayerWeights(torch.randn(s.out_features, s.in_features, generator=generator) / s.in_features**0.5, None) for name, s in specs.items()}
     weights = BaseModelWeights(specs, layers, f"roundtrip-bench-{seed}", "bench")
     return BaseExecutor(weights, SchedulerConfig(policy="immediate"))
+
+
+def _vocabulary():
+    """(LayerSpec, LatencyClass, Op) from this package or a baseline copy that predates vocabulary.py."""
+    try:
+        from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+    except ImportError:
+        from symbiosis.executor.requests import LatencyClass, LayerSpec, Op
+    return LayerSpec, LatencyClass, Op
 
 
 def _serve(folder: str) -> None:
@@ -78,8 +88,12 @@ def _client(addresses: list[str]) -> None:
     import torch
 
     from symbiosis.transport.inproc import InProcTransport
-    from symbiosis.transport.schemes import open_transport
-    from symbiosis.vocabulary import LatencyClass, Op
+
+    try:
+        from symbiosis.transport.schemes import open_transport
+    except ImportError:  # a baseline from before the scheme table
+        from symbiosis.transport.zmq import connect as open_transport
+    _, LatencyClass, Op = _vocabulary()
 
     ipc, tcp = addresses
     transports: dict[str, Any] = {"inproc": InProcTransport(_make_executor(0)), "ipc": open_transport(ipc), "tcp": open_transport(tcp), "shm+ipc": open_transport("shm+" + ipc)}

@@ -47,7 +47,7 @@ from symbiosis.errors import (
     UnknownLayerError,
 )
 from symbiosis.executor.requests import Batch, PendingRequest
-from symbiosis.executor.runner import run_batch
+from symbiosis.executor.runner import apply_op, run_batch
 from symbiosis.executor.scheduler import Scheduler
 from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.vocabulary import LatencyClass, Op
@@ -98,7 +98,12 @@ class ExecutionEngine:
         self.weights = weights
         self.scheduler = scheduler
         self._clock = clock
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # Two conditions on one lock, so that a thread is woken only when it has something to do
+        # (a needless wake-up costs a futex call and a GIL hand-over per request): callers inside
+        # ``call`` wait on ``_cond``; the compute thread waits on ``_compute_cv``.
+        self._cond = threading.Condition(self._lock)
+        self._compute_cv = threading.Condition(self._lock)
         self._inflight: dict[int, _Inflight] = {}
         self._owner: dict[int, str] = {}
         self._ids = itertools.count()
@@ -154,7 +159,7 @@ class ExecutionEngine:
         with self._cond:
             if wake in self._drivers:
                 self._drivers.remove(wake)
-            self._cond.notify_all()  # the compute thread may have work again
+            self._compute_cv.notify()  # the compute thread may have work again
 
     def run_ready(self) -> float | None:
         """Run, in this thread, every batch that is ready now; return the scheduler's next wake-up
@@ -170,20 +175,31 @@ class ExecutionEngine:
             return None
 
     def _wake_others(self) -> None:
-        """Work arrived or is left (holding ``_cond``): wake whoever runs batches now."""
-        self._cond.notify_all()  # waiting callers and the compute thread
-        if self._callers_waiting == 0:
+        """Work arrived or is left (holding ``_cond``): wake whoever runs batches now — the waiting
+        callers if any, else the drivers if any, else the compute thread."""
+        if self._callers_waiting:
+            self._cond.notify_all()
+        elif self._drivers:
             for wake in self._drivers:
                 wake()
+        else:
+            self._compute_cv.notify()
 
     def call(
         self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, timeout_s: float
     ) -> torch.Tensor:
         """Run a request and return its result, computing ready batches in this thread (see module doc)."""
-        future = self._prepare(layer_id, op, rows)
-        if future.done():
-            return future.result()
+        self.validate(layer_id, op, rows)
+        if rows.shape[0] == 0:
+            return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
         local = rows.to(device=self.device, dtype=self.dtype)
+        with self._cond:
+            alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id)
+            if alone:
+                self._computing = True
+        if alone:
+            return self._run_alone(client_id, layer_id, op, local, rows, latency_class)
+        future: Future = Future()
         deadline = self._clock() + timeout_s
         with self._cond:
             request_id = self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
@@ -206,6 +222,28 @@ class ExecutionEngine:
                 if self._callers_waiting == 0 and self._inflight:
                     self._wake_others()  # what is left is the drivers' or the compute thread's again
         return future.result()
+
+    def _run_alone(self, client_id, layer_id, op, local, rows, latency_class) -> torch.Tensor:
+        """The lone-client fast path of ``call`` (``_computing`` already taken): no scheduler
+        round, no future — the product, the counters, and the result in the caller's dtype."""
+        started = self._clock()
+        try:
+            out = apply_op(self.weights.layers[layer_id], op, local)
+        finally:
+            with self._cond:
+                self._computing = False
+                counters = self._per_layer[layer_id]
+                counters.requests += 1
+                counters.rows += local.shape[0]
+                counters.batches += 1
+                counters.batch_rows += local.shape[0]
+                counters.latency_s += self._clock() - started
+                self.scheduler.served_alone(client_id, local.shape[0], latency_class)
+                if self._callers_waiting:
+                    self._cond.notify_all()
+                elif self._inflight:
+                    self._wake_others()
+        return out.to(device=rows.device, dtype=rows.dtype)
 
     def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:
         """Validate; a future already resolved for an empty request, else a pending one."""
@@ -240,7 +278,7 @@ class ExecutionEngine:
     def client_joined(self, client_id: str) -> None:
         with self._cond:
             self.scheduler.client_joined(client_id)
-            self._cond.notify_all()
+            self._notify_everyone()
 
     def client_left(self, client_id: str) -> None:
         with self._cond:
@@ -250,7 +288,7 @@ class ExecutionEngine:
                 self._owner.pop(request_id, None)
                 if inflight is not None:
                     inflight.future.set_exception(ExecutorUnavailableError(f"client {client_id!r} left"))
-            self._cond.notify_all()
+            self._notify_everyone()
 
     def close(self, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Refuse new requests; with ``drain`` finish those in flight (up to ``timeout_s``), else
@@ -259,14 +297,21 @@ class ExecutionEngine:
             self._accepting = False
             if not drain:
                 self._fail_all(ExecutorUnavailableError("the executor was closed"))
-            self._cond.notify_all()
+            self._notify_everyone()
             deadline = time.monotonic() + timeout_s
             while self._inflight and time.monotonic() < deadline:
                 self._cond.wait(0.05)
             self._running = False
             self._fail_all(ExecutorUnavailableError("the executor was closed"))
-            self._cond.notify_all()
+            self._notify_everyone()
         self._thread.join(timeout=5)
+
+    def _notify_everyone(self) -> None:
+        """Membership or lifecycle changed (holding ``_cond``): everyone re-checks."""
+        self._cond.notify_all()
+        self._compute_cv.notify()
+        for wake in self._drivers:
+            wake()
 
     def stats(self) -> dict:
         with self._cond:
@@ -300,7 +345,7 @@ class ExecutionEngine:
                     wakeup = self.scheduler.next_wakeup(now)
                 else:
                     wakeup = None  # callers or drivers run the batches; they notify when they stop
-                self._cond.wait(None if wakeup is None else max(0.0, wakeup - now))
+                self._compute_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
 
     def _run_locked(self, batch: Batch) -> None:
         """Run ``batch`` with ``_cond`` held on entry and exit, released around the product."""
@@ -320,10 +365,10 @@ class ExecutionEngine:
         finally:
             self._cond.acquire()
             self._computing = False
-            if self._inflight:
+            if self._callers_waiting:
+                self._cond.notify_all()  # their results, or their turn to compute
+            elif self._inflight:
                 self._wake_others()
-            else:
-                self._cond.notify_all()
 
     def _compute(self, batch: Batch, parts) -> None:
         """The product and completing its requests' futures (called without ``_cond`` held)."""
@@ -343,7 +388,6 @@ class ExecutionEngine:
                     self._owner.pop(s.request_id, None)
                     if not inflight.future.done():
                         inflight.future.set_exception(error)
-            self._cond.notify_all()
 
     def _complete(self, batch: Batch, parts, outputs: list[torch.Tensor]) -> None:
         finished: list[tuple[_Inflight, torch.Tensor]] = []
@@ -370,8 +414,6 @@ class ExecutionEngine:
                 self._owner.pop(s.request_id, None)
                 counters.latency_s += now - inflight.submitted_s
                 finished.append((inflight, result))
-            if not self._inflight:
-                self._cond.notify_all()
         for inflight, result in finished:
             if not inflight.future.done():  # a caller that timed out has its error already
                 inflight.future.set_result(result.to(device=inflight.out_device, dtype=inflight.out_dtype))

@@ -109,7 +109,9 @@ class BaseExecutor:
         """Blocking ``submit`` for in-process clients: the calling thread runs ready batches itself
         (its own rows and any rows others queued meanwhile), so a lone client pays no thread
         hand-off while concurrent ones still share products. Raises ``ExecutorTimeoutError``."""
-        return self._engine.call(client_id, layer_id, Op(op), rows, LatencyClass(latency_class), timeout_s)
+        op = op if type(op) is Op else Op(op)  # enum lookups cost more than the check
+        latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
+        return self._engine.call(client_id, layer_id, op, rows, latency_class, timeout_s)
 
     # ---- conveniences --------------------------------------------------------------------------
 

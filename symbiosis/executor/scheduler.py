@@ -473,6 +473,18 @@ class Scheduler:
         """Rows not yet handed out, over all pending requests."""
         return self._pending_rows
 
+    def alone(self, client_id: str) -> bool:
+        """Nothing is pending and no other client has joined: no policy could batch a request of
+        ``client_id`` with anything, so the engine may serve it at once without queueing it."""
+        return not self._entries and (not self._clients or self._clients == {client_id})
+
+    def served_alone(self, client_id: str, rows: int, latency_class: LatencyClass) -> None:
+        """Account for a request the engine served at once (see ``alone``) as a batch of its own."""
+        self._clients.add(client_id)
+        self._batches += 1
+        self._rows_served += rows
+        self._completed[latency_class.value] += 1
+
     def stats(self) -> dict:
         pending_requests = {c.value: 0 for c in _CLASS_ORDER}
         pending_rows = {c.value: 0 for c in _CLASS_ORDER}

@@ -5,9 +5,9 @@ Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``schemes
 ``dist+ipc://…`` / ``dist+tcp://…`` (payloads over torch.distributed, see ``dist.py``); one
 ``ZmqServer`` serves all of them. Those transports subclass ``ZmqTransport`` through its hooks.
 
-Threading: a ZeroMQ socket must be used by one thread at a time, so each connection has one I/O
-thread that owns its DEALER socket; calling threads hand frames over through a queue plus a
-``Waker`` and wait on per-request futures matched by request id.
+Threading: a call sends and receives in the calling thread (no hand-off); a lock keeps the ZeroMQ
+socket to one thread at a time, and among several waiting threads one reads replies for all
+(see ``_Connection``). A small background thread heartbeats and watches the connection.
 
 Security: ``curve=CurveClientKeys(...)`` (or the ``SYMBIOSIS_CURVE_SERVER_KEY`` /
 ``SYMBIOSIS_CURVE_CLIENT_KEY`` environment variables, read by ``connect``) makes the socket a
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
+import select
 import threading
 import time
 import uuid
@@ -49,11 +49,23 @@ log = logging.getLogger(__name__)
 
 
 class _Connection:
-    """One DEALER socket (and its monitor) owned by one I/O thread; replaced whole on reconnect.
+    """One DEALER socket (and its monitor); replaced whole on reconnect.
 
-    Callers hand frames over through ``submit`` and wait on the returned future, which the I/O
-    thread resolves with ``(Welcome | Reply, payload frames)`` when the matching request id comes
-    back, or fails with ``ExecutorUnavailableError`` when the connection is lost.
+    Calls go from the caller's thread to the socket and back with no thread hand-off (vLLM's
+    ``SyncMPClient`` idea, made safe for many calling threads):
+
+    - ``submit`` sends from the calling thread, under ``_sock_lock`` (a ZeroMQ socket must never
+      be used by two threads at once).
+    - ``wait`` receives in the calling thread: one waiting thread at a time is the *leader*; it
+      blocks on the socket's file descriptor and dispatches every reply that arrives to its
+      future; the others wait on ``_cv`` until their future is done or the leadership is free.
+    - ``ZMQ_FD`` is edge-triggered, so whoever holds ``_sock_lock`` reads every message already
+      queued (``_drain``) before releasing it; whoever completes a future that another thread
+      may be sleeping on wakes it (``_cv`` for followers, ``_leader_waker`` for the leader).
+
+    A small background thread only heartbeats (a ``Ping`` every ``heartbeat_s``, reading what
+    came meanwhile), watches the socket monitor (disconnects, CURVE handshake failures) and fails
+    waiting calls when the executor falls silent.
     """
 
     def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, curve: CurveClientKeys | None = None) -> None:
@@ -62,9 +74,13 @@ class _Connection:
         self._curve_on = curve is not None
         self.dead: str | None = None
         self._pending: dict[int, Future[tuple[P.Message, list[zmq.Frame]]]] = {}
-        self._lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[tuple[list[Any], bool]] = queue.SimpleQueue()
-        self._waker = Waker()
+        self._lock = threading.Lock()  # guards _pending and dead
+        self._sock_lock = threading.Lock()
+        self._cv = threading.Condition()  # followers wait here; guards _leader
+        self._leader: int | None = None  # thread id of the waiting thread that reads the socket
+        self._leader_waker = Waker()
+        self._io_waker = Waker()
+        self._last_heard = time.monotonic()
         self._stop = False
         self._goodbye: bytes | None = None
         self._sock = ctx.socket(zmq.DEALER)
@@ -73,6 +89,7 @@ class _Connection:
         if curve is not None:
             configure_client_socket(self._sock, curve)
         self._sock.connect(endpoint)
+        self._fd = self._sock.getsockopt(zmq.FD)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         self._thread = threading.Thread(target=self._run, name=f"ZmqTransport({endpoint})", daemon=True)
         self._thread.start()
@@ -87,8 +104,51 @@ class _Connection:
         return future
 
     def send(self, frames: list[Any], copy: bool = True) -> None:
-        self._outbox.put((frames, copy))
-        self._waker.wake()
+        with self._sock_lock:
+            self._send(frames, copy)
+            completed = self._drain()
+        if completed:
+            self._wake_waiters()
+
+    def wait(self, future: Future, timeout_s: float) -> tuple[P.Message, list[zmq.Frame]]:
+        """The reply ``future`` resolves to, read in this thread (see class doc); ``TimeoutError``."""
+        deadline = time.monotonic() + timeout_s
+        me = threading.get_ident()
+        while not future.done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            with self._cv:
+                if future.done():
+                    break
+                if self._leader is not None:
+                    self._cv.wait(remaining)
+                    continue
+                self._leader = me
+            try:
+                self._lead(future, deadline)
+            finally:
+                with self._cv:
+                    self._leader = None
+                    self._cv.notify_all()  # a follower takes over
+        return future.result()
+
+    def _lead(self, future: Future, deadline: float) -> None:
+        poll = select.poll()
+        poll.register(self._fd, select.POLLIN)
+        poll.register(self._leader_waker.fileno(), select.POLLIN)
+        while True:
+            with self._sock_lock:
+                completed = self._drain()
+            if completed > 1 or (completed and not future.done()):
+                self._wake_waiters()
+            if future.done():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if poll.poll(min(remaining, self.heartbeat_s) * 1000):
+                self._leader_waker.drain()
 
     def forget(self, request_id: int) -> None:
         with self._lock:
@@ -102,55 +162,24 @@ class _Connection:
         for future in pending.values():
             if not future.done():
                 future.set_exception(ExecutorUnavailableError(reason))
+        self._wake_waiters()
 
     def close(self, goodbye: bytes | None) -> None:
         self._goodbye = goodbye
         self._stop = True
-        self._waker.wake()
+        self._io_waker.wake()
         self._thread.join(timeout=5.0)
         self.fail("transport closed")
 
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except Exception as exc:  # noqa: BLE001 - waiting callers must learn about it
-            log.exception("transport I/O thread failed")
-            self.fail(f"transport I/O thread failed: {exc}")
-        finally:
-            if self._goodbye is not None and self.dead is None:
-                self._send([self._goodbye], True)
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._sock.close(linger=500 if self._goodbye is not None else 0)
-            self._waker.close()
+    def _wake_waiters(self) -> None:
+        """Futures were completed: wake the followers and a leader sleeping on the socket."""
+        with self._cv:
+            self._cv.notify_all()
+            leader = self._leader
+        if leader is not None and leader != threading.get_ident():
+            self._leader_waker.wake()
 
-    def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._waker.fileno(), zmq.POLLIN)
-        last_heard = last_ping = time.monotonic()
-        while not self._stop:
-            events = dict(poller.poll(int(self.heartbeat_s * 1000)))
-            now = time.monotonic()
-            self._waker.drain()
-            while True:
-                try:
-                    frames, copy = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                self._send(frames, copy)
-            if self._sock in events:
-                while self._sock.poll(0):
-                    last_heard = now
-                    self._dispatch(self._sock.recv_multipart(copy=False))
-            if self._monitor in events:
-                self._read_monitor()
-            if now - last_ping >= self.heartbeat_s:
-                self._send([P.encode(P.Ping())], True)
-                last_ping = now
-            if self._pending and now - last_heard > max(5.0, 5 * self.heartbeat_s):
-                self.fail(f"executor silent for {now - last_heard:.1f}s")
+    # ---- with _sock_lock held ----------------------------------------------------------------
 
     def _send(self, frames: list[Any], copy: bool) -> None:
         # Never block: a DEALER blocks when it has no pipe, which is the case for good once a
@@ -162,6 +191,82 @@ class _Connection:
             self._read_monitor()  # the handshake failure, if that is why, names the cause
             self.fail("connection to the executor was lost")
 
+    def _drain(self) -> int:
+        """Read and dispatch every message queued on the socket; how many futures it completed."""
+        completed = 0
+        if self._sock.closed:
+            return 0
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._last_heard = time.monotonic()
+            completed += self._dispatch(frames)
+        return completed
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> int:
+        try:
+            msg = P.decode(frames[0].buffer)
+        except ProtocolError:
+            log.warning("ignoring an undecodable message from the executor")
+            return 0
+        if isinstance(msg, (P.Reply, P.Welcome)):
+            with self._lock:
+                future = self._pending.pop(msg.request_id, None)
+            if future is not None and not future.done():
+                future.set_result((msg, frames[1:]))
+                return 1
+        elif isinstance(msg, P.Goodbye):
+            self.fail("the executor shut down")
+        return 0
+
+    # ---- the heartbeat thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - waiting callers must learn about it
+            log.exception("transport heartbeat thread failed")
+            self.fail(f"transport heartbeat thread failed: {exc}")
+        finally:
+            with self._sock_lock:
+                if self._goodbye is not None and self.dead is None:
+                    self._send([self._goodbye], True)
+                self._sock.disable_monitor()
+                self._monitor.close(0)
+                self._sock.close(linger=500 if self._goodbye is not None else 0)
+            self._io_waker.close()
+            self._leader_waker.close()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._io_waker.fileno(), zmq.POLLIN)
+        last_ping = time.monotonic()
+        while not self._stop:
+            events = dict(poller.poll(int(self.heartbeat_s * 1000)))
+            self._io_waker.drain()
+            if self._stop:
+                return
+            if self._monitor in events:
+                with self._sock_lock:  # _read_monitor may fail the connection, which reads no socket
+                    self._read_monitor()
+            now = time.monotonic()
+            if now - last_ping >= self.heartbeat_s:
+                last_ping = now
+                with self._sock_lock:
+                    self._send([P.encode(P.Ping())], True)
+                    completed = self._drain()  # late replies, Pongs, a Goodbye
+                if completed:
+                    self._wake_waiters()
+            with self._lock:
+                waiting = bool(self._pending)
+            if waiting and now - self._last_heard > max(5.0, 5 * self.heartbeat_s):
+                self.fail(f"executor silent for {now - self._last_heard:.1f}s")
+            elif not waiting:
+                self._last_heard = max(self._last_heard, now - self.heartbeat_s)
+
     def _read_monitor(self) -> None:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
@@ -169,20 +274,6 @@ class _Connection:
                 self.fail("connection to the executor was lost")
             elif event["event"] & HANDSHAKE_EVENTS:  # comes before its DISCONNECTED: the cause wins
                 self.fail(handshake_failure(self._endpoint, event["event"], event["value"], self._curve_on))
-
-    def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        try:
-            msg = P.decode(frames[0].buffer)
-        except ProtocolError:
-            log.warning("ignoring an undecodable message from the executor")
-            return
-        if isinstance(msg, (P.Reply, P.Welcome)):
-            with self._lock:
-                future = self._pending.pop(msg.request_id, None)
-            if future is not None and not future.done():
-                future.set_result((msg, frames[1:]))
-        elif isinstance(msg, P.Goodbye):
-            self.fail("the executor shut down")
 
 
 class ZmqTransport:
@@ -331,7 +422,7 @@ class ZmqTransport:
         try:
             future = conn.submit(rid, [P.encode(hello)], True)
             try:
-                msg, _ = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                msg, _ = conn.wait(future, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise ExecutorUnavailableError(f"no executor answered at {self.address}") from None
             if isinstance(msg, P.Reply):
@@ -375,7 +466,7 @@ class ZmqTransport:
         try:
             future = conn.submit(rid, frames, copy=nbytes < P.COPY_THRESHOLD)
             try:
-                reply, payload = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                reply, payload = conn.wait(future, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 conn.forget(rid)
                 raise ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {self.timeout_s}s") from None
