@@ -223,6 +223,18 @@ class ExecutionEngine:
                     self._wake_others()  # what is left is the drivers' or the compute thread's again
         return future.result()
 
+    def try_alone(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass
+    ) -> torch.Tensor | None:
+        """For a driver: the result of a valid, non-empty request computed at once in this thread
+        when ``client_id`` is alone (see ``Scheduler.alone``); None (nothing done) otherwise."""
+        with self._cond:
+            alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id)
+            if not alone:
+                return None
+            self._computing = True
+        return self._run_alone(client_id, layer_id, op, rows.to(device=self.device, dtype=self.dtype), rows, latency_class)
+
     def _run_alone(self, client_id, layer_id, op, local, rows, latency_class) -> torch.Tensor:
         """The lone-client fast path of ``call`` (``_computing`` already taken): no scheduler
         round, no future — the product, the counters, and the result in the caller's dtype."""

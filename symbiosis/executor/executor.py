@@ -93,6 +93,15 @@ class BaseExecutor:
     def detach_driver(self, wake) -> None:
         self._engine.detach_driver(wake)
 
+    def validate(self, layer_id: str, op: Op, rows: torch.Tensor) -> None:
+        """Raise the typed error ``submit`` would raise for this request (unknown layer, bad shape or dtype)."""
+        self._engine.validate(layer_id, op, rows)
+
+    def try_alone(self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass):
+        """For a driver: the result now if ``client_id`` is the only client (nothing to batch
+        with), else None; the request must have been validated (``validate``) and be non-empty."""
+        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class)
+
     def run_ready(self) -> float | None:
         """Run every batch ready now in the calling thread; the next wake-up time (monotonic) or None."""
         return self._engine.run_ready()

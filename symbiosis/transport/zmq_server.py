@@ -150,7 +150,6 @@ class ZmqServer:
         self._inflight: dict[RequestKey, _InFlight] = {}
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stats: dict[str, dict[str, int]] = {}
-        self._stats_lock = threading.Lock()
         self._waker = Waker()
         self._close_request: bool | None = None  # None: running; else drain flag
         self._thread: threading.Thread | None = None
@@ -215,8 +214,11 @@ class ZmqServer:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per layer id: requests accepted, rows accepted, error replies (unknown layers: '<invalid>')."""
-        with self._stats_lock:
-            return {layer: dict(counts) for layer, counts in self._stats.items()}
+        while True:  # written by the socket thread only, without a lock: copy until a copy is whole
+            try:
+                return {layer: dict(counts) for layer, counts in list(self._stats.items())}
+            except RuntimeError:  # changed size during the copy
+                continue
 
     def _make_channels(self) -> dict[str, PayloadChannel]:
         channels: dict[str, PayloadChannel] = {"inline": InlineChannel(self, self._specs, self._limits)}
@@ -225,7 +227,7 @@ class ZmqServer:
 
             channels["shm"] = ShmChannel(self, self._specs, self._limits)
         if self._allow_dist:
-            from symbiosis.transport.dist import DistChannel
+            from symbiosis.transport.dist_channel import DistChannel
 
             host = self._dist_host or _dist_host_for(self._bind_address)
             timeout_s = self._client_timeout_s
@@ -459,6 +461,8 @@ class ZmqServer:
                 raise ProtocolError(f"this executor does not accept {kind} requests")
             accepted = channel.accept(session, key, req, payload)
             entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket)
+            if accepted.rows is not None and self._try_alone(key, entry, accepted.rows, stats_key):
+                return
             if accepted.rows is not None:
                 self._submit(key, entry, accepted.rows)
         except SymbiosisError as exc:
@@ -468,6 +472,22 @@ class ZmqServer:
         self._inflight[key] = entry
         self._count(stats_key, "requests")
         self._count(stats_key, "rows", req.shape[0])
+
+    def _try_alone(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str) -> bool:
+        """Serve a request of the executor's only client at once, here (no queue, no future):
+        True if done and answered. The executor validates as ``submit`` would."""
+        if not self._driving or rows.shape[0] == 0:
+            return False
+        req = entry.request
+        op, latency_class = Op(req.op), LatencyClass(req.latency_class)
+        self._service.validate(req.layer_id, op, rows)  # type: ignore[attr-defined]
+        result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class)  # type: ignore[attr-defined]
+        if result is None:
+            return False
+        self._count(stats_key, "requests")
+        self._count(stats_key, "rows", req.shape[0])
+        self._reply(key, entry, result)
+        return True
 
     def _submit(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor) -> None:
         """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies)."""
@@ -492,7 +512,14 @@ class ZmqServer:
             exc = entry.future.exception()
             if exc is not None:
                 raise exc
-            result = entry.future.result()
+            self._reply(key, entry, entry.future.result())
+        except Exception as exc:  # noqa: BLE001 - any executor failure becomes a typed reply
+            self._reply_error(key, req, exc)
+
+    def _reply(self, key: RequestKey, entry: _InFlight, result: Any) -> None:
+        """Send a computed result (on the socket thread); a malformed one becomes an error reply."""
+        req = entry.request
+        try:
             expected = [req.shape[0], Op(req.op).output_width(entry.spec)]
             if not isinstance(result, torch.Tensor) or list(result.shape) != expected:
                 raise SymbiosisError(f"executor returned {getattr(result, 'shape', type(result))}, expected {expected}")
@@ -500,9 +527,12 @@ class ZmqServer:
             reply = P.Reply(req.request_id, True, req.dtype, expected)
             entry.channel.reply(entry.session, req, reply, result, entry.ticket)
         except Exception as exc:  # noqa: BLE001 - any executor failure becomes a typed reply
-            code = exc.code if isinstance(exc, SymbiosisError) else SymbiosisError.code
-            self._count(req.layer_id, "errors")
-            self.send(key[0], P.error_reply(req.request_id, code, f"{type(exc).__name__}: {exc}"))
+            self._reply_error(key, req, exc)
+
+    def _reply_error(self, key: RequestKey, req: P.Request, exc: BaseException) -> None:
+        code = exc.code if isinstance(exc, SymbiosisError) else SymbiosisError.code
+        self._count(req.layer_id, "errors")
+        self.send(key[0], P.error_reply(req.request_id, code, f"{type(exc).__name__}: {exc}"))
 
     def _end_session(self, identity: bytes) -> None:
         session = self._sessions.pop(identity, None)
@@ -536,9 +566,10 @@ class ZmqServer:
         self._router.close()
 
     def _count(self, layer_id: str, field: str, n: int = 1) -> None:
-        with self._stats_lock:
-            counts = self._stats.setdefault(layer_id, {"requests": 0, "rows": 0, "errors": 0})
-            counts[field] += n
+        counts = self._stats.get(layer_id)
+        if counts is None:
+            counts = self._stats[layer_id] = {"requests": 0, "rows": 0, "errors": 0}
+        counts[field] += n
 
 
 def _is_loopback(host: str) -> bool:
