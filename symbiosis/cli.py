@@ -54,6 +54,9 @@ def _register_optional_commands() -> None:
 
 
 def main() -> None:
+    from symbiosis.threads import configure_for_command
+
+    configure_for_command(sys.argv[1:])  # before any verb imports torch (see threads.py)
     _register_optional_commands()
     debug = "--debug" in sys.argv
     if debug:

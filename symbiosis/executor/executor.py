@@ -150,8 +150,10 @@ class BaseExecutor:
         return stats
 
     def close(self, drain: bool = True) -> None:
+        """Stop serving. ``drain``: finish the requests in flight first (up to each server's
+        ``drain_timeout_s``); otherwise answer them ``ExecutorUnavailableError`` at once."""
         for server in self._servers:
-            server.close()
+            server.close(drain=drain)
         self._servers.clear()
         self._engine.close(drain=drain)
 

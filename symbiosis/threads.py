@@ -1,0 +1,53 @@
+"""Thread settings for processes that share a host's cores with an executor in another process.
+
+The problem. torch's CPU kernels run on OpenMP (libgomp). By default an OpenMP worker that
+finishes its share of a parallel region *spins* for a while (up to ~300,000 iterations) waiting
+for the next region, instead of sleeping. In one process that is what makes back-to-back ops
+fast. But a split client and its executor alternate: while the executor multiplies, the client
+waits, and vice versa. With both processes spinning, each one's idle workers burn the cores the
+other one needs at that moment, on a host with few cores (this one has two) the product runs on
+fewer cores than it could.
+
+The setting. Every process the command line starts for a split deployment on one host —
+``symbiosis serve``, the jobs connecting to an executor address (``finetune``/``generate
+--executor``), ``demo`` (whose executor runs in its own process) and ``api`` — gets
+``OMP_WAIT_POLICY=PASSIVE``: idle workers sleep at once, so whichever process has work gets
+the cores. torch's intra-op thread count is left at its default (one per core) in each process:
+the two sides rarely compute at the same time, so each can use every core when it does.
+In-process clients (``--embedded``, ``executor=BaseExecutor``) keep libgomp's default: the
+engine runs products in the callers' own threads (``executor/engine.py``), so one process has
+one OpenMP team and nothing to fight over.
+
+An explicit ``OMP_WAIT_POLICY`` in the environment always wins. The setting must be made before
+torch is imported (libgomp reads it once), which is why ``symbiosis/__init__.py`` imports lazily
+and ``cli.main`` calls ``configure_for_command`` first. Library users who split across processes
+set it themselves (``OMP_WAIT_POLICY=PASSIVE python my_client.py``); the README says so.
+Measured in ``benchmarks/split_overhead.py`` (``--omp-wait-policy``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
+SHARED_HOST_POLICY = "PASSIVE"
+
+
+def shares_host_with_executor(argv: Sequence[str]) -> bool:
+    """Whether the command in ``argv`` (without the program name) runs next to an executor in
+    another process: ``serve``, ``demo``, ``api``, and the jobs given ``--executor ADDRESS``."""
+    verb = next((arg for arg in argv if not arg.startswith("-")), None)
+    if verb in ("serve", "demo", "api"):
+        return True
+    if verb in ("finetune", "generate"):
+        return any(arg == "--executor" or arg.startswith("--executor=") for arg in argv)
+    return False
+
+
+def configure_for_command(argv: Sequence[str]) -> str | None:
+    """Set the OpenMP wait policy for the command in ``argv`` unless the user set one; returns
+    the policy now in force for it (None: libgomp's default)."""
+    if shares_host_with_executor(argv):
+        os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
+    return os.environ.get(WAIT_POLICY_VARIABLE)
