@@ -9,11 +9,12 @@ same checkpoint folder. Nothing may come from a model hub, so we make those fold
 Choices that matter to the tests built on top:
 
 * The architectures are the real `transformers` classes (LLaMA, Mistral, Qwen2, Gemma2, GPT-2,
-  GPTBigCode, OPT, Phi-3, Falcon), picked to cover the layer shapes a split model must handle:
+  GPTBigCode, OPT, Phi-3, Falcon, GPT-NeoX), picked to cover the layer shapes a split model must handle:
   plain `nn.Linear` without bias (LLaMA), q/k/v biases (Qwen2), `Conv1D` (GPT-2), multi-query
   fused QKV (GPTBigCode), fused qkv / gate_up projections (Phi-3), grouped-query fused QKV
-  (Falcon's new decoder), biases everywhere plus learned positions (OPT), tied and untied
-  `lm_head`, logit soft-capping and sliding windows (Gemma2, Mistral).
+  (Falcon's new decoder), biases everywhere plus learned positions (OPT), an untied output layer
+  not called `lm_head` plus partial rotary and parallel residuals (GPT-NeoX's `embed_out`), tied
+  and untied `lm_head`, logit soft-capping and sliding windows (Gemma2, Mistral).
 * Weights are the library's own random init under `torch.manual_seed(seed)`, so a checkpoint is
   a pure function of (arch, preset, seed). After init, every 1-D parameter (each bias and each
   norm scale) gets a little noise: HF initializes biases to 0 and norm scales to 1, and a split
@@ -176,6 +177,20 @@ def _falcon(shape: _Shape) -> dict[str, Any]:
     )
 
 
+def _gpt_neox(shape: _Shape) -> dict[str, Any]:
+    # Pythia style: fused biased query_key_value, parallel attention/MLP residual, rotary on a
+    # quarter of each head (the library default), and an untied output layer named `embed_out`.
+    return dict(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        intermediate_size=shape.intermediate,
+        max_position_embeddings=shape.max_positions,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+    )
+
+
 # Ordered: ARCHS and error messages list architectures in this order.
 _ARCH_FIELDS: dict[str, Callable[[_Shape], dict[str, Any]]] = {
     "llama": _llama,
@@ -187,6 +202,7 @@ _ARCH_FIELDS: dict[str, Callable[[_Shape], dict[str, Any]]] = {
     "opt": _opt,
     "phi3": _phi3,
     "falcon": _falcon,
+    "gpt_neox": _gpt_neox,
 }
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_FIELDS)
@@ -271,8 +287,8 @@ def preset_config(
 ) -> PretrainedConfig:
     """The `transformers` config of `arch` at size `preset`, with our tokenizer's token ids.
 
-    `tie_word_embeddings=None` keeps the preset's choice (untied for the LLaMA family and
-    Phi-3, tied for Gemma2, GPT-2, GPTBigCode, OPT and Falcon); a bool overrides it.
+    `tie_word_embeddings=None` keeps the preset's choice (untied for the LLaMA family, Phi-3
+    and GPT-NeoX, tied for Gemma2, GPT-2, GPTBigCode, OPT and Falcon); a bool overrides it.
     """
     _check_choice("arch", arch, ARCHS)
     _check_choice("preset", preset, PRESETS)

@@ -28,6 +28,7 @@ IA3_MODULES = {
     "opt": (["k_proj", "v_proj", "fc2"], ["fc2"]),
     "phi3": (["qkv_proj", "down_proj"], ["down_proj"]),
     "falcon": (["query_key_value", "dense_4h_to_h"], ["dense_4h_to_h"]),
+    "gpt_neox": (["query_key_value", "dense_4h_to_h"], ["dense_4h_to_h"]),
 }
 
 

@@ -163,3 +163,15 @@ def test_fusion_can_be_turned_off(llama):
     model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=False)
     assert all(getattr(m, "fusion", None) is None for m in model.modules())
     model.symbiosis_transport.close()
+
+
+def test_in_process_products_run_in_the_callers_thread(llama):
+    # The executor's compute thread never multiplies for in-process clients: a second OpenMP team
+    # in the process would slow every torch op of its neighbours (see executor/engine.py).
+    path, executor = llama
+    before = executor.stats()["batches_run_by"]["compute_thread"]
+    model = symbiosis.load_client_model(path, executor=executor)
+    with torch.no_grad():
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    assert executor.stats()["batches_run_by"]["compute_thread"] == before
+    model.symbiosis_transport.close()

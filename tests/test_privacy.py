@@ -17,6 +17,10 @@ from symbiosis.vocabulary import LatencyClass, Op
 from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
 from tests.transport.fakes import FakeExecutorService
 
+# Close, not equal: with noise on, the executor computes (x + n)Wᵀ and the client subtracts nWᵀ;
+# with |n| ≈ |x| that cancellation costs about one bit of the float32 result per layer, on top of
+# the usual summation-order differences, still far inside 1e-4 relative / 1e-5 absolute, while
+# noise that is not removed exactly moves outputs by O(|x W|).
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 

@@ -113,6 +113,9 @@ class ExecutionEngine:
         self._computing = False  # some thread is running a batch (at most one at a time)
         self._callers_waiting = 0  # threads inside ``call``: while any waits, they run the batches
         self._drivers: list[Callable[[], None]] = []  # wake callbacks of attached drivers
+        # Which threads ran products (observability; in-process and driven servers should leave
+        # the compute thread idle, see the module doc). "alone": the lone-client fast path.
+        self._batches_run_by = {"alone": 0, "caller": 0, "driver": 0, "compute_thread": 0}
         first = next(iter(weights.layers.values()), None)
         self.device = first.weight.device if first else torch.device("cpu")
         self.dtype = first.weight.dtype if first else torch.float32
@@ -171,7 +174,7 @@ class ExecutionEngine:
                 batch = self.scheduler.next_batch(now)
                 if batch is None:
                     return self.scheduler.next_wakeup(now)
-                self._run_locked(batch)
+                self._run_locked(batch, "driver")
             return None
 
     def _wake_others(self) -> None:
@@ -213,7 +216,7 @@ class ExecutionEngine:
                         self._drop(request_id, ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"))
                         break
                     if not self._computing and (batch := self.scheduler.next_batch(now)) is not None:
-                        self._run_locked(batch)
+                        self._run_locked(batch, "caller")
                         continue
                     wakeup = None if self._computing else self.scheduler.next_wakeup(now)
                     self._cond.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
@@ -251,6 +254,7 @@ class ExecutionEngine:
                 counters.batch_rows += local.shape[0]
                 counters.latency_s += self._clock() - started
                 self.scheduler.served_alone(client_id, local.shape[0], latency_class)
+                self._batches_run_by["alone"] += 1
                 if self._callers_waiting:
                     self._cond.notify_all()
                 elif self._inflight:
@@ -330,6 +334,7 @@ class ExecutionEngine:
             return {
                 "layers": {k: v.as_dict() for k, v in self._per_layer.items()},
                 "inflight_requests": len(self._inflight),
+                "batches_run_by": dict(self._batches_run_by),
                 "scheduler": self.scheduler.stats(),
             }
 
@@ -352,14 +357,14 @@ class ExecutionEngine:
                 if self._callers_waiting == 0 and not self._drivers and not self._computing:
                     batch = self.scheduler.next_batch(now)
                     if batch is not None:
-                        self._run_locked(batch)
+                        self._run_locked(batch, "compute_thread")
                         continue
                     wakeup = self.scheduler.next_wakeup(now)
                 else:
                     wakeup = None  # callers or drivers run the batches; they notify when they stop
                 self._compute_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
 
-    def _run_locked(self, batch: Batch) -> None:
+    def _run_locked(self, batch: Batch, runner: str) -> None:
         """Run ``batch`` with ``_cond`` held on entry and exit, released around the product."""
         parts = [(s, self._inflight[s.request_id]) for s in batch.slices if s.request_id in self._inflight]
         if not parts:  # requests dropped (client left) since scheduling
@@ -371,6 +376,7 @@ class ExecutionEngine:
                 inflight.started = True
                 counters.queue_wait_s += now - inflight.submitted_s
         self._computing = True
+        self._batches_run_by[runner] += 1
         self._cond.release()
         try:
             self._compute(batch, parts)

@@ -188,7 +188,15 @@ class _Connection:
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
-            self._read_monitor()  # the handshake failure, if that is why, names the cause
+            # The heartbeat thread alone reads the monitor; give it a moment to report the
+            # handshake failure, if that is why, so the error names the cause.
+            if threading.current_thread() is self._thread:
+                self._read_monitor()
+            else:
+                self._io_waker.wake()
+                deadline = time.monotonic() + 0.25
+                while self.dead is None and time.monotonic() < deadline:
+                    time.sleep(0.005)
             self.fail("connection to the executor was lost")
 
     def _drain(self) -> int:
@@ -247,11 +255,12 @@ class _Connection:
         while not self._stop:
             events = dict(poller.poll(int(self.heartbeat_s * 1000)))
             self._io_waker.drain()
+            if self._io_waker.fileno() in events:
+                self._read_monitor()  # a sender found no pipe and waits to learn why
             if self._stop:
                 return
-            if self._monitor in events:
-                with self._sock_lock:  # _read_monitor may fail the connection, which reads no socket
-                    self._read_monitor()
+            if self._monitor in events or not events:
+                self._read_monitor()  # only this thread touches the monitor socket
             now = time.monotonic()
             if now - last_ping >= self.heartbeat_s:
                 last_ping = now

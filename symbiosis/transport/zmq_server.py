@@ -475,12 +475,12 @@ class ZmqServer:
 
     def _try_alone(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str) -> bool:
         """Serve a request of the executor's only client at once, here (no queue, no future):
-        True if done and answered. The executor validates as ``submit`` would."""
+        True if done and answered. The channel validated the header against the same registry
+        (``protocol.validate_request``), so it is not validated twice."""
         if not self._driving or rows.shape[0] == 0:
             return False
         req = entry.request
         op, latency_class = Op(req.op), LatencyClass(req.latency_class)
-        self._service.validate(req.layer_id, op, rows)  # type: ignore[attr-defined]
         result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class)  # type: ignore[attr-defined]
         if result is None:
             return False

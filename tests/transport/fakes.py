@@ -26,6 +26,42 @@ DEFAULT_SPECS: tuple[LayerSpec, ...] = (
 )
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# How far a product computed by the server may be from the same product computed in the test.
+# Same code, same weights, same inputs, yet not always the same bits: MKL picks its sgemm kernel
+# (and so the order in which it sums the K products, and where it uses FMA) by CPU, by row count
+# and by the *alignment* of the input's memory, and a decoded payload does not sit where the
+# test's own tensor sits. Seen: one-ulp differences on an AMD CPU running AVX2 kernels; on this
+# project's AVX-512 machine about half of the misaligned (n, K) inputs tried give other bits.
+# The fake's widths are K <= 256 with y ~ N(0, 1): reordering K float32 additions of terms
+# ~1/sqrt(K) moves y by ~sqrt(K)·eps ≈ 2e-6 typically and by K·eps/2 ≈ 1.5e-5 if every rounding
+# errs the same way; rtol=atol=1e-5 (2e-5 at |y| = 1) covers any summation order, while a
+# transport bug (a wrong row, shifted or truncated bytes, another client's result) is off by
+# O(1), 10^5 times more. float16/bfloat16 results are the float32 product rounded once: a
+# one-ulp float32 difference can flip that rounding, i.e. one ulp of the half type, at most
+# 2^-10 (float16) or 2^-7 (bfloat16) of the value.
+PRODUCT_TOLERANCE: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float16: {"rtol": 2**-10, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 2**-7, "atol": 1e-5},
+}
+
+
+def assert_same_product(got: torch.Tensor, expected: torch.Tensor, msg: object = None) -> None:
+    """``got`` (computed by a server) is ``expected`` (the same math done here) up to summation
+    order: same dtype and shape, values within ``PRODUCT_TOLERANCE`` (see there for why)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape, (got.dtype, got.shape, expected.shape, msg)
+    tolerance = PRODUCT_TOLERANCE[expected.dtype]
+    torch.testing.assert_close(got, expected, **tolerance, msg=None if msg is None else lambda m: f"{msg}: {m}")
+
+
+def same_product(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """``assert_same_product`` as a bool, for worker threads that collect outcomes."""
+    try:
+        assert_same_product(got, expected)
+    except AssertionError:
+        return False
+    return True
+
 
 class FakeExecutorService:
     """``ExecutorService`` computing ``x Wᵀ + b``, ``g W``, ``n Wᵀ`` in float32 on small weights.

@@ -3,7 +3,9 @@ torch.distributed payloads over gloo (dist).
 
 Each test runs against a ``ZmqServer`` serving a ``FakeExecutorService`` (real torch math), in a
 thread of this process unless it says otherwise, and compares results with the fake's own math
-on the same weights: same kernels on the same bits, so results must be *equal*, not just close.
+on the same weights. Results must match that math up to summation order only
+(``assert_same_product``: MKL may sum in another order for the server's copy of the rows), and
+must be tensors of their own: not views, writable, modifiable in place under autograd.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from symbiosis.vocabulary import LatencyClass, Op
 
 from .fakes import (
     FakeExecutorService,
+    assert_same_product,
     call_and_wait,
     declare_dist_payload,
     declare_dist_payload_and_hang,
+    same_product,
     serve_in_process,
 )
 
@@ -128,7 +132,7 @@ def input_width(fake: FakeExecutorService, layer_id: str, op: Op) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", list(Op))
-def test_results_equal_direct_math(open_client, fake: FakeExecutorService, op: Op, dtype: torch.dtype) -> None:
+def test_results_match_direct_math(open_client, fake: FakeExecutorService, op: Op, dtype: torch.dtype) -> None:
     transport = open_client()
     assert isinstance(transport, Transport)
     assert transport.fingerprint == fake.fingerprint
@@ -140,20 +144,67 @@ def test_results_equal_direct_math(open_client, fake: FakeExecutorService, op: O
             got = transport.call(layer_id, op, rows, LatencyClass.PREFILL)
             expected = fake.compute(layer_id, op, rows)
             assert got.dtype == dtype and got.shape == expected.shape
-            assert torch.equal(got, expected), (layer_id, n)
+            assert_same_product(got, expected, (layer_id, n))
             assert torch.equal(rows, before)  # the transport never writes into the caller's rows
 
 
 def test_non_contiguous_rows(open_client, fake: FakeExecutorService) -> None:
     rows = torch.randn(16, 10).T  # [10, 16], not contiguous
     got = open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE)
-    assert torch.equal(got, fake.compute("q", Op.FORWARD, rows.contiguous()))
+    assert_same_product(got, fake.compute("q", Op.FORWARD, rows.contiguous()))
+
+
+class _RemoteForward(torch.autograd.Function):
+    """A base layer's forward as a VirtLayer does it: the transport's result *is* the output."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, transport: Transport, layer_id: str) -> torch.Tensor:
+        ctx.transport, ctx.layer_id = transport, layer_id
+        return transport.call(layer_id, Op.FORWARD, rows.detach(), LatencyClass.FINETUNE)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.transport.call(ctx.layer_id, Op.BACKWARD, grad.contiguous(), LatencyClass.FINETUNE), None, None
+
+
+@pytest.mark.parametrize(
+    ("layer_id", "n", "dtype"),
+    [("q", 5, "float32"), ("q", 5, "bfloat16"), ("wide", 4096, "float32")],  # 4 MiB: the zero-copy paths
+)
+def test_results_are_tensors_of_their_own(open_client, fake: FakeExecutorService, layer_id: str, n: int, dtype: str) -> None:
+    """A result is not a view (of a receive buffer, a frame, a shared-memory segment), is
+    writable, keeps its values across the next call, and when a custom autograd Function returns
+    it (as VirtLayers do) it can be modified in place: peft's ``result += adapter(x)`` and
+    Falcon's in-place adds once failed with "Output 0 of View is a view and is being modified
+    inplace" on remote transports."""
+    transport = open_client()
+    rows = torch.randn(n, input_width(fake, layer_id, Op.FORWARD)).to(getattr(torch, dtype))
+    expected = fake.compute(layer_id, Op.FORWARD, rows)
+
+    got = transport.call(layer_id, Op.FORWARD, rows, LatencyClass.PREFILL)
+    assert not got._is_view() and got._base is None
+    assert_same_product(got, expected)
+    got.mul_(-2.0)  # writable (scaling by -2 is exact): the write lands
+    assert_same_product(got, expected * -2.0)
+    kept = got.clone()
+    again = transport.call(layer_id, Op.FORWARD, rows, LatencyClass.PREFILL)
+    assert torch.equal(got, kept)  # the next result does not reuse (or overwrite) this one's memory
+    assert_same_product(again, expected)
+
+    x = rows.clone().requires_grad_()
+    out = _RemoteForward.apply(x, transport, layer_id)
+    assert not out._is_view()
+    out.add_(1.0)  # raises for a view created inside a custom Function
+    out.sum().backward()
+    assert_same_product(out.detach(), expected + 1.0)
+    ones = torch.ones(n, fake.layer_specs()[layer_id].out_features, dtype=rows.dtype)
+    assert_same_product(x.grad, fake.compute(layer_id, Op.BACKWARD, ones))
 
 
 def test_64mb_round_trip(open_client, fake: FakeExecutorService) -> None:
     rows = torch.randn(65536, 256)  # 64 MiB of float32, and 64 MiB back
     got = open_client().call("wide", Op.FORWARD, rows, LatencyClass.PREFILL)
-    assert torch.equal(got, fake.compute("wide", Op.FORWARD, rows))
+    assert_same_product(got, fake.compute("wide", Op.FORWARD, rows))
 
 
 def test_eight_clients_concurrently(open_client, fake: FakeExecutorService) -> None:
@@ -168,7 +219,7 @@ def test_eight_clients_concurrently(open_client, fake: FakeExecutorService) -> N
             n = int(torch.randint(0, 50, (1,), generator=generator))
             rows = torch.randn(n, input_width(fake, layer_id, op), generator=generator)
             got = transport.call(layer_id, op, rows, LatencyClass.DECODE)
-            if not torch.equal(got, fake.compute(layer_id, op, rows)):
+            if not same_product(got, fake.compute(layer_id, op, rows)):
                 failures.append(f"client {index} step {step}")
 
     threads = [threading.Thread(target=work, args=(i, t)) for i, t in enumerate(transports)]
@@ -211,7 +262,7 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
     def keep_calling() -> None:
         while not stop.is_set():
             rows = torch.randn(5, 16)
-            good_results.append(torch.equal(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)))
+            good_results.append(same_product(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)))
 
     caller = threading.Thread(target=keep_calling)
     caller.start()
@@ -246,7 +297,7 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
         raw.send(request(21, "q", [2, 16]), torch.ones(2, 16).numpy().tobytes())  # still serves this peer
         reply, payload = raw.recv()
         assert reply.ok and reply.shape == [2, 24]
-        assert torch.equal(P.tensor_from_payload(bytearray(payload[0]), "float32", [2, 24]), fake.compute("q", Op.FORWARD, torch.ones(2, 16)))
+        assert_same_product(P.tensor_from_payload(bytearray(payload[0]), "float32", [2, 24]), fake.compute("q", Op.FORWARD, torch.ones(2, 16)))
     finally:
         raw.close()
         time.sleep(0.2)
@@ -277,7 +328,7 @@ def test_timeout_raises_executor_timeout(open_client, fake: FakeExecutorService)
         transport.call("slow", Op.FORWARD, torch.randn(3, 16), LatencyClass.DECODE)
     assert 0.4 < time.monotonic() - start < 3
     rows = torch.randn(3, 16)  # the connection is still good
-    assert torch.equal(transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
 
 
 # ---- lifecycle -------------------------------------------------------------------------------
@@ -286,13 +337,13 @@ def test_timeout_raises_executor_timeout(open_client, fake: FakeExecutorService)
 def test_reconnects_after_server_restart(open_client, server: ZmqServer, fake: FakeExecutorService) -> None:
     transport = open_client(connect_timeout_s=5)
     rows = torch.randn(4, 16)
-    assert torch.equal(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fake.compute("q", Op.FORWARD, rows))
     server.close()
     assert ("unregister", transport.client_id, 0) in fake.events
     restarted = ZmqServer(fake, server.address).start()
     try:
         got = transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
-        assert torch.equal(got, fake.compute("q", Op.FORWARD, rows))
+        assert_same_product(got, fake.compute("q", Op.FORWARD, rows))
         assert [e for e in fake.events if e[:2] == ("register", transport.client_id)] == [("register", transport.client_id)] * 2
     finally:
         transport.close()
@@ -310,7 +361,8 @@ def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
     assert service.wait_for(lambda events: any(e[0] == "submit" for e in events), 5)
     server.close(drain=True)
     caller.join(timeout=5)
-    assert len(results) == 1 and torch.equal(results[0], service.compute("q", Op.FORWARD, rows))
+    assert len(results) == 1
+    assert_same_product(results[0], service.compute("q", Op.FORWARD, rows))
     with pytest.raises(ExecutorUnavailableError):
         transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
     transport.close()
@@ -319,15 +371,29 @@ def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
     service.close()
 
 
+def session_token(server: ZmqServer, client_id: str) -> str:
+    """The token the server gave ``client_id``'s session (server internals, on purpose: a client's
+    shared-memory segments are named after it, so a test can tell them from other processes')."""
+    for _ in range(100):
+        try:
+            tokens = [s.token for s in list(server._sessions.values()) if s.client_id == client_id]
+        except RuntimeError:  # the server thread changed the dict while we copied it
+            continue
+        assert len(tokens) == 1, tokens
+        return tokens[0]
+    raise AssertionError("could not read the server's sessions")
+
+
 def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: FakeExecutorService, kind: str) -> None:
-    segments_before = set(glob.glob("/dev/shm/symb_*"))
     client_id = f"doomed-{kind}"
     child = SPAWN.Process(target=call_and_wait, args=(client_address(kind, server.address), client_id, "slow"), daemon=True)
     child.start()
     try:
         assert fake.wait_for(lambda events: any(e[:3] == ("submit", client_id, "slow") for e in events), 60)
+        # Only this session's segments: other test runs on the machine make and free their own.
+        child_segments = f"/dev/shm/{P.shm_prefix(session_token(server, client_id))}*"
         if kind == "shm":
-            assert set(glob.glob("/dev/shm/symb_*")) - segments_before  # the child's buffer exists
+            assert glob.glob(child_segments)  # the child's buffer exists
         os.kill(child.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         assert fake.wait_for(lambda events: ("unregister", client_id, 1) in events, 5), fake.events[-5:]
@@ -335,9 +401,9 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     finally:
         child.kill()
         child.join(timeout=10)
-    assert set(glob.glob("/dev/shm/symb_*")) - segments_before == set()  # its shared memory is freed
+    assert glob.glob(child_segments) == []  # its shared memory is freed
     rows = torch.randn(6, 16)
-    assert torch.equal(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
 
 
 @pytest.fixture(scope="module")
@@ -366,9 +432,9 @@ def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> 
         for op in Op:
             for dtype in (torch.float32, torch.bfloat16):
                 rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)
-                assert torch.equal(transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows))
+                assert_same_product(transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows))
         rows = torch.randn(4096, 256)  # 4 MiB: large enough for the zero-copy paths
-        assert torch.equal(transport.call("wide", Op.FORWARD, rows, LatencyClass.PREFILL), reference.compute("wide", Op.FORWARD, rows))
+        assert_same_product(transport.call("wide", Op.FORWARD, rows, LatencyClass.PREFILL), reference.compute("wide", Op.FORWARD, rows))
         with pytest.raises(ShapeError):
             transport.call("q", Op.FORWARD, torch.randn(2, 3), LatencyClass.PREFILL)
 
@@ -389,7 +455,7 @@ def test_reconnects_after_server_crash(sock_dir: str) -> None:
             if attempt == 0:
                 transport = open_transport(client_address("shm", address), connect_timeout_s=10, timeout_s=30)
             got = transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
-            assert torch.equal(got, reference.compute("q", Op.FORWARD, rows))
+            assert_same_product(got, reference.compute("q", Op.FORWARD, rows))
             if attempt == 0:
                 os.kill(child.pid, signal.SIGKILL)
                 child.join(timeout=10)
@@ -430,8 +496,8 @@ def test_dist_peer_that_never_sends_its_payload_times_out(fake: FakeExecutorServ
         assert fake.wait_for(lambda events: ("unregister", "stuck", 0) in events, 5), fake.events[-5:]
         assert time.monotonic() - started < 4
         rows = torch.randn(3, 16)
-        assert torch.equal(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
-        assert torch.equal(stuck.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+        assert_same_product(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+        assert_same_product(stuck.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
     finally:
         stuck.close()
         good.close()
@@ -458,7 +524,7 @@ def test_dist_client_killed_before_its_payload(
         child.kill()
         child.join(timeout=10)
     rows = torch.randn(6, 16)
-    assert torch.equal(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
 
 
 def test_dist_refused_when_server_disallows_it(fake: FakeExecutorService, sock_dir: str) -> None:
