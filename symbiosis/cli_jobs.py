@@ -18,26 +18,23 @@ from symbiosis.jobs.finetune import TrainOptions
 from symbiosis.jobs.methods import METHODS, MethodOptions
 
 
-def _h(cls: type, name: str) -> str:
-    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata["help"]
+def _help_of(options: type, name: str) -> str:
+    """The ``--help`` text of an options dataclass field (its ``metadata["help"]``)."""
+    return {f.name: f for f in dataclasses.fields(options)}[name].metadata["help"]
 
 
-def _d(cls: type, name: str):
-    return {f.name: f for f in dataclasses.fields(cls)}[name].default
+def _default_of(options: type, name: str):
+    return {f.name: f for f in dataclasses.fields(options)}[name].default
 
-
-_T = TrainOptions
-_M = MethodOptions
-_C = ClientOptions
 _METHOD_HELP = "PEFT method: " + ", ".join(f"{name} ({m.summary})" for name, m in METHODS.items()) + "."
 
 # Shared client flags.
-ExecutorOpt = Annotated[Optional[str], typer.Option("--executor", help=_h(_C, "executor"))]
-EmbeddedOpt = Annotated[bool, typer.Option("--embedded", help=_h(_C, "embedded"))]
-DeviceOpt = Annotated[str, typer.Option(help=_h(_C, "device"))]
-DtypeOpt = Annotated[str, typer.Option(help=_h(_C, "dtype"))]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", help=_h(_C, "timeout_s"))]
-ConnectTimeoutOpt = Annotated[float, typer.Option("--connect-timeout", help=_h(_C, "connect_timeout_s"))]
+ExecutorOpt = Annotated[Optional[str], typer.Option("--executor", help=_help_of(ClientOptions, "executor"))]
+EmbeddedOpt = Annotated[bool, typer.Option("--embedded", help=_help_of(ClientOptions, "embedded"))]
+DeviceOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "device"))]
+DtypeOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "dtype"))]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help=_help_of(ClientOptions, "timeout_s"))]
+ConnectTimeoutOpt = Annotated[float, typer.Option("--connect-timeout", help=_help_of(ClientOptions, "connect_timeout_s"))]
 ModelOpt = Annotated[Path, typer.Option("--model", help="Checkpoint folder of the base model (config.json, *.safetensors, tokenizer).")]
 
 
@@ -48,32 +45,32 @@ def finetune_command(
     executor: ExecutorOpt = None,
     embedded: EmbeddedOpt = False,
     method: Annotated[str, typer.Option(help=_METHOD_HELP)] = "lora",
-    rank: Annotated[int, typer.Option("--rank", "-r", help=_h(_M, "rank"))] = _d(_M, "rank"),
-    alpha: Annotated[float, typer.Option(help=_h(_M, "alpha"))] = _d(_M, "alpha"),
-    dropout: Annotated[float, typer.Option(help=_h(_M, "dropout"))] = _d(_M, "dropout"),
-    target_modules: Annotated[Optional[list[str]], typer.Option("--target-modules", help=_h(_M, "target_modules"))] = None,
-    num_virtual_tokens: Annotated[int, typer.Option(help=_h(_M, "num_virtual_tokens"))] = _d(_M, "num_virtual_tokens"),
+    rank: Annotated[int, typer.Option("--rank", "-r", help=_help_of(MethodOptions, "rank"))] = _default_of(MethodOptions, "rank"),
+    alpha: Annotated[float, typer.Option(help=_help_of(MethodOptions, "alpha"))] = _default_of(MethodOptions, "alpha"),
+    dropout: Annotated[float, typer.Option(help=_help_of(MethodOptions, "dropout"))] = _default_of(MethodOptions, "dropout"),
+    target_modules: Annotated[Optional[list[str]], typer.Option("--target-modules", help=_help_of(MethodOptions, "target_modules"))] = None,
+    num_virtual_tokens: Annotated[int, typer.Option(help=_help_of(MethodOptions, "num_virtual_tokens"))] = _default_of(MethodOptions, "num_virtual_tokens"),
     peft_config: Annotated[Optional[Path], typer.Option(help="JSON object of extra keyword arguments for the method's peft config class (override the flags above).")] = None,
-    steps: Annotated[int, typer.Option(help=_h(_T, "steps"))] = _d(_T, "steps"),
-    epochs: Annotated[float, typer.Option(help=_h(_T, "epochs"))] = _d(_T, "epochs"),
-    lr: Annotated[float, typer.Option(help=_h(_T, "lr"))] = _d(_T, "lr"),
-    lr_schedule: Annotated[str, typer.Option(help=_h(_T, "lr_schedule"))] = _d(_T, "lr_schedule"),
-    warmup_steps: Annotated[int, typer.Option(help=_h(_T, "warmup_steps"))] = _d(_T, "warmup_steps"),
-    weight_decay: Annotated[float, typer.Option(help=_h(_T, "weight_decay"))] = _d(_T, "weight_decay"),
-    batch_size: Annotated[int, typer.Option(help=_h(_T, "batch_size"))] = _d(_T, "batch_size"),
-    grad_accum: Annotated[int, typer.Option(help=_h(_T, "grad_accum"))] = _d(_T, "grad_accum"),
-    seq_len: Annotated[int, typer.Option(help=_h(_T, "seq_len"))] = _d(_T, "seq_len"),
-    max_grad_norm: Annotated[float, typer.Option(help=_h(_T, "max_grad_norm"))] = _d(_T, "max_grad_norm"),
-    eval_fraction: Annotated[float, typer.Option(help=_h(_T, "eval_fraction"))] = _d(_T, "eval_fraction"),
-    eval_every: Annotated[int, typer.Option(help=_h(_T, "eval_every"))] = _d(_T, "eval_every"),
-    save_every: Annotated[int, typer.Option(help=_h(_T, "save_every"))] = _d(_T, "save_every"),
-    keep_checkpoints: Annotated[int, typer.Option(help=_h(_T, "keep_checkpoints"))] = _d(_T, "keep_checkpoints"),
-    seed: Annotated[int, typer.Option(help=_h(_T, "seed"))] = _d(_T, "seed"),
+    steps: Annotated[int, typer.Option(help=_help_of(TrainOptions, "steps"))] = _default_of(TrainOptions, "steps"),
+    epochs: Annotated[float, typer.Option(help=_help_of(TrainOptions, "epochs"))] = _default_of(TrainOptions, "epochs"),
+    lr: Annotated[float, typer.Option(help=_help_of(TrainOptions, "lr"))] = _default_of(TrainOptions, "lr"),
+    lr_schedule: Annotated[str, typer.Option(help=_help_of(TrainOptions, "lr_schedule"))] = _default_of(TrainOptions, "lr_schedule"),
+    warmup_steps: Annotated[int, typer.Option(help=_help_of(TrainOptions, "warmup_steps"))] = _default_of(TrainOptions, "warmup_steps"),
+    weight_decay: Annotated[float, typer.Option(help=_help_of(TrainOptions, "weight_decay"))] = _default_of(TrainOptions, "weight_decay"),
+    batch_size: Annotated[int, typer.Option(help=_help_of(TrainOptions, "batch_size"))] = _default_of(TrainOptions, "batch_size"),
+    grad_accum: Annotated[int, typer.Option(help=_help_of(TrainOptions, "grad_accum"))] = _default_of(TrainOptions, "grad_accum"),
+    seq_len: Annotated[int, typer.Option(help=_help_of(TrainOptions, "seq_len"))] = _default_of(TrainOptions, "seq_len"),
+    max_grad_norm: Annotated[float, typer.Option(help=_help_of(TrainOptions, "max_grad_norm"))] = _default_of(TrainOptions, "max_grad_norm"),
+    eval_fraction: Annotated[float, typer.Option(help=_help_of(TrainOptions, "eval_fraction"))] = _default_of(TrainOptions, "eval_fraction"),
+    eval_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "eval_every"))] = _default_of(TrainOptions, "eval_every"),
+    save_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "save_every"))] = _default_of(TrainOptions, "save_every"),
+    keep_checkpoints: Annotated[int, typer.Option(help=_help_of(TrainOptions, "keep_checkpoints"))] = _default_of(TrainOptions, "keep_checkpoints"),
+    seed: Annotated[int, typer.Option(help=_help_of(TrainOptions, "seed"))] = _default_of(TrainOptions, "seed"),
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in OUTPUT.run/ (same options); the loss curve continues exactly.")] = False,
-    device: DeviceOpt = _d(_C, "device"),
-    dtype: DtypeOpt = _d(_C, "dtype"),
-    timeout: TimeoutOpt = _d(_C, "timeout_s"),
-    connect_timeout: ConnectTimeoutOpt = _d(_C, "connect_timeout_s"),
+    device: DeviceOpt = _default_of(ClientOptions, "device"),
+    dtype: DtypeOpt = _default_of(ClientOptions, "dtype"),
+    timeout: TimeoutOpt = _default_of(ClientOptions, "timeout_s"),
+    connect_timeout: ConnectTimeoutOpt = _default_of(ClientOptions, "connect_timeout_s"),
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (stderr) with loss and tokens/s.")] = True,
 ) -> None:
     """Fine-tune a PEFT adapter on a split client of the base executor; writes a standard PEFT adapter folder."""
@@ -117,10 +114,10 @@ def generate_command(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest token set with this total probability (1: off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample only among the k most likely tokens (0: off).")] = 0,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
-    device: DeviceOpt = _d(_C, "device"),
-    dtype: DtypeOpt = _d(_C, "dtype"),
-    timeout: TimeoutOpt = _d(_C, "timeout_s"),
-    connect_timeout: ConnectTimeoutOpt = _d(_C, "connect_timeout_s"),
+    device: DeviceOpt = _default_of(ClientOptions, "device"),
+    dtype: DtypeOpt = _default_of(ClientOptions, "dtype"),
+    timeout: TimeoutOpt = _default_of(ClientOptions, "timeout_s"),
+    connect_timeout: ConnectTimeoutOpt = _default_of(ClientOptions, "connect_timeout_s"),
 ) -> None:
     """Generate from prompts on a split client, with zero or more adapters; tokens stream to stdout as they come."""
     from symbiosis.jobs.generate import GenerateOptions, SamplingOptions, generate

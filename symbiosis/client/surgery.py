@@ -1,6 +1,6 @@
 """``load_client_model``: a `transformers` model whose base layers are served by an executor.
 
-One function does the surgery (STYLE habit 4): build the skeleton (parameters on meta), swap
+One function does the surgery: build the skeleton (parameters on meta), swap
 every base layer for a VirtLayer, read only the client-side tensors from the checkpoint, and
 check that the executor serves the same checkpoint. The model code of `transformers` is never
 edited, so any architecture made of supported modules works.

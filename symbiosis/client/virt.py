@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from symbiosis.checkpoint import Conv1D
 from symbiosis.errors import BaseWeightAccessError
 from symbiosis.ops import frozen_linear
 from symbiosis.transport.base import Transport
@@ -141,13 +142,7 @@ class VirtLinear(_VirtLayerMixin, nn.Linear):
         self.out_features = spec.out_features
 
 
-def _conv1d_base() -> type[nn.Module]:
-    from symbiosis.checkpoint import Conv1D
-
-    return Conv1D
-
-
-class VirtConv1D(_VirtLayerMixin, _conv1d_base()):
+class VirtConv1D(_VirtLayerMixin, Conv1D):
     """Stand-in for a `transformers` ``Conv1D`` base layer (GPT-2 style, weight stored [in, out])."""
 
     _weight_layout = "in_out"
@@ -160,8 +155,7 @@ class VirtConv1D(_VirtLayerMixin, _conv1d_base()):
 
 def make_virt_layer(original: nn.Module, spec: LayerSpec, transport: Transport, *, device, dtype) -> nn.Module:
     """The VirtLayer type matching ``original``'s type (ordered: Conv1D is checked first)."""
-    conv1d = _conv1d_base()
-    if isinstance(original, conv1d):
+    if isinstance(original, Conv1D):
         return VirtConv1D(spec, transport, device=device, dtype=dtype)
     if isinstance(original, nn.Linear):
         return VirtLinear(spec, transport, device=device, dtype=dtype)

@@ -56,7 +56,7 @@ ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
-class _Inflight:
+class _Admitted:
     """A request between submit and completion (the only per-request state the executor has)."""
 
     rows: torch.Tensor  # input rows, already in the executor's dtype and device
@@ -104,7 +104,7 @@ class ExecutionEngine:
         # ``call`` wait on ``_cond``; the compute thread waits on ``_compute_cv``.
         self._cond = threading.Condition(self._lock)
         self._compute_cv = threading.Condition(self._lock)
-        self._inflight: dict[int, _Inflight] = {}
+        self._inflight: dict[int, _Admitted] = {}
         self._owner: dict[int, str] = {}
         self._ids = itertools.count()
         self._per_layer: defaultdict[str, LayerCounters] = defaultdict(LayerCounters)
@@ -275,7 +275,7 @@ class ExecutionEngine:
             raise ExecutorUnavailableError("the executor is shutting down and accepts no new requests")
         request_id = next(self._ids)
         now = self._clock()
-        self._inflight[request_id] = _Inflight(local, future, rows.dtype, rows.device, now)
+        self._inflight[request_id] = _Admitted(local, future, rows.dtype, rows.device, now)
         self._owner[request_id] = client_id
         self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
         counters = self._per_layer[layer_id]
@@ -408,7 +408,7 @@ class ExecutionEngine:
                         inflight.future.set_exception(error)
 
     def _complete(self, batch: Batch, parts, outputs: list[torch.Tensor]) -> None:
-        finished: list[tuple[_Inflight, torch.Tensor]] = []
+        finished: list[tuple[_Admitted, torch.Tensor]] = []
         now = self._clock()
         with self._cond:
             counters = self._per_layer[batch.layer_id]

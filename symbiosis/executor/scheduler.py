@@ -1,6 +1,6 @@
 """Batching policy of the base executor: which rows of which requests to multiply next, and when.
 
-Pure policy (STYLE habit 2): the scheduler takes request descriptions (``PendingRequest``) and a
+Pure policy: the scheduler takes request descriptions (``PendingRequest``) and a
 clock value passed in by the caller, and returns decisions (``Batch``). It does no I/O, no math,
 no threading and never reads a clock, so it is tested with plain floats.
 

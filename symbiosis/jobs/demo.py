@@ -37,10 +37,6 @@ from symbiosis.jobs.finetune import FinetuneRun, StepRecord, TrainOptions
 from symbiosis.jobs.methods import MethodOptions, build_peft_config
 from symbiosis.jobs.tasks import exact_match_accuracy, get_task, make_split
 
-# The executor runs in its own process and serves over ZeroMQ ipc:// (symbiosis/transport/zmq.py).
-# --in-process keeps it in this process instead (debugging, or where ipc:// is unavailable).
-EXECUTOR_IN_OWN_PROCESS = True
-
 
 @dataclass(frozen=True)
 class TunerSpec:
@@ -377,7 +373,9 @@ def run_demo(options: DemoOptions) -> dict:
     console.print(f"model: llama/{preset} at {model_dir} ({'reused' if reused else 'made'})")
     options.output.mkdir(parents=True, exist_ok=True)
 
-    in_process = options.in_process or not EXECUTOR_IN_OWN_PROCESS
+    # The executor runs in its own process and serves over ZeroMQ ipc://; --in-process keeps it
+    # in this process instead (debugging, or where ipc:// is unavailable).
+    in_process = options.in_process
     executor = ExecutorHandle(model_dir, in_process)
     where = "in this process" if in_process else f"process {executor.process.pid}, serving {executor.target}"
     console.print(f"executor: {where}")

@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -38,7 +38,6 @@ from symbiosis.jobs.client import ClientOptions, SplitClient, load_tokenizer, re
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
 
-Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 TRAINER_STATE = "trainer_state.pt"
 

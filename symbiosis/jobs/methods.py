@@ -1,7 +1,7 @@
 """PEFT methods by name: the registry that turns ``--method NAME`` + common flags into a peft config.
 
 Why a registry: the CLI, the demo and the tests all say "lora" or "ia3" and expect the same
-config; an unknown name must fail loudly and list what is supported (STYLE habit 7). The order of
+config; an unknown name must fail loudly and list what is supported . The order of
 ``METHODS`` is the order shown to users.
 
 Each builder takes the common options (rank, alpha, dropout, target modules, virtual tokens) and
@@ -130,10 +130,6 @@ METHODS: dict[str, Method] = {
         Method("p_tuning", peft.PromptEncoderConfig, _p_tuning, "soft prompt produced by a small MLP encoder"),
     )
 }
-
-
-def method_names() -> list[str]:
-    return list(METHODS)
 
 
 def get_method(name: str) -> Method:
