@@ -1,6 +1,6 @@
 """What every benchmark script shares: arguments, checkpoints, timing, machine facts, JSON and plots.
 
-Conventions (STYLE habit 9), so that two numbers in one result file can be compared:
+Conventions, so that two numbers in one result file can be compared:
 
 * Things that are compared are measured in the same process, interleaved round by round
   (``time_interleaved`` rotates the order every round), after a warm-up, and reported as medians
@@ -428,7 +428,7 @@ def loopback_binds(folder: Path) -> list[str]:
 class Worker:
     """A benchmark worker child (``python -m MODULE worker SPEC_JSON``); see the protocol above."""
 
-    def __init__(self, module: str, spec: Mapping[str, Any], *, threads: int = 1) -> None:
+    def __init__(self, module: str, spec: Mapping[str, Any], *, threads: int = 1, env: Mapping[str, str] | None = None) -> None:
         import subprocess
         import tempfile
 
@@ -436,7 +436,7 @@ class Worker:
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, "worker", json.dumps(self.spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=process_env(threads),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env={**process_env(threads), **(env or {})},
         )
         self.pid = self.process.pid
         self._reader = _LineReader(self.process.stdout)

@@ -22,7 +22,7 @@ from benchmarks.suite import SCENARIOS
 TITLES = {
     "multi_job_finetune": "Multi-job fine-tuning: one executor + K clients vs K HF PEFT processes",
     "executor_memory": "Executor memory vs number of training clients",
-    "multi_adapter_inference": "Multi-adapter inference: K adapters decoding at once",
+    "multi_adapter_inference": "Multi-adapter inference: K adapters decoding at once (a process per adapter, or one mixed-adapter batch)",
     "split_overhead": "Split overhead per transport (one client vs the monolithic model)",
     "executor_efficiency": "Executor efficiency: batched products vs plain torch.matmul",
 }

@@ -21,9 +21,9 @@ SMALLEST = dataclasses.replace(
 )
 TOP_KEYS = {"scenario", "command", "machine", "config", "results", "headline", "losses", "wall_s"}
 RESULT_KEYS = {
-    "multi_job_finetune": {"runs", "per_k", "per_process_gib", "budget", "large_model", "mlora"},
+    "multi_job_finetune": {"runs", "per_k", "per_process_gib", "budget", "large_model", "mlora", "target"},
     "executor_memory": {"levels", "executor_rss_growth"},
-    "multi_adapter_inference": {"runs", "per_k"},
+    "multi_adapter_inference": {"runs", "per_k", "targets"},
     "split_overhead": {"train_step", "decode_step", "check", "dist"},
     "executor_efficiency": {"phases", "matmul_ceiling_gflops"},
 }
@@ -56,13 +56,25 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     assert finetune["runs"]["symbiosis"]["1"]["peak_rss_gib_by_role"].keys() == {"executor", "client"}  # the executor process was sampled
     assert "skipped" in finetune["large_model"]  # quick runs leave the ~1B model out, saying so
     assert {"runs_here", "why"} <= finetune["mlora"].keys()
+    assert finetune["target"]["target_k"] == 8 and finetune["target"]["k"] == 1  # judged at the largest K run, saying so
+    finetune_json = json.loads((output / "multi_job_finetune" / "result.json").read_text())
+    assert any(("PASS" in line or "MISS" in line) and "K=8" in line for line in finetune_json["headline"])
+    assert finetune_json["config"]["env"]["symbiosis_client"]["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
     memory = json.loads((output / "executor_memory" / "result.json").read_text())["results"]
     assert [level["clients"] for level in memory["levels"]] == [0, 1]
 
-    inference = json.loads((output / "multi_adapter_inference" / "result.json").read_text())["results"]
-    assert set(inference["runs"]) == {"symbiosis", "hf_mixed_batch", "hf_per_adapter"}
-    assert {"latency_ms_p50", "latency_ms_p95", "tokens_per_s"} <= inference["runs"]["symbiosis"]["2"].keys()
+    inference_json = json.loads((output / "multi_adapter_inference" / "result.json").read_text())
+    inference = inference_json["results"]
+    assert set(inference["runs"]) == {"symbiosis", "symbiosis_mixed_batch", "hf_mixed_batch", "hf_per_adapter"}
+    for system in inference["runs"]:
+        assert {"latency_ms_p50", "latency_ms_p95", "tokens_per_s"} <= inference["runs"][system]["2"].keys(), system
+    assert {"symbiosis_mixed_vs_hf_mixed", "throughput_ratio_vs_per_adapter"} <= inference["per_k"][0].keys()
+    assert set(inference["targets"]) == {"symbiosis_mixed_vs_hf_mixed", "throughput_ratio_vs_per_adapter"}
+    assert sum(("PASS" in line or "MISS" in line) for line in inference_json["headline"]) == 2
+    systems = inference_json["config"]["systems"]
+    assert systems["symbiosis"]["env"]["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # split clients: the shared-host setting
+    assert systems["hf_mixed_batch"]["env"]["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY")  # baselines: the defaults
 
     overhead = json.loads((output / "split_overhead" / "result.json").read_text())["results"]
     assert {"inproc", "shm+ipc", "ipc", "tcp"} <= overhead["train_step"]["ratio_over_monolithic"].keys()

@@ -5,10 +5,19 @@ Workers run as ``python -m benchmarks.suite worker SPEC`` (``WORKER_MODULE``; JS
 stdin/stdout, see ``benchmarks/common.py``); ``benchmarks.suite.main`` hands them to
 ``worker_main``. Used by ``multi_job_finetune``, ``executor_memory`` and
 ``multi_adapter_inference``.
+
+Worker ``mode``: ``"split"`` (a client of the scenario's executor process, over ``shm+ipc``),
+``"embedded"`` (a client of a ``BaseExecutor`` loaded in the worker itself) or ``"monolithic"``
+(plain ``transformers``). Environment (``worker_env``): split clients run with
+``OMP_WAIT_POLICY=PASSIVE``, the project's setting for a process that shares the host with an
+executor in another process (``symbiosis/threads.py``); embedded and monolithic workers keep
+libgomp's default. An ``OMP_WAIT_POLICY`` already in the suite's environment wins, as on the
+command line. ``env_record`` is what scenarios write into their JSON config.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +29,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.scenarios.context import Context
+from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE  # no torch import: safe before OpenMP starts
 
 WORKER_MODULE = "benchmarks.suite"  # the children's entry point: ``python -m benchmarks.suite worker SPEC``
 
@@ -28,7 +38,8 @@ WORKER_MODULE = "benchmarks.suite"  # the children's entry point: ``python -m be
 
 
 def _peft_model(spec: dict):
-    """The worker's model: split (``executor`` address) or monolithic, with adapters ``a<i>``.
+    """The worker's model: split (``executor`` address), embedded (an in-process ``BaseExecutor``)
+    or monolithic, with adapters ``a<i>``.
 
     Adapter ``i`` has the same weights in every process (seeded by ``i``; LoRA B made non-zero so
     the adapter does real work).
@@ -41,6 +52,12 @@ def _peft_model(spec: dict):
 
     if spec["mode"] == "split":
         base = symbiosis.load_client_model(spec["path"], executor=spec["executor"])
+    elif spec["mode"] == "embedded":
+        import atexit
+
+        executor = symbiosis.BaseExecutor.from_pretrained(spec["path"])
+        atexit.register(executor.close)  # the model's transport holds it; closed when the worker exits
+        base = symbiosis.load_client_model(spec["path"], executor=executor)
     else:
         base = AutoModelForCausalLM.from_pretrained(spec["path"])
     model = None
@@ -121,15 +138,42 @@ def worker_main(spec: dict) -> None:
     if spec["mode"] == "split":  # close the connection cleanly when the parent says exit
         import symbiosis.client.surgery as surgery
 
-        original = surgery.connect
+        original = surgery.open_connection
 
         def connect_and_remember(*args, **kwargs):
             transport = original(*args, **kwargs)
             atexit.register(transport.close)
             return transport
 
-        surgery.connect = connect_and_remember
+        surgery.open_connection = connect_and_remember
     common.serve_worker(setup)
+
+
+# ---- the workers' environment ---------------------------------------------------------------------
+
+
+def worker_env(spec: dict) -> dict[str, str]:
+    """Variables a worker gets on top of ``common.process_env``: ``OMP_WAIT_POLICY=PASSIVE`` for
+    split clients (the executor is another process on this host), nothing for the others."""
+    if spec["mode"] == "split":
+        return {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)}
+    return {}
+
+
+def env_record(threads: int, mode: str | None = None) -> dict[str, str | None]:
+    """The thread-related environment of a worker of ``mode`` (``None``: the executor, which
+    ``symbiosis serve`` sets itself), for a scenario's JSON config; None means unset (libgomp's
+    default wait policy)."""
+    if mode is None:
+        policy = os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)  # symbiosis/threads.py: configure_for_command
+    else:
+        policy = worker_env({"mode": mode}).get(WAIT_POLICY_VARIABLE, os.environ.get(WAIT_POLICY_VARIABLE))
+    return {WAIT_POLICY_VARIABLE: policy, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def start_worker(spec: dict, threads: int) -> common.Worker:
+    """``common.Worker`` for ``spec`` with ``worker_env(spec)`` in its environment."""
+    return common.Worker(WORKER_MODULE, spec, threads=threads, env=worker_env(spec))
 
 
 # ---- running groups of processes -----------------------------------------------------------------
@@ -165,7 +209,7 @@ def run_group(ctx: Context, specs: Sequence[dict], *, server: common.ServerProce
             sampler.watch(server.pid, "executor")
         for spec in specs:
             spec = dict(spec, executor="shm+" + server.addresses[0]) if server else spec
-            worker = common.Worker(WORKER_MODULE, spec, threads=ctx.threads)
+            worker = start_worker(spec, ctx.threads)
             sampler.watch(worker.pid, spec["role"])
             workers.append(worker)
         for worker in workers:
