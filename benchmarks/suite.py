@@ -13,15 +13,17 @@ alternate their order from one size to the next.
 1. ``multi_job_finetune``: K fine-tuning jobs, Symbiosis vs one ``transformers+peft`` process per
    job: throughput, peak memory, jobs that fit a memory budget (also for a ~1B model).
 2. ``executor_memory``: executor RSS as training clients are added (should stay flat).
-3. ``multi_adapter_inference``: K adapters decoding at once vs HF PEFT mixed-adapter batches and
-   one HF PEFT process per adapter: tokens/s and per-token latency.
+3. ``multi_adapter_inference``: K adapters decoding at once — one split client process per adapter
+   (shm) and one split client decoding all K as one mixed-adapter batch with an in-process
+   executor — vs HF PEFT mixed-adapter batches and one HF PEFT process per adapter: tokens/s and
+   per-token latency, with PASS/MISS against the project's targets.
 4. ``split_overhead``: training and decode step per transport vs the monolithic model.
 5. ``executor_efficiency``: the executor's batched products vs plain ``torch.matmul`` on the same
    shapes and a 1024² matmul ceiling.
 
 Every ``result.json``: ``scenario, command, machine, config, results, headline, losses, wall_s``.
 ``results`` per scenario (keys the tests check): (1) ``runs, per_k, per_process_gib, budget,
-large_model, mlora``; (2) ``levels, executor_rss_growth``; (3) ``runs, per_k``; (4) ``train_step,
+large_model, mlora, target``; (2) ``levels, executor_rss_growth``; (3) ``runs, per_k, targets``; (4) ``train_step,
 decode_step, check, dist``; (5) ``phases, matmul_ceiling_gflops``. ``headline``: sentences with
 the key ratios; ``losses``: where the baseline wins. ``--quick``: ``tiny`` model, fewer and smaller
 runs (about 2 minutes); full: ``base`` (~105M params), about 20 minutes on 2 cores.
