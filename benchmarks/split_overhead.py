@@ -1,137 +1,160 @@
-"""What does splitting a model cost one client? Split in-process vs monolithic transformers+peft.
+"""What does splitting a model cost one client? Every transport vs monolithic transformers+peft, per process.
 
-Measures, on one random-weight checkpoint (default: the ``small`` LLaMA preset, ~14M params):
+Measures the project's split-overhead targets side by side in one run (``TARGETS``: split step
+median / monolithic step median, per transport):
 
-* **training step**: forward + backward + AdamW step of a LoRA adapter (r=8 on q/k/v/o) on a
-  batch of ``--train-batch`` sequences of ``--seq-len`` tokens;
-* **decode step**: one new token for each of ``--decode-batch`` sequences, with a KV cache,
-  after a ``--prompt-len``-token prefill (no gradient).
+==========  ===========  =============
+transport   decode step  training step
+==========  ===========  =============
+inproc      <= 1.15      <= 1.05
+shm+ipc     <= 1.5       <= 1.15
+ipc, tcp    <= 1.8       <= 1.3
+dist+tcp    <= 2.0       <= 1.5
+==========  ===========  =============
 
-Baseline: the monolithic model, ``peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path))``,
-with the same adapter weights. Candidate: the split model,
-``peft.get_peft_model(symbiosis.load_client_model(path, executor=ex))`` with ``ex`` a
-``BaseExecutor`` in the same process (in-process transport, ``--policy``; one client, so batching
-never waits). Both step kinds are timed interleaved (one monolithic sample, one split sample, ...),
-after a warm-up, and reported as medians with p95; ``split_over_monolithic`` is the ratio of
-medians (> 1 means splitting costs time).
+**Models** (random weights): ``llama-h512-l6-v2048``, a LLaMA built here with ``LlamaConfig``
+(hidden 512, 6 layers, 8 heads / 4 KV heads, MLP 4 x hidden, vocab 2048; cached in ``--cache``
+with the project's tokenizer), and the ``symbiosis.modelzoo`` preset ``--preset`` (default
+``base``, the ~105M LLaMA; ``--model DIR`` uses a checkpoint folder instead). ``--quick`` shrinks
+them (hidden 64, 2 layers; the ``tiny`` preset).
 
-Next to them, ``gemm_floor``: the executor's products alone — every (layer, op, rows) call the
-split step made, recorded once and replayed back to back with ``symbiosis.executor.runner.apply_op``
-on random rows. ``gemm_share_of_split`` is ``gemm_floor / split`` (what fraction of a split step is
-base-layer math; the rest is client work plus the thread hand-off per layer), and
-``matmul_ceiling_gflops`` is plain ``torch.matmul`` on a 1024² product (the hardware ceiling),
-timed interleaved with the steps so it sees the same background load.
-``check`` holds both models' loss on the training batch before any step, to show that the two
-candidates do the same work.
+**Steps** (``--decode-batches``, ``--train-batch``, ``--seq-len``): ``decode_b1`` and
+``decode_b16``: one new token for each of 1 or 16 sequences with a KV cache, after a
+``--prompt-len``-token prefill and one untimed decode step, no gradient; ``train``: forward +
+backward + AdamW step of a LoRA adapter (r=8 on q/k/v/o) on 8 sequences x 128 tokens.
+
+**Systems**: ``monolithic`` (``peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path))``,
+the baseline) and the split client ``peft.get_peft_model(symbiosis.load_client_model(path, ...))``
+over ``inproc`` (a ``BaseExecutor`` in the client's process), ``shm+ipc``, ``ipc``, ``tcp`` and
+``dist+tcp`` (to one ``symbiosis serve`` child per model, serving tcp + ipc). All systems carry
+the same LoRA weights (drawn from one seed), checked by their loss on the training batch.
+
+**How it is timed, and why that way.** Each system lives in its own process
+(``python -m benchmarks.split_overhead worker SPEC``; the remote ones get the executors'
+addresses on stdin once those serve), started once, which loads both models and warms them up:
+a process that also hosts an executor, or another system's model, would share caches, allocator
+and threads with the model being timed. The parent then runs ``--repeats`` *rounds*; in each
+round it tells every system in turn (order rotated every round) to run one block: for each
+model, ``--decode-steps`` timed steps of each decode batch (after a fresh prefill and one
+untimed step) and ``--train-steps`` timed training steps. It waits for a block to finish before
+telling the next system, so exactly one system computes at any moment while the other processes
+sit blocked on their stdin (the executor children only serve the client of the moment). Samples
+of all rounds are pooled into median and p95. We chose long-lived processes with a rotating
+round-robin over a fresh process per system and round because (a) every system sees the same
+background-load drift, round by round, as interleaved samples in one process would, so medians
+stay comparable on a shared machine, and (b) start-up (imports, loading, first-call allocation,
+~5 s per process) stays out of the timings and most of the wall time; the price is that
+process-level luck (memory layout) is not re-drawn per round. Every process (workers and
+executors) runs ``--threads`` torch threads (default 1: on a small shared machine a second
+OpenMP thread mostly waits for a busy core; the split client and its executor take turns, they do
+not compute at once). A split system that fails to start or breaks mid-run (a transport error)
+is dropped and listed in ``unavailable`` with its error; the others go on.
+
+**Calls per decoded token.** For every architecture in ``symbiosis.modelzoo.ARCHS`` at the
+``tiny`` preset, in the parent process (untimed, while the workers load): base-layer requests
+the executor served (``BaseExecutor.stats()["layers"][id]["requests"]``, summed; a fused sibling
+request counts once) during one decode step of one sequence, after ``WARM_DECODE_STEPS`` untimed
+steps so the client has settled (sibling fusion learns from repeated passes). They are split
+into requests of the decoder blocks (ids holding ``.<index>.``) and the rest (``lm_head``) and
+printed as ``llama: 9 calls/token (2 layers → 4.00/layer + 1)``. The timed workers count the
+calls of every block too: the ``inproc`` worker from its executor's stats (this gives the two
+benchmark models' lines), every split worker on the client side (wrapping ``transport.call``).
 
 JSON (``split_overhead.json`` in ``--output``) keys: ``benchmark, command, machine, config,
-train_step, decode_step, check, matmul_ceiling_gflops, executor, wall_s``; ``train_step`` and
-``decode_step`` each hold ``monolithic, split, gemm_floor`` (``median_ms, p95_ms, mean_ms, min_ms,
-n``), ``split_over_monolithic``, ``gemm_share_of_split``, ``executor_calls``, ``gemm_gflop``,
-``gemm_floor_gflops``, ``matmul_ceiling_gflops``. Plot: ``split_overhead.png``.
+targets, results, verdicts, check, calls_per_token, processes, unavailable, dist, wall_s``.
 
-Run: ``python -m benchmarks.split_overhead [--preset base] [--quick] --output DIR``.
+* ``targets[system]``: ``{"decode": float, "train": float}`` for every split system.
+* ``results[model][step][system]`` (``step`` in ``config.steps``, e.g. ``decode_b1``,
+  ``decode_b16``, ``train``): ``median_ms, p95_ms, mean_ms, min_ms, n``, ``ratio_over_monolithic``
+  (median / monolithic median), ``target`` and ``verdict`` (``"PASS"`` if ratio <= target,
+  ``"MISS"`` otherwise; both null for ``monolithic``), and for split systems ``calls_per_step``
+  (base-layer requests per step of the last round: the executor's count for ``inproc``, the
+  client's otherwise) plus, for decode steps, ``calls_per_token`` (per sequence: per step / batch).
+* ``verdicts``: one row per (model, step, split system): ``model, step, system, ratio, target,
+  verdict``.
+* ``check[model]``: ``{"loss": {system: float}, "max_abs_diff_vs_monolithic": float}``.
+* ``calls_per_token``: ``{"archs": {arch: breakdown}, "models": {model: breakdown}}``, a
+  breakdown being ``calls_per_token, layers, per_layer, outside_layers, by_layer_kind``.
+* ``processes[system]``: ``{"pid", "max_rss_mib"}``; ``unavailable[system]``: why a system was not
+  measured (e.g. ``dist+tcp`` cannot connect); ``dist``: ``{"available", "reason"}``.
+* ``config``: ``models`` (key -> path and shape), ``systems``, ``steps`` (key -> kind, batch,
+  tokens), ``rounds``, ``decode_steps``, ``train_steps``, ``prompt_len``, ``threads_per_process``,
+  ``policy``, ``quick``, ``adapter``, ``baseline``, ``scheduling``.
+
+Plot ``split_overhead.png``: per model, split / monolithic per system and step, and the same
+divided by its target (<= 1 passes).
+
+Run: ``python -m benchmarks.split_overhead --output DIR [--quick] [--threads N] [--repeats ROUNDS]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import re
+import shutil
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import peft
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import symbiosis
 from benchmarks import common
-from symbiosis.executor.runner import apply_op
-from symbiosis.vocabulary import Op
+from symbiosis.vocabulary import GROUP_SEPARATOR
 
 NAME = "split_overhead"
+MODULE = f"benchmarks.{NAME}"  # the workers' entry point: ``python -m benchmarks.split_overhead worker SPEC``
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MONOLITHIC = "monolithic"
+SPLIT_SYSTEMS = ("inproc", "shm+ipc", "ipc", "tcp", "dist+tcp")
+SYSTEMS = (MONOLITHIC, *SPLIT_SYSTEMS)
+#: split / monolithic, medians: the most each transport may cost (decode step, training step).
+TARGETS: dict[str, dict[str, float]] = {
+    "inproc": {"decode": 1.15, "train": 1.05},
+    "shm+ipc": {"decode": 1.5, "train": 1.15},
+    "ipc": {"decode": 1.8, "train": 1.3},
+    "tcp": {"decode": 1.8, "train": 1.3},
+    "dist+tcp": {"decode": 2.0, "train": 1.5},
+}
+CUSTOM_LLAMA = {"hidden": 512, "layers": 6, "vocab": 2048}
+QUICK_CUSTOM_LLAMA = {"hidden": 64, "layers": 2, "vocab": 2048}
+WARM_DECODE_STEPS = 3  # untimed decode steps before calls are counted
+BLOCK_INDEX = re.compile(r"\.(\d+)\.")  # a base layer inside decoder block N: "model.layers.N.mlp.up_proj"
+
+
+# ---- models and steps (also used by benchmarks.transport and the suite's scenarios) -------------
 
 
 def lora_config() -> peft.LoraConfig:
     return peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser, default_repeats=30, quick_repeats=4)
-    parser.add_argument("--policy", default="opportunistic", choices=("immediate", "lockstep", "opportunistic"), help="Executor batching policy (default: %(default)s).")
-    parser.add_argument("--train-batch", type=int, default=None, help="Sequences per training step (default 4; 2 with --quick).")
-    parser.add_argument("--seq-len", type=int, default=None, help="Tokens per training sequence (default 128; 32 with --quick).")
-    parser.add_argument("--decode-batch", type=int, default=4, help="Sequences decoded together (default: %(default)s).")
-    parser.add_argument("--prompt-len", type=int, default=32, help="Prefill length before decoding (default: %(default)s).")
-    args = common.resolve_common(parser.parse_args(argv))
-    args.train_batch = args.train_batch or (2 if args.quick else 4)
-    args.seq_len = args.seq_len or (32 if args.quick else 128)
-    return args
-
-
-# ---- executor call recording and replay (the GEMM floor) -----------------------------------------
-
-
-@dataclass(frozen=True)
-class RecordedCall:
-    layer_id: str
-    op: Op
-    rows: int
-
-
-def record_calls(executor: symbiosis.BaseExecutor, step: Callable[[], None]) -> list[RecordedCall]:
-    """Run ``step`` once and return every call it made to ``executor`` (shapes only)."""
-    calls: list[RecordedCall] = []
-    submit = executor.submit
-
-    def recording_submit(client_id, layer_id, op, rows, latency_class):
-        calls.append(RecordedCall(layer_id, Op(op), rows.shape[0]))
-        return submit(client_id, layer_id, op, rows, latency_class)
-
-    executor.submit = recording_submit  # the in-process transport looks the method up per call
-    try:
-        step()
-    finally:
-        del executor.submit
-    return calls
-
-
-def gemm_replay(executor: symbiosis.BaseExecutor, calls: Sequence[RecordedCall]) -> tuple[Callable[[], None], float]:
-    """A function running the recorded products back to back on random rows, and their GFLOP."""
-    layers = executor.weights.layers
-    specs = executor.weights.specs
-    inputs = []
-    flop = 0.0
-    for call in calls:
-        spec = specs[call.layer_id]
-        width = call.op.input_width(spec)
-        inputs.append((layers[call.layer_id], call.op, torch.randn(call.rows, width, dtype=executor.dtype, device=executor.device)))
-        flop += 2.0 * call.rows * spec.in_features * spec.out_features
-
-    def replay() -> None:
-        for layer, op, rows in inputs:
-            apply_op(layer, op, rows)
-
-    return replay, flop / 1e9
-
-
-# ---- the two candidates --------------------------------------------------------------------------
+def adapter_model(path: Path, executor: Any = None, seed: int = 0):
+    """PEFT LoRA model on ``path``: monolithic when ``executor`` is None, else split (``executor``:
+    a ``BaseExecutor`` or an address). Its LoRA weights depend on ``seed`` only, never on the
+    process or the system, and B is non-zero so the adapter really takes part in every step."""
+    base = AutoModelForCausalLM.from_pretrained(path) if executor is None else symbiosis.load_client_model(path, executor=executor)
+    model = peft.get_peft_model(base, lora_config())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_A" in name:  # (r, in): the scale of the default Kaiming init
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * parameter.shape[1] ** -0.5)
+            elif "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return model
 
 
 def build_models(path: Path, executor: symbiosis.BaseExecutor, seed: int = 0):
     """Monolithic and split PEFT models with identical, non-trivial adapter weights."""
-    torch.manual_seed(seed)
-    monolithic = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora_config())
-    with torch.no_grad():  # LoRA B starts at zero; make it count so both models really use it
-        for name, parameter in monolithic.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.02)
-    split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor), lora_config())
-    peft.set_peft_model_state_dict(split, peft.get_peft_model_state_dict(monolithic))
-    return monolithic, split
+    return adapter_model(path, None, seed), adapter_model(path, executor, seed)
 
 
 def train_step_fn(model, batch: torch.Tensor) -> Callable[[], None]:
@@ -163,138 +186,513 @@ class Decoder:
         self.next_tokens = out.logits[:, -1:].argmax(-1)
 
 
-def compare(
-    monolithic_step: Callable[[], None], split_step: Callable[[], None], executor, *, warmup: int, repeats: int
-) -> dict:
-    calls = record_calls(executor, split_step)
-    monolithic_step()  # keep both candidates at the same step (same KV-cache length when decoding)
-    replay, gflop = gemm_replay(executor, calls)
-    ceiling_probe, ceiling_gflop = common.square_matmul()
-    samples = common.time_interleaved(
-        {"monolithic": monolithic_step, "split": split_step, "gemm_floor": replay, "matmul_1024": ceiling_probe},
-        warmup=warmup,
-        repeats=repeats,
+def make_llama(folder: Path, *, hidden: int, layers: int, vocab: int, seed: int = 0) -> Path:
+    """A random-weight LLaMA checkpoint of this shape in ``folder`` (made once; kept if the recipe matches).
+
+    8 heads of 64 (fewer when ``hidden`` is small), half as many KV heads, MLP 4 x hidden like the
+    ``symbiosis.modelzoo`` presets, untied ``lm_head``, the project's tokenizer (vocab 1024; the
+    extra embedding rows are just never produced by it).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from symbiosis.modelzoo import SPECIAL_TOKEN_ID, make_tokenizer
+
+    folder = Path(folder)
+    recipe = {"arch": "llama", "hidden": hidden, "layers": layers, "vocab": vocab, "seed": seed, "maker": f"{MODULE}.make_llama v1"}
+    marker = folder / "split_overhead_model.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe and (folder / "model.safetensors").is_file():
+        return folder
+    heads = max(2, min(8, hidden // 32))
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads // 2, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKEN_ID, eos_token_id=SPECIAL_TOKEN_ID, pad_token_id=SPECIAL_TOKEN_ID,
     )
-    result = {name: common.summarize(values) for name, values in samples.items() if name != "matmul_1024"}
-    split_ms, monolithic_ms, floor_ms = (result[k]["median_ms"] for k in ("split", "monolithic", "gemm_floor"))
-    result["split_over_monolithic"] = common.ratio(split_ms, monolithic_ms)
-    result["gemm_share_of_split"] = common.ratio(floor_ms, split_ms)
-    result["executor_calls"] = len(calls)
-    result["executor_rows"] = sum(c.rows for c in calls)
-    result["gemm_gflop"] = gflop
-    result["gemm_floor_gflops"] = common.ratio(gflop * 1e3, floor_ms)
-    # Ceiling under the same load: median of 1024² matmuls interleaved with the steps above.
-    result["matmul_ceiling_gflops"] = common.ratio(ceiling_gflop * 1e3, common.summarize(samples["matmul_1024"])["median_ms"])
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config).eval()
+        model.save_pretrained(staging)
+        make_tokenizer(staging, model_max_length=config.max_position_embeddings)
+        (staging / marker.name).write_text(json.dumps(recipe, indent=2) + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+# ---- calls per decoded token ---------------------------------------------------------------------
+
+
+def executor_requests(executor: symbiosis.BaseExecutor) -> dict[str, int]:
+    return {layer: counters["requests"] for layer, counters in executor.stats()["layers"].items()}
+
+
+def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens: int) -> dict[str, Any]:
+    """Calls per token of one decode step from the requests per layer id it made (``{id: calls}``).
+
+    ``layer_ids``: every base layer the executor serves (to count the decoder blocks); a fused
+    request's id joins its members' ids with ``GROUP_SEPARATOR``.
+    """
+    blocks = {m.group(1) for layer in layer_ids if (m := BLOCK_INDEX.search(layer))}
+    inside = sum(n for layer, n in calls.items() if BLOCK_INDEX.search(layer))
+    total = sum(calls.values())
+    by_kind: dict[str, float] = {}
+    for layer, n in calls.items():  # "model.layers.3.mlp.gate_proj+model.layers.3.mlp.up_proj" -> "mlp.gate_proj+mlp.up_proj"
+        kind = "+".join(BLOCK_INDEX.split(member, maxsplit=1)[-1] for member in layer.split(GROUP_SEPARATOR))
+        by_kind[kind] = by_kind.get(kind, 0) + n
+    return {
+        "calls_per_token": total / tokens,
+        "layers": len(blocks),
+        "per_layer": common.ratio(inside / tokens, len(blocks)),
+        "outside_layers": (total - inside) / tokens,
+        "by_layer_kind": {k: v / tokens for k, v in sorted(by_kind.items())},
+    }
+
+
+def calls_line(name: str, breakdown: Mapping[str, Any]) -> str:
+    return (f"{name}: {breakdown['calls_per_token']:g} calls/token ({breakdown['layers']} layers → "
+            f"{breakdown['per_layer']:.2f}/layer + {breakdown['outside_layers']:g})")
+
+
+def requests_since(executor: symbiosis.BaseExecutor, before: Mapping[str, int], steps: int = 1) -> dict[str, float]:
+    """Requests per layer id the executor served since ``before`` (``executor_requests``), per step."""
+    after = executor_requests(executor)
+    return {layer: (n - before.get(layer, 0)) / steps for layer, n in after.items() if n - before.get(layer, 0)}
+
+
+def arch_calls_per_token(cache: Path, archs: Sequence[str] | None = None, *, prompt_len: int = 8) -> dict[str, dict[str, Any]]:
+    """Calls per decoded token of every ``symbiosis.modelzoo`` architecture at ``tiny``, in-process."""
+    from symbiosis.modelzoo import ARCHS, make_model
+
+    result = {}
+    for arch in archs or ARCHS:
+        path = make_model(arch, "tiny", Path(cache) / f"{arch}-tiny-seed0", seed=0)
+        executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32, policy="immediate")
+        try:
+            model = symbiosis.load_client_model(path, executor=executor)
+            prompt = torch.randint(1, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+            decoder = Decoder(model, prompt)
+            for _ in range(WARM_DECODE_STEPS):  # let the client settle (sibling fusion learns from repeated passes)
+                decoder.step()
+            before = executor_requests(executor)
+            decoder.step()
+            calls = requests_since(executor, before)
+            result[arch] = calls_breakdown(calls, list(executor.layer_specs()), tokens=1)
+            model.symbiosis_transport.close()
+        finally:
+            executor.close()
     return result
 
 
+# ---- the worker: one system, every model, in its own process -------------------------------------
+
+
+class _ModelRunner:
+    """One model of a worker: its system's client (or the monolithic model), inputs and step blocks."""
+
+    def __init__(self, spec: Mapping[str, Any], entry: Mapping[str, Any]) -> None:
+        system, path = spec["system"], Path(entry["path"])
+        self.key = entry["key"]
+        self.executor = None
+        if system == "inproc":
+            self.executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32, policy=spec["policy"])
+        target = None if system == MONOLITHIC else self.executor if self.executor is not None else entry["address"]
+        self.model = adapter_model(path, target, seed=spec["seed"])
+        self.transport = getattr(self.model.base_model.model, "symbiosis_transport", None)
+        self.client_calls = 0
+        if self.transport is not None:
+            call = self.transport.call  # VirtLayers look ``call`` up on the transport per request
+
+            def counting_call(*args, **kwargs):
+                self.client_calls += 1
+                return call(*args, **kwargs)
+
+            self.transport.call = counting_call
+        generator = torch.Generator().manual_seed(spec["seed"] + 1)  # same inputs in every process
+        vocab = self.model.config.vocab_size
+        self.batch = torch.randint(1, vocab, (spec["train_batch"], spec["seq_len"]), generator=generator)
+        prompt = torch.randint(1, vocab, (max(spec["decode_batches"]), spec["prompt_len"]), generator=generator)
+        self.prompts = {b: prompt[:b] for b in spec["decode_batches"]}
+        self.decode_steps, self.train_steps = spec["decode_steps"], spec["train_steps"]
+        self.model.train()
+        with torch.no_grad():
+            self.loss = float(self.model(input_ids=self.batch, labels=self.batch).loss)
+        self.train_step = train_step_fn(self.model, self.batch)
+        self.train_step()  # warm-up (allocates the optimizer state)
+        for b in self.prompts:
+            decoder = self._decoder(b)
+            for _ in range(WARM_DECODE_STEPS):
+                decoder.step()
+        self.calls: dict[str, dict[str, Any]] = {}  # of the latest block, per step
+
+    def _decoder(self, batch: int) -> Decoder:
+        self.model.eval()
+        decoder = Decoder(self.model, self.prompts[batch])
+        decoder.step()  # untimed: the first step after a prefill
+        return decoder
+
+    def _counted(self, key: str, step: Callable[[], None], repeats: int) -> list[float]:
+        """``repeats`` timed calls of ``step``, and the base-layer calls they made (outside the timing)."""
+        client_before = self.client_calls
+        executor_before = executor_requests(self.executor) if self.executor is not None else None
+        samples = _timed(step, repeats)
+        calls: dict[str, Any] = {}
+        if self.transport is not None:
+            calls["client_calls_per_step"] = (self.client_calls - client_before) / repeats
+        if executor_before is not None:
+            per_layer = requests_since(self.executor, executor_before, repeats)
+            calls["executor_calls_per_step"] = sum(per_layer.values())
+            if key.startswith("decode_b"):
+                calls.update(calls_breakdown(per_layer, list(self.executor.layer_specs()), tokens=int(key.removeprefix("decode_b"))))
+        self.calls[key] = calls
+        return samples
+
+    def block(self) -> dict[str, list[float]]:
+        samples: dict[str, list[float]] = {}
+        for b in self.prompts:
+            samples[f"decode_b{b}"] = self._counted(f"decode_b{b}", self._decoder(b).step, self.decode_steps)
+        self.model.train()
+        samples["train"] = self._counted("train", self.train_step, self.train_steps)
+        return samples
+
+
+def _timed(step: Callable[[], None], repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - began)
+    return samples
+
+
+def worker_main(spec: Mapping[str, Any]) -> None:
+    """Child process of one system: load every model, then run one block per ``go`` line."""
+    common.quiet_libraries()
+    torch.set_num_threads(spec["threads"])
+
+    def setup() -> Callable[[], dict]:
+        entries = spec["models"]
+        if spec["system"] not in (MONOLITHIC, "inproc"):  # the parent sends the executors' addresses once they serve
+            addresses = json.loads(sys.stdin.readline())
+            if addresses is None:
+                raise SystemExit(0)
+            entries = [dict(entry, address=addresses[entry["key"]]) for entry in entries]
+        runners = [_ModelRunner(spec, entry) for entry in entries]
+        losses = {r.key: r.loss for r in runners}
+        return lambda: {"samples": {r.key: r.block() for r in runners}, "loss": losses, "calls": {r.key: r.calls for r in runners}}
+
+    common.serve_worker(setup)
+
+
+# ---- the parent: processes, rounds, results --------------------------------------------------------
+
+
+def measure(
+    models: Mapping[str, Path],
+    *,
+    systems: Sequence[str] = SYSTEMS,
+    decode_batches: Sequence[int] = (1, 16),
+    train_batch: int = 8,
+    seq_len: int = 128,
+    prompt_len: int = 16,
+    rounds: int = 10,
+    decode_steps: int = 8,
+    train_steps: int = 1,
+    threads: int = 1,
+    policy: str = "opportunistic",
+    seed: int = 0,
+    while_loading: Callable[[], Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Time every system on every model, one process per system, round-robin (see the docstring).
+
+    Returns ``samples[system][model][step]`` (seconds), ``info[system]`` (losses, calls),
+    ``processes``, ``unavailable``, ``dist`` and, when given, ``while_loading``'s return value
+    (run in this process while the children load).
+    """
+    from benchmarks.transport import dist_status, open_transports, split_addresses
+
+    systems = [MONOLITHIC] + [s for s in systems if s != MONOLITHIC]
+    remote = [s for s in systems if s not in (MONOLITHIC, "inproc")]
+    spec = {"threads": threads, "policy": policy, "seed": seed, "decode_batches": list(decode_batches), "train_batch": train_batch,
+            "seq_len": seq_len, "prompt_len": prompt_len, "decode_steps": decode_steps, "train_steps": train_steps}
+    unavailable: dict[str, str] = {}
+    dist = dist_status()
+    servers: dict[str, common.ServerProcess] = {}
+    workers: dict[str, common.Worker] = {}
+
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="symbiosis-split-") as folder:
+        try:
+            for index, (key, path) in enumerate(models.items() if remote else ()):
+                (Path(folder) / str(index)).mkdir()
+                servers[key] = common.executor_process(path, common.loopback_binds(Path(folder) / str(index)), threads=threads, extra=["--policy", policy], wait=False)
+            for system in systems:  # all load at once; the remote ones wait for their addresses (below)
+                entries = [{"key": key, "path": str(path)} for key, path in models.items()]
+                workers[system] = common.Worker(MODULE, dict(spec, role=system, system=system, models=entries), threads=threads)
+            targets: dict[str, dict[str, str]] = {}
+            for key, server in servers.items():
+                targets[key], dist = open_transports(split_addresses(server), include_dist="dist+tcp" in remote)
+            for system in remote:
+                addresses = {key: t[system] for key, t in targets.items() if system in t}
+                if len(addresses) < len(models):
+                    addresses = None
+                    unavailable[system] = dist["reason"] if system.startswith("dist") else f"the executor serves no {system} address"
+                workers[system].process.stdin.write(json.dumps(addresses) + "\n")
+                workers[system].process.stdin.flush()
+                if addresses is None:
+                    workers.pop(system).close()
+            extra = while_loading() if while_loading else None
+            log(f"  [{time.perf_counter() - began:.0f} s] waiting for {len(workers)} processes to load")
+            processes: dict[str, dict[str, Any]] = {}
+            for system in list(workers):
+                try:
+                    ready = workers[system].wait_ready()
+                    processes[system] = {"pid": ready["pid"], "max_rss_mib": ready["max_rss_bytes"] / common.MIB}
+                except RuntimeError as exc:  # a system that cannot start is reported, not fatal
+                    if system == MONOLITHIC:
+                        raise
+                    unavailable[system] = _last_error_line(str(exc))
+                    workers.pop(system).close()
+            names = list(workers)
+            log(f"  [{time.perf_counter() - began:.0f} s] {len(names)} processes ready ({', '.join(names)}); {rounds} rounds")
+            samples: dict[str, dict[str, dict[str, list[float]]]] = {s: {} for s in names}
+            info: dict[str, dict[str, Any]] = {}
+            for round_index in range(rounds):
+                shift = round_index % len(names)
+                for system in names[shift:] + names[:shift]:  # one system computes at a time
+                    if system not in workers:
+                        continue
+                    workers[system].go()
+                    try:
+                        event = workers[system].wait_done(timeout_s=3600)
+                    except RuntimeError as exc:  # e.g. a transport that breaks mid-run: report it, go on
+                        if system == MONOLITHIC:
+                            raise
+                        unavailable[system] = f"failed in round {round_index + 1}: {_last_error_line(str(exc))}"
+                        workers.pop(system).close()
+                        samples.pop(system)
+                        info.pop(system, None)
+                        processes.pop(system)
+                        log(f"  {system} dropped: {unavailable[system]}")
+                        continue
+                    info[system] = {"loss": event["loss"], "calls": event["calls"]}
+                    processes[system]["max_rss_mib"] = event["max_rss_bytes"] / common.MIB
+                    for model, steps in event["samples"].items():
+                        for step, values in steps.items():
+                            samples[system].setdefault(model, {}).setdefault(step, []).extend(values)
+                names = [n for n in names if n in workers]
+                log(f"  [{time.perf_counter() - began:.0f} s] round {round_index + 1}/{rounds} done")
+        finally:
+            for worker in workers.values():
+                worker.request_exit()
+            for worker in workers.values():
+                worker.close()
+            for server in servers.values():
+                server.close()
+    return {"samples": samples, "info": info, "processes": processes, "unavailable": unavailable, "dist": dist, "while_loading": extra}
+
+
+def _last_error_line(text: str) -> str:
+    """The exception line of a worker's traceback (``Worker`` appends its stderr tail after it)."""
+    lines = [line for line in text.split("\nstderr tail:")[0].splitlines() if line.strip()]
+    return lines[-1].strip()[:500] if lines else text[:500]
+
+
+def step_kind(step: str) -> str:
+    return "train" if step == "train" else "decode"
+
+
+def summarize(measured: Mapping[str, Any], decode_batches: Sequence[int]) -> dict[str, Any]:
+    """``results``, ``verdicts``, ``check`` and per-model calls from ``measure``'s output."""
+    samples, info = measured["samples"], measured["info"]
+    results: dict[str, Any] = {}
+    verdicts: list[dict[str, Any]] = []
+    for model, steps in samples[MONOLITHIC].items():
+        results[model] = {}
+        for step in steps:
+            base = common.summarize(steps[step])["median_ms"]
+            row: dict[str, Any] = {}
+            for system in samples:
+                timing = common.summarize(samples[system][model][step])
+                ratio = common.ratio(timing["median_ms"], base)
+                target = TARGETS.get(system, {}).get(step_kind(step))
+                verdict = None if target is None or math.isnan(ratio) else ("PASS" if ratio <= target else "MISS")
+                timing.update(ratio_over_monolithic=ratio, target=target, verdict=verdict)
+                calls = info[system]["calls"][model].get(step, {})
+                if calls:  # the executor's count where it is in this process, else the client's
+                    timing["calls_per_step"] = calls.get("executor_calls_per_step", calls.get("client_calls_per_step"))
+                    if step != "train":
+                        timing["calls_per_token"] = timing["calls_per_step"] / int(step.removeprefix("decode_b"))
+                row[system] = timing
+                if target is not None:
+                    verdicts.append({"model": model, "step": step, "system": system, "ratio": ratio, "target": target, "verdict": verdict})
+            results[model][step] = row
+    check = {}
+    for model in results:
+        losses = {system: info[system]["loss"][model] for system in samples}
+        check[model] = {"loss": losses, "max_abs_diff_vs_monolithic": max(abs(v - losses[MONOLITHIC]) for v in losses.values())}
+    model_calls = {}
+    if "inproc" in info:
+        breakdown = ("calls_per_token", "layers", "per_layer", "outside_layers", "by_layer_kind")
+        model_calls = {m: {k: info["inproc"]["calls"][m][f"decode_b{min(decode_batches)}"][k] for k in breakdown} for m in results}
+    return {"results": results, "verdicts": verdicts, "check": check, "model_calls": model_calls}
+
+
+def tables(results: Mapping[str, Any], models: Mapping[str, Mapping[str, Any]]) -> str:
+    """One markdown table per model: median (p95) ms, ratio, target and verdict per system and step."""
+    out = []
+    for model, steps in results.items():
+        out.append(f"\n{model} ({models[model]['describe']})\n")
+        headers = ["system"] + [f"{step} ms median (p95) | x mono | target" for step in steps]
+        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * (1 + 3 * len(steps))]
+        for system in next(iter(steps.values())):
+            cells = [system]
+            for row in steps.values():
+                t = row[system]
+                target = "–" if t["target"] is None else f"<= {t['target']:g} {t['verdict']}"
+                cells += [f"{t['median_ms']:.2f} ({t['p95_ms']:.2f})", f"{t['ratio_over_monolithic']:.2f}", target]
+            lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines))
+    return "\n".join(out)
+
+
+def plot(path: Path, results: Mapping[str, Any], title: str) -> None:
+    panels = []
+    for model, steps in results.items():
+        systems = [s for s in next(iter(steps.values())) if s != MONOLITHIC]
+        ratio = {step: [row[s]["ratio_over_monolithic"] for s in systems] for step, row in steps.items()}
+        over_target = {step: [common.ratio(row[s]["ratio_over_monolithic"], row[s]["target"]) for s in systems] for step, row in steps.items()}
+        panels.append(common.Panel(f"{model}: split / monolithic (medians, 1 = free)", "ratio", systems, ratio))
+        panels.append(common.Panel(f"{model}: (split / monolithic) / target (<= 1 passes)", "ratio / target", systems, over_target))
+    common.plot_panels(path, title, panels, columns=2)
+
+
+# ---- the script ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    common.add_common_arguments(parser, default_repeats=10, quick_repeats=2)
+    for flag, text in (("--preset", "Size of the modelzoo model (default 'base', or 'tiny' with --quick)."),
+                       ("--repeats", "Rounds: each system runs one block of steps per round (default 10, 2 with --quick)."),
+                       ("--threads", "torch threads in every process, workers and executors (default 1).")):
+        parser._option_string_actions[flag].help = text  # this script's defaults differ from the common ones
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="Systems to time (monolithic always runs; default: all).")
+    parser.add_argument("--policy", default="opportunistic", choices=("immediate", "lockstep", "opportunistic"), help="Executor batching policy (default: %(default)s).")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16], help="Sequences per decode step, one step kind each (default: %(default)s).")
+    parser.add_argument("--train-batch", type=int, default=None, help="Sequences per training step (default 8; 2 with --quick).")
+    parser.add_argument("--seq-len", type=int, default=None, help="Tokens per training sequence (default 128; 32 with --quick).")
+    parser.add_argument("--prompt-len", type=int, default=None, help="Prefill length before decoding (default 16; 8 with --quick).")
+    parser.add_argument("--decode-steps", type=int, default=None, help="Timed decode steps per batch size, system and round (default 8; 2 with --quick).")
+    parser.add_argument("--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s).")
+    parser.add_argument("--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint).")
+    args = parser.parse_args(argv)
+    args.threads = 1 if args.threads is None else args.threads
+    if args.preset is None and not args.quick:
+        args.preset = "base"
+    args = common.resolve_common(args)
+    args.train_batch = args.train_batch or (2 if args.quick else 8)
+    args.seq_len = args.seq_len or (32 if args.quick else 128)
+    args.prompt_len = args.prompt_len or (8 if args.quick else 16)
+    args.decode_steps = args.decode_steps or (2 if args.quick else 8)
+    return args
+
+
+def checkpoints(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The models of this run: key -> ``{"path", "describe", ...}``."""
+    models: dict[str, dict[str, Any]] = {}
+    if not args.no_custom:
+        shape = QUICK_CUSTOM_LLAMA if args.quick else CUSTOM_LLAMA
+        key = "llama-h{hidden}-l{layers}-v{vocab}".format(**shape)
+        models[key] = {"path": make_llama(Path(args.cache) / f"{key}-seed0", **shape), **shape}
+    key = Path(args.model).name if args.model else f"{args.arch}-{args.preset}"
+    models[key] = {"path": common.checkpoint_path(args), "preset": None if args.model else args.preset}
+    for entry in models.values():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(entry["path"])
+        with torch.device("meta"):
+            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        entry["params"] = params
+        entry["describe"] = f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}, {params / 1e6:.1f}M params"
+    return models
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        worker_main(json.loads(argv[1]))
+        return {}
     started = time.perf_counter()
     args = parse_args(argv)
-    path = common.checkpoint_path(args)
-    max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 1024)
-    warmup = 1 if args.quick else 3
-    # Every decode sample extends the same KV cache: keep the total within the position table.
-    decode_repeats = max(1, min(4 * args.repeats, max_positions - args.prompt_len - warmup - 2))
+    models = checkpoints(args)
+    steps = {f"decode_b{b}": {"kind": "decode", "batch": b, "tokens_per_sequence": 1, "prompt_len": args.prompt_len} for b in args.decode_batches}
+    steps["train"] = {"kind": "train", "batch": args.train_batch, "seq_len": args.seq_len}
+    print(f"{NAME}: {', '.join(models)}; systems {', '.join(args.systems)}; {args.threads} torch thread(s) per process", flush=True)
 
-    executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32, policy=args.policy)
-    try:
-        monolithic, split = build_models(path, executor)
-        generator = torch.Generator().manual_seed(1)
-        vocab = monolithic.config.vocab_size
-        train_batch = torch.randint(0, vocab, (args.train_batch, args.seq_len), generator=generator)
-        prompt = torch.randint(0, vocab, (args.decode_batch, args.prompt_len), generator=generator)
-
-        for model in (monolithic, split):
-            model.train()
-        with torch.no_grad():
-            losses = [float(m(input_ids=train_batch, labels=train_batch).loss) for m in (monolithic, split)]
-        check = {"loss_monolithic": losses[0], "loss_split": losses[1], "loss_abs_diff": abs(losses[0] - losses[1])}
-
-        train = compare(
-            train_step_fn(monolithic, train_batch), train_step_fn(split, train_batch), executor, warmup=warmup, repeats=args.repeats
-        )
-
-        for model in (monolithic, split):
-            model.eval()
-        decoders = Decoder(monolithic, prompt), Decoder(split, prompt)
-        decode = compare(decoders[0].step, decoders[1].step, executor, warmup=warmup, repeats=decode_repeats)
-
-        stats = executor.stats()
-        split.base_model.model.symbiosis_transport.close()
-    finally:
-        executor.close()
-
+    measured = measure(
+        {key: entry["path"] for key, entry in models.items()}, systems=args.systems, decode_batches=args.decode_batches,
+        train_batch=args.train_batch, seq_len=args.seq_len, prompt_len=args.prompt_len, rounds=args.repeats,
+        decode_steps=args.decode_steps, train_steps=args.train_steps, threads=args.threads, policy=args.policy,
+        while_loading=lambda: arch_calls_per_token(args.cache),  # untimed, while the children load
+    )
+    summary = summarize(measured, args.decode_batches)
+    results = summary["results"]
+    calls = {"archs": measured["while_loading"], "models": summary["model_calls"]}
     result = {
         "benchmark": NAME,
-        "command": common.command_line(argv, f"benchmarks.{NAME}"),
+        "command": common.command_line(argv, MODULE),
         "machine": common.machine_info(),
         "config": {
-            "model": str(path),
-            "arch": args.arch,
-            "preset": args.preset,
-            "quick": args.quick,
-            "policy": args.policy,
-            "adapter": f"LoRA r=8 alpha=16 on {LORA_TARGETS}",
-            "train_batch": args.train_batch,
-            "seq_len": args.seq_len,
-            "decode_batch": args.decode_batch,
+            "models": {key: {k: v for k, v in entry.items() if k != "describe"} for key, entry in models.items()},
+            "systems": list(measured["samples"]),
+            "steps": steps,
+            "rounds": args.repeats,
+            "decode_steps": args.decode_steps,
+            "train_steps": args.train_steps,
             "prompt_len": args.prompt_len,
-            "warmup": warmup,
-            "train_repeats": args.repeats,
-            "decode_repeats": decode_repeats,
-            "baseline": "monolithic transformers+peft, same checkpoint and adapter weights, same process",
+            "threads_per_process": args.threads,
+            "policy": args.policy,
+            "quick": args.quick,
+            "preset": args.preset,
+            "adapter": f"LoRA r=8 alpha=16 on {LORA_TARGETS}, same weights in every system",
+            "baseline": "monolithic transformers+peft in its own process, same checkpoint, adapter weights and inputs",
+            "scheduling": "one long-lived process per system (each holding every model); rounds rotate the order; one system computes at a time",
         },
-        "train_step": train,
-        "decode_step": decode,
-        "check": check,
-        "matmul_ceiling_gflops": max(train["matmul_ceiling_gflops"], decode["matmul_ceiling_gflops"]),
-        "executor": {
-            "mean_rows_per_batch": stats["scheduler"]["mean_batch_rows"],
-            "batches": stats["scheduler"]["batches"],
-            "weights_bytes": stats["weights_bytes"],
-        },
+        "targets": {s: TARGETS[s] for s in measured["samples"] if s in TARGETS},
+        "results": results,
+        "verdicts": summary["verdicts"],
+        "check": summary["check"],
+        "calls_per_token": calls,
+        "processes": measured["processes"],
+        "unavailable": measured["unavailable"],
+        "dist": measured["dist"],
         "wall_s": time.perf_counter() - started,
     }
     output = Path(args.output)
     common.write_json(output / f"{NAME}.json", result)
-    labels = ["monolithic", "split", "gemm_floor"]
-    common.plot_panels(
-        output / f"{NAME}.png",
-        f"Split in-process vs monolithic ({args.arch} {args.preset}, medians)",
-        [
-            common.Panel(
-                f"training step (B={args.train_batch}, T={args.seq_len}); split/mono = {train['split_over_monolithic']:.2f}",
-                "ms",
-                labels,
-                {"median": [train[k]["median_ms"] for k in labels], "p95": [train[k]["p95_ms"] for k in labels]},
-            ),
-            common.Panel(
-                f"decode step (B={args.decode_batch}); split/mono = {decode['split_over_monolithic']:.2f}",
-                "ms",
-                labels,
-                {"median": [decode[k]["median_ms"] for k in labels], "p95": [decode[k]["p95_ms"] for k in labels]},
-            ),
-        ],
-    )
-    common.print_summary(
-        {
-            "benchmark": NAME,
-            "preset": args.preset,
-            "train_step_ms": {k: train[k]["median_ms"] for k in labels},
-            "train_split_over_monolithic": train["split_over_monolithic"],
-            "train_gemm_share_of_split": train["gemm_share_of_split"],
-            "decode_step_ms": {k: decode[k]["median_ms"] for k in labels},
-            "decode_split_over_monolithic": decode["split_over_monolithic"],
-            "decode_gemm_share_of_split": decode["gemm_share_of_split"],
-            "gemm_floor_gflops": {"train": train["gemm_floor_gflops"], "decode": decode["gemm_floor_gflops"]},
-            "matmul_ceiling_gflops": result["matmul_ceiling_gflops"],
-            "loss_abs_diff": check["loss_abs_diff"],
-            "torch_threads": result["machine"]["torch_threads"],
-            "wall_s": result["wall_s"],
-            "output": str(output / f"{NAME}.json"),
-        }
-    )
+    plot(output / f"{NAME}.png", results, f"Split vs monolithic, one process per system ({args.threads} thread(s) each, medians of {args.repeats} rounds)")
+
+    print(tables(results, models), flush=True)
+    print("\ncalls per decoded token (one sequence, in-process executor's requests):")
+    for name, breakdown in {**calls["models"], **calls["archs"]}.items():
+        print("  " + calls_line(name, breakdown))
+    for system, reason in measured["unavailable"].items():
+        print(f"\nnot measured: {system}: {reason}")
+    missed = [f"{v['model']} {v['step']} {v['system']} x{v['ratio']:.2f} > {v['target']:g}" for v in summary["verdicts"] if v["verdict"] == "MISS"]
+    common.print_summary({
+        "benchmark": NAME,
+        "pass": sum(v["verdict"] == "PASS" for v in summary["verdicts"]),
+        "miss": missed,
+        "loss_max_abs_diff": max(c["max_abs_diff_vs_monolithic"] for c in summary["check"].values()),
+        "wall_s": result["wall_s"],
+        "output": str(output / f"{NAME}.json"),
+    })
     return result
 
 

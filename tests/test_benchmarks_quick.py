@@ -10,7 +10,6 @@ import json
 
 from benchmarks import batching, split_overhead
 
-STEP_KEYS = {"monolithic", "split", "gemm_floor", "split_over_monolithic", "gemm_share_of_split", "executor_calls", "gemm_gflop", "gemm_floor_gflops"}
 TIMING_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "n"}
 MACHINE_KEYS = {"cpu_count", "torch", "torch_threads"}
 INFERENCE_KEYS = {"tokens_per_s", "latency_ms_mean", "latency_ms_median", "latency_ms_p95", "mean_rows_per_batch", "batches", "per_client", "runs"}
@@ -24,21 +23,46 @@ MIXED_KEYS = {
 }
 
 
+SPLIT_KEYS = {"benchmark", "command", "machine", "config", "targets", "results", "verdicts", "check", "calls_per_token", "processes", "unavailable", "dist", "wall_s"}
+SPLIT_TIMING_KEYS = TIMING_KEYS | {"ratio_over_monolithic", "target", "verdict"}
+
+
 def test_split_overhead_quick_writes_documented_json(tmp_path):
+    from symbiosis.modelzoo import ARCHS
+
     returned = split_overhead.main(["--quick", "--output", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--repeats", "2"])
 
     written = json.loads((tmp_path / "out" / "split_overhead.json").read_text())
     assert (tmp_path / "out" / "split_overhead.png").stat().st_size > 0
-    assert {"benchmark", "command", "machine", "config", "train_step", "decode_step", "check", "matmul_ceiling_gflops", "executor", "wall_s"} <= written.keys()
+    assert SPLIT_KEYS <= written.keys()
     assert written["benchmark"] == "split_overhead" == returned["benchmark"]
     assert MACHINE_KEYS <= written["machine"].keys()
     assert written["config"]["preset"] == "tiny"
-    for step in ("train_step", "decode_step"):
-        assert STEP_KEYS <= written[step].keys()
-        for candidate in ("monolithic", "split", "gemm_floor"):
-            assert TIMING_KEYS <= written[step][candidate].keys()
-            assert written[step][candidate]["n"] >= 2
-        assert written[step]["executor_calls"] > 0  # the split step really went through the executor
+    measured = set(written["config"]["systems"])
+    assert {"monolithic", "inproc", "shm+ipc", "ipc", "tcp"} <= measured
+    assert measured | set(written["unavailable"]) == set(split_overhead.SYSTEMS)  # a system not measured says why
+    assert set(written["processes"]) == measured
+    assert len(written["results"]) == 2  # the custom LLaMA (at quick size) and the preset
+    for model, steps in written["results"].items():
+        assert set(steps) == set(written["config"]["steps"]) == {"decode_b1", "decode_b16", "train"}
+        for step, row in steps.items():
+            assert set(row) == measured
+            for system, timing in row.items():
+                assert SPLIT_TIMING_KEYS <= timing.keys(), (model, step, system)
+                assert timing["n"] >= 2
+                if system == "monolithic":
+                    assert timing["verdict"] is None
+                else:
+                    assert timing["target"] == split_overhead.TARGETS[system][split_overhead.step_kind(step)]
+                    assert timing["verdict"] in {"PASS", "MISS"}
+                    assert timing["calls_per_step"] > 0  # the split step really went through the executor
+        assert written["check"][model]["max_abs_diff_vs_monolithic"] < 1e-3  # same adapter weights everywhere
+    assert len(written["verdicts"]) == len(written["results"]) * 3 * (len(measured) - 1)
+    calls = written["calls_per_token"]
+    assert set(calls["archs"]) == set(ARCHS) and set(calls["models"]) == set(written["results"])
+    for breakdown in [*calls["archs"].values(), *calls["models"].values()]:
+        assert breakdown["layers"] == 2 and breakdown["outside_layers"] >= 1
+        assert abs(breakdown["calls_per_token"] - (breakdown["per_layer"] * breakdown["layers"] + breakdown["outside_layers"])) < 1e-9
 
 
 def test_batching_quick_writes_documented_json(tmp_path):

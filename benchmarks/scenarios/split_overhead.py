@@ -1,8 +1,11 @@
 """Scenario 4, ``split_overhead``: one client per transport (inproc, shm+ipc, ipc, tcp, dist+tcp
-when present) vs the monolithic model: training step and decode step, interleaved
-(``benchmarks.transport.step_ratios``).
+when it works) vs the monolithic model: training step and decode step (one sequence), each system
+in its own process, round-robin (``benchmarks.split_overhead.measure``), against the targets of
+``benchmarks.split_overhead.TARGETS``.
 
-``results``: ``train_step, decode_step, check, dist``.
+``results``: ``train_step, decode_step`` (each ``{system: timing}`` with ``ratio_over_monolithic,
+target, verdict`` per split system, plus ``ratio_over_monolithic: {system: ratio}``), ``check``,
+``dist``, ``unavailable`` and ``verdicts``.
 """
 
 from __future__ import annotations
@@ -12,22 +15,33 @@ from benchmarks.scenarios.context import Context, common_table, finish
 
 
 def run(ctx: Context) -> dict:
-    from benchmarks.transport import step_ratios
+    from benchmarks.split_overhead import measure, summarize
 
     path = ctx.checkpoint()
     quick = ctx.quick
-    steps = step_ratios(path, train_batch=1 if quick else 2, seq_len=32 if quick else 64, decode_batch=1, prompt_len=ctx.profile.prompt_len,
-                        warmup=1 if quick else 2, repeats=ctx.profile.step_repeats, threads=ctx.threads)
+    model = f"llama-{ctx.profile.preset}"
+    sizes = {"train_batch": 1 if quick else 2, "seq_len": 32 if quick else 64, "prompt_len": ctx.profile.prompt_len, "rounds": ctx.profile.step_repeats,
+             "decode_steps": 2 if quick else 4, "train_steps": 1}
+    measured = measure({model: path}, decode_batches=(1,), threads=ctx.threads, log=ctx.log, **sizes)
+    summary = summarize(measured, (1,))
+    steps = {"train_step": summary["results"][model]["train"], "decode_step": summary["results"][model]["decode_b1"]}
+    for step in steps.values():
+        step["ratio_over_monolithic"] = {n: t["ratio_over_monolithic"] for n, t in list(step.items()) if n != "monolithic"}
     train, decode = steps["train_step"]["ratio_over_monolithic"], steps["decode_step"]["ratio_over_monolithic"]
-    headline = ["Split / monolithic, training step: " + ", ".join(f"{t} x{r:.2f}" for t, r in train.items()) + "; decode step: " + ", ".join(f"{t} x{r:.2f}" for t, r in decode.items()) + "."]
-    losses = [f"a {kind} step costs " + ", ".join(f"x{r:.2f} over {t}" for t, r in ratios.items() if r > 1.05) + " the monolithic time."
-              for kind, ratios in (("training", train), ("decode", decode)) if any(r > 1.05 for r in ratios.values())]
-    if not steps["dist"]["available"]:
-        losses.append(f"dist+tcp not measured: {steps['dist']['reason']}")
+    verdicts = summary["verdicts"]
+    headline = ["Split / monolithic, one process per system, training step: " + ", ".join(f"{t} x{r:.2f}" for t, r in train.items())
+                + "; decode step: " + ", ".join(f"{t} x{r:.2f}" for t, r in decode.items())
+                + f"; {sum(v['verdict'] == 'PASS' for v in verdicts)} of {len(verdicts)} within target."]
+    losses = [f"{'training' if v['step'] == 'train' else 'decode'} step over {v['system']}: x{v['ratio']:.2f}, target x{v['target']:g}."
+              for v in verdicts if v["verdict"] == "MISS"]
+    losses += [f"{system} not measured: {reason}" for system, reason in measured["unavailable"].items()]
     names = list(train)
-    table = common_table(["candidate", "train median ms", "train ratio", "decode median ms", "decode ratio"],
-                         [["monolithic", steps["train_step"]["monolithic"]["median_ms"], 1.0, steps["decode_step"]["monolithic"]["median_ms"], 1.0]]
-                         + [[n, steps["train_step"][n]["median_ms"], train[n], steps["decode_step"][n]["median_ms"], decode[n]] for n in names])
+    rows = [["monolithic", steps["train_step"]["monolithic"]["median_ms"], 1.0, "–", steps["decode_step"]["monolithic"]["median_ms"], 1.0, "–"]]
+    for n in names:
+        t, d = steps["train_step"][n], steps["decode_step"][n]
+        rows.append([n, t["median_ms"], train[n], f"{t['target']:g} {t['verdict']}", d["median_ms"], decode[n], f"{d['target']:g} {d['verdict']}"])
+    table = common_table(["candidate", "train median ms", "train ratio", "train target", "decode median ms", "decode ratio", "decode target"], rows)
     panels = [common.Panel("split / monolithic (medians, 1.0 = free)", "ratio", names, {"training step": [train[n] for n in names], "decode step": [decode[n] for n in names]})]
-    results = {k: steps[k] for k in ("train_step", "decode_step", "check", "dist")}
-    return finish(ctx, "split_overhead", results, headline, losses, table, panels, f"One client per transport vs monolithic ({ctx.profile.preset})", steps["config"])
+    results = {**steps, "check": summary["check"][model], "dist": measured["dist"], "unavailable": measured["unavailable"], "verdicts": verdicts}
+    config = {"model": str(path), "decode_batch": 1, **sizes, "scheduling": "one process per system, rounds rotate the order, one system computes at a time"}
+    return finish(ctx, "split_overhead", results, headline, losses, table, panels, f"One client per transport vs monolithic ({ctx.profile.preset})", config)
