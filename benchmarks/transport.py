@@ -7,10 +7,14 @@ Two measurements, each side by side in one run:
   output buffer, like a real result), so the time is the transport's, not a GEMM's. For each row
   count (1, 16, 512, 4096 rows of 4096 float32 = 16 KiB ... 64 MiB) every transport
   (``inproc``: ``InProcTransport`` on an ``EchoService`` in this process; ``tcp``, ``ipc``,
-  ``shm+ipc`` to the child; ``dist+tcp`` when ``symbiosis.transport.dist`` exists) is timed
+  ``shm+ipc`` to the child; ``dist+tcp`` when ``symbiosis.transport.dist_client`` exists) is timed
   interleaved with the ceiling ``memcpy``: two ``torch`` copies of the same bytes (request there,
-  result back). Reported per transport: median / p95 round trip, throughput ``2 x bytes / median``
-  (GB/s), ``over_memcpy`` (median / memcpy median). ``gemm_ms`` is, for context, what the real
+  result back). ``shm+ipc`` hands a large result out as the region of its segment and reuses the
+  segment once the caller drops the result, which this loop does at once; ``shm+ipc kept`` is a
+  second shared-memory client whose results are kept alive for the next ``KEPT_RESULTS`` calls
+  (like activations saved for backward), so its segments come back late. Reported per
+  transport: median / p95 round trip, throughput ``2 x bytes / median`` (GB/s), ``over_memcpy``
+  (median / memcpy median). ``gemm_ms`` is, for context, what the real
   layer's product ``x Wᵀ`` costs for those rows on this machine (fewer samples).
 * **Steps** (what a client feels). A real ``symbiosis serve`` child on a random-weight checkpoint
   (``--preset``, default ``small``) serves tcp and ipc; one client per transport, plus an
@@ -36,6 +40,7 @@ Run: ``python -m benchmarks.transport [--quick] [--preset base] --output DIR``.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import sys
 import tempfile
@@ -59,6 +64,7 @@ HIDDEN = 4096
 ROW_COUNTS = (1, 16, 512, 4096)
 ECHO_LAYER = "echo"
 REMOTE_TRANSPORTS = ("shm+ipc", "ipc", "tcp")
+KEPT_RESULTS = 8  # ``shm+ipc kept``: results alive at once (more than shm_client.MAX_HANDED_OUT)
 # Samples per row count: small payloads are cheap and noisy, large ones slow and steady.
 FULL_REPEATS = {1: 300, 16: 300, 512: 60, 4096: 10}
 QUICK_REPEATS = {1: 30, 16: 30, 512: 8, 4096: 3}
@@ -111,9 +117,9 @@ def serve_echo(binds: Sequence[str], width: int) -> None:
 
 def dist_status() -> dict[str, Any]:
     """Whether the ``dist+`` (torch.distributed) transport exists in this checkout."""
-    if importlib.util.find_spec("symbiosis.transport.dist") is None:
-        return {"available": False, "reason": "symbiosis.transport.dist is not in this checkout yet (open_transport() names dist+ but the module is missing)"}
-    return {"available": True, "reason": "symbiosis.transport.dist found"}
+    if importlib.util.find_spec("symbiosis.transport.dist_client") is None:
+        return {"available": False, "reason": "symbiosis.transport.dist_client is not in this checkout yet (open_transport() names dist+ but the module is missing)"}
+    return {"available": True, "reason": "symbiosis.transport.dist_client found"}
 
 
 def open_transports(addresses: Mapping[str, str], include_dist: bool, **kwargs: Any) -> tuple[dict[str, str], dict[str, Any]]:
@@ -144,9 +150,12 @@ def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[
     from symbiosis.transport.schemes import open_transport
 
     transports: dict[str, Any] = {"inproc": InProcTransport(EchoService(width))}
+    kept: collections.deque[torch.Tensor] = collections.deque(maxlen=KEPT_RESULTS)
     try:
         for name, address in targets.items():
             transports[name] = open_transport(address)
+        if "shm+ipc" in targets:
+            transports["shm+ipc kept"] = open_transport(targets["shm+ipc"])
         weight = torch.randn(width, width)
         results: dict[str, Any] = {}
         for rows in row_counts:
@@ -157,6 +166,10 @@ def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[
             candidates: dict[str, Callable[[], Any]] = {
                 name: (lambda t=transport: t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL)) for name, transport in transports.items()
             }
+            if "shm+ipc kept" in transports:
+                kept.clear()
+                keeper = transports["shm+ipc kept"]
+                candidates["shm+ipc kept"] = lambda t=keeper, x=x: kept.append(t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL))
             candidates["memcpy"] = lambda: back.copy_(there.copy_(x))
             samples = common.time_interleaved(candidates, warmup=warmup, repeats=repeats[rows])
             nbytes = x.numel() * x.element_size()
@@ -171,6 +184,7 @@ def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[
             gemm = common.time_interleaved({"gemm": lambda: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4)))["gemm"]
             entry["gemm_ms"] = common.summarize(gemm)["median_ms"]
             results[str(rows)] = entry
+            kept.clear()
             print(f"  round trip {rows:>5} rows: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in samples), flush=True)
         return results
     finally:

@@ -92,7 +92,7 @@ class Request(msgspec.Struct, tag="request", frozen=True):
     """One layer call. Inline payload: one frame follows. Shared memory: ``shm_name`` is set, no
     frame follows, rows lie at ``shm_offset`` of that segment and the result is written back there.
     torch.distributed: ``dist_tag`` is set, no frame follows, ``dist_nbytes`` bytes travel on the
-    session's pair group with that tag, and so does the result (see ``transport/dist.py``).
+    session's pair group with that tag, and so does the result (see ``transport/dist_channel.py``).
     """
 
     version: int

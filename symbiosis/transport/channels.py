@@ -4,8 +4,8 @@ A ``ZmqServer`` reads every control message (Hello, request headers, replies, er
 ZeroMQ socket; the *payload* of a request can travel three ways, chosen by its header:
 
 - inline (``InlineChannel``, here): one raw frame after the header, the result likewise;
-- shared memory (``shm.ShmChannel``): the header names a segment of the client's;
-- torch.distributed (``dist.DistChannel``): the header names a tag on a per-session pair group.
+- shared memory (``shm_channel.ShmChannel``): the header names a segment of the client's;
+- torch.distributed (``dist_channel.DistChannel``): the header names a tag on a per-session pair group.
 
 Every channel validates the header (``protocol.validate_request``) *before* touching a payload
 byte, and runs on the server's socket thread unless it says otherwise.

@@ -13,10 +13,10 @@ from symbiosis.transport.security import CurveClientKeys
 
 #: address prefix -> "module:Class" of the client transport. Longest prefixes first.
 TRANSPORTS: dict[str, str] = {
-    "shm+ipc://": "symbiosis.transport.shm:ShmTransport",
-    "shm+tcp://": "symbiosis.transport.shm:ShmTransport",
-    "dist+ipc://": "symbiosis.transport.dist:DistTransport",
-    "dist+tcp://": "symbiosis.transport.dist:DistTransport",
+    "shm+ipc://": "symbiosis.transport.shm_client:ShmTransport",
+    "shm+tcp://": "symbiosis.transport.shm_client:ShmTransport",
+    "dist+ipc://": "symbiosis.transport.dist_client:DistTransport",
+    "dist+tcp://": "symbiosis.transport.dist_client:DistTransport",
     "ipc://": "symbiosis.transport.zmq_client:ZmqTransport",
     "tcp://": "symbiosis.transport.zmq_client:ZmqTransport",
 }

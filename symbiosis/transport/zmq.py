@@ -4,7 +4,7 @@ opens the right client transport for any address.
 
 Addresses: ``tcp://127.0.0.1:7000`` (port 0 picks a free one, see ``ZmqServer.address``) and
 ``ipc:///path/executor.sock``; ``open_transport()`` also takes ``shm+…`` (shared-memory payloads,
-``shm.py``) and ``dist+…`` (torch.distributed payloads, ``dist.py``). The wire protocol is in
+``shm_client.py``) and ``dist+…`` (torch.distributed payloads, ``dist_client.py``). The wire protocol is in
 ``symbiosis/protocol.py``; how payloads travel is in ``channels.py``.
 """
 

@@ -1,8 +1,8 @@
 """ZeroMQ client: ``ZmqTransport`` (implements ``Transport``).
 
 Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``schemes.open_transport()`` also accepts
-``shm+ipc://…`` / ``shm+tcp://…`` (same host: payloads in shared memory, see ``shm.py``) and
-``dist+ipc://…`` / ``dist+tcp://…`` (payloads over torch.distributed, see ``dist.py``); one
+``shm+ipc://…`` / ``shm+tcp://…`` (same host: payloads in shared memory, see ``shm_client.py``) and
+``dist+ipc://…`` / ``dist+tcp://…`` (payloads over torch.distributed, see ``dist_client.py``); one
 ``ZmqServer`` serves all of them. Those transports subclass ``ZmqTransport`` through its hooks.
 
 Threading: a call sends and receives in the calling thread (no hand-off); a lock keeps the ZeroMQ

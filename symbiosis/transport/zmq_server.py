@@ -2,7 +2,7 @@
 
 One ROUTER socket carries every control message of every client; request payloads travel over a
 *payload channel* chosen by the request header (``channels.py``): inline frames, shared memory
-(``shm.py``) or a torch.distributed pair group (``dist.py``). One server serves all of them.
+(``shm_channel.py``) or a torch.distributed pair group (``dist_channel.py``). One server serves all of them.
 
 Threading: one thread owns the socket. With an executor that can be driven (``BaseExecutor``:
 ``attach_driver``/``run_ready``), that thread also runs the products: it reads a burst of

@@ -78,6 +78,8 @@ def open_client(server: ZmqServer, kind: str) -> Iterator[Callable[..., ZmqTrans
     clients: list[ZmqTransport] = []
 
     def _open(**kwargs: object) -> ZmqTransport:
+        if kind == "dist":  # every payload over the pair group (small ones would ride inline)
+            kwargs.setdefault("inline_threshold", 0)
         transport = open_transport(client_address(kind, server.address), **kwargs)
         clients.append(transport)
         return transport
