@@ -1,0 +1,310 @@
+"""Same-host fast path, client side: ``ShmTransport``, a ``ZmqTransport`` whose payloads travel in
+shared memory (address ``shm+ipc://…``); control messages still go over ZeroMQ. The server side,
+layout and security checks are in ``shm_channel.py``.
+
+Copies per call: the rows are written straight into a segment (one copy, from any device or
+layout: nothing is staged first); the executor reads them in place and writes the result back
+over them; a large result is then *handed out*: the caller gets a tensor over the segment's
+region (zero copy). It is a tensor of its own (``protocol.owned_tensor``: not a view, safe to
+modify in place, it outlives the call), and the segment leaves the pool until that tensor's
+storage dies, then comes back to it (a ``weakref.finalize`` on the buffer object the storage
+holds). A caller that drops results before the next call thus reuses one warm segment. One that
+keeps them mostly gets copies (once, into fresh memory), as before: a region is handed out only
+when the next call is unlikely to need a fresh segment for it (see ``_hand_out``), and never more
+than ``MAX_HANDED_OUT`` at once. Small results (< ``HANDOUT_MIN_BYTES``) are always copied out: cheap,
+and they would pin a whole segment each.
+
+Pool: like the paper, a client keeps buffers sized ``rows × max(in, out) × itemsize`` that are
+reused across calls; when a call fits none, the largest idle one is replaced by a bigger one (at
+least twice the size) — so buffers are allocated O(log size) times. A client calling from
+several threads at once holds one buffer per concurrent call; buffers coming back from callers
+are kept only up to one more than that (see ``_drain_returned``).
+
+Lifecycle: this client creates each segment (``/dev/shm/symb_<session token>_<random>``, mode
+0600, registered with ``multiprocessing``'s resource tracker so a crashed client's names are
+unlinked) and unlinks it when it retires a buffer, reconnects or closes; the server unlinks a
+session's names when the session ends (whoever comes second gets ``FileNotFoundError``). A
+segment's mapping lives until nothing uses it: a handed-out result stays valid after its name is
+unlinked.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import mmap
+import os
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from typing import Any
+
+import torch
+
+from symbiosis import protocol as P
+from symbiosis.errors import ProtocolError
+from symbiosis.transport.shm_channel import ALIGNMENT, SHM_DIR, reply_nbytes
+from symbiosis.transport.zmq_client import ZmqTransport, _Connection
+
+MIN_BUFFER_BYTES = 1 << 20
+#: Results of at least this many bytes are handed out (the segment region), smaller ones copied.
+HANDOUT_MIN_BYTES = 1 << 20
+#: At most this many segments are in callers' hands at once; past it, results are copied out.
+MAX_HANDED_OUT = 4
+#: Below this many in callers' hands, a result is handed out even if the next call must make a
+#: segment for itself (see ``ShmTransport._hand_out``).
+FREELY_HANDED_OUT = 2
+
+assert MIN_BUFFER_BYTES % ALIGNMENT == 0
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """Client side: one segment, mapped once (``mapping``; ``data`` is a uint8 tensor over it)."""
+
+    name: str
+    mapping: mmap.mmap
+    data: torch.Tensor
+    handed_out: bool = False  # its region is a caller's result now
+    retired: bool = False  # unlinked: never reused
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _create_buffer(prefix: str, nbytes: int) -> _Buffer:
+    name = f"{prefix}{uuid.uuid4().hex[:16]}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        resource_tracker.register(f"/{name}", "shared_memory")  # unlinked if this process dies
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes)
+    except BaseException:
+        _unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    # Never ``mapping.close()``: tensors over it (``data``, handed-out results) hold references to
+    # it, and it is unmapped when the last of them dies.
+    return _Buffer(name, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass  # the server unlinked it first (session end)
+    resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
+def _give_back(returned: collections.deque[_Buffer], buffer: _Buffer) -> None:
+    """Finalizer of a handed-out region: its buffer may go back to the pool (not if retired
+    meanwhile, e.g. the transport closed: then the mapping goes when its last user does)."""
+    if not buffer.retired:
+        returned.append(buffer)
+
+
+class ShmTransport(ZmqTransport):
+    """``ZmqTransport`` whose payloads travel in shared memory (address ``shm+ipc://…``)."""
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        if not address.startswith("shm+"):
+            raise ValueError(f"shared-memory address must start with 'shm+', got {address!r}")
+        self._pool_lock = threading.Lock()
+        self._free: list[_Buffer] = []
+        self._leased: set[_Buffer] = set()
+        self._handed_out: set[_Buffer] = set()
+        # Buffers whose handed-out result died. Appended by finalizers, which run in whichever
+        # thread drops the last reference (maybe one holding _pool_lock): a deque needs no lock.
+        self._returned: collections.deque[_Buffer] = collections.deque()
+        self._peak_leased = 0  # most calls in flight at once
+        self._prefix = ""
+        self._session_conn: _Connection | None = None
+        super().__init__(address[len("shm+") :], **kwargs)
+        self.address = address
+
+    def buffer_bytes(self) -> int:
+        """Bytes of shared memory this client holds now (idle, in use and handed out)."""
+        with self._pool_lock:
+            surplus = self._drain_returned()
+            held = sum(b.nbytes for b in (*self._free, *self._leased, *self._handed_out))
+        self._retire(surplus)
+        return held
+
+    # ---- ZmqTransport hooks ------------------------------------------------------------------
+
+    def _stage(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.detach()  # no staging copy: ``_encode`` copies from any device or layout
+
+    def _encode(self, request: P.Request, rows: torch.Tensor) -> tuple[P.Request, list[Any], Any]:
+        in_nbytes = rows.numel() * rows.element_size()
+        spec = self._specs.get(request.layer_id)
+        out_nbytes = in_nbytes
+        if spec is not None and rows.dim() == 2:
+            out_nbytes = reply_nbytes(request.op, spec, rows.shape[0], rows.element_size())
+        buffer = self._lease(max(in_nbytes, out_nbytes, 1))
+        try:
+            if in_nbytes:  # the one copy of the rows: straight into the segment
+                buffer.data[:in_nbytes].view(rows.dtype).view(rows.shape).copy_(rows)
+        except BaseException:
+            self._release(buffer, reusable=True)
+            raise
+        request = P.Request(
+            request.version,
+            request.client_id,
+            request.request_id,
+            request.layer_id,
+            request.op,
+            request.dtype,
+            request.shape,
+            request.latency_class,
+            shm_name=buffer.name,
+            shm_offset=0,
+        )
+        return request, [P.encode(request)], buffer
+
+    def _decode(self, reply: P.Reply, frames: list[Any], lease: Any) -> torch.Tensor:
+        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or frames:
+            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(frames)} frames")
+        nbytes = P.declared_nbytes(reply.dtype, reply.shape)
+        if nbytes > lease.nbytes:
+            raise ProtocolError("reply does not fit the shared buffer")
+        dtype = P.WIRE_DTYPES[reply.dtype]
+        if nbytes == 0:
+            return torch.empty(reply.shape, dtype=dtype)
+        if nbytes >= HANDOUT_MIN_BYTES and self._hand_out(lease):
+            return self._region_result(lease, nbytes, dtype, reply.shape)
+        # Copy out: the buffer is reused by the next call, the result must outlive it. The result
+        # is a tensor of its own, never a view (autograd forbids in-place ops on those).
+        result = torch.empty(reply.shape, dtype=dtype)
+        result.view(-1).view(torch.uint8).copy_(lease.data[:nbytes])
+        return result
+
+    def _release(self, lease: Any, reusable: bool) -> None:
+        if lease is None:
+            return
+        with self._pool_lock:
+            self._leased.discard(lease)
+            if lease.handed_out:
+                return  # in the caller's hands; back through ``_returned`` when its result dies
+            if reusable and not lease.retired and lease.name.startswith(self._prefix):
+                self._free.append(lease)
+                return
+        # The server may still write into it (timeout, lost connection): never reuse it.
+        self._retire([lease])
+
+    def _on_session(self, welcome: P.Welcome, conn: _Connection) -> None:
+        if not welcome.shm_supported:
+            raise ProtocolError(f"executor at {self.address} does not accept shared-memory requests")
+        with self._pool_lock:  # the old session's segments are unlinked by the server: start over
+            stale = self._drain_returned() + self._free
+            self._free = []
+            self._prefix = P.shm_prefix(welcome.session_token)
+            self._session_conn = conn
+        self._retire(stale, notify=False)
+
+    def _on_close(self) -> None:
+        with self._pool_lock:
+            buffers = self._drain_returned() + self._free + list(self._leased) + list(self._handed_out)
+            self._free, self._leased, self._handed_out = [], set(), set()
+        self._retire(buffers, notify=False)  # handed-out results stay valid: only names go
+
+    # ---- the pool ----------------------------------------------------------------------------
+
+    def _lease(self, nbytes: int) -> _Buffer:
+        """A free buffer of at least ``nbytes``; grows (replaces) the largest one when none fits."""
+        with self._pool_lock:
+            stale = self._drain_returned()
+            fitting = [b for b in self._free if b.nbytes >= nbytes]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.nbytes)
+                self._free.remove(buffer)
+                self._leased.add(buffer)
+                self._peak_leased = max(self._peak_leased, len(self._leased))
+                return buffer
+            grown = max(self._free, key=lambda b: b.nbytes, default=None)
+            if grown is not None:
+                self._free.remove(grown)
+            prefix = self._prefix
+        self._retire(stale)
+        size = max(nbytes, MIN_BUFFER_BYTES, 2 * grown.nbytes if grown else 0)
+        size = math.ceil(size / mmap.PAGESIZE) * mmap.PAGESIZE
+        if grown is not None:
+            self._retire([grown])
+        buffer = _create_buffer(prefix, size)
+        with self._pool_lock:
+            self._leased.add(buffer)
+            self._peak_leased = max(self._peak_leased, len(self._leased))
+        return buffer
+
+    def _drain_returned(self) -> list[_Buffer]:
+        """(Under ``_pool_lock``.) Take back buffers whose handed-out results died; returns those
+        the pool does not keep, for the caller to retire outside the lock. The pool keeps one idle
+        buffer more than calls were ever in flight at once (one to hand out while the caller holds
+        the last result): no more memory than before handing out, and steady reuse for a caller
+        that keeps a few results."""
+        surplus: list[_Buffer] = []
+        while self._returned:
+            buffer = self._returned.popleft()
+            buffer.handed_out = False
+            self._handed_out.discard(buffer)
+            if buffer.retired:
+                continue
+            if buffer.name.startswith(self._prefix) and len(self._free) <= self._peak_leased:
+                self._free.append(buffer)
+            else:
+                surplus.append(buffer)
+        return surplus
+
+    def _hand_out(self, lease: _Buffer) -> bool:
+        """Whether ``lease``'s region may become the caller's result (then it leaves the pool).
+
+        Only when the next call is unlikely to need a fresh segment for it: while fewer than
+        ``FREELY_HANDED_OUT`` results are in the caller's hands (one that drops each result, or
+        keeps the previous one while making the next, cycles through two warm segments), or when
+        an idle buffer as large remains. A fresh segment costs more than copying out into fresh
+        memory (first-touch faults on ``/dev/shm`` cost ~1.5x those of anonymous memory here), so
+        a caller that keeps many results mostly gets copies, as it would without handing out."""
+        with self._pool_lock:
+            stale = self._drain_returned()
+            outstanding = len(self._handed_out)
+            spare = any(b.nbytes >= lease.nbytes for b in self._free)
+            ok = not lease.retired and outstanding < MAX_HANDED_OUT and (outstanding < FREELY_HANDED_OUT or spare)
+            if ok:
+                lease.handed_out = True
+                self._handed_out.add(lease)
+        self._retire(stale)
+        return ok
+
+    def _region_result(self, lease: _Buffer, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """The first ``nbytes`` of ``lease`` as the caller's result (zero copy, not a view).
+
+        The storage holds the only reference to a fresh memoryview of the mapping; when the
+        storage dies (the result and every view of it are gone) so does the memoryview, and its
+        finalizer returns the buffer to the pool."""
+        region = memoryview(lease.mapping)[:nbytes]
+        finalizer = weakref.finalize(region, _give_back, self._returned, lease)
+        finalizer.atexit = False
+        flat = torch.frombuffer(region, dtype=torch.uint8)
+        del region
+        return P.owned_tensor(flat, dtype, shape)
+
+    def _retire(self, buffers: list[_Buffer], notify: bool = True) -> None:
+        """Unlink ``buffers`` and (best effort) tell the server to drop its mappings of them."""
+        if not buffers:
+            return
+        with self._pool_lock:  # once each: a late ``_release`` may meet a buffer ``close`` retired
+            buffers = [b for b in buffers if not b.retired]
+            for buffer in buffers:
+                buffer.retired = True
+            prefix = self._prefix
+        conn = self._session_conn
+        if notify and conn is not None and conn.dead is None:
+            names = [b.name for b in buffers if b.name.startswith(prefix)]
+            if names:
+                conn.send([P.encode(P.ShmRelease(names))])
+        for buffer in buffers:
+            _unlink(buffer.name)
