@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import Future
 from typing import Any
 
 import tenacity
@@ -46,6 +45,33 @@ from symbiosis.transport.waker import Waker
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 log = logging.getLogger(__name__)
+
+
+_EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's IntFlag arithmetic costs microseconds per call
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class _Reply:
+    """Where one request's reply lands: set once, by whichever thread reads it (``_dispatch``) or
+    fails the connection (``fail``). Lighter than a ``concurrent.futures.Future``: waiting is done
+    by ``_Connection.wait``, not by the slot."""
+
+    __slots__ = ("message", "frames", "error")
+
+    def __init__(self) -> None:
+        self.message: P.Message | None = None
+        self.frames: list[zmq.Frame] = []
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self.message is not None or self.error is not None
+
+    def result(self) -> tuple[P.Message, list[zmq.Frame]]:
+        if self.error is not None:
+            raise self.error
+        assert self.message is not None
+        return self.message, self.frames
 
 
 class _Connection:
@@ -73,7 +99,7 @@ class _Connection:
         self._endpoint = endpoint
         self._curve_on = curve is not None
         self.dead: str | None = None
-        self._pending: dict[int, Future[tuple[P.Message, list[zmq.Frame]]]] = {}
+        self._pending: dict[int, _Reply] = {}
         self._lock = threading.Lock()  # guards _pending and dead
         self._sock_lock = threading.Lock()
         self._cv = threading.Condition()  # followers wait here; guards _leader
@@ -90,12 +116,16 @@ class _Connection:
             configure_client_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._fd = self._sock.getsockopt(zmq.FD)
+        self._leader_waker_fd = self._leader_waker.fileno()
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+        self._poll.register(self._leader_waker_fd, select.POLLIN)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         self._thread = threading.Thread(target=self._run, name=f"ZmqTransport({endpoint})", daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: int, frames: list[Any], copy: bool) -> Future[tuple[P.Message, list[zmq.Frame]]]:
-        future: Future[tuple[P.Message, list[zmq.Frame]]] = Future()
+    def submit(self, request_id: int, frames: list[Any], copy: bool) -> _Reply:
+        future = _Reply()
         with self._lock:
             if self.dead is not None:
                 raise ExecutorUnavailableError(self.dead)
@@ -110,7 +140,7 @@ class _Connection:
         if completed:
             self._wake_waiters()
 
-    def wait(self, future: Future, timeout_s: float) -> tuple[P.Message, list[zmq.Frame]]:
+    def wait(self, future: _Reply, timeout_s: float) -> tuple[P.Message, list[zmq.Frame]]:
         """The reply ``future`` resolves to, read in this thread (see class doc); ``TimeoutError``."""
         deadline = time.monotonic() + timeout_s
         me = threading.get_ident()
@@ -133,10 +163,8 @@ class _Connection:
                     self._cv.notify_all()  # a follower takes over
         return future.result()
 
-    def _lead(self, future: Future, deadline: float) -> None:
-        poll = select.poll()
-        poll.register(self._fd, select.POLLIN)
-        poll.register(self._leader_waker.fileno(), select.POLLIN)
+    def _lead(self, future: _Reply, deadline: float) -> None:
+        poll = self._poll  # one leader at a time uses it
         while True:
             with self._sock_lock:
                 completed = self._drain()
@@ -147,8 +175,9 @@ class _Connection:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            if poll.poll(min(remaining, self.heartbeat_s) * 1000):
-                self._leader_waker.drain()
+            for fd, _ in poll.poll(min(remaining, self.heartbeat_s) * 1000):
+                if fd == self._leader_waker_fd:
+                    self._leader_waker.drain()
 
     def forget(self, request_id: int) -> None:
         with self._lock:
@@ -161,7 +190,7 @@ class _Connection:
             pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(ExecutorUnavailableError(reason))
+                future.error = ExecutorUnavailableError(reason)
         self._wake_waiters()
 
     def close(self, goodbye: bytes | None) -> None:
@@ -186,7 +215,7 @@ class _Connection:
         # handshake failed on a protocol error (libzmq does not reconnect then). SNDHWM is 0,
         # so EAGAIN means exactly that.
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            self._sock.send_multipart(frames, _NOBLOCK, copy=copy)
         except zmq.Again:
             # The heartbeat thread alone reads the monitor; give it a moment to report the
             # handshake failure, if that is why, so the error names the cause.
@@ -204,9 +233,9 @@ class _Connection:
         completed = 0
         if self._sock.closed:
             return 0
-        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while self._sock.getsockopt(_EVENTS) & _POLLIN:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             self._last_heard = time.monotonic()
@@ -223,7 +252,8 @@ class _Connection:
             with self._lock:
                 future = self._pending.pop(msg.request_id, None)
             if future is not None and not future.done():
-                future.set_result((msg, frames[1:]))
+                future.frames = frames[1:]
+                future.message = msg  # last: a thread polling ``done()`` sees frames already set
                 return 1
         elif isinstance(msg, P.Goodbye):
             self.fail("the executor shut down")
