@@ -73,8 +73,11 @@ QUICK_REPEATS = {1: 30, 16: 30, 512: 8, 4096: 3}
 class EchoService:
     """``ExecutorService`` with one ``width x width`` layer whose every op returns a copy of the rows.
 
-    It isolates the transport: a real executor would add a GEMM (see ``gemm_ms``) and a thread
-    hand-off. The copy stands for the result buffer a real product allocates.
+    It isolates the transport: a real executor would add a GEMM (see ``gemm_ms``). The copy
+    stands for the result buffer a real product allocates — or, like ``BaseExecutor`` serving a
+    lone client, for the product written straight into the channel's reply region when the
+    server offers one (``try_alone`` with ``out``: shared memory). Without ``out`` it declines, and
+    the request goes through ``submit`` as before (inline and dist transports).
     """
 
     def __init__(self, width: int = HIDDEN) -> None:
@@ -93,10 +96,30 @@ class EchoService:
     def unregister_client(self, client_id: str) -> None:
         pass
 
-    def submit(self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> Future[torch.Tensor]:
+    def submit(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, *, wake: bool = True
+    ) -> Future[torch.Tensor]:
         future: Future[torch.Tensor] = Future()
         future.set_result(rows.clone())
         return future
+
+    # The driver hooks ``ZmqServer`` uses with a ``BaseExecutor`` (nothing is ever queued here).
+
+    def attach_driver(self, wake: Callable[[], None]) -> None:
+        pass
+
+    def detach_driver(self, wake: Callable[[], None]) -> None:
+        pass
+
+    def run_ready(self) -> float | None:
+        return None
+
+    def try_alone(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if out is None or out.shape != rows.shape or out.dtype != rows.dtype:
+            return None
+        return out.copy_(rows)
 
 
 def serve_echo(binds: Sequence[str], width: int) -> None:

@@ -20,9 +20,10 @@ import msgspec
 import torch
 
 from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
-from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LatencyClass, LayerSpec, Op
 
-PROTOCOL_VERSION = 1
+#: 2: a shared-memory result lies after the rows (``shm_channel.reply_offset``), not over them.
+PROTOCOL_VERSION = 2
 
 #: Tensor dtypes allowed on the wire, by wire name. bfloat16 has no numpy dtype, which is why
 #: payloads are always handled as raw bytes (``uint8`` views), never via numpy dtypes.
@@ -90,7 +91,8 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
 
 class Request(msgspec.Struct, tag="request", frozen=True):
     """One layer call. Inline payload: one frame follows. Shared memory: ``shm_name`` is set, no
-    frame follows, rows lie at ``shm_offset`` of that segment and the result is written back there.
+    frame follows, rows lie at ``shm_offset`` of that segment and the result right after them
+    (``transport/shm_channel.py``: ``reply_offset``).
     torch.distributed: ``dist_tag`` is set, no frame follows, ``dist_nbytes`` bytes travel on the
     session's pair group with that tag, and so does the result (see ``transport/dist_channel.py``).
     """
@@ -193,15 +195,12 @@ def validate_request(header: Request, payload_nbytes: int, specs: Mapping[str, L
     """
     if header.version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {header.version} not supported (server speaks {PROTOCOL_VERSION})")
-    try:
-        op = Op(header.op)
-    except ValueError:
-        raise ProtocolError(f"unknown op {header.op!r}; supported: {[o.value for o in Op]}") from None
-    try:
-        LatencyClass(header.latency_class)
-    except ValueError:
+    op = OPS_BY_VALUE.get(header.op)
+    if op is None:
+        raise ProtocolError(f"unknown op {header.op!r}; supported: {[o.value for o in Op]}")
+    if header.latency_class not in LATENCY_CLASSES_BY_VALUE:
         supported = [c.value for c in LatencyClass]
-        raise ProtocolError(f"unknown latency class {header.latency_class!r}; supported: {supported}") from None
+        raise ProtocolError(f"unknown latency class {header.latency_class!r}; supported: {supported}")
     spec = specs.get(header.layer_id)
     if spec is None:
         raise UnknownLayerError(f"unknown layer {header.layer_id!r} (the executor serves {len(specs)} layers)")

@@ -38,6 +38,11 @@ class LatencyClass(str, enum.Enum):
         return {"decode": 0, "prefill": 1, "finetune": 2}[self.value]
 
 
+#: Wire value -> enum, for hot paths: a dict lookup is ~20x cheaper than ``Op(value)``.
+OPS_BY_VALUE: dict[str, Op] = {op.value: op for op in Op}
+LATENCY_CLASSES_BY_VALUE: dict[str, LatencyClass] = {c.value: c for c in LatencyClass}
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """Shape facts about one base layer; the executor's registry maps ``layer_id`` to these."""

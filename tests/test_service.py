@@ -89,12 +89,26 @@ def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
         restarted.set()
 
     def on_step(step):
-        if step == 3:
-            threading.Timer(0.05, kill_and_restart).start()
+        if step == 3:  # five calls into the next step, whatever the speed: never after the last one
+            armed.append(5)
+
+    armed: list[int] = []
 
     try:
         _, remote = make_pair(path, address, "lora", "llama")
-        remote.get_base_model().symbiosis_transport.connect_timeout_s = 60.0
+        transport = remote.get_base_model().symbiosis_transport
+        transport.connect_timeout_s = 60.0
+        real_call = transport.call
+
+        def call(*args, **kwargs):
+            if armed:
+                armed[0] -= 1
+                if armed[0] == 0:
+                    armed.clear()
+                    threading.Thread(target=kill_and_restart).start()  # races this call: in flight or refused
+            return real_call(*args, **kwargs)
+
+        transport.call = call
         resumed = _train(remote, steps=6, on_step=on_step)
         finished_at = time.monotonic()
         close_client(remote)

@@ -227,23 +227,37 @@ class ExecutionEngine:
         return future.result()
 
     def try_alone(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """For a driver: the result of a valid, non-empty request computed at once in this thread
-        when ``client_id`` is alone (see ``Scheduler.alone``); None (nothing done) otherwise."""
+        when ``client_id`` is alone (see ``Scheduler.alone``); None (nothing done) otherwise.
+
+        ``out``: where the driver will send the result from (a shared-memory reply region); the
+        product is written straight into it when the rows are in the executor's dtype (and
+        ``out`` suits ``apply_op``), and the result is then ``out`` itself."""
         with self._cond:
             alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id)
             if not alone:
                 return None
             self._computing = True
-        return self._run_alone(client_id, layer_id, op, rows.to(device=self.device, dtype=self.dtype), rows, latency_class)
+        if rows.dtype != self.dtype:
+            out = None  # the product is cast back to the rows' dtype anyway
+        local = rows.to(device=self.device, dtype=self.dtype)
+        return self._run_alone(client_id, layer_id, op, local, rows, latency_class, out)
 
-    def _run_alone(self, client_id, layer_id, op, local, rows, latency_class) -> torch.Tensor:
+    def _run_alone(self, client_id, layer_id, op, local, rows, latency_class, out=None) -> torch.Tensor:
         """The lone-client fast path of ``call`` (``_computing`` already taken): no scheduler
-        round, no future — the product, the counters, and the result in the caller's dtype."""
+        round, no future — the product (into ``out`` when given and suitable, see ``apply_op``),
+        the counters, and the result in the caller's dtype."""
         started = self._clock()
         try:
-            out = apply_op(self.weights.layers[layer_id], op, local)
+            result = apply_op(self.weights.layers[layer_id], op, local, out)
         finally:
             with self._cond:
                 self._computing = False
@@ -259,7 +273,7 @@ class ExecutionEngine:
                     self._cond.notify_all()
                 elif self._inflight:
                     self._wake_others()
-        return out.to(device=rows.device, dtype=rows.dtype)
+        return result.to(device=rows.device, dtype=rows.dtype)
 
     def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:
         """Validate; a future already resolved for an empty request, else a pending one."""

@@ -97,10 +97,14 @@ class BaseExecutor:
         """Raise the typed error ``submit`` would raise for this request (unknown layer, bad shape or dtype)."""
         self._engine.validate(layer_id, op, rows)
 
-    def try_alone(self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass):
+    def try_alone(
+        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, out: torch.Tensor | None = None
+    ):
         """For a driver: the result now if ``client_id`` is the only client (nothing to batch
-        with), else None; the request must have been validated (``validate``) and be non-empty."""
-        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class)
+        with), else None; the request must have been validated (``validate``) and be non-empty.
+        ``out``: where the driver sends the result from (e.g. a shared-memory reply region); the
+        product is computed straight into it when it can be (see ``ExecutionEngine.try_alone``)."""
+        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out)
 
     def run_ready(self) -> float | None:
         """Run every batch ready now in the calling thread; the next wake-up time (monotonic) or None."""

@@ -15,21 +15,46 @@ from symbiosis.executor.weights import LayerWeights
 from symbiosis.vocabulary import Op
 
 
-def apply_op(layer: LayerWeights, op: Op, rows: torch.Tensor) -> torch.Tensor:
+def apply_op(layer: LayerWeights, op: Op, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows`` [n, width] in the weights' dtype/device -> result [n, out_width].
 
     forward ``x Wᵀ + b``; backward ``g W`` (∂(xWᵀ+b)/∂x = W, so no saved input is needed);
     noise ``n Wᵀ`` without bias, so a client can subtract the noise's effect exactly.
+
+    ``out``: where to write the result (e.g. a transport's reply region), used only when it is a
+    contiguous tensor of the result's shape in the weights' dtype and device that does not
+    overlap ``rows``; then the result *is* ``out``. The same kernel runs either way (``@`` on
+    matrices is ``mm``), so the numbers are the same bits.
     """
+    weight = layer.weight
+    if out is not None and not _fits(out, rows, weight, weight.shape[1] if op is Op.BACKWARD else weight.shape[0]):
+        out = None
     if op is Op.FORWARD:
         if layer.bias is None:
-            return rows @ layer.weight.t()
-        return torch.addmm(layer.bias, rows, layer.weight.t())
+            return rows @ weight.t() if out is None else torch.mm(rows, weight.t(), out=out)
+        return torch.addmm(layer.bias, rows, weight.t()) if out is None else torch.addmm(layer.bias, rows, weight.t(), out=out)
     if op is Op.BACKWARD:
-        return rows @ layer.weight
+        return rows @ weight if out is None else torch.mm(rows, weight, out=out)
     if op is Op.NOISE:
-        return rows @ layer.weight.t()
+        return rows @ weight.t() if out is None else torch.mm(rows, weight.t(), out=out)
     raise ValueError(f"unknown op {op!r}")
+
+
+def _fits(out: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, width: int) -> bool:
+    """Whether the product of ``rows`` may be written into ``out`` (see ``apply_op``)."""
+    if out.dtype != weight.dtype or out.device != weight.device or tuple(out.shape) != (rows.shape[0], width):
+        return False
+    if not out.is_contiguous() or rows.dim() != 2 or out.requires_grad or rows.requires_grad or weight.requires_grad:
+        return False
+    if out.numel() == 0 or rows.numel() == 0 or out.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
+        return True
+    # Same storage (a shared-memory segment holds both): only if the byte spans are disjoint.
+    return out.data_ptr() >= rows.data_ptr() + _span(rows) or rows.data_ptr() >= out.data_ptr() + _span(out)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (``t`` not empty)."""
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def run_batch(layer: LayerWeights, op: Op, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -45,11 +45,16 @@ class Accepted:
     ``rows`` is ``None`` when the payload arrives later: the channel then calls
     ``ChannelHost.rows_arrived(key, rows)`` (or ``transfer_failed``) once it has. ``ticket`` is
     what the channel needs to send the result back (a shared-memory region, a dist tag).
+
+    ``out`` (optional, ``[rows, out_width]`` in the wire dtype) is where the result will be sent
+    from: an executor may compute the product straight into it, and ``reply`` then copies
+    nothing (the shared-memory reply region). It never overlaps ``rows``.
     """
 
     spec: LayerSpec
     rows: torch.Tensor | None
     ticket: Any = None
+    out: torch.Tensor | None = None
 
 
 class ChannelHost(Protocol):

@@ -1,19 +1,23 @@
 """Same-host fast path, server side: ``ShmChannel`` reads rows from, and writes results into, the
 client's shared-memory segments. The client side is ``shm_client.ShmTransport``; this module
 never imports it (the server must not depend on the client), and the client takes the shared
-bits (``SHM_DIR``, ``segment_name_ok``, ``reply_nbytes``) from here.
+bits (``SHM_DIR``, ``segment_name_ok``, ``reply_nbytes``, ``reply_offset``) from here.
 
 Address form: ``shm+ipc:///path/executor.sock`` (or ``shm+tcp://127.0.0.1:PORT``): the part after
 ``shm+`` is the ``ZmqServer`` address; one server serves inline and shared-memory clients alike.
 
 Layout and copies (the paper, §3.5): a request names a segment of the client's and an offset; the
-rows lie there, and the result is written back at the same offset once the executor is done with
-the rows (so a segment is ``max(in, out)`` bytes). Per call:
+rows lie there, and the result region follows them, disjoint, at ``offset + reply_offset(rows
+bytes)`` (the rows' bytes rounded up to ``ALIGNMENT``; so a call needs ``reply_offset(in) + out``
+bytes). Disjoint, because then the executor can write its product straight into the result region
+while it still reads the rows. Per call:
 
 1. the client writes its rows straight into the segment (one copy, from any device or layout);
 2. the executor reads them through a zero-copy tensor over this server's mapping, valid until the
    reply (the client does not touch the segment before the reply comes);
-3. the result is copied into the segment once (none if it already lies there);
+3. the executor computes into the result region (``Accepted.out``: ``BaseExecutor`` does when the
+   client is alone and the rows are in its dtype and on its device); otherwise the result is
+   copied into the region once;
 4. the client hands that region out as its result (zero copy), see ``shm_client``.
 
 Segment lifecycle: the *client* creates each segment (``/dev/shm``, mode 0600, name ``symb_<session
@@ -56,8 +60,14 @@ def segment_name_ok(name: str, prefix: str) -> bool:
 
 
 def reply_nbytes(op: Op | str, spec: LayerSpec, rows: int, itemsize: int) -> int:
-    """Bytes of the result of ``op`` on ``rows`` rows of ``spec`` (written back over the rows)."""
+    """Bytes of the result of ``op`` on ``rows`` rows of ``spec``."""
     return rows * Op(op).output_width(spec) * itemsize
+
+
+def reply_offset(rows_nbytes: int) -> int:
+    """Where the result region starts, relative to the request's ``shm_offset``: right after the
+    rows, rounded up to ``ALIGNMENT`` (disjoint from them)."""
+    return -(-rows_nbytes // ALIGNMENT) * ALIGNMENT
 
 
 class SegmentMap:
@@ -107,8 +117,9 @@ class SegmentMap:
 class ShmChannel:
     """Server side (``channels.PayloadChannel``): rows are read from, and results written into,
     the segment a request names; the session's ``SegmentMap`` lives in its ``channel_state``.
-    The ticket of an accepted request is its reply region: ``[rows, out]`` in the wire dtype, over
-    the same bytes as the rows (written once the executor is done with them)."""
+    The ticket of an accepted request is its reply region: ``[rows, out]`` in the wire dtype,
+    right after the rows (see the module doc); it is also ``Accepted.out``, for the executor to
+    compute into."""
 
     def __init__(self, host: ChannelHost, specs: dict[str, LayerSpec], limits: P.Limits) -> None:
         self._host = host
@@ -128,9 +139,11 @@ class ShmChannel:
         if segments is None:
             segments = session.channel_state["shm"] = SegmentMap(P.shm_prefix(session.token))
         assert req.shm_name is not None
-        region = segments.region(req.shm_name, req.shm_offset, max(nbytes, out_nbytes))
+        result_at = reply_offset(nbytes)
+        region = segments.region(req.shm_name, req.shm_offset, result_at + out_nbytes)  # checks the size once
         rows = region[:nbytes].view(dtype).view(req.shape)  # zero-copy, valid until the reply
-        return Accepted(spec, rows, region[:out_nbytes].view(dtype).view(out_shape))
+        out = region[result_at:].view(dtype).view(out_shape)  # disjoint from the rows
+        return Accepted(spec, rows, out, out)
 
     def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
         if result.numel():
@@ -156,5 +169,18 @@ def _copy_into(region: torch.Tensor, result: torch.Tensor) -> None:
     if result.device == region.device and result.untyped_storage().data_ptr() == region.untyped_storage().data_ptr():
         if result.data_ptr() == region.data_ptr() and result.stride() == region.stride():
             return  # computed in place (``out=`` into the reply region): nothing to copy
-        result = result.clone()  # a view of the rows (same segment) that overlaps the region
+        if _overlaps(result, region):
+            result = result.clone()  # e.g. a strided view of the region itself
     region.copy_(result)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of ``a`` and ``b`` (same storage) intersect."""
+    return a.data_ptr() < b.data_ptr() + _span(b) and b.data_ptr() < a.data_ptr() + _span(a)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (non-negative strides)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()

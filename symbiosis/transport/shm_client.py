@@ -3,8 +3,9 @@ shared memory (address ``shm+ipc://…``); control messages still go over ZeroMQ
 layout and security checks are in ``shm_channel.py``.
 
 Copies per call: the rows are written straight into a segment (one copy, from any device or
-layout: nothing is staged first); the executor reads them in place and writes the result back
-over them; a large result is then *handed out*: the caller gets a tensor over the segment's
+layout: nothing is staged first); the executor reads them in place and writes the result into
+the region right after them (``shm_channel.reply_offset``; ``BaseExecutor`` computes its product
+there directly); a large result is then *handed out*: the caller gets a tensor over the segment's
 region (zero copy). It is a tensor of its own (``protocol.owned_tensor``: not a view, safe to
 modify in place, it outlives the call), and the segment leaves the pool until that tensor's
 storage dies, then comes back to it (a ``weakref.finalize`` on the buffer object the storage
@@ -14,11 +15,12 @@ when the next call is unlikely to need a fresh segment for it (see ``_hand_out``
 than ``MAX_HANDED_OUT`` at once. Small results (< ``HANDOUT_MIN_BYTES``) are always copied out: cheap,
 and they would pin a whole segment each.
 
-Pool: like the paper, a client keeps buffers sized ``rows × max(in, out) × itemsize`` that are
-reused across calls; when a call fits none, the largest idle one is replaced by a bigger one (at
-least twice the size) — so buffers are allocated O(log size) times. A client calling from
-several threads at once holds one buffer per concurrent call; buffers coming back from callers
-are kept only up to one more than that (see ``_drain_returned``).
+Pool: like the paper, a client keeps buffers sized ``rows × (in + out) × itemsize`` (rows and
+result side by side, 64-byte aligned) that are reused across calls; when a call fits none, the
+largest idle one is replaced by a bigger one (at least twice the size) — so buffers are allocated
+O(log size) times. A client calling from several threads at once holds one buffer per concurrent
+call; buffers coming back from callers are kept only up to one more than that (see
+``_drain_returned``).
 
 Lifecycle: this client creates each segment (``/dev/shm/symb_<session token>_<random>``, mode
 0600, registered with ``multiprocessing``'s resource tracker so a crashed client's names are
@@ -45,7 +47,7 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ProtocolError
-from symbiosis.transport.shm_channel import ALIGNMENT, SHM_DIR, reply_nbytes
+from symbiosis.transport.shm_channel import ALIGNMENT, SHM_DIR, reply_nbytes, reply_offset
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
 
 MIN_BUFFER_BYTES = 1 << 20
@@ -69,6 +71,7 @@ class _Buffer:
     data: torch.Tensor
     handed_out: bool = False  # its region is a caller's result now
     retired: bool = False  # unlinked: never reused
+    reply_at: int = 0  # while leased: where the call's result region starts (after its rows)
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +148,9 @@ class ShmTransport(ZmqTransport):
         out_nbytes = in_nbytes
         if spec is not None and rows.dim() == 2:
             out_nbytes = reply_nbytes(request.op, spec, rows.shape[0], rows.element_size())
-        buffer = self._lease(max(in_nbytes, out_nbytes, 1))
+        reply_at = reply_offset(in_nbytes)
+        buffer = self._lease(max(reply_at + out_nbytes, 1))
+        buffer.reply_at = reply_at
         try:
             if in_nbytes:  # the one copy of the rows: straight into the segment
                 buffer.data[:in_nbytes].view(rows.dtype).view(rows.shape).copy_(rows)
@@ -170,17 +175,18 @@ class ShmTransport(ZmqTransport):
         if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or frames:
             raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(frames)} frames")
         nbytes = P.declared_nbytes(reply.dtype, reply.shape)
-        if nbytes > lease.nbytes:
+        start = lease.reply_at
+        if start + nbytes > lease.nbytes:
             raise ProtocolError("reply does not fit the shared buffer")
         dtype = P.WIRE_DTYPES[reply.dtype]
         if nbytes == 0:
             return torch.empty(reply.shape, dtype=dtype)
         if nbytes >= HANDOUT_MIN_BYTES and self._hand_out(lease):
-            return self._region_result(lease, nbytes, dtype, reply.shape)
+            return self._region_result(lease, start, nbytes, dtype, reply.shape)
         # Copy out: the buffer is reused by the next call, the result must outlive it. The result
         # is a tensor of its own, never a view (autograd forbids in-place ops on those).
         result = torch.empty(reply.shape, dtype=dtype)
-        result.view(-1).view(torch.uint8).copy_(lease.data[:nbytes])
+        result.view(-1).view(torch.uint8).copy_(lease.data[start : start + nbytes])
         return result
 
     def _release(self, lease: Any, reusable: bool) -> None:
@@ -279,13 +285,13 @@ class ShmTransport(ZmqTransport):
         self._retire(stale)
         return ok
 
-    def _region_result(self, lease: _Buffer, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """The first ``nbytes`` of ``lease`` as the caller's result (zero copy, not a view).
+    def _region_result(self, lease: _Buffer, start: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """``nbytes`` of ``lease`` from ``start`` as the caller's result (zero copy, not a view).
 
         The storage holds the only reference to a fresh memoryview of the mapping; when the
         storage dies (the result and every view of it are gone) so does the memoryview, and its
         finalizer returns the buffer to the pool."""
-        region = memoryview(lease.mapping)[:nbytes]
+        region = memoryview(lease.mapping)[start : start + nbytes]
         finalizer = weakref.finalize(region, _give_back, self._returned, lease)
         finalizer.atexit = False
         flat = torch.frombuffer(region, dtype=torch.uint8)

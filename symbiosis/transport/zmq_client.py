@@ -220,7 +220,7 @@ class _Connection:
             # The heartbeat thread alone reads the monitor; give it a moment to report the
             # handshake failure, if that is why, so the error names the cause.
             if threading.current_thread() is self._thread:
-                self._read_monitor()
+                self._read_monitor(holding_sock_lock=True)
             else:
                 self._io_waker.wake()
                 deadline = time.monotonic() + 0.25
@@ -306,10 +306,19 @@ class _Connection:
             elif not waiting:
                 self._last_heard = max(self._last_heard, now - self.heartbeat_s)
 
-    def _read_monitor(self) -> None:
+    def _read_monitor(self, holding_sock_lock: bool = False) -> None:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                # Replies that arrived before the disconnect are already in the socket: hand them
+                # out first (a draining executor answers, says Goodbye, then closes).
+                if holding_sock_lock:
+                    completed = self._drain()
+                else:
+                    with self._sock_lock:
+                        completed = self._drain()
+                if completed:
+                    self._wake_waiters()
                 self.fail("connection to the executor was lost")
             elif event["event"] & HANDSHAKE_EVENTS:  # comes before its DISCONNECTED: the cause wins
                 self.fail(handshake_failure(self._endpoint, event["event"], event["value"], self._curve_on))
@@ -373,7 +382,8 @@ class ZmqTransport:
         started = time.monotonic()
         deadline = started + self.timeout_s
         staged = self._stage(rows)
-        op, latency_class = Op(op), LatencyClass(latency_class)
+        op = op if type(op) is Op else Op(op)  # the enum call costs more than the check
+        latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
         try:  # the first attempt without tenacity: building a Retrying costs ~30 µs per call
             result = self._call_once(layer_id, op, staged, latency_class, deadline)
         except ExecutorUnavailableError:

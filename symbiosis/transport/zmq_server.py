@@ -5,11 +5,13 @@ One ROUTER socket carries every control message of every client; request payload
 (``shm_channel.py``) or a torch.distributed pair group (``dist_channel.py``). One server serves all of them.
 
 Threading: one thread owns the socket. With an executor that can be driven (``BaseExecutor``:
-``attach_driver``/``run_ready``), that thread also runs the products: it reads a burst of
-requests, runs every batch that is ready, and answers, so a request meets no thread hand-off in
-the server. Other threads (in-process clients that ran a batch holding remote rows, the executor's
-compute thread, dist receiver threads) never touch the socket: they ``call_soon`` a task, which
-queues it and wakes the socket thread through a ``Waker``.
+``attach_driver``/``run_ready``/``try_alone``), that thread also runs the products: it reads a
+burst of requests, runs every batch that is ready, and answers, so a request meets no thread
+hand-off in the server; a lone client's request is computed at once (``try_alone``), into the
+channel's reply region when it has one (``Accepted.out``: shared memory). Other threads
+(in-process clients that ran a batch holding remote rows, the executor's compute thread, dist
+receiver threads) never touch the socket: they ``call_soon`` a task, which queues it and wakes
+the socket thread through a ``Waker``.
 
 Dead clients: the ROUTER is ``ROUTER_MANDATORY``, so sending to a peer whose connection is gone
 fails with ``EHOSTUNREACH``. A socket monitor reports every disconnect (a ``kill -9``ed process's
@@ -48,7 +50,7 @@ from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
-from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,7 @@ class ZmqServer:
         self._thread: threading.Thread | None = None
         self._socket_thread_id: int | None = None
         self._driving = False  # the socket thread runs the executor's ready batches (see module doc)
+        self._submitted = False  # requests went to the executor since the last _drive
         self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
 
@@ -247,8 +250,10 @@ class ZmqServer:
         if payload is not None:
             frames.append(payload)
         copy = payload is None or payload.nbytes < P.COPY_THRESHOLD
-        try:
-            self._router.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        try:  # frame by frame with int flags: send_multipart's IntFlag arithmetic costs more
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                self._router.send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 self._end_session(identity)  # the peer's connection is gone
@@ -307,15 +312,16 @@ class ZmqServer:
                 self._waker.drain()
             if self._monitor in events:
                 self._read_monitor(probes, now)
+            woken = self._waker.fileno() in events
             if self._router in events:
                 for _ in range(256):  # bounded, so completions and timers are not starved
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    if not self._router.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                         break
+                    frames = self._router.recv_multipart(_NOBLOCK, copy=False)
                     self._guarded(lambda: self._on_message(frames), frames)
             self._run_tasks()
-            if self._driving:
+            if self._driving and (self._submitted or woken or (wakeup is not None and now >= wakeup)):
+                self._submitted = False
                 wakeup = self._drive()
             if probes and probes[0] <= now:  # a peer disconnected: find which sessions are gone
                 probes[:] = [t for t in probes if t > now]
@@ -345,12 +351,8 @@ class ZmqServer:
         return wakeup
 
     def _run_tasks(self) -> None:
-        while True:
-            try:
-                task = self._tasks.get_nowait()
-            except queue.Empty:
-                return
-            self._guarded(task, [])
+        while not self._tasks.empty():  # only this thread takes tasks: empty() is exact here
+            self._guarded(self._tasks.get_nowait(), [])
 
     def _read_monitor(self, probes: list[float], now: float) -> None:
         while self._monitor.poll(0):
@@ -461,7 +463,7 @@ class ZmqServer:
                 raise ProtocolError(f"this executor does not accept {kind} requests")
             accepted = channel.accept(session, key, req, payload)
             entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket)
-            if accepted.rows is not None and self._try_alone(key, entry, accepted.rows, stats_key):
+            if accepted.rows is not None and self._try_alone(key, entry, accepted.rows, stats_key, accepted.out):
                 return
             if accepted.rows is not None:
                 self._submit(key, entry, accepted.rows)
@@ -473,15 +475,17 @@ class ZmqServer:
         self._count(stats_key, "requests")
         self._count(stats_key, "rows", req.shape[0])
 
-    def _try_alone(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str) -> bool:
+    def _try_alone(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str, out: torch.Tensor | None) -> bool:
         """Serve a request of the executor's only client at once, here (no queue, no future):
         True if done and answered. The channel validated the header against the same registry
-        (``protocol.validate_request``), so it is not validated twice."""
+        (``protocol.validate_request``), so it is not validated twice. ``out`` is the channel's
+        reply region (``Accepted.out``) when it has one: the executor may compute into it, and
+        then the reply copies nothing."""
         if not self._driving or rows.shape[0] == 0:
             return False
         req = entry.request
-        op, latency_class = Op(req.op), LatencyClass(req.latency_class)
-        result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class)  # type: ignore[attr-defined]
+        op, latency_class = OPS_BY_VALUE[req.op], LATENCY_CLASSES_BY_VALUE[req.latency_class]  # validated
+        result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class, out=out)  # type: ignore[attr-defined]
         if result is None:
             return False
         self._count(stats_key, "requests")
@@ -492,8 +496,9 @@ class ZmqServer:
     def _submit(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor) -> None:
         """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies)."""
         req = entry.request
-        client_id, op, latency_class = entry.session.client_id, Op(req.op), LatencyClass(req.latency_class)
+        client_id, op, latency_class = entry.session.client_id, OPS_BY_VALUE[req.op], LATENCY_CLASSES_BY_VALUE[req.latency_class]
         if self._driving:  # this thread runs it after the burst: wake no one
+            self._submitted = True
             entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class, wake=False)  # type: ignore[call-arg]
         else:
             entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
@@ -520,7 +525,7 @@ class ZmqServer:
         """Send a computed result (on the socket thread); a malformed one becomes an error reply."""
         req = entry.request
         try:
-            expected = [req.shape[0], Op(req.op).output_width(entry.spec)]
+            expected = [req.shape[0], OPS_BY_VALUE[req.op].output_width(entry.spec)]
             if not isinstance(result, torch.Tensor) or list(result.shape) != expected:
                 raise SymbiosisError(f"executor returned {getattr(result, 'shape', type(result))}, expected {expected}")
             result = result.detach().to(dtype=P.WIRE_DTYPES[req.dtype])
@@ -570,6 +575,12 @@ class ZmqServer:
         if counts is None:
             counts = self._stats[layer_id] = {"requests": 0, "rows": 0, "errors": 0}
         counts[field] += n
+
+
+_EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's IntFlag arithmetic costs microseconds per message
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def _is_loopback(host: str) -> bool:
