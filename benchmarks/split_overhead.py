@@ -92,6 +92,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -107,6 +108,7 @@ from transformers import AutoModelForCausalLM
 
 import symbiosis
 from benchmarks import common
+from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE
 from symbiosis.vocabulary import GROUP_SEPARATOR
 
 NAME = "split_overhead"
@@ -433,7 +435,10 @@ def measure(
                 servers[key] = common.executor_process(path, common.loopback_binds(Path(folder) / str(index)), threads=threads, extra=["--policy", policy], wait=False)
             for system in systems:  # all load at once; the remote ones wait for their addresses (below)
                 entries = [{"key": key, "path": str(path)} for key, path in models.items()]
-                workers[system] = common.Worker(MODULE, dict(spec, role=system, system=system, models=entries), threads=threads)
+                # Clients of an executor in another process run with the setting the project documents
+                # for them (symbiosis/threads.py); `symbiosis serve` applies it to the executor itself.
+                env = {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)} if system in remote else None
+                workers[system] = common.Worker(MODULE, dict(spec, role=system, system=system, models=entries), threads=threads, env=env)
             targets: dict[str, dict[str, str]] = {}
             for key, server in servers.items():
                 targets[key], dist = open_transports(split_addresses(server), include_dist="dist+tcp" in remote)
