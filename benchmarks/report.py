@@ -1,7 +1,8 @@
 """Render the README's benchmark section from result JSON files (never typed by hand).
 
 Reads ``<results>/<scenario>/result.json`` for every suite scenario (``benchmarks/suite.py``) and,
-when present, ``<results>/transport/transport.json`` (``benchmarks/transport.py``), and writes one
+when present, ``<results>/split_overhead_models/split_overhead.json`` (``benchmarks/split_overhead.py``)
+and ``<results>/transport/transport.json`` (``benchmarks/transport.py``), and writes one
 markdown file: per scenario the command that produced it, its headline ratios, an honest line for
 everything where the baseline wins, its table and its plot. Missing results are listed as not run.
 
@@ -26,6 +27,9 @@ TITLES = {
     "split_overhead": "Split overhead per transport (one client vs the monolithic model)",
     "executor_efficiency": "Executor efficiency: batched products vs plain torch.matmul",
 }
+
+
+SPLIT_MODELS = "split_overhead_models"  # benchmarks/split_overhead.py --output docs/benchmarks/split_overhead_models
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -98,6 +102,41 @@ def transport_section(result: dict[str, Any] | None, results_dir: Path, relative
     return lines + [""]
 
 
+def split_models_section(result: dict[str, Any] | None, results_dir: Path, relative_to: Path) -> list[str]:
+    """``benchmarks/split_overhead.py`` on its models: every step, system and target (issue 15)."""
+    lines = ["### Split overhead against the targets, per model, step and transport (issue 15)", ""]
+    if result is None:
+        return lines + [f"_Not run: no `{SPLIT_MODELS}/split_overhead.json` in `{results_dir}`._", ""]
+    config = result["config"]
+    lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}; "
+              f"{config['threads_per_process']} torch thread(s) per process, medians of {config['rounds']} rounds).", ""]
+    verdicts = result["verdicts"]
+    passed = sum(v["verdict"] == "PASS" for v in verdicts)
+    lines.append(f"- {passed} of {len(verdicts)} (model, step, transport) ratios meet their targets.")
+    for model, steps in result["results"].items():
+        cells = []
+        for step, systems in steps.items():
+            split = {s: v for s, v in systems.items() if s != "monolithic" and v.get("ratio_over_monolithic") is not None}
+            cells.append(f"{step}: " + ", ".join(f"{s} x{v['ratio_over_monolithic']:.2f}" for s, v in split.items()))
+        lines.append(f"- {model} (split / monolithic): " + "; ".join(cells) + ".")
+    missed = [f"{v['model']} {v['step']} {v['system']} x{v['ratio']:.2f} (target {v['target']:g})" for v in verdicts if v["verdict"] == "MISS"]
+    if missed:
+        lines.append("- **Where we lose (target missed):** " + ", ".join(missed) + ".")
+    calls = (result.get("calls_per_token") or {}).get("archs") or {}
+    if calls:
+        lines.append("- Base-layer calls per decoded token (tiny models, in-process): "
+                     + ", ".join(f"{arch} {c['calls_per_token']:g} ({c['per_layer']:.2f}/layer + {c['outside_layers']:g})" for arch, c in calls.items()) + ".")
+    for name, why in (result.get("unavailable") or {}).items():
+        lines.append(f"- **Not measured:** {name} ({why}).")
+    from benchmarks.split_overhead import tables  # the benchmark's own table layout
+
+    lines += ["", tables(result["results"], config["models"]).strip()]
+    plot = results_dir / SPLIT_MODELS / "split_overhead.png"
+    if plot.is_file():
+        lines += ["", f"![split overhead per model]({os.path.relpath(plot, relative_to)})"]
+    return lines + [""]
+
+
 def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
     """Issue 4's policy comparison, one subsection per client mode (threads, processes)."""
     lines: list[str] = []
@@ -152,6 +191,7 @@ def render(results_dir: Path, output: Path) -> str:
     ]
     for index, name in enumerate(SCENARIOS, 1):
         lines += scenario_section(index, name, _load(results_dir / name / "result.json"), results_dir, relative_to)
+    lines += split_models_section(_load(results_dir / SPLIT_MODELS / "split_overhead.json"), results_dir, relative_to)
     lines += transport_section(_load(results_dir / "transport" / "transport.json"), results_dir, relative_to)
     lines += batching_section(results_dir, relative_to)
     text = "\n".join(lines).rstrip() + "\n"

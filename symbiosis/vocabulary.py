@@ -8,7 +8,7 @@ row slices, batches) stay in ``executor/requests.py``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -83,3 +83,17 @@ def group_id(members: Iterable[str]) -> str:
 
 def group_members(layer_id: str) -> list[str]:
     return layer_id.split(GROUP_SEPARATOR)
+
+
+def spec_of(layer_id: str, specs: Mapping[str, LayerSpec]) -> LayerSpec | None:
+    """The spec of a layer, or of a sibling group id (its members' outputs side by side), from
+    the executor's layer list; None if unknown. The executor has the last word on which groups it
+    serves (contiguous runs of one block); clients use this to size payloads and results."""
+    spec = specs.get(layer_id)
+    if spec is not None or GROUP_SEPARATOR not in layer_id:
+        return spec
+    members = [specs.get(member) for member in group_members(layer_id)]
+    if any(m is None for m in members) or len({(m.in_features, m.has_bias) for m in members}) != 1:
+        return None
+    head = members[0]
+    return LayerSpec(layer_id, head.in_features, sum(m.out_features for m in members), head.has_bias)

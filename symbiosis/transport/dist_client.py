@@ -54,7 +54,7 @@ from symbiosis.transport.dist_channel import (
     wait_work,
 )
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
-from symbiosis.vocabulary import GROUP_SEPARATOR, LayerSpec, Op, group_members
+from symbiosis.vocabulary import LayerSpec, Op, spec_of
 
 #: Per backend: requests whose payload and result are both smaller than this many bytes travel
 #: inline (see module doc for the gloo measurement; NCCL's is a guess: no two-GPU host here).
@@ -211,15 +211,7 @@ class DistTransport(ZmqTransport):
         """The spec of a layer from ``Welcome``, or of a sibling group id (``vocabulary``): the
         members' outputs side by side. The executor has the last word on which groups it serves;
         one it refuses after the payload was posted costs a fresh pair group (see module doc)."""
-        spec = self._specs.get(layer_id)
-        if spec is not None or GROUP_SEPARATOR not in layer_id:
-            return spec
-        members = [self._specs.get(member) for member in group_members(layer_id)]
-        known = [m for m in members if m is not None]
-        if len(known) != len(members) or len({(m.in_features, m.has_bias) for m in known}) != 1:
-            return None
-        head = known[0]
-        return LayerSpec(layer_id, head.in_features, sum(m.out_features for m in known), head.has_bias)
+        return spec_of(layer_id, self._specs)
 
     def _decode(self, reply: P.Reply, frames: list[Any], lease: Any) -> torch.Tensor:
         if lease is None:  # an inline request

@@ -49,6 +49,7 @@ from symbiosis import protocol as P
 from symbiosis.errors import ProtocolError
 from symbiosis.transport.shm_channel import ALIGNMENT, SHM_DIR, reply_nbytes, reply_offset
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
+from symbiosis.vocabulary import spec_of
 
 MIN_BUFFER_BYTES = 1 << 20
 #: Results of at least this many bytes are handed out (the segment region), smaller ones copied.
@@ -144,7 +145,7 @@ class ShmTransport(ZmqTransport):
 
     def _encode(self, request: P.Request, rows: torch.Tensor) -> tuple[P.Request, list[Any], Any]:
         in_nbytes = rows.numel() * rows.element_size()
-        spec = self._specs.get(request.layer_id)
+        spec = spec_of(request.layer_id, self._specs)  # sibling group ids too
         out_nbytes = in_nbytes
         if spec is not None and rows.dim() == 2:
             out_nbytes = reply_nbytes(request.op, spec, rows.shape[0], rows.element_size())

@@ -118,3 +118,14 @@ def test_small_result_is_read_after_the_rows(serve, copies: list[bool]) -> None:
     assert copies == [False, False]
     assert_same_product(got, executor.run(layer_id, op, x))
     assert_same_product(again, executor.run(layer_id, op, 2 * x))
+
+
+def test_a_sibling_group_result_wider_than_its_rows_fits_the_segment(serve) -> None:
+    # q/k/v served as one request: the result (sum of the members' widths) is wider than the
+    # rows, and the client must size the segment from the group, not from a single layer.
+    executor, transport = serve("llama")
+    group = "+".join(f"model.layers.0.self_attn.{n}_proj" for n in "qkv")
+    x = torch.randn(3000, 64, generator=torch.Generator().manual_seed(5))  # > the smallest segment
+    got = transport.call(group, Op.FORWARD, x, LatencyClass.FINETUNE)
+    assert got.shape == (3000, executor.layer_specs()[group].out_features)
+    assert_same_product(got, executor.run(group, Op.FORWARD, x))
