@@ -130,7 +130,8 @@ def split_models_section(result: dict[str, Any] | None, results_dir: Path, relat
         lines.append(f"- **Not measured:** {name} ({why}).")
     from benchmarks.split_overhead import tables  # the benchmark's own table layout
 
-    lines += ["", tables(result["results"], config["models"]).strip()]
+    described = {key: {"describe": f"{entry.get('params', 0) / 1e6:.1f}M params"} for key, entry in config["models"].items()}
+    lines += ["", tables(result["results"], described).strip()]
     plot = results_dir / SPLIT_MODELS / "split_overhead.png"
     if plot.is_file():
         lines += ["", f"![split overhead per model]({os.path.relpath(plot, relative_to)})"]
