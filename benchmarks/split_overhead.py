@@ -275,7 +275,8 @@ def arch_calls_per_token(cache: Path, archs: Sequence[str] | None = None, *, pro
         path = make_model(arch, "tiny", Path(cache) / f"{arch}-tiny-seed0", seed=0)
         executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32, policy="immediate")
         try:
-            model = symbiosis.load_client_model(path, executor=executor)
+            # fused as a client of a remote executor is (in-process the default is unfused)
+            model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
             prompt = torch.randint(1, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
             decoder = Decoder(model, prompt)
             for _ in range(WARM_DECODE_STEPS):  # let the client settle (sibling fusion learns from repeated passes)

@@ -67,14 +67,14 @@ def randomize_adapters(model: torch.nn.Module, seed: int = 0) -> dict[str, torch
     return values
 
 
-def make_pair(path, executor, method: str, arch: str):
+def make_pair(path, executor, method: str, arch: str, **client_options):
     """(monolithic peft model, split peft model) with equal adapter weights, both in eval mode."""
     config = peft_config(method, arch)
     torch.manual_seed(0)  # peft's own adapter init draws from the global generator
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), copy.deepcopy(config))
-        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor), copy.deepcopy(config))
+        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor, **client_options), copy.deepcopy(config))
     values = randomize_adapters(reference)
     missing = set(values) - {name for name, p in split.named_parameters() if p.requires_grad}
     assert not missing, f"split model lacks adapter parameters {sorted(missing)[:5]}"

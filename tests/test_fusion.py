@@ -93,7 +93,7 @@ def test_sibling_blocks_follow_parent_width_and_bias():
 def test_fused_training_and_decoding_match_monolithic(arch, method, tiny_checkpoint):
     path = tiny_checkpoint(arch)
     with symbiosis.BaseExecutor.from_pretrained(path) as executor:
-        reference, split = make_pair(path, executor, method, arch)
+        reference, split = make_pair(path, executor, method, arch, fuse_siblings=True)
         try:
             ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(3))
             loss_and_grads(split, ids)  # two passes: groups are learned, then used
@@ -111,7 +111,7 @@ def test_fused_training_and_decoding_match_monolithic(arch, method, tiny_checkpo
 
 def test_llama_decodes_with_four_calls_per_layer_plus_head(llama):
     path, executor = llama
-    model = symbiosis.load_client_model(path, executor=executor)
+    model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         model.generate(input_ids=prompt, max_new_tokens=3, do_sample=False)  # learn
@@ -125,7 +125,7 @@ def test_llama_decodes_with_four_calls_per_layer_plus_head(llama):
 
 def test_a_model_that_stops_sharing_inputs_dissolves_its_group(llama):
     path, executor = llama
-    model = symbiosis.load_client_model(path, executor=executor)
+    model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
     attn = model.model.layers[0].self_attn
     x = torch.randn(1, 3, 64)
     with torch.no_grad():
@@ -145,7 +145,7 @@ def test_a_model_that_stops_sharing_inputs_dissolves_its_group(llama):
 
 def test_in_place_change_of_the_input_is_not_served_from_kept_outputs(llama):
     path, executor = llama
-    model = symbiosis.load_client_model(path, executor=executor)
+    model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
     mlp = model.model.layers[0].mlp
     x = torch.randn(2, 64)
     with torch.no_grad():
@@ -158,11 +158,26 @@ def test_in_place_change_of_the_input_is_not_served_from_kept_outputs(llama):
     model.symbiosis_transport.close()
 
 
-def test_fusion_can_be_turned_off(llama):
+def test_fusion_can_be_turned_off_and_is_off_in_process_by_default(llama):
     path, executor = llama
-    model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=False)
-    assert all(getattr(m, "fusion", None) is None for m in model.modules())
-    model.symbiosis_transport.close()
+    for options in ({"fuse_siblings": False}, {}):
+        model = symbiosis.load_client_model(path, executor=executor, **options)
+        assert all(getattr(m, "fusion", None) is None for m in model.modules())
+        model.symbiosis_transport.close()
+
+
+def test_fusion_is_on_by_default_for_a_remote_executor(llama, tmp_path):
+    path, executor = llama
+    server = executor.serve(f"ipc://{tmp_path}/fusion.sock")
+    try:
+        model = symbiosis.load_client_model(path, executor=server.address)
+        assert any(getattr(m, "fusion", None) is not None for m in model.modules())
+        with torch.no_grad():
+            model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+        assert _fusion(model).groups()
+        model.symbiosis_transport.close()
+    finally:
+        server.close()
 
 
 def test_in_process_products_run_in_the_callers_thread(llama):
@@ -170,7 +185,7 @@ def test_in_process_products_run_in_the_callers_thread(llama):
     # in the process would slow every torch op of its neighbours (see executor/engine.py).
     path, executor = llama
     before = executor.stats()["batches_run_by"]["compute_thread"]
-    model = symbiosis.load_client_model(path, executor=executor)
+    model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
     with torch.no_grad():
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
     assert executor.stats()["batches_run_by"]["compute_thread"] == before
