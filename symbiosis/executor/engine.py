@@ -195,13 +195,10 @@ class ExecutionEngine:
         self.validate(layer_id, op, rows)
         if rows.shape[0] == 0:
             return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
+        result = self.try_alone(client_id, layer_id, op, rows, latency_class)
+        if result is not None:
+            return result
         local = rows.to(device=self.device, dtype=self.dtype)
-        with self._cond:
-            alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id)
-            if alone:
-                self._computing = True
-        if alone:
-            return self._run_alone(client_id, layer_id, op, local, rows, latency_class)
         future: Future = Future()
         deadline = self._clock() + timeout_s
         with self._cond:
@@ -260,7 +257,6 @@ class ExecutionEngine:
             result = apply_op(self.weights.layers[layer_id], op, local, out)
         finally:
             with self._cond:
-                self._computing = False
                 counters = self._per_layer[layer_id]
                 counters.requests += 1
                 counters.rows += local.shape[0]
@@ -269,10 +265,7 @@ class ExecutionEngine:
                 counters.latency_s += self._clock() - started
                 self.scheduler.served_alone(client_id, local.shape[0], latency_class)
                 self._batches_run_by["alone"] += 1
-                if self._callers_waiting:
-                    self._cond.notify_all()
-                elif self._inflight:
-                    self._wake_others()
+                self._computing_done()
         return result.to(device=rows.device, dtype=rows.dtype)
 
     def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:
@@ -396,11 +389,16 @@ class ExecutionEngine:
             self._compute(batch, parts)
         finally:
             self._cond.acquire()
-            self._computing = False
-            if self._callers_waiting:
-                self._cond.notify_all()  # their results, or their turn to compute
-            elif self._inflight:
-                self._wake_others()
+            self._computing_done()
+
+    def _computing_done(self) -> None:
+        """A product finished (holding ``_cond``): waiting callers learn their results or get their
+        turn to compute; without callers, whoever runs what is left is woken."""
+        self._computing = False
+        if self._callers_waiting:
+            self._cond.notify_all()
+        elif self._inflight:
+            self._wake_others()
 
     def _compute(self, batch: Batch, parts) -> None:
         """The product and completing its requests' futures (called without ``_cond`` held)."""

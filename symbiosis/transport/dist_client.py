@@ -54,7 +54,7 @@ from symbiosis.transport.dist_channel import (
     wait_work,
 )
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
-from symbiosis.vocabulary import LayerSpec, Op, spec_of
+from symbiosis.vocabulary import Op, spec_of
 
 #: Per backend: requests whose payload and result are both smaller than this many bytes travel
 #: inline (see module doc for the gloo measurement; NCCL's is a guess: no two-GPU host here).
@@ -197,7 +197,9 @@ class DistTransport(ZmqTransport):
         """Bytes of the result, or -1 for a request this client cannot validate with the layers
         from ``Welcome`` (the executor will refuse it, or it names a sibling group this client
         cannot resolve)."""
-        spec = self._spec(request.layer_id)
+        # a sibling group id too; the executor has the last word on which groups it serves (one it
+        # refuses after the payload was posted costs a fresh pair group, see the module doc)
+        spec = spec_of(request.layer_id, self._specs)
         if spec is None:
             return -1
         assert self._welcome is not None
@@ -206,12 +208,6 @@ class DistTransport(ZmqTransport):
         except SymbiosisError:
             return -1
         return rows.shape[0] * Op(request.op).output_width(spec) * rows.element_size()
-
-    def _spec(self, layer_id: str) -> LayerSpec | None:
-        """The spec of a layer from ``Welcome``, or of a sibling group id (``vocabulary``): the
-        members' outputs side by side. The executor has the last word on which groups it serves;
-        one it refuses after the payload was posted costs a fresh pair group (see module doc)."""
-        return spec_of(layer_id, self._specs)
 
     def _decode(self, reply: P.Reply, frames: list[Any], lease: Any) -> torch.Tensor:
         if lease is None:  # an inline request
