@@ -45,7 +45,7 @@ def _register_optional_commands() -> None:
     """Verbs that live in their own modules register themselves here."""
     import importlib
 
-    for module in ("symbiosis.cli_serve", "symbiosis.cli_jobs", "symbiosis.cli_bench", "symbiosis.cli_keys"):
+    for module in ("symbiosis.cli_serve", "symbiosis.cli_jobs", "symbiosis.cli_api", "symbiosis.cli_bench", "symbiosis.cli_keys"):
         try:
             importlib.import_module(module).register(app)
         except ModuleNotFoundError as exc:

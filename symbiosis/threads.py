@@ -9,8 +9,9 @@ other one needs at that moment, on a host with few cores (this one has two) the 
 fewer cores than it could.
 
 The setting. Every process the command line starts for a split deployment on one host —
-``symbiosis serve``, the jobs connecting to an executor address (``finetune``/``generate
---executor``), ``demo`` (whose executor runs in its own process) and ``api`` — gets
+``symbiosis serve``, the jobs and the API server connecting to an executor address
+(``finetune``/``generate``/``api --executor``) and ``demo`` (whose executor runs in its own
+process) — gets
 ``OMP_WAIT_POLICY=PASSIVE``: idle workers sleep at once, so whichever process has work gets
 the cores. torch's intra-op thread count is left at its default (one per core) in each process:
 the two sides rarely compute at the same time, so each can use every core when it does.
@@ -42,11 +43,11 @@ SHARED_HOST_POLICY = "PASSIVE"
 
 def shares_host_with_executor(argv: Sequence[str]) -> bool:
     """Whether the command in ``argv`` (without the program name) runs next to an executor in
-    another process: ``serve``, ``demo``, ``api``, and the jobs given ``--executor ADDRESS``."""
+    another process: ``serve``, ``demo``, and the jobs and ``api`` given ``--executor ADDRESS``."""
     verb = next((arg for arg in argv if not arg.startswith("-")), None)
-    if verb in ("serve", "demo", "api"):
+    if verb in ("serve", "demo"):
         return True
-    if verb in ("finetune", "generate"):
+    if verb in ("finetune", "generate", "api"):
         return any(arg == "--executor" or arg.startswith("--executor=") for arg in argv)
     return False
 

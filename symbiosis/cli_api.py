@@ -1,0 +1,73 @@
+"""``symbiosis api``: an OpenAI-compatible server for the base model and its LoRA adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from symbiosis.cli_jobs import ConnectTimeoutOpt, DeviceOpt, DtypeOpt, EmbeddedOpt, ExecutorOpt, ModelOpt, TimeoutOpt
+from symbiosis.jobs.client import ClientOptions
+
+
+def api_command(
+    model: ModelOpt,
+    executor: ExecutorOpt = None,
+    embedded: EmbeddedOpt = False,
+    adapter: Annotated[Optional[list[str]], typer.Option("--adapter", help="A LoRA adapter to serve, as NAME=DIR (repeatable); requests name it in `model`.")] = None,
+    adapter_dir: Annotated[Optional[Path], typer.Option(help="Serve every adapter folder under DIR by its folder name; folders added later are found on first use.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on. Loopback unless --allow-non-loopback.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port).")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The base model's name in `model` and /v1/models (default: the model folder's name).")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (repeatable); these keys may use every adapter.")] = None,
+    api_keys: Annotated[Optional[Path], typer.Option(help="File of keys, one per line: 'KEY' (every adapter) or 'KEY ADAPTER...' (only those adapters; others answer 404). '#' starts a comment.")] = None,
+    max_concurrent_requests: Annotated[int, typer.Option(help="Sequences running or waiting at once; more get 429 with Retry-After.")] = 256,
+    max_batch_size: Annotated[int, typer.Option(help="Sequences decoded together in one step (the rest wait).")] = 32,
+    max_loaded_adapters: Annotated[int, typer.Option(help="LoRA adapters held in memory (LRU); others are read from disk on first use.")] = 64,
+    kv_cache_mb: Annotated[int, typer.Option(help="Cap on the running batch's KV cache, in MiB; requests wait while it is full.")] = 2048,
+    allow_adapter_updates: Annotated[bool, typer.Option("--allow-adapter-updates", help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (keys limited to some adapters may not use them).")] = False,
+    allow_non_loopback: Annotated[bool, typer.Option("--allow-non-loopback", help="Allow --host other than loopback (use with --api-key).")] = False,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    timeout: TimeoutOpt = 60.0,
+    connect_timeout: ConnectTimeoutOpt = 10.0,
+) -> None:
+    """Serve the base model and its LoRA adapters with OpenAI's API (/v1/completions, /v1/chat/completions).
+
+    One split client decodes every request together (continuous batching), so each base layer
+    gets one request carrying all running sequences' rows; requests for different adapters share
+    a batch. Point the `openai` client at http://HOST:PORT/v1. Ready when GET /health answers 200.
+    """
+    from symbiosis.serving.server import ApiOptions, ApiServer, parse_adapter_specs, read_api_keys
+
+    options = ApiOptions(
+        model=model,
+        client=ClientOptions(executor=executor, embedded=embedded, device=device, dtype=dtype, timeout_s=timeout, connect_timeout_s=connect_timeout),
+        adapters=parse_adapter_specs(adapter or []),
+        adapter_dir=adapter_dir,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_keys=read_api_keys(api_key or [], api_keys),
+        max_concurrent_requests=max_concurrent_requests,
+        max_batch_size=max_batch_size,
+        max_loaded_adapters=max_loaded_adapters,
+        kv_cache_mb=kv_cache_mb,
+        allow_adapter_updates=allow_adapter_updates,
+        allow_non_loopback=allow_non_loopback,
+    )
+    server = ApiServer(options)
+    adapters = server.pool.names()
+
+    def ready(url: str) -> None:
+        typer.echo(
+            f"serving {server.served_model_name} and {len(adapters)} adapters with OpenAI's API at {url}/v1 "
+            f"(executor: {executor or 'embedded'}); GET {url}/health, {url}/metrics",
+        )
+
+    server.run(on_ready=ready)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("api")(api_command)

@@ -1,0 +1,176 @@
+"""Which adapters the server can serve, and which of them sit in memory (an LRU pool).
+
+Names come from ``--adapter NAME=DIR``, from every sub-folder of ``--adapter-dir`` that holds an
+``adapter_config.json`` (looked up when asked, so folders added later are servable), and from
+``POST /v1/load_lora_adapter``. At most ``max_loaded`` adapters are held in memory; the least
+recently used one that no running sequence holds is dropped to make room, and is read again from
+its folder on next use.
+
+Replacing a name makes a new :class:`LoraAdapter`; a sequence keeps the object it started with,
+so a replacement never changes an adapter mid-sequence.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from symbiosis.errors import SymbiosisError
+from symbiosis.serving.lora import LoraAdapter, read_lora_config
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+
+
+class UnknownAdapterError(SymbiosisError):
+    """No adapter of that name is servable."""
+
+
+class AdapterPoolFullError(SymbiosisError):
+    """Every loaded adapter is in use by a running sequence; the caller should wait."""
+
+
+def check_adapter_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"adapter name {name!r}: use 1-128 letters, digits, '.', '_', ':' or '-'")
+    return name
+
+
+class AdapterPool:
+    """Servable adapter names → folders, and an LRU of loaded adapters with use counts."""
+
+    def __init__(
+        self,
+        load: Callable[[str, Path], LoraAdapter],
+        *,
+        adapters: dict[str, Path] | None = None,
+        adapter_dir: Path | None = None,
+        max_loaded: int = 64,
+        reserved_names: tuple[str, ...] = (),
+    ) -> None:
+        if max_loaded < 1:
+            raise ValueError("max_loaded_adapters must be at least 1")
+        self._load = load
+        self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self._explicit: dict[str, Path] = {}
+        self._forgotten: set[str] = set()  # names under adapter_dir that were unloaded
+        self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # oldest use first
+        self._users: dict[int, int] = {}  # id(adapter) -> running sequences holding it
+        self._reserved = set(reserved_names)
+        self.max_loaded = max_loaded
+        self.loads = 0  # reads from disk (cold loads), for metrics and the benchmark
+        self._lock = threading.RLock()
+        if self._adapter_dir is not None and not self._adapter_dir.is_dir():
+            raise UnknownAdapterError(f"--adapter-dir {str(self._adapter_dir)!r} is not a folder")
+        for name, path in (adapters or {}).items():
+            self._register(name, Path(path))
+
+    # ---- names ----------------------------------------------------------------------------------
+
+    def _register(self, name: str, path: Path) -> None:
+        check_adapter_name(name)
+        if name in self._reserved:
+            raise ValueError(f"adapter name {name!r} is the base model's served name")
+        read_lora_config(path)  # fail now, not on a user's first request
+        self._explicit[name] = path
+        self._forgotten.discard(name)
+
+    def path_of(self, name: str) -> Path:
+        """The folder of servable adapter ``name``; ``UnknownAdapterError`` if there is none."""
+        with self._lock:
+            if name in self._explicit:
+                return self._explicit[name]
+            if self._adapter_dir is not None and name not in self._forgotten and _NAME.match(name or ""):
+                folder = self._adapter_dir / name
+                if (folder / "adapter_config.json").is_file():
+                    return folder
+        raise UnknownAdapterError(f"the model {name!r} does not exist")
+
+    def names(self) -> list[str]:
+        with self._lock:
+            names = set(self._explicit)
+            if self._adapter_dir is not None:
+                for folder in self._adapter_dir.iterdir():
+                    if _NAME.match(folder.name) and (folder / "adapter_config.json").is_file():
+                        names.add(folder.name)
+            return sorted(names - self._forgotten - self._reserved)
+
+    # ---- loading ----------------------------------------------------------------------------------
+
+    def acquire(self, name: str) -> LoraAdapter:
+        """The current adapter ``name``, loaded if needed, held until :meth:`release`.
+
+        ``AdapterPoolFullError`` when the pool is full of adapters in use (try again later).
+        """
+        with self._lock:
+            adapter = self._loaded.get(name)
+            if adapter is None:
+                path = self.path_of(name)
+                self._make_room()
+                adapter = self._load(name, path)
+                self.loads += 1
+                self._loaded[name] = adapter
+            self._loaded.move_to_end(name)
+            self._users[id(adapter)] = self._users.get(id(adapter), 0) + 1
+            return adapter
+
+    def can_acquire(self, name: str) -> bool:
+        with self._lock:
+            return name in self._loaded or len(self._loaded) < self.max_loaded or self._evictable() is not None
+
+    def release(self, adapter: LoraAdapter) -> None:
+        with self._lock:
+            left = self._users.get(id(adapter), 0) - 1
+            if left > 0:
+                self._users[id(adapter)] = left
+            else:
+                self._users.pop(id(adapter), None)
+            self._trim()
+
+    def load(self, name: str, path: Path) -> LoraAdapter:
+        """Load (or replace) ``name`` from ``path`` now; new requests use it, running ones keep theirs."""
+        check_adapter_name(name)
+        if name in self._reserved:
+            raise ValueError(f"adapter name {name!r} is the base model's served name")
+        adapter = self._load(name, Path(path))  # outside the lock: reading may take a while
+        with self._lock:
+            self._explicit[name] = Path(path)
+            self._forgotten.discard(name)
+            self._loaded[name] = adapter
+            self._loaded.move_to_end(name)
+            self.loads += 1
+            self._trim()
+        return adapter
+
+    def unload(self, name: str) -> None:
+        """Forget ``name``: new requests get 404; running sequences finish with what they hold."""
+        with self._lock:
+            self.path_of(name)  # UnknownAdapterError if not servable
+            self._explicit.pop(name, None)
+            self._loaded.pop(name, None)
+            if self._adapter_dir is not None:
+                self._forgotten.add(name)
+
+    @property
+    def loaded_count(self) -> int:
+        with self._lock:
+            return len(self._loaded)
+
+    def _evictable(self) -> str | None:
+        for name, adapter in self._loaded.items():  # oldest first
+            if id(adapter) not in self._users:
+                return name
+        return None
+
+    def _make_room(self) -> None:
+        while len(self._loaded) >= self.max_loaded:
+            victim = self._evictable()
+            if victim is None:
+                raise AdapterPoolFullError(f"all {self.max_loaded} loaded adapters are in use")
+            del self._loaded[victim]
+
+    def _trim(self) -> None:
+        while len(self._loaded) > self.max_loaded and (victim := self._evictable()) is not None:
+            del self._loaded[victim]

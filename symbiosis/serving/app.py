@@ -1,0 +1,459 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, adapters, health, metrics.
+
+This module turns HTTP into :class:`GenerationRequest`s and engine events back into OpenAI JSON
+or SSE chunks; it holds no model code. Errors always use OpenAI's error body; an unexpected
+exception is logged and answered with a 500 that carries no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from symbiosis.errors import SymbiosisError
+from symbiosis.serving.adapters import UnknownAdapterError
+from symbiosis.serving.engine import (
+    Delta,
+    Failure,
+    GenerationEngine,
+    GenerationRequest,
+    RequestTooLargeError,
+    ServerOverloadedError,
+)
+from symbiosis.serving.metrics import ServingMetrics
+from symbiosis.serving.sampling import SamplingParams
+from symbiosis.serving.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadAdapterRequest,
+    SamplingFields,
+    UnloadAdapterRequest,
+)
+
+log = logging.getLogger("symbiosis.api")
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _not_found(model: str) -> ApiError:
+    # The same answer for a missing adapter and one the key may not use (tenants cannot probe).
+    return ApiError(404, f"The model `{model}` does not exist.", "not_found_error", param="model", code="model_not_found")
+
+
+@dataclass
+class ApiConfig:
+    served_model_name: str
+    max_context: int
+    # API key -> adapter names it may use (None: all). Empty dict: no authentication.
+    api_keys: dict[str, frozenset[str] | None] = field(default_factory=dict)
+    allow_adapter_updates: bool = False
+    retry_after_s: int = 1
+    default_completion_tokens: int = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ApiState:
+    engine: GenerationEngine
+    tokenizer: Any
+    config: ApiConfig
+    metrics: ServingMetrics
+    health_probe: Any  # () -> None, raises if the executor cannot answer
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ---- one generation: events from the engine thread into asyncio -----------------------------------
+
+
+class _Choices:
+    """The choices of one API request: submitted sequences and their events, in one queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, Delta | Failure]] = asyncio.Queue()
+        self.handles: list = []
+        self.open = 0
+
+    def sink_for(self, index: int):
+        def sink(event: Delta | Failure) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
+        return sink
+
+    async def next(self) -> tuple[int, Delta | Failure]:
+        index, event = await self.queue.get()
+        if isinstance(event, Failure) or event.finish_reason is not None:
+            self.open -= 1
+        return index, event
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
+
+
+def _failure_error(failure: Failure) -> ApiError:
+    headers = {"Retry-After": "1"} if failure.status in (429, 503) else None
+    return ApiError(failure.status, failure.message, failure.kind, headers=headers)
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+
+
+def create_app(state: ApiState) -> FastAPI:
+    app = FastAPI(title="Symbiosis OpenAI-compatible API", docs_url=None, redoc_url=None)
+    config, engine = state.config, state.engine
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = first.get("msg", "invalid request")
+        return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception):
+        log.exception("unexpected error while answering a request")
+        return ApiError(500, "internal server error; see the server log", "internal_error").response()
+
+    def allowed_adapters(request: Request) -> frozenset[str] | None:
+        """Adapters the caller may use (None: all); 401 if keys are required and this one is wrong."""
+        if not config.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer":
+            for key, scope in config.api_keys.items():
+                if hmac.compare_digest(token.strip().encode(), key.encode()):
+                    return scope
+        raise ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY').", code="invalid_api_key")
+
+    def require_admin(request: Request) -> None:
+        if allowed_adapters(request) is not None:
+            raise ApiError(403, "this API key may not load or unload adapters", "permission_error")
+
+    def resolve_adapter(model: str, scope: frozenset[str] | None) -> str | None:
+        """The adapter a request names (None: the base model); 404 if missing or not the key's."""
+        if model == config.served_model_name:
+            return None
+        if scope is not None and model not in scope:
+            raise _not_found(model)
+        try:
+            engine.pool.path_of(model)
+        except UnknownAdapterError:
+            raise _not_found(model) from None
+        return model
+
+    # ---- models ------------------------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        scope = allowed_adapters(request)
+        names = [n for n in engine.pool.names() if scope is None or n in scope]
+        base = {"id": config.served_model_name, "object": "model", "created": state.created, "owned_by": "symbiosis",
+                "root": config.served_model_name, "parent": None, "max_model_len": config.max_context}
+        adapters = [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "symbiosis",
+             "root": name, "parent": config.served_model_name, "max_model_len": config.max_context}
+            for name in names
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    def prompt_token_ids(body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            if any(t < 0 or t >= len(state.tokenizer) for t in prompt):
+                raise ApiError(400, "prompt: token ids out of the vocabulary", param="prompt")
+            return [list(prompt)]
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        return [_encode(state.tokenizer, text, add_special_tokens=True) for text in texts]
+
+    def chat_token_ids(body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokenizer = state.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            try:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as exc:  # a template that rejects these messages (e.g. role order)
+                raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+            return _encode(tokenizer, text, add_special_tokens=False)
+        # No chat template: a plain transcript the model continues as the assistant.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return _encode(tokenizer, text, add_special_tokens=True)
+
+    def sampling_params(body: SamplingFields, prompt_len: int, default_tokens: int | None) -> SamplingParams:
+        room = config.max_context - prompt_len
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None:
+            max_tokens = min(default_tokens, room) if default_tokens is not None else room
+        if max_tokens < 1 or prompt_len + max_tokens > config.max_context:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {config.max_context} tokens. However, you requested "
+                f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, {max(max_tokens, 1)} in the "
+                "completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            seed=body.seed,
+            stop=tuple(body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+
+    def submit_all(prompts: list[list[int]], adapter: str | None, body: SamplingFields, default_tokens) -> _Choices:
+        choices = _Choices(asyncio.get_running_loop())
+        params = [sampling_params(body, len(ids), default_tokens) for ids in prompts]
+        try:
+            index = 0
+            for ids, param in zip(prompts, params):
+                for _ in range(body.n):
+                    request = GenerationRequest(ids, adapter, param, choices.sink_for(index))
+                    choices.handles.append(engine.submit(request))
+                    choices.open += 1
+                    index += 1
+        except ServerOverloadedError as exc:
+            choices.cancel()
+            raise ApiError(429, str(exc), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)}) from None
+        except RequestTooLargeError as exc:
+            choices.cancel()
+            raise ApiError(400, str(exc), param="max_tokens") from None
+        return choices
+
+    async def collect(choices: _Choices, request: Request) -> list[dict]:
+        """Every choice's full text, or the first failure as an ApiError; cancels on disconnect."""
+        texts: dict[int, list[str]] = {}
+        tokens: dict[int, list[int]] = {}
+        finish: dict[int, tuple[str, Any]] = {}
+        try:
+            while choices.open > 0:
+                try:
+                    index, event = await asyncio.wait_for(choices.next(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        choices.cancel()
+                        raise ApiError(499, "client closed the request") from None
+                    continue
+                if isinstance(event, Failure):
+                    raise _failure_error(event)
+                texts.setdefault(index, []).append(event.text)
+                tokens.setdefault(index, []).extend(event.token_ids)
+                if event.finish_reason is not None:
+                    finish[index] = (event.finish_reason, event.usage)
+        except BaseException:
+            choices.cancel()
+            raise
+        return [
+            {"index": i, "text": "".join(texts.get(i, [])), "token_ids": tokens.get(i, []), "finish_reason": finish[i][0],
+             "usage": finish[i][1]}
+            for i in sorted(finish)
+        ]
+
+    async def stream(choices: _Choices, make_chunk, finish_chunks, include_usage: bool) -> EventSourceResponse:
+        """SSE of ``make_chunk(index, event)`` payloads; the first event is awaited before answering."""
+        first = await choices.next()
+        if isinstance(first[1], Failure):
+            choices.cancel()
+            raise _failure_error(first[1])
+
+        async def events() -> AsyncIterator[dict]:
+            usage = {"prompt_tokens": 0, "completion_tokens": 0}
+            pending: tuple[int, Delta | Failure] | None = first
+            try:
+                while True:
+                    if pending is None:
+                        if choices.open <= 0:
+                            break
+                        pending = await choices.next()
+                    index, event = pending
+                    pending = None
+                    if isinstance(event, Failure):
+                        error = _failure_error(event)
+                        yield {"data": _json({"error": {"message": error.message, "type": error.kind, "code": error.status}})}
+                        break
+                    for chunk in make_chunk(index, event):
+                        yield {"data": _json(chunk)}
+                    if event.usage is not None:
+                        usage["prompt_tokens"] += event.usage.prompt_tokens
+                        usage["completion_tokens"] += event.usage.completion_tokens
+                if include_usage:
+                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                    yield {"data": _json(finish_chunks(usage))}
+                yield {"data": "[DONE]"}
+            finally:
+                choices.cancel()  # a client that went away frees its sequences at the next step
+
+        return EventSourceResponse(events(), ping=15)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        adapter = resolve_adapter(body.model, allowed_adapters(request))
+        prompts = prompt_token_ids(body)
+        choices = submit_all(prompts, adapter, body, config.default_completion_tokens)
+        response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def envelope(choice_list: list[dict], **extra) -> dict:
+            return {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": choice_list, **extra}
+
+        if body.stream:
+            def make_chunk(index: int, event: Delta):
+                if event.text or event.finish_reason or body.return_token_ids:
+                    choice = {"index": index, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
+                    if body.return_token_ids:
+                        choice["token_ids"] = list(event.token_ids)
+                    yield envelope([choice])
+
+            return await stream(choices, make_chunk, lambda usage: envelope([], usage=usage), body.include_usage_in_stream)
+        results = await collect(choices, request)
+        usage = _usage(results, len(prompts), body.n)
+        out = []
+        for r in results:
+            choice = {"index": r["index"], "text": r["text"], "logprobs": None, "finish_reason": r["finish_reason"]}
+            if body.return_token_ids:
+                choice.update(token_ids=r["token_ids"], prompt_token_ids=prompts[r["index"] // body.n])
+            out.append(choice)
+        return envelope(out, usage=usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        adapter = resolve_adapter(body.model, allowed_adapters(request))
+        prompt = chat_token_ids(body)
+        choices = submit_all([prompt], adapter, body, None)
+        response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def envelope(choice_list: list[dict], kind: str, **extra) -> dict:
+            return {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": choice_list, **extra}
+
+        if body.stream:
+            started: set[int] = set()
+
+            def make_chunk(index: int, event: Delta):
+                if index not in started:
+                    started.add(index)
+                    delta = {"role": "assistant", "content": ""}
+                    yield envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], "chat.completion.chunk")
+                if event.text:
+                    delta = {"content": event.text}
+                    yield envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], "chat.completion.chunk")
+                if event.finish_reason:
+                    yield envelope([{"index": index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}], "chat.completion.chunk")
+
+            return await stream(
+                choices, make_chunk, lambda usage: envelope([], "chat.completion.chunk", usage=usage), body.include_usage_in_stream
+            )
+        results = await collect(choices, request)
+        return envelope(
+            [
+                {"index": r["index"], "message": {"role": "assistant", "content": r["text"]}, "logprobs": None,
+                 "finish_reason": r["finish_reason"]}
+                for r in results
+            ],
+            "chat.completion",
+            usage=_usage(results, 1, body.n),
+        )
+
+    # ---- adapters -------------------------------------------------------------------------------------
+
+    if config.allow_adapter_updates:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadAdapterRequest, request: Request):
+            require_admin(request)
+            try:
+                await asyncio.to_thread(engine.pool.load, body.lora_name, body.lora_path)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="lora_name") from None
+            except SymbiosisError as exc:
+                raise ApiError(400, str(exc), param="lora_path") from None
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request):
+            require_admin(request)
+            try:
+                engine.pool.unload(body.lora_name)
+            except UnknownAdapterError:
+                raise _not_found(body.lora_name) from None
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    # ---- health and metrics -----------------------------------------------------------------------------
+
+    probe_lock = asyncio.Lock()
+
+    @app.get("/health")
+    async def health():
+        async with probe_lock:  # one probe at a time, however many pollers
+            try:
+                await asyncio.wait_for(asyncio.to_thread(state.health_probe), timeout=3.0)
+            except Exception as exc:  # noqa: BLE001 (any failure means: not ready)
+                reason = str(exc) or type(exc).__name__
+                return JSONResponse({"status": "unavailable", "reason": f"executor: {reason}"}, status_code=503)
+        return {"status": "ok", **engine.stats()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return app
+
+
+def _usage(results: list[dict], prompts: int, n: int) -> dict:
+    # n choices of one prompt share its prompt tokens: count them once per prompt, like OpenAI.
+    prompt = sum(r["usage"].prompt_tokens for r in results[::n])
+    completion = sum(r["usage"].completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    if not ids:  # an empty prompt: start from BOS (or EOS), as generate() would
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = [start if start is not None else 0]
+    return list(ids)
+
+
+def _json(payload: dict) -> str:
+    import json
+
+    return json.dumps(payload, separators=(",", ":"))

@@ -1,0 +1,51 @@
+"""Turning a sequence's tokens into text as they come: deltas, stop strings, held-back suffixes.
+
+A delta is released only when it is final: text ending in an incomplete UTF-8 character (U+FFFD)
+waits for the next token, and a suffix that could be the start of a stop string waits until it
+either completes the stop string (which is then cut, with everything after it) or cannot.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalText:
+    """The text of one sequence's generated tokens, released in final deltas."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.token_ids: list[int] = []
+        self.text = ""  # final text so far (stop string cut)
+        self.released = 0  # characters of ``text`` handed out
+        self.stopped = False
+
+    def add(self, token_id: int | None) -> str:
+        """Append a token (None: no token, just settle); the newly final text. Sets ``stopped``."""
+        if token_id is not None:
+            self.token_ids.append(token_id)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        for stop in self.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text, self.stopped = text[:at], True
+        self.text = text
+        if self.stopped:
+            return self._release(len(text))
+        hold = 1 if text.endswith("\ufffd") else 0
+        for stop in self.stop:
+            for length in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:length]):
+                    hold = length
+                    break
+        return self._release(len(text) - hold)
+
+    def finish(self) -> str:
+        """Everything not yet released (the sequence ended)."""
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.released:
+            return ""
+        delta = self.text[self.released : upto]
+        self.released = upto
+        return delta

@@ -1,0 +1,422 @@
+"""Continuous batching: one thread decodes every running sequence together, step after step.
+
+Each step (1) drops cancelled sequences, (2) admits waiting ones while the batch has room (rows,
+KV-cache bytes, adapter pool) and prefills them together, (3) runs one decode forward over all
+running sequences — so each base layer gets one request carrying every running row — and
+(4) hands each sequence its new text and retires finished ones, freeing their cache rows.
+Rows mix adapters freely (``lora.RowAdapters``); the KV cache is one left-padded batch
+(``kvcache.PaddedBatch``).
+
+The engine knows nothing of HTTP: requests come in as :class:`GenerationRequest` with a ``sink``
+called (from the engine thread) with :class:`Delta` and :class:`Failure` events.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
+from symbiosis.serving.adapters import AdapterPool, UnknownAdapterError
+from symbiosis.serving.detokenize import IncrementalText
+from symbiosis.serving.kvcache import PaddedBatch, left_pad
+from symbiosis.serving.lora import AdapterContext, LoraAdapter, RowAdapters
+from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
+
+
+class ServerOverloadedError(SymbiosisError):
+    """The waiting queue is full; try again later (HTTP 429)."""
+
+
+class RequestTooLargeError(SymbiosisError):
+    """One request needs more than the server can ever give it (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch_size: int = 32  # running sequences decoded together
+    max_waiting: int = 256  # queued requests beyond the running batch; more get 429
+    kv_cache_bytes: int = 2 << 30  # cap on the padded KV cache of the running batch
+    max_prefill_tokens: int = 4096  # padded prompt tokens prefilled in one forward
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New final text of a sequence; ``finish_reason`` ("stop", "length", "abort") on the last one."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The sequence ended with an error; ``status`` is the HTTP status it maps to."""
+
+    status: int
+    message: str
+    kind: str  # OpenAI error type, e.g. "service_unavailable"
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    adapter: str | None
+    params: SamplingParams
+    sink: Callable[[Delta | Failure], None]
+
+
+@dataclass
+class _Sequence:
+    id: int
+    request: GenerationRequest
+    text: IncrementalText
+    sampler: RowSampler
+    arrived: float
+    adapter: LoraAdapter | None = None
+    output_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.request.prompt_ids) + self.request.params.max_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.request.params.max_tokens - len(self.output_ids)
+
+
+class SequenceHandle:
+    """What ``submit`` returns: cancel the sequence (a client went away)."""
+
+    def __init__(self, engine: "GenerationEngine", sequence: _Sequence) -> None:
+        self._engine = engine
+        self._sequence = sequence
+
+    def cancel(self) -> None:
+        self._engine._cancel(self._sequence)
+
+
+class EngineHooks:
+    """What the engine reports (the metrics module implements it); no-ops by default."""
+
+    def queue_changed(self, running: int, waiting: int, cache_bytes: int, adapters_loaded: int) -> None: ...
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def finished(self, seconds: float, prompt_tokens: int, completion_tokens: int, reason: str) -> None: ...
+
+
+class GenerationEngine:
+    """The continuous-batching loop over one split client model (see module doc)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        pool: AdapterPool,
+        adapter_context: AdapterContext,
+        options: EngineOptions = EngineOptions(),
+        hooks: EngineHooks | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.context = adapter_context
+        self.options = options
+        self.hooks = hooks or EngineHooks()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.device = next(model.parameters()).device
+        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._admitting: list[_Sequence] = []  # admitted, not yet in the batch (being prefilled)
+        self._batch: PaddedBatch | None = None
+        self._rows: RowAdapters | None = None  # adapters of the running rows, while they last
+        self._stopping = False
+        self.steps = 0
+        self.peak_running = 0  # most sequences decoded together so far
+        self.executor_ok = True
+        self.last_error: str | None = None
+        self.bytes_per_token = self._measure_cache_bytes_per_token()
+        self._thread = threading.Thread(target=self._loop, name="symbiosis-api-engine", daemon=True)
+        self._thread.start()
+
+    # ---- API side (any thread) --------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> SequenceHandle:
+        """Queue ``request``; ``ServerOverloadedError`` if the queue is full."""
+        needed = len(request.prompt_ids) + request.params.max_tokens
+        if needed * self.bytes_per_token > self.options.kv_cache_bytes:
+            raise RequestTooLargeError(
+                f"prompt + max_tokens = {needed} tokens need {needed * self.bytes_per_token >> 20} MiB of KV cache; "
+                f"the server's cap is {self.options.kv_cache_bytes >> 20} MiB"
+            )
+        sequence = _Sequence(
+            id=next(self._ids),
+            request=request,
+            text=IncrementalText(self.tokenizer, request.params.stop),
+            sampler=RowSampler(request.params),
+            arrived=time.monotonic(),
+        )
+        with self._cond:
+            if self._stopping:
+                raise ServerOverloadedError("the server is shutting down")
+            if len(self._waiting) >= self.options.max_waiting:
+                raise ServerOverloadedError(f"{len(self._waiting)} requests are already waiting; try again later")
+            self._waiting.append(sequence)
+            self._cond.notify_all()
+        self._report_queue()
+        return SequenceHandle(self, sequence)
+
+    def _cancel(self, sequence: _Sequence) -> None:
+        with self._cond:
+            sequence.cancelled = True
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "kv_cache_bytes": self._batch.cache_bytes() if self._batch is not None else 0,
+                "steps": self.steps,
+                "peak_running": self.peak_running,
+                "adapters_loaded": self.pool.loaded_count,
+                "executor_ok": self.executor_ok,
+            }
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        for sequence in [*self._waiting, *self._running]:
+            self._fail(sequence, Failure(503, "the server is shutting down", "service_unavailable"))
+
+    # ---- the loop (engine thread) ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self._step()
+            except (ExecutorUnavailableError, ExecutorTimeoutError) as exc:
+                self.executor_ok, self.last_error = False, str(exc)
+                self._fail_all(Failure(503, f"the base executor is unavailable: {exc}", "service_unavailable"))
+            except Exception:  # a bug: log it, fail who was affected, keep serving the others
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all(Failure(500, "internal error while generating; see the server log", "internal_error"))
+            self._report_queue()
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._admitting = self._admit()
+        if self._admitting:
+            self._prefill(self._admitting)
+        self._admitting = []
+        if self._running:
+            self._decode()
+        self.steps += 1
+        self.executor_ok = True
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            for sequence in [s for s in self._waiting if s.cancelled]:
+                self._waiting.remove(sequence)
+                self._finish(sequence, "abort", emit=False)
+        if any(s.cancelled for s in self._running):
+            for sequence in self._running:
+                if sequence.cancelled:
+                    self._finish(sequence, "abort", emit=False)
+            self._retire_done()
+
+    def _admit(self) -> list[_Sequence]:
+        """Waiting sequences (in arrival order) that fit the batch now."""
+        joiners: list[_Sequence] = []
+        while True:
+            with self._cond:
+                if not self._waiting:
+                    break
+                candidate = self._waiting[0]
+                if not self._fits(joiners + [candidate]) or (
+                    candidate.request.adapter is not None and not self.pool.can_acquire(candidate.request.adapter)
+                ):
+                    break
+                self._waiting.popleft()
+            try:
+                if candidate.request.adapter is not None:
+                    candidate.adapter = self.pool.acquire(candidate.request.adapter)
+            except UnknownAdapterError as exc:  # unloaded while the request waited
+                self._fail(candidate, Failure(404, str(exc), "not_found_error"))
+                continue
+            except SymbiosisError as exc:  # a folder that cannot be read as a LoRA adapter
+                self._fail(candidate, Failure(400, str(exc), "invalid_request_error"))
+                continue
+            joiners.append(candidate)
+        return joiners
+
+    def _fits(self, joiners: list[_Sequence]) -> bool:
+        rows = len(self._running) + len(joiners)
+        if rows > self.options.max_batch_size:
+            return False
+        if len(joiners) > 1 and len(joiners) * max(len(s.request.prompt_ids) for s in joiners) > self.options.max_prefill_tokens:
+            return False
+        everyone = self._running + joiners
+        columns = max([self._batch.columns if self._batch is not None else 0] + [len(s.request.prompt_ids) for s in joiners])
+        peak = rows * (columns + max(s.remaining_tokens for s in everyone)) * self.bytes_per_token
+        return rows == 1 or peak <= self.options.kv_cache_bytes
+
+    def _forward(self, input_ids, mask, positions, cache, rows: RowAdapters, last_only: bool) -> torch.Tensor:
+        self.context.rows = rows
+        try:
+            kwargs = {"logits_to_keep": 1} if last_only and self._accepts_logits_to_keep else {}
+            output = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
+        finally:
+            self.context.rows = None
+        return output.logits[:, -1].float()
+
+    def _prefill(self, joiners: list[_Sequence]) -> None:
+        ids, mask, positions = left_pad([s.request.prompt_ids for s in joiners], self.pad_id)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache, RowAdapters([s.adapter for s in joiners]), last_only=True)
+        batch = PaddedBatch(cache, mask, mask.sum(-1))
+        self._batch = batch if self._batch is None else self._batch.merge(batch)
+        with self._cond:
+            self._running.extend(joiners)
+            self.peak_running = max(self.peak_running, len(self._running))
+        self._rows = None
+        for sequence, token in zip(joiners, choose_tokens(logits, [s.sampler for s in joiners])):
+            self._append(sequence, token)
+        self._retire_done()
+
+    def _decode(self) -> None:
+        running = self._running
+        batch = self._batch
+        last = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long)
+        mask = torch.cat([batch.mask, batch.mask.new_ones((batch.rows, 1))], dim=1)
+        if self._rows is None:
+            self._rows = RowAdapters([s.adapter for s in running])
+        logits = self._forward(last, mask, batch.positions[:, None], batch.cache, self._rows, last_only=False)
+        batch.mask, batch.positions = mask, batch.positions + 1
+        for sequence, token in zip(running, choose_tokens(logits, [s.sampler for s in running])):
+            self._append(sequence, token)
+        self._retire_done()
+
+    def _append(self, sequence: _Sequence, token: int) -> None:
+        now = time.monotonic()
+        if sequence.first_token_at is None:
+            sequence.first_token_at = now
+            self.hooks.first_token(now - sequence.arrived)
+        else:
+            self.hooks.inter_token(now - sequence.last_token_at)
+        sequence.last_token_at = now
+        sequence.output_ids.append(token)
+        params = sequence.request.params
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            self._finish(sequence, "stop", token=token)
+            return
+        delta = sequence.text.add(token)
+        if sequence.text.stopped:
+            self._finish(sequence, "stop", token=token, delta=delta)
+        elif len(sequence.output_ids) >= params.max_tokens:
+            self._finish(sequence, "length", token=token, delta=delta)
+        else:  # every token gets an event (token counts); the API skips empty text in streams
+            sequence.request.sink(Delta(delta, (token,)))
+
+    def _finish(self, sequence: _Sequence, reason: str, *, token: int | None = None, delta: str = "", emit: bool = True) -> None:
+        if sequence.done:
+            return
+        sequence.done = True
+        if sequence.adapter is not None:
+            self.pool.release(sequence.adapter)
+        usage = Usage(len(sequence.request.prompt_ids), len(sequence.output_ids))
+        self.hooks.finished(time.monotonic() - sequence.arrived, usage.prompt_tokens, usage.completion_tokens, reason)
+        if emit:
+            text = delta + sequence.text.finish()
+            sequence.request.sink(Delta(text, (token,) if token is not None else (), reason, usage))
+
+    def _fail(self, sequence: _Sequence, failure: Failure) -> None:
+        if sequence.done:
+            return
+        sequence.done = True
+        if sequence.adapter is not None:
+            self.pool.release(sequence.adapter)
+        sequence.request.sink(failure)
+
+    def _fail_all(self, failure: Failure) -> None:
+        """After a failed forward the batch's cache is unusable: end every admitted sequence."""
+        for sequence in [*self._admitting, *self._running]:
+            self._fail(sequence, failure)
+        with self._cond:
+            self._running, self._admitting = [], []
+        self._batch, self._rows = None, None
+
+    def _retire_done(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if not s.done]
+        if len(keep) == len(self._running):
+            return
+        with self._cond:
+            self._running = [self._running[i] for i in keep]
+        self._batch = self._batch.select(keep) if keep else None
+        self._rows = None
+
+    def _report_queue(self) -> None:
+        stats = self.stats()
+        self.hooks.queue_changed(stats["running"], stats["waiting"], stats["kv_cache_bytes"], stats["adapters_loaded"])
+
+    def _measure_cache_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes, from a one-token forward (also checks the cache type)."""
+        cache = DynamicCache()
+        ids = torch.tensor([[self.pad_id]], dtype=torch.long)
+        with torch.no_grad():
+            self._forward(ids, torch.ones_like(ids), torch.zeros_like(ids), cache, RowAdapters([None]), last_only=True)
+        return max(1, PaddedBatch(cache, torch.ones_like(ids), torch.zeros(1, dtype=torch.long)).cache_bytes())
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

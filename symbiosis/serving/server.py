@@ -1,0 +1,235 @@
+"""``symbiosis api``: build the split client, adapter pool, engine and app, and serve them (uvicorn).
+
+The server is one client of the executor: an embedded one, or one at an address shared with
+fine-tuning jobs and other servers. :class:`ApiServer` is what the CLI, the demo and the tests
+start; ``start()`` runs uvicorn on a background thread, ``run()`` in the foreground.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from symbiosis.errors import SymbiosisError
+from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer
+from symbiosis.serving.adapters import AdapterPool, check_adapter_name
+from symbiosis.serving.app import ApiConfig, ApiState, create_app
+from symbiosis.serving.engine import EngineOptions, GenerationEngine
+from symbiosis.serving.lora import AdapterContext, install_multi_lora, load_lora_adapter
+from symbiosis.serving.metrics import ServingMetrics
+from symbiosis.vocabulary import LatencyClass, Op
+
+
+class ApiConfigError(SymbiosisError):
+    """A bad ``symbiosis api`` option (keys file, adapter spec, host)."""
+
+
+@dataclass
+class ApiOptions:
+    model: Path
+    client: ClientOptions
+    adapters: dict[str, Path] = field(default_factory=dict)
+    adapter_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_keys: dict[str, frozenset[str] | None] = field(default_factory=dict)
+    max_concurrent_requests: int = 256
+    max_batch_size: int = 32
+    max_loaded_adapters: int = 64
+    kv_cache_mb: int = 2048
+    allow_adapter_updates: bool = False
+    allow_non_loopback: bool = False
+
+
+def parse_adapter_specs(specs: list[str]) -> dict[str, Path]:
+    """``NAME=DIR`` strings → {name: folder}."""
+    adapters: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise ApiConfigError(f"--adapter {spec!r}: expected NAME=DIR")
+        try:
+            check_adapter_name(name)
+        except ValueError as exc:
+            raise ApiConfigError(f"--adapter {spec!r}: {exc}") from None
+        if name in adapters:
+            raise ApiConfigError(f"--adapter name {name!r} given twice")
+        adapters[name] = Path(folder)
+    return adapters
+
+
+def read_api_keys(keys: list[str], keys_file: Path | None) -> dict[str, frozenset[str] | None]:
+    """``--api-key`` values (any adapter) plus ``--api-keys FILE`` lines ``KEY [ADAPTER ...]``."""
+    result: dict[str, frozenset[str] | None] = {key: None for key in keys}
+    if keys_file is not None:
+        try:
+            lines = Path(keys_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ApiConfigError(f"cannot read --api-keys {str(keys_file)!r}: {exc.strerror or exc}") from None
+        for number, line in enumerate(lines, start=1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            result[words[0]] = frozenset(words[1:]) if len(words) > 1 else None
+    for key in result:
+        if len(key) < 8:
+            raise ApiConfigError("API keys must be at least 8 characters")
+    return result
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _max_context(model, tokenizer) -> int:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 1 << 24 else 2048
+
+
+class ApiServer:
+    """Everything ``symbiosis api`` runs; ``start()`` (background) or ``run()`` (foreground)."""
+
+    def __init__(self, options: ApiOptions) -> None:
+        if not _is_loopback(options.host) and not options.allow_non_loopback:
+            raise ApiConfigError(
+                f"--host {options.host} is not loopback; pass --allow-non-loopback (and --api-key) to expose the API"
+            )
+        if options.max_concurrent_requests < 1 or options.max_batch_size < 1:
+            raise ApiConfigError("--max-concurrent-requests and --max-batch-size must be at least 1")
+        self.options = options
+        self.target = ExecutorTarget(options.model, options.client)
+        try:
+            self._build(options)
+        except BaseException:
+            self.target.close()
+            raise
+        self._uvicorn = None
+        self._thread: threading.Thread | None = None
+
+    def _build(self, options: ApiOptions) -> None:
+        self.tokenizer = load_tokenizer(options.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.model = self.target.client("symbiosis-api")
+        output = self.model.get_output_embeddings()
+        output_names = {name for name, module in self.model.named_modules() if module is output}
+        context = AdapterContext()
+        shapes = install_multi_lora(self.model, context, output_names)
+        dtype = next(self.model.parameters()).dtype
+        device = next(self.model.parameters()).device
+        served_name = options.served_model_name or Path(options.model).resolve().name
+
+        def load(name: str, path: Path):
+            return load_lora_adapter(name, path, shapes, dtype=dtype, device=device)
+
+        self.pool = AdapterPool(
+            load, adapters=options.adapters, adapter_dir=options.adapter_dir,
+            max_loaded=options.max_loaded_adapters, reserved_names=(served_name,),
+        )
+        self.metrics = ServingMetrics(served_name)
+        batch = min(options.max_batch_size, options.max_concurrent_requests)
+        engine_options = EngineOptions(
+            max_batch_size=batch,
+            max_waiting=options.max_concurrent_requests - batch,
+            kv_cache_bytes=options.kv_cache_mb << 20,
+        )
+        self.engine = GenerationEngine(self.model, self.tokenizer, self.pool, context, engine_options, self.metrics)
+        config = ApiConfig(
+            served_model_name=served_name,
+            max_context=_max_context(self.model, self.tokenizer),
+            api_keys=options.api_keys,
+            allow_adapter_updates=options.allow_adapter_updates,
+        )
+        self.app = create_app(ApiState(self.engine, self.tokenizer, config, self.metrics, self._probe_executor))
+        self.served_model_name = served_name
+
+    def _probe_executor(self) -> None:
+        """One empty request to the executor: raises if it cannot answer."""
+        transport = self.model.symbiosis_transport
+        spec = next(iter(transport.layer_specs().values()))
+        transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
+
+    # ---- running -------------------------------------------------------------------------------------
+
+    def _config(self):
+        import uvicorn
+
+        return uvicorn.Config(
+            self.app, host=self.options.host, port=self.options.port, log_level="warning",
+            timeout_graceful_shutdown=5, lifespan="off",
+        )
+
+    @property
+    def url(self) -> str:
+        server = self._uvicorn
+        if server is None or not server.started:
+            raise RuntimeError("the server is not running")
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Serve on a background thread; returns the base URL once it accepts connections."""
+        import uvicorn
+
+        self._uvicorn = uvicorn.Server(self._config())
+        self._thread = threading.Thread(target=self._uvicorn.run, name="symbiosis-api-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ApiConfigError(f"the API server did not start on {self.options.host}:{self.options.port}")
+            time.sleep(0.01)
+        return self.url
+
+    def run(self, on_ready=None) -> None:
+        """Serve in this thread until SIGINT/SIGTERM; ``on_ready(url)`` once listening."""
+        import asyncio
+
+        import uvicorn
+
+        self._uvicorn = uvicorn.Server(self._config())
+
+        async def serve() -> None:
+            task = asyncio.create_task(self._uvicorn.serve())
+            while not self._uvicorn.started and not task.done():
+                await asyncio.sleep(0.01)
+            if self._uvicorn.started and on_ready is not None:
+                on_ready(self.url)
+            await task
+
+        try:
+            asyncio.run(serve())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.engine.close()
+        self.target.close()
+
+    def __enter__(self) -> "ApiServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client, against monolithic peft.
+
+Every greedy completion is compared token for token (``return_token_ids``) with
+``transformers`` + ``peft`` generating alone from the same checkpoint and adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from symbiosis.jobs.client import ClientOptions
+from symbiosis.serving.server import ApiOptions, ApiServer
+from tests.serving.conftest import make_lora_adapter
+
+PROMPTS = ["The quick brown fox", "Hello there, my friend", "a", "Once upon a time in a land far away", "0 1 2 3"]
+MAX_TOKENS = 12
+
+
+def start_server(model: Path, client: ClientOptions | None = None, **options) -> ApiServer:
+    server = ApiServer(ApiOptions(model=model, client=client or ClientOptions(embedded=True), port=0, **options))
+    server.start()
+    return server
+
+
+def openai_client(server: ApiServer, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def post(url: str, body: dict, key: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def greedy_tokens(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    response = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"return_token_ids": True}
+    )
+    return response.choices[0].token_ids
+
+
+def check_concurrent_greedy(server: ApiServer, adapters: dict[str, Path], reference) -> None:
+    """16+ concurrent requests over every adapter and the base: tokens equal monolithic peft's."""
+    client = openai_client(server)
+    models = [*adapters, server.served_model_name]
+    jobs = [(model, prompt) for prompt in PROMPTS for model in models][:20]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        served = list(pool.map(lambda job: greedy_tokens(client, *job), jobs))
+    for (model, prompt), tokens in zip(jobs, served):
+        expected = reference.tokens(prompt, adapters.get(model), MAX_TOKENS)
+        assert tokens == expected, f"{model} on {prompt!r}"
+    assert server.engine.stats()["peak_running"] > 1, "requests were not batched together"
+
+
+@pytest.fixture(scope="module")
+def server(api_model, lora_adapters):
+    server = start_server(api_model, adapters=lora_adapters, max_loaded_adapters=3)
+    yield server
+    server.close()
+
+
+def test_concurrent_greedy_completions_over_mixed_adapters_equal_monolithic_peft(server, lora_adapters, reference):
+    check_concurrent_greedy(server, lora_adapters, reference)
+    # 4 adapters through a pool of 3: one was loaded again after eviction, and nothing broke.
+    assert server.pool.loaded_count <= 3
+
+
+def test_one_decode_step_sends_one_request_per_base_layer_for_all_rows(server):
+    calls = server.model.symbiosis_transport.service.stats()["layers"]
+    before = {layer: counters["requests"] for layer, counters in calls.items()}
+    rows_before = {layer: counters["rows"] for layer, counters in calls.items()}
+    client = openai_client(server)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda name: greedy_tokens(client, name, "Hello", 8), ["qv4", "attn8", "mlp16", "od2"]))
+    after = server.model.symbiosis_transport.service.stats()["layers"]
+    layer = "model.layers.0.self_attn.q_proj"
+    requests = after[layer]["requests"] - before[layer]
+    rows = after[layer]["rows"] - rows_before[layer]
+    # 4 sequences x 8 tokens: if each sequence had its own request there would be >= 32.
+    assert requests < 32 and rows / requests > 1.5, (requests, rows)
+
+
+def test_streaming_gives_the_same_text_as_non_streaming(server):
+    client = openai_client(server)
+    for model in ("attn8", server.served_model_name):
+        whole = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0)
+        chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_chat_completions_with_and_without_streaming(server):
+    client = openai_client(server)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model="mlp16", messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 10 or whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="mlp16", messages=messages, max_tokens=10, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_sampling_with_a_seed_is_repeatable_and_stop_strings_cut_the_text(server):
+    client = openai_client(server)
+    kwargs = dict(model="qv4", prompt="abc", max_tokens=16, temperature=0.9, top_p=0.9, seed=7, extra_body={"top_k": 50})
+    first, second = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
+    assert first == second
+    whole = client.completions.create(model="qv4", prompt="abc", max_tokens=16, temperature=0).choices[0].text
+    stop = whole[3:5]
+    if stop:
+        cut = client.completions.create(model="qv4", prompt="abc", max_tokens=16, temperature=0, stop=[stop])
+        assert cut.choices[0].text == whole[: whole.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_models_lists_the_base_and_every_adapter_with_its_parent(server, lora_adapters):
+    listed = {m.id: m for m in openai_client(server).models.list().data}
+    assert set(listed) == {server.served_model_name, *lora_adapters}
+    assert all(listed[name].model_extra["parent"] == server.served_model_name for name in lora_adapters)
+
+
+def test_errors_use_openai_bodies_and_status_codes(server):
+    client = openai_client(server)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-adapter", prompt="x")
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="qv4", prompt="x", temperature=7)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="qv4", prompt="x", max_tokens=10_000)
+    assert "maximum context length is 256" in long.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.completions.create(model="qv4", prompt="x", presence_penalty=1.0)
+    assert "presence_penalty" in unsupported.value.body["message"]
+    status, body = post(server.url + "/v1/completions", {"prompt": "x"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "model"
+    status, body = get(server.url + "/v1/nothing-here")
+    assert status == 404 and "error" in json.loads(body)
+
+
+def test_metrics_use_the_names_dashboards_chart(server):
+    greedy_tokens(openai_client(server), "qv4", "metrics", 3)
+    status, text = get(server.url + "/metrics")
+    assert status == 200
+    for name in (
+        "symbiosis:num_requests_running", "symbiosis:num_requests_waiting", "symbiosis:time_to_first_token_seconds",
+        "symbiosis:inter_token_latency_seconds", "symbiosis:e2e_request_latency_seconds",
+        "symbiosis:generation_tokens_total", "symbiosis:prompt_tokens_total", "symbiosis:lora_adapters_loaded",
+    ):
+        assert name in text, name
+    status, body = get(server.url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def _slow_steps(server: ApiServer, monkeypatch, seconds: float) -> None:
+    step = server.engine._step
+
+    def slow_step():
+        time.sleep(seconds)
+        step()
+
+    monkeypatch.setattr(server.engine, "_step", slow_step)
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_sequence(api_model, monkeypatch):
+    server = start_server(api_model)
+    try:
+        _slow_steps(server, monkeypatch, 0.02)
+        client = openai_client(server)
+        stream = client.completions.create(
+            model=server.served_model_name, prompt="go on", max_tokens=200, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        assert server.engine.stats()["running"] == 1 and server.engine.stats()["kv_cache_bytes"] > 0
+        stream.close()
+        deadline = time.monotonic() + 10
+        while server.engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = server.engine.stats()
+        assert stats["running"] == 0 and stats["kv_cache_bytes"] == 0
+        assert 'symbiosis:request_success_total{finished_reason="abort"} 1.0' in get(server.url + "/metrics")[1]
+    finally:
+        server.close()
+
+
+def test_a_full_server_answers_429_with_retry_after(api_model, monkeypatch):
+    server = start_server(api_model, max_concurrent_requests=2, max_batch_size=1)
+    try:
+        gate = threading.Event()
+        step = server.engine._step
+        monkeypatch.setattr(server.engine, "_step", lambda: (gate.wait(), step()))
+        client = openai_client(server)
+        model = server.served_model_name
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(greedy_tokens, client, model, "first", 4)
+            deadline = time.monotonic() + 10
+            while server.engine.stats()["waiting"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, body = post(server.url + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2})
+            waiting = post(server.url + "/v1/completions", {"model": model, "prompt": "y", "max_tokens": 2})
+            gate.set()
+            assert len(first.result(timeout=30)) == 4
+        # One is waiting (the engine is held) and the batch holds one: the queue cap is 1.
+        statuses = sorted([status, waiting[0]])
+        assert statuses[-1] == 429
+        error = json.loads(body if status == 429 else waiting[1])["error"]
+        assert error["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError) as limited:
+            gate.clear()
+            with ThreadPoolExecutor(2) as pool:
+                pool.submit(greedy_tokens, client, model, "a", 2)
+                while server.engine.stats()["waiting"] < 1:
+                    time.sleep(0.01)
+                try:
+                    greedy_tokens(client, model, "b", 2)
+                finally:
+                    gate.set()
+        assert limited.value.response.headers["retry-after"] == "1"
+    finally:
+        server.close()
+
+
+def test_a_key_limited_to_one_adapter_gets_404_for_the_others(api_model, lora_adapters):
+    keys = {"admin-key-000": None, "tenant-a-key": frozenset({"qv4"})}
+    server = start_server(api_model, adapters=lora_adapters, api_keys=keys)
+    try:
+        tenant = openai_client(server, "tenant-a-key")
+        assert len(greedy_tokens(tenant, "qv4", "hi", 3)) == 3
+        with pytest.raises(openai.NotFoundError) as hidden:
+            greedy_tokens(tenant, "attn8", "hi", 3)
+        with pytest.raises(openai.NotFoundError) as missing:
+            greedy_tokens(tenant, "no-such-adapter", "hi", 3)
+        assert hidden.value.body["message"].replace("attn8", "X") == missing.value.body["message"].replace("no-such-adapter", "X")
+        assert {m.id for m in tenant.models.list().data} == {server.served_model_name, "qv4"}
+        with pytest.raises(openai.AuthenticationError):
+            greedy_tokens(openai_client(server, "wrong-key-123"), "qv4", "hi", 3)
+        assert len(greedy_tokens(openai_client(server, "admin-key-000"), "attn8", "hi", 3)) == 3
+    finally:
+        server.close()
+
+
+def test_adapters_load_replace_and_unload_while_serving(api_model, tmp_path, reference):
+    server = start_server(api_model, allow_adapter_updates=True, api_keys={"admin-key-000": None, "tenant-key-1": frozenset()})
+    try:
+        client = openai_client(server, "admin-key-000")
+        first = make_lora_adapter(api_model, tmp_path / "v1", 4, 8, ["q_proj", "v_proj"], seed=11)
+        second = make_lora_adapter(api_model, tmp_path / "v2", 8, 8, ["up_proj"], seed=12)
+        load = server.url + "/v1/load_lora_adapter"
+        assert post(load, {"lora_name": "live", "lora_path": str(first)}, "admin-key-000")[0] == 200
+        assert greedy_tokens(client, "live", PROMPTS[0]) == reference.tokens(PROMPTS[0], first, MAX_TOKENS)
+        assert post(load, {"lora_name": "live", "lora_path": str(second)}, "admin-key-000")[0] == 200
+        assert greedy_tokens(client, "live", PROMPTS[0]) == reference.tokens(PROMPTS[0], second, MAX_TOKENS)
+        assert post(load, {"lora_name": "live", "lora_path": str(tmp_path)}, "admin-key-000")[0] == 400
+        assert post(load, {"lora_name": "x", "lora_path": str(first)}, "tenant-key-1")[0] == 403
+        assert post(server.url + "/v1/unload_lora_adapter", {"lora_name": "live"}, "admin-key-000")[0] == 200
+        with pytest.raises(openai.NotFoundError):
+            greedy_tokens(client, "live", PROMPTS[0])
+    finally:
+        server.close()
+
+
+def test_adapter_updates_are_off_unless_asked(server):
+    assert post(server.url + "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"})[0] == 404
+
+
+def test_a_replaced_adapter_never_changes_mid_sequence(api_model, tmp_path, reference, monkeypatch):
+    first = make_lora_adapter(api_model, tmp_path / "v1", 4, 8, ["q_proj", "v_proj"], seed=21)
+    second = make_lora_adapter(api_model, tmp_path / "v2", 4, 8, ["q_proj", "v_proj"], seed=22)
+    server = start_server(api_model, adapters={"live": first}, allow_adapter_updates=True)
+    try:
+        _slow_steps(server, monkeypatch, 0.01)
+        client = openai_client(server)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(greedy_tokens, client, "live", PROMPTS[3], 30)
+            while server.engine.stats()["running"] < 1:
+                time.sleep(0.005)
+            assert post(server.url + "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": str(second)})[0] == 200
+            assert running.result(timeout=60) == reference.tokens(PROMPTS[3], first, 30)
+        assert greedy_tokens(client, "live", PROMPTS[3], 30) == reference.tokens(PROMPTS[3], second, 30)
+    finally:
+        server.close()
+
+
+def test_adapter_dir_serves_folders_added_later(api_model, tmp_path, reference):
+    server = start_server(api_model, adapter_dir=tmp_path, max_loaded_adapters=2)
+    try:
+        client = openai_client(server)
+        assert {m.id for m in client.models.list().data} == {server.served_model_name}
+        made = {f"d{i}": make_lora_adapter(api_model, tmp_path / f"d{i}", 2 + i, 4, ["v_proj"], seed=30 + i) for i in range(3)}
+        for name, folder in made.items():
+            assert greedy_tokens(client, name, "x y") == reference.tokens("x y", folder, MAX_TOKENS)
+        assert server.pool.loaded_count == 2 and server.pool.loads == 3
+    finally:
+        server.close()
