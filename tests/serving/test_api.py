@@ -314,3 +314,52 @@ def test_adapter_dir_serves_folders_added_later(api_model, tmp_path, reference):
         assert server.pool.loaded_count == 2 and server.pool.loads == 3
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def remote_executor(api_model, tmp_path_factory):
+    from tests.service_helpers import start_executor, stop
+
+    address = f"ipc://{tmp_path_factory.mktemp('api-executor')}/executor.sock"
+    process = start_executor(api_model, address)
+    yield address, process
+    stop(process)
+
+
+def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_adapters, reference, remote_executor):
+    address, _ = remote_executor
+    server = start_server(api_model, ClientOptions(executor=address), adapters=lora_adapters)
+    try:
+        check_concurrent_greedy(server, lora_adapters, reference)
+        client = openai_client(server)
+        whole = client.completions.create(model="od2", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+        chunks = client.completions.create(model="od2", prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        chat = client.chat.completions.create(model="qv4", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert chat.usage.completion_tokens <= 5
+    finally:
+        server.close()
+
+
+def test_an_unreachable_executor_answers_503(api_model, tmp_path):
+    from tests.service_helpers import start_executor, stop
+
+    address = f"ipc://{tmp_path}/executor.sock"
+    process = start_executor(api_model, address)
+    server = start_server(api_model, ClientOptions(executor=address, timeout_s=3.0))
+    try:
+        assert get(server.url + "/health")[0] == 200
+        stop(process)
+        status, body = get(server.url + "/health")
+        assert status == 503 and "executor" in json.loads(body)["reason"]
+        with pytest.raises(openai.InternalServerError) as down:
+            greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)
+        assert down.value.status_code == 503
+        process = start_executor(api_model, address)  # the executor is stateless: serving resumes
+        deadline = time.monotonic() + 30
+        while get(server.url + "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)) == 3
+    finally:
+        server.close()
+        stop(process)

