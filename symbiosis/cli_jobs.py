@@ -16,6 +16,7 @@ import typer
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.jobs.finetune import TrainOptions
 from symbiosis.jobs.methods import METHODS, MethodOptions
+from symbiosis.jobs.publish import PublishOptions
 
 
 def _help_of(options: type, name: str) -> str:
@@ -41,7 +42,7 @@ ModelOpt = Annotated[Path, typer.Option("--model", help="Checkpoint folder of th
 def finetune_command(
     model: ModelOpt,
     data: Annotated[Path, typer.Option(help="JSONL training data: {\"text\": …} per line, or {\"prompt\": …, \"completion\": …} (only the completion is trained on).")],
-    output: Annotated[Path, typer.Option(help="Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go to OUTPUT.run/.")],
+    output: Annotated[Path, typer.Option(help="Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go to OUTPUT.run/. An existing folder is replaced only if empty or written by a previous run; nothing else is ever deleted.")],
     executor: ExecutorOpt = None,
     embedded: EmbeddedOpt = False,
     method: Annotated[str, typer.Option(help=_METHOD_HELP)] = "lora",
@@ -72,6 +73,10 @@ def finetune_command(
     timeout: TimeoutOpt = _default_of(ClientOptions, "timeout_s"),
     connect_timeout: ConnectTimeoutOpt = _default_of(ClientOptions, "connect_timeout_s"),
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (stderr) with loss and tokens/s.")] = True,
+    publish_to: Annotated[Optional[str], typer.Option(help="URL of a running `symbiosis api` (started with --allow-adapter-updates, same host): publish the LoRA adapter there while training, so new requests use the newest weights.")] = None,
+    publish_name: Annotated[Optional[str], typer.Option(help="Adapter name to publish under (default: the --output folder's name).")] = None,
+    publish_every: Annotated[int, typer.Option(help="Publish every N optimizer steps (and after the last).")] = 50,
+    publish_key: Annotated[Optional[str], typer.Option(envvar="SYMBIOSIS_API_KEY", help="API key of the server (an unrestricted one); also read from SYMBIOSIS_API_KEY.")] = None,
 ) -> None:
     """Fine-tune a PEFT adapter on a split client of the base executor; writes a standard PEFT adapter folder."""
     from symbiosis.jobs.finetune import FinetuneOptions, finetune
@@ -90,6 +95,7 @@ def finetune_command(
         ),
         resume=resume,
         progress=progress,
+        publish=PublishOptions(publish_to, publish_name or output.name, publish_every, publish_key) if publish_to else None,
     )
     from symbiosis.jobs.methods import get_method
 

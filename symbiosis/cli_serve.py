@@ -10,14 +10,14 @@ from typing import Annotated
 import typer
 
 from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
-from symbiosis.transport.security import CurveServerKeys
+from symbiosis.transport.security import CurveServerKeys, check_abstract_ipc
 
 _HELP = SchedulerConfig.help_texts()
 
 
 def serve(
     model_dir: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
-    bind: Annotated[list[str], typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients may connect with shm+ADDRESS to pass payloads through shared memory.")] = ["tcp://127.0.0.1:7000"],
+    bind: Annotated[list[str], typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with shm+ipc://PATH to pass payloads through shared memory.")] = ["tcp://127.0.0.1:7000"],
     device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16.")] = "float32",
     policy: Annotated[str, typer.Option(help=_HELP["policy"] + f" One of {', '.join(POLICIES)}.")] = "opportunistic",
@@ -42,6 +42,8 @@ def serve(
     if (curve_secret_key is None) != (authorized_clients is None):
         raise typer.BadParameter("--curve-secret-key and --authorized-clients go together")
     curve = CurveServerKeys(curve_secret_key, authorized_clients) if curve_secret_key and authorized_clients else None
+    for address in bind:  # before loading anything
+        check_abstract_ipc(address, curve)
 
     executor = BaseExecutor.from_pretrained(
         model_dir, device=device, dtype=dtype, policy=policy,

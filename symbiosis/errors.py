@@ -90,3 +90,33 @@ ERRORS_BY_CODE: dict[str, type[SymbiosisError]] = {
 def error_from_code(code: str, message: str) -> SymbiosisError:
     """Rebuild a typed error received over the wire (unknown codes become ``SymbiosisError``)."""
     return ERRORS_BY_CODE.get(code, SymbiosisError)(message)
+
+
+# Local configuration errors (they never cross the wire). Each is also a ``ValueError``, which
+# callers caught before these types existed.
+
+
+class CurveKeyError(SymbiosisError, ValueError):
+    """A CURVE key file is malformed (not 40 Z85 characters), lacks a key, or is readable by others."""
+
+    code = "curve_key"
+
+
+class UnsafeBindError(SymbiosisError, ValueError):
+    """A bind address would let other local users connect unauthenticated (``ipc://@abstract``)."""
+
+    code = "unsafe_bind"
+
+
+# Errors that do cross the wire, added after ``ERRORS_BY_CODE``: each registers itself there.
+
+
+class ExecutorBusyError(SymbiosisError):
+    """The executor refused work for now: this client already has as many requests or bytes in
+    flight as the executor allows one session, or too many torch.distributed set-ups are pending.
+    Nothing was computed; the same call may succeed once earlier ones completed."""
+
+    code = "busy"
+
+
+ERRORS_BY_CODE[ExecutorBusyError.code] = ExecutorBusyError

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Union
 
 import msgspec
 import torch
@@ -23,7 +22,9 @@ from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LatencyClass, LayerSpec, Op
 
 #: 2: a shared-memory result lies after the rows (``shm_channel.reply_offset``), not over them.
-PROTOCOL_VERSION = 2
+#: 3: shared-memory segments are made by the executor and named by the id it issued
+#: (``shm_broker``), never by a file name.
+PROTOCOL_VERSION = 3
 
 #: Tensor dtypes allowed on the wire, by wire name. bfloat16 has no numpy dtype, which is why
 #: payloads are always handled as raw bytes (``uint8`` views), never via numpy dtypes.
@@ -37,6 +38,14 @@ ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30  # 1 GiB: a whole 8k-token prefill of a 70B-wide layer fits
 MAX_HEADER_BYTES = 64 * 1024  # headers are tiny; anything bigger is garbage or an attack
 COPY_THRESHOLD = 64 * 1024  # smaller payload frames are copied into ZeroMQ messages (cheaper than tracking)
+#: One client session's requests in flight at once. A client thread has one call in flight, so
+#: only a client with more threads than this (or one that never reads its replies) meets it.
+DEFAULT_MAX_INFLIGHT_REQUESTS = 64
+#: Bytes one session may hold in the executor at once: rows and results of its requests in
+#: flight, and results queued for it but not yet sent. A single request is always admitted (up
+#: to ``max_payload_bytes`` each way), so a large lm_head call never meets this; it bounds what a
+#: client that sends many and never reads can pin (issue 10: 64 lm_head calls pinned 660 MB).
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 
 class WireLayerSpec(msgspec.Struct, frozen=True):
@@ -46,7 +55,7 @@ class WireLayerSpec(msgspec.Struct, frozen=True):
     has_bias: bool
 
     @classmethod
-    def from_spec(cls, spec: LayerSpec) -> "WireLayerSpec":
+    def from_spec(cls, spec: LayerSpec) -> WireLayerSpec:
         return cls(spec.layer_id, spec.in_features, spec.out_features, spec.has_bias)
 
     def to_spec(self) -> LayerSpec:
@@ -58,6 +67,8 @@ class Limits(msgspec.Struct, frozen=True):
 
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     allowed_dtypes: tuple[str, ...] = tuple(WIRE_DTYPES)
+    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT_REQUESTS
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
@@ -73,8 +84,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     """Server -> client: what the executor serves and on which terms.
 
-    ``session_token`` is a random per-session secret; shared-memory segments a client names must
-    start with ``shm_prefix(session_token)``, so one client cannot point the server at another's.
+    ``session_token`` is a random 128-bit per-session secret; a client shows it to the executor's
+    segment broker (``shm_socket``, a Unix socket next to the ipc socket; empty when shared memory
+    is not offered) to get shared-memory segments for this session (``transport/shm_broker.py``).
     """
 
     version: int
@@ -85,14 +97,16 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     heartbeat_s: float
     session_token: str
     shm_supported: bool
+    shm_socket: str = ""
     dist_store: str = ""  # "HOST:PORT" of the executor's TCPStore, when the Hello asked for dist
     dist_prefix: str = ""  # this session's secret key prefix in that store
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):
-    """One layer call. Inline payload: one frame follows. Shared memory: ``shm_name`` is set, no
-    frame follows, rows lie at ``shm_offset`` of that segment and the result right after them
-    (``transport/shm_channel.py``: ``reply_offset``).
+    """One layer call. Inline payload: one frame follows. Shared memory: ``shm_name`` is set (the
+    id the executor gave one of this session's segments), no frame follows, rows lie at
+    ``shm_offset`` of that segment and the result right after them (``transport/shm_channel.py``:
+    ``reply_offset``).
     torch.distributed: ``dist_tag`` is set, no frame follows, ``dist_nbytes`` bytes travel on the
     session's pair group with that tag, and so does the result (see ``transport/dist_channel.py``).
     """
@@ -137,12 +151,12 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
 
 
 class ShmRelease(msgspec.Struct, tag="shm_release", frozen=True):
-    """Client -> server: these segments are retired (grown or discarded); drop their mappings."""
+    """Client -> server: these segments (ids) are retired (grown or discarded); drop their mappings."""
 
     names: list[str]
 
 
-Message = Union[Hello, Welcome, Request, Reply, Goodbye, Ping, Pong, ShmRelease]
+Message = Hello | Welcome | Request | Reply | Goodbye | Ping | Pong | ShmRelease
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -175,10 +189,6 @@ def salvage_request_id(header: bytes | memoryview) -> int:
 
 def error_reply(request_id: int, code: str, message: str) -> Reply:
     return Reply(request_id=request_id, ok=False, error_code=code, error_message=message)
-
-
-def shm_prefix(session_token: str) -> str:
-    return f"symb_{session_token}_"
 
 
 def declared_nbytes(dtype: str, shape: list[int]) -> int:

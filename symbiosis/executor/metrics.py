@@ -3,16 +3,25 @@
 A custom collector reads ``executor.stats()`` at scrape time, so the executor's hot path keeps
 plain counters and pays nothing for observability. Served by the standard library's HTTP
 server on a background thread; binds loopback unless told otherwise.
+
+Why not ``prometheus_client.start_http_server``: like ``ThreadingHTTPServer`` it starts one thread
+per connection with no read timeout, so clients that open connections and never finish a request
+pile up threads without bound. Here at most ``max_handlers`` connections are served at once, their
+reads and writes time out after ``request_timeout_s``, and further connections are closed at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
 
 
 class ExecutorCollector:
@@ -44,15 +53,60 @@ class ExecutorCollector:
         yield GaugeMetricFamily("symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"])
 
 
-class MetricsServer:
-    """``GET /metrics`` (Prometheus text format) and ``GET /health`` (JSON) on ``host:port``."""
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A ``ThreadingHTTPServer`` with at most ``max_handlers`` handler threads alive at once.
 
-    def __init__(self, executor, port: int, host: str = "127.0.0.1"):
+    A connection that arrives while all are busy is closed unanswered: a scraper retries at its
+    next interval, and the accept loop never blocks (so ``shutdown`` stays prompt).
+    """
+
+    # socketserver's default backlog of 5 makes the kernel drop the connections of a burst (their
+    # SYNs are retried a second later); a deeper one lets them be accepted, and shed, at once.
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_handlers: int):
+        self._slots = threading.BoundedSemaphore(max_handlers)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the handler thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        # A peer that timed out or went away is routine for a metrics port; no traceback on stderr.
+        log.debug("metrics request from %s failed: %r", client_address, sys.exc_info()[1])
+
+
+class MetricsServer:
+    """``GET /metrics`` (Prometheus text format) and ``GET /health`` (JSON) on ``host:port``.
+
+    At most ``max_handlers`` connections are served at once (one thread each); every read and write
+    of a connection times out after ``request_timeout_s``, so a client that sends nothing more
+    holds its thread that long at most.
+    """
+
+    def __init__(
+        self, executor, port: int, host: str = "127.0.0.1", *, max_handlers: int = 8, request_timeout_s: float = 5.0
+    ):
         registry = CollectorRegistry()
         registry.register(ExecutorCollector(executor))
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
+            timeout = request_timeout_s  # socket timeout of each read and write (StreamRequestHandler)
+
+            def do_GET(self):  # http.server's naming
                 if self.path.startswith("/metrics"):
                     body, ctype, status = generate_latest(registry), CONTENT_TYPE_LATEST, 200
                 elif self.path.startswith("/health"):
@@ -70,7 +124,7 @@ class MetricsServer:
             def log_message(self, *args):  # scrapes are not news
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _BoundedHTTPServer((host, port), Handler, max_handlers)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="symbiosis-metrics", daemon=True)
         self._thread.start()

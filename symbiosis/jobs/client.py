@@ -113,10 +113,16 @@ class SplitClient:
 
 
 def load_tokenizer(model_dir: Path):
+    """The tokenizer in the local folder ``model_dir``; never a download.
+
+    ``from_pretrained`` treats a name that is not a folder as a hub id, so the folder is checked
+    first and hub look-ups are off (``local_files_only``): nothing reaches the network.
+    """
     from transformers import AutoTokenizer
 
+    model_dir = require_model_dir(model_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load the tokenizer of {str(model_dir)!r}: {exc}") from None
     if tokenizer.pad_token_id is None:

@@ -10,12 +10,16 @@ Two record shapes, as in most fine-tuning tools:
 The batch order is a pure function of ``(seed, epoch)`` (a fresh permutation per epoch), so a
 resumed run only needs the position ``(epoch, index)`` to continue with exactly the batches the
 uninterrupted run would have seen.
+
+Size bounds: a line longer than ``MAX_LINE_BYTES`` is refused before it is read whole, and a text
+is tokenized only as far as its first ``seq_len`` tokens need (``token_ids``), so a huge record
+costs no more than a short one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,13 @@ import torch
 from symbiosis.errors import SymbiosisError
 
 IGNORE_INDEX = -100
+
+#: Longest line of a JSONL (or prompts) file, in bytes. A long-context record is well under a
+#: megabyte; a longer line is a broken file, and reading it whole could exhaust memory.
+MAX_LINE_BYTES = 16 * 2**20
+#: Tokens past ``seq_len`` that a cut text must still yield, so that the cut (which can change
+#: the tokens right before it) is far from the tokens kept.
+_CUT_MARGIN_TOKENS = 64
 
 
 class DataError(SymbiosisError):
@@ -50,17 +61,43 @@ class TokenizedExample:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
 
+def read_lines(path: str | Path, what: str = "data file") -> Iterator[tuple[int, str]]:
+    """``(number, text)`` of each line of ``path`` (UTF-8, split at newlines only).
+
+    A line longer than ``MAX_LINE_BYTES`` raises ``DataError`` after reading at most that many
+    bytes of it; so does a line that is not UTF-8 (both naming the file and the line number).
+    """
+    path = Path(path)
+    try:
+        file = path.open("rb")
+    except FileNotFoundError:
+        raise DataError(f"{what} {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+    with file:
+        number = 0
+        while True:
+            try:
+                raw = file.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:  # a folder, an unreadable device
+                raise DataError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+            if not raw:
+                return
+            number += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise DataError(f"{path}:{number}: line longer than {MAX_LINE_BYTES:,} bytes; split the record")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            yield number, text.rstrip("\r\n")
+
+
 def read_jsonl(path: str | Path) -> list[Record]:
     """Read ``path``; a malformed line raises ``DataError`` naming the file and the line number."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DataError(f"data file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read data file {str(path)!r}: {exc}") from None
     records = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in read_lines(path):
         if line.strip():
             records.append(parse_record(line, f"{path}:{number}"))
     if not records:
@@ -95,13 +132,35 @@ def tokenize(tokenizer, record: Record, seq_len: int) -> TokenizedExample:
     Prompt and completion are tokenized separately so that the prompt's tokens are exactly what
     generation will see at inference time.
     """
-    prompt_ids = tokenizer(record.prompt, add_special_tokens=False)["input_ids"] if record.prompt else []
-    completion_ids = tokenizer(record.completion, add_special_tokens=False)["input_ids"]
+    prompt_ids = token_ids(tokenizer, record.prompt, seq_len)
+    completion_ids = token_ids(tokenizer, record.completion, seq_len)
     if tokenizer.eos_token_id is not None:
         completion_ids = completion_ids + [tokenizer.eos_token_id]
     input_ids = (prompt_ids + completion_ids)[:seq_len]
     labels = ([IGNORE_INDEX] * len(prompt_ids) + completion_ids)[:seq_len]
     return TokenizedExample(input_ids, labels)
+
+
+def token_ids(tokenizer, text: str, limit: int) -> list[int]:
+    """The first ``limit`` (or more) token ids of ``text``, tokenizing only a prefix of it.
+
+    Tokenizing costs time and memory in proportion to the text, and records are cut to
+    ``seq_len`` tokens anyway: a 10 MB line must not take seconds and gigabytes to give 16 tokens.
+    The prefix starts at a few characters per token and doubles until it yields
+    ``_CUT_MARGIN_TOKENS`` more tokens than ``limit`` (or is the whole text), so the cut lies far
+    from the tokens kept: those are the ones the whole text would give.
+    """
+    if not text:
+        return []
+    chars = 4 * (limit + _CUT_MARGIN_TOKENS)
+    while True:
+        whole = chars >= len(text)
+        ids = tokenizer(text if whole else text[:chars], add_special_tokens=False)["input_ids"]
+        if whole:
+            return ids
+        if len(ids) >= limit + _CUT_MARGIN_TOKENS:
+            return ids[:limit]
+        chars *= 2
 
 
 def tokenize_all(tokenizer, records: Iterable[Record], seq_len: int, source: str = "data") -> list[TokenizedExample]:

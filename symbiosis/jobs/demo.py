@@ -1,10 +1,13 @@
-"""``symbiosis demo``: one base executor, four fine-tuning clients and two inference clients at once.
+"""``symbiosis demo``: one base executor, four fine-tuning clients and an OpenAI-compatible server at once.
 
 What it shows, in a few minutes on a laptop CPU: one copy of the base weights (in the executor's
-own process, served over ZeroMQ ``ipc://``) serves six independent jobs — four PEFT methods
-(LoRA, IA3, prefix tuning, LoHa), each learning its own synthetic task, and two clients
-generating text — and the adapters really learn: each one's exact-match accuracy on held-out
-inputs is measured before and after fine-tuning, never assumed.
+own process, served over ZeroMQ ``ipc://``) serves five independent clients — four PEFT methods
+(LoRA, IA3, prefix tuning, LoHa), each learning its own synthetic task, and ``symbiosis api``
+answering two streams of OpenAI completions requests — and the adapters really learn: each
+one's exact-match accuracy on held-out inputs is measured before and after fine-tuning, never
+assumed. The LoRA tuner publishes its adapter to the server as ``lora-live`` while it trains;
+one request stream asks for ``lora-live`` and is answered by the newest published weights
+(something no serving system that loads adapters only from finished runs can show).
 
 The clients are threads of this process, each with its own model copy (embeddings, norms,
 adapters, KV cache) and its own connection; the executor batches their rows together. The
@@ -30,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-from symbiosis.jobs.artifacts import save_adapter, save_loss_plot
+from symbiosis.jobs.artifacts import check_output_folder, save_adapter, save_loss_plot
 from symbiosis.jobs.client import load_tokenizer
 from symbiosis.jobs.data import tokenize_all
 from symbiosis.jobs.finetune import FinetuneRun, StepRecord, TrainOptions
 from symbiosis.jobs.methods import MethodOptions, build_peft_config
+from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
 from symbiosis.jobs.tasks import exact_match_accuracy, get_task, make_split
 
 
@@ -56,6 +60,8 @@ TUNERS: tuple[TunerSpec, ...] = (
     TunerSpec("loha", "sort", 1e-2, 300, MethodOptions(rank=8, alpha=16)),
 )
 INFERENCE_PROMPTS = ("The executor ", "Once upon a time", "def main():", "Shared base weights ")
+LIVE_ADAPTER = "lora-live"  # the name the LoRA tuner publishes its adapter under
+BASE_NAME = "base"
 
 
 @dataclass
@@ -182,6 +188,7 @@ class ClientState:
     accuracy_after: float | None = None
     generated_tokens: int = 0
     requests: int = 0
+    published_steps: list[int] = field(default_factory=list)  # the LoRA tuner's publications to the API server
     error: str | None = None
 
 
@@ -196,7 +203,7 @@ def _load_client(model_dir: Path, target, name: str):
 class Tuner:
     """A fine-tuning client: measure held-out accuracy, train, measure again, save the adapter."""
 
-    def __init__(self, spec: TunerSpec, model_dir: Path, target, tokenizer, options: DemoOptions) -> None:
+    def __init__(self, spec: TunerSpec, model_dir: Path, target, tokenizer, options: DemoOptions, publish_to: str | None = None) -> None:
         import peft
 
         self.spec = spec
@@ -216,6 +223,11 @@ class Tuner:
         self.run = FinetuneRun(self.peft_model, train_set, [], train_options, pad_token_id=tokenizer.pad_token_id)
         self.state.total_steps = self.run.total_steps
         self.state.trainable_parameters = sum(p.numel() for _, p in self.run.params)
+        self.publisher = None
+        if publish_to is not None:  # new requests to `lora-live` get the newest weights
+            every = max(1, self.run.total_steps // 6)
+            publish = PublishOptions(publish_to, LIVE_ADAPTER, every)
+            self.publisher = AdapterPublisher(publish, self.peft_model, options.output / "published" / spec.method)
         self.state.status = "ready"
 
     def __call__(self) -> None:
@@ -228,6 +240,9 @@ class Tuner:
             state.step = record.step
             state.losses.append(record.loss)
             state.tokens_per_s = record.tokens_per_s
+            if self.publisher is not None:
+                self.publisher(record)
+                state.published_steps = list(self.publisher.published)
 
         self.run.train(on_step)
         state.status = "measuring"
@@ -239,42 +254,76 @@ class Tuner:
         self.model.symbiosis_transport.close()
 
 
-class Generator:
-    """An inference client: generates continuations of a few prompts until told to stop."""
+class ApiGenerator:
+    """An inference user of the demo's OpenAI-compatible server: sends completions until told to stop.
 
-    def __init__(self, index: int, model_dir: Path, target, tokenizer, options: DemoOptions, stop: threading.Event) -> None:
-        self.state = ClientState(name=f"infer-{index}", kind="inference", method="(base)", task="generate")
-        self.model = _load_client(model_dir, target, self.state.name)
-        self.tokenizer = tokenizer
+    One asks the base model; the other asks for ``lora-live``, the LoRA tuner's adapter as the
+    tuner publishes it while training: it gets 404 until the first publication, then answers
+    from the newest weights published so far.
+    """
+
+    def __init__(self, index: int, url: str, model: str, options: DemoOptions, stop: threading.Event) -> None:
+        self.state = ClientState(name=f"api-{model}", kind="inference", method=model, task="api")
+        self.url = url
+        self.model = model
         self.stop = stop
         self.index = index
         self.max_new_tokens = 8 if options.quick else 24
         self.state.status = "ready"
 
-    @torch.no_grad()
+    def _complete(self, prompt: str) -> dict | None:
+        """One completion (None: the model does not exist yet)."""
+        import urllib.error
+        import urllib.request
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_new_tokens, "temperature": 0.8,
+                "top_k": 50, "seed": self.state.requests}
+        request = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise RuntimeError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:200]}") from None
+
     def __call__(self) -> None:
         state = self.state
-        state.status = "generating"
+        state.status = "requesting"
         started = time.perf_counter()
         prompts = INFERENCE_PROMPTS[self.index % 2 :: 2]
-        while not self.stop.is_set():
-            prompt = prompts[state.requests % len(prompts)]
-            input_ids = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-            output = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=self.max_new_tokens,
-                do_sample=True,
-                top_k=50,
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
-            state.generated_tokens += output.shape[1] - input_ids.shape[1]
+        stopped_at = None
+        # Keep going after stop until at least one request was answered (at most 60 s more).
+        while not self.stop.is_set() or (state.requests == 0 and time.perf_counter() - (stopped_at or time.perf_counter()) < 60):
+            if self.stop.is_set() and stopped_at is None:
+                stopped_at = time.perf_counter()
+            answer = self._complete(prompts[state.requests % len(prompts)])
+            if answer is None:
+                state.status = "waiting for the adapter"
+                time.sleep(0.1)
+                continue
+            state.status = "requesting"
+            state.generated_tokens += answer["usage"]["completion_tokens"]
             state.requests += 1
             state.tokens_per_s = state.generated_tokens / (time.perf_counter() - started)
         state.status = "done"
 
     def close(self) -> None:
-        self.model.symbiosis_transport.close()
+        pass
+
+
+def _start_api(model_dir: Path, executor: "ExecutorHandle"):
+    """``symbiosis api`` on a free loopback port, as one more client of the demo's executor."""
+    from symbiosis.jobs.client import ClientOptions
+    from symbiosis.serving.server import ApiOptions, ApiServer
+
+    client = ClientOptions(executor=executor.target) if isinstance(executor.target, str) else ClientOptions(embedded=True)
+    options = ApiOptions(model=model_dir, client=client, port=0, served_model_name=BASE_NAME, allow_adapter_updates=True)
+    server = ApiServer(options, executor=None if isinstance(executor.target, str) else executor.target)
+    server.start()
+    return server
 
 
 def _run_thread(target, state: ClientState) -> threading.Thread:
@@ -335,7 +384,11 @@ def final_tables(states: list[ClientState], figures: dict, wall_s: float):
             acc = f"{_fmt_acc(s.accuracy_before)} → {_fmt_acc(s.accuracy_after)} {mark}"
             clients.add_row(s.name, s.method, s.task, f"{s.trainable_parameters:,}", f"{s.tokens_per_s:,.0f}", _loss_span(s.losses), acc)
         else:
-            clients.add_row(s.name, s.method, "generation", "-", f"{s.tokens_per_s:,.0f}", "-", f"n/a ({s.requests} requests, {s.generated_tokens} tokens)")
+            answered = f"{s.requests} requests answered, {s.generated_tokens} tokens"
+            if s.method == LIVE_ADAPTER:
+                published = next((t.published_steps for t in states if t.kind == "fine-tune" and t.method == "lora"), [])
+                answered += f", by the LoRA adapter published mid-run (steps {', '.join(map(str, published))})"
+            clients.add_row(s.name, s.method, "OpenAI API", "-", f"{s.tokens_per_s:,.0f}", "-", answered)
     executor = Table(title="executor", title_justify="left")
     for column in ("requests", "batches", "mean rows/batch", "base weights", "peak RSS", "wall time"):
         executor.add_column(column)
@@ -372,6 +425,8 @@ def run_demo(options: DemoOptions) -> dict:
     model_dir = make_model("llama", preset, model_dir, seed=options.seed)
     console.print(f"model: llama/{preset} at {model_dir} ({'reused' if reused else 'made'})")
     options.output.mkdir(parents=True, exist_ok=True)
+    for spec in TUNERS:  # refuse an adapter folder we may not replace now, not after training
+        check_output_folder(options.output / "adapters" / spec.method, "demo adapter folder")
 
     # The executor runs in its own process and serves over ZeroMQ ipc://; --in-process keeps it
     # in this process instead (debugging, or where ipc:// is unavailable).
@@ -381,11 +436,14 @@ def run_demo(options: DemoOptions) -> dict:
     console.print(f"executor: {where}")
     stop = threading.Event()
     tuners: list[Tuner] = []
-    generators: list[Generator] = []
+    generators: list[ApiGenerator] = []
+    api = None
     try:
         tokenizer = load_tokenizer(model_dir)
-        tuners = [Tuner(spec, model_dir, executor.target, tokenizer, options) for spec in TUNERS]
-        generators = [Generator(i, model_dir, executor.target, tokenizer, options, stop) for i in range(2)]
+        api = _start_api(model_dir, executor)
+        console.print(f"OpenAI-compatible server: {api.url}/v1 (a client of the same executor)")
+        tuners = [Tuner(spec, model_dir, executor.target, tokenizer, options, api.url if spec.method == "lora" else None) for spec in TUNERS]
+        generators = [ApiGenerator(i, api.url, name, options, stop) for i, name in enumerate((BASE_NAME, LIVE_ADAPTER))]
         states = [t.state for t in tuners] + [g.state for g in generators]
         tuner_threads = [_run_thread(t, t.state) for t in tuners]
         generator_threads = [_run_thread(g, g.state) for g in generators]
@@ -402,6 +460,8 @@ def run_demo(options: DemoOptions) -> dict:
         stop.set()
         for client in [*tuners, *generators]:
             client.close()
+        if api is not None:
+            api.close()
         executor.close()
 
     wall_s = time.perf_counter() - started

@@ -13,7 +13,8 @@ optimizer moments: its loss curve equals the uninterrupted one.
 Output: ``--output DIR`` becomes a standard PEFT adapter folder (``adapter_config.json`` +
 ``adapter_model.safetensors``, plus ``log.jsonl`` and ``loss.png``), written into a temporary
 sibling folder and renamed into place, so a failed save (a full disk) never leaves a folder that
-looks complete. Checkpoints, the live log and plot go to ``DIR.run/`` next to it.
+looks complete. Checkpoints, the live log and plot go to ``DIR.run/`` next to it. Both are checked
+before anything else runs: a job replaces or clears only folders it wrote (``artifacts.py``).
 """
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ from typing import Any
 
 import torch
 
-from symbiosis.jobs.artifacts import save_adapter, save_loss_plot, write_atomically
+from symbiosis.jobs.artifacts import (
+    check_output_folder,
+    check_run_folder,
+    prepare_run_folder,
+    save_adapter,
+    save_loss_plot,
+    write_atomically,
+)
 from symbiosis.jobs.base import JobError, _help
 from symbiosis.jobs.client import ClientOptions, SplitClient, load_tokenizer, require_model_dir
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
+from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
 
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 TRAINER_STATE = "trainer_state.pt"
@@ -333,6 +342,7 @@ class FinetuneOptions:
     train: TrainOptions = field(default_factory=TrainOptions)
     resume: bool = False
     progress: bool = True
+    publish: PublishOptions | None = None  # publish the adapter to a running `symbiosis api` while training
 
     @property
     def run_dir(self) -> Path:
@@ -373,6 +383,11 @@ def _progress_printer(total: int, label: str) -> tuple[Callable[[StepRecord], No
 
 def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | None = None) -> FinetuneResult:
     """Train a PEFT adapter on a split client of the executor and save it as a PEFT folder."""
+    # Outputs first: a refused --output must cost no training and must not touch anything.
+    check_output_folder(options.output)
+    check_run_folder(options.run_dir, options.resume)
+    if options.publish is not None and options.method != "lora":
+        raise JobError(f"--publish-to needs --method lora (the api server serves LoRA adapters), not {options.method}")
     records = read_jsonl(options.data)  # bad data fails before any connection is made
     tokenizer = load_tokenizer(require_model_dir(options.model))
     train_records, eval_records = split_eval(records, options.train.eval_fraction, options.train.seed)
@@ -391,13 +406,11 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft_model = peft.get_peft_model(client.model, config)
-        run_dir = options.run_dir
-        if not options.resume and run_dir.exists():
-            shutil.rmtree(run_dir)  # a fresh run: stale checkpoints must not be resumed later
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = prepare_run_folder(options.run_dir, options.resume)
         run = FinetuneRun(peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir)
         if options.resume:
             run.resume()
+        publisher = AdapterPublisher(options.publish, peft_model, run_dir / "published") if options.publish else None
         update, stop = _progress_printer(run.total_steps, f"{options.method}") if options.progress else (None, lambda: None)
         if update is not None:
             update_start = run.step
@@ -406,6 +419,8 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         def report(record: StepRecord) -> None:
             if update is not None:
                 update(record)
+            if publisher is not None:
+                publisher(record)
             if on_step is not None:
                 on_step(record)
 
@@ -416,7 +431,8 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         points = [(r["step"], r["loss"]) for r in run.log]
         evals = [(r["step"], r["eval_loss"]) for r in run.log if "eval_loss" in r]
         save_loss_plot({"train": points, **({"eval": evals} if evals else {})}, run_dir / "loss.png", f"{options.method} on {options.data.name}")
-        (run_dir / "training_options.json").write_text(json.dumps(_jsonable(options), indent=2) + "\n")
+        recorded = options if options.publish is None else dataclasses.replace(options, publish=dataclasses.replace(options.publish, api_key=None))
+        (run_dir / "training_options.json").write_text(json.dumps(_jsonable(recorded), indent=2) + "\n")
         extra = (run_dir / "log.jsonl", run_dir / "loss.png", run_dir / "training_options.json")
         result.output = save_adapter(peft_model, options.output, extra)
         result.losses = [r["loss"] for r in run.log]

@@ -24,8 +24,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from symbiosis.errors import CheckpointError
 from symbiosis.jobs.base import JobError
-from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer
-from symbiosis.jobs.data import DataError
+from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer, require_model_dir
+from symbiosis.jobs.data import DataError, read_lines
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,8 @@ class TextWriterStreamer(BaseStreamer):
 
 def read_prompts(path: Path) -> list[PromptJob]:
     """Plain lines, or JSONL objects with ``prompt`` (and optional ``adapter``)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise DataError(f"cannot read prompts file {str(path)!r}: {exc.strerror or exc}") from None
     jobs = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in read_lines(path, "prompts file"):  # lines are capped at MAX_LINE_BYTES
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -205,7 +201,7 @@ def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Comple
         jobs += read_prompts(options.prompts_file)
     if not jobs:
         raise JobError("give --prompt TEXT or --prompts FILE")
-    tokenizer = load_tokenizer(options.model)
+    tokenizer = load_tokenizer(require_model_dir(options.model))  # a local folder, never a hub id
     names = adapter_names(options.adapters)
     for folder in options.adapters:
         adapter_type(folder)  # a bad adapter folder fails before connecting

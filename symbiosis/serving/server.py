@@ -106,7 +106,9 @@ def _max_context(model, tokenizer) -> int:
 class ApiServer:
     """Everything ``symbiosis api`` runs; ``start()`` (background) or ``run()`` (foreground)."""
 
-    def __init__(self, options: ApiOptions) -> None:
+    def __init__(self, options: ApiOptions, executor=None) -> None:
+        """``executor``: a ``BaseExecutor`` (or address) to use instead of ``options.client``'s
+        executor/embedded choice (the demo shares its own executor this way)."""
         if not _is_loopback(options.host) and not options.allow_non_loopback:
             raise ApiConfigError(
                 f"--host {options.host} is not loopback; pass --allow-non-loopback (and --api-key) to expose the API"
@@ -114,11 +116,12 @@ class ApiServer:
         if options.max_concurrent_requests < 1 or options.max_batch_size < 1:
             raise ApiConfigError("--max-concurrent-requests and --max-batch-size must be at least 1")
         self.options = options
-        self.target = ExecutorTarget(options.model, options.client)
+        self.target = ExecutorTarget(options.model, options.client) if executor is None else None
+        self._shared_executor = executor
         try:
             self._build(options)
         except BaseException:
-            self.target.close()
+            self._close_client()
             raise
         self._uvicorn = None
         self._thread: threading.Thread | None = None
@@ -127,7 +130,14 @@ class ApiServer:
         self.tokenizer = load_tokenizer(options.model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model = self.target.client("symbiosis-api")
+            if self.target is not None:
+                self.model = self.target.client("symbiosis-api")
+            else:
+                import symbiosis
+
+                self.model = symbiosis.load_client_model(
+                    options.model, executor=self._shared_executor, client_id="symbiosis-api", timeout_s=options.client.timeout_s
+                )
         output = self.model.get_output_embeddings()
         output_names = {name for name, module in self.model.named_modules() if module is output}
         context = AdapterContext()
@@ -226,7 +236,13 @@ class ApiServer:
             self._thread.join(timeout=10)
             self._thread = None
         self.engine.close()
-        self.target.close()
+        self._close_client()
+
+    def _close_client(self) -> None:
+        if self.target is not None:
+            self.target.close()
+        elif getattr(self, "model", None) is not None:
+            self.model.symbiosis_transport.close()
 
     def __enter__(self) -> "ApiServer":
         return self

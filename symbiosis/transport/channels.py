@@ -13,6 +13,8 @@ byte, and runs on the server's socket thread unless it says otherwise.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,15 +29,52 @@ from symbiosis.vocabulary import LayerSpec
 RequestKey = tuple[bytes, int]
 
 
+class UnsentBytes:
+    """Bytes of one session's inline results that ZeroMQ still holds (sent zero-copy, not yet all
+    on the wire, or waiting in the backlog). ``track`` hands ZeroMQ a fresh view of the payload
+    and keeps a weak reference to it; ZeroMQ's reference is dropped (by pyzmq's garbage-collector
+    thread) once the bytes are out or the message is discarded, and the callback counts them
+    off. Thread-safe: single dict and deque operations only."""
+
+    __slots__ = ("_freed", "_refs", "nbytes")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}  # by id(): a writable view is unhashable
+        self._freed: deque[int] = deque()
+
+    def track(self, payload: memoryview) -> memoryview:
+        view = memoryview(payload)
+        ref = weakref.ref(view, self._gone)
+        self._refs[id(ref)] = (ref, view.nbytes)
+        self.nbytes += view.nbytes
+        return view
+
+    def held(self) -> int:
+        """Bytes not yet freed (socket thread)."""
+        while self._freed:
+            self.nbytes -= self._freed.popleft()
+        return self.nbytes
+
+    def _gone(self, ref: weakref.ref) -> None:
+        self._freed.append(self._refs.pop(id(ref), (ref, 0))[1])
+
+
 @dataclass(eq=False)
 class Session:
-    """One client connection's session on a server. ``channel_state`` is owned by the channels."""
+    """One client connection's session on a server. ``channel_state`` is owned by the channels;
+    the rest is the server's account of what the session holds (``ZmqServer``'s bounds)."""
 
     identity: bytes
     client_id: str
     token: str
     last_seen: float
     channel_state: dict[str, Any] = field(default_factory=dict)
+    inflight: int = 0  # requests accepted and not answered yet
+    inflight_bytes: int = 0  # their rows and results
+    unsent: UnsentBytes = field(default_factory=UnsentBytes)
+    backlog: deque[tuple[list[Any], bool]] = field(default_factory=deque)  # (frames, copy) awaiting room
+    stalled_since: float = 0.0  # when the backlog last made progress (or started)
 
 
 @dataclass

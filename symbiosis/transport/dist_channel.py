@@ -9,14 +9,23 @@ client (``dist_client.DistTransport``) sends small requests the plain inline way
 frame): a gloo/NCCL transfer only pays off for large payloads. This module is the server side
 (``DistChannel``) and what both sides share; it never imports the client module.
 
-Rendezvous: the executor hosts one ``TCPStore`` per server, created on the first dist Hello and
-listening on the dist host (loopback unless the server was told otherwise). A Hello with
-``dist_backend`` makes the server start that session's *pair worker* (rank 0) and answer with the
-store's address and a random 128-bit key prefix in ``Welcome``; the client then builds rank 1
-under that prefix. Backend: ``gloo`` for CPU payloads, ``nccl`` when the client's device is CUDA
-(the server then receives on its ``dist_device``). NCCL builds its communicator lazily, on the
-first transfer, and that blocks until both ranks take part; both sides therefore move one byte
-(client to executor) while they set the group up, never later.
+Rendezvous (issue 10, finding 3): a Hello with ``dist_backend`` makes the server open a
+``TCPStore`` for that one set-up, listening on a fresh port of the dist host (loopback unless the
+server was told otherwise), start that session's *pair worker* (rank 0, a client of that store)
+and answer with the store's address and a random 128-bit key prefix in ``Welcome``; the client
+then builds rank 1 under that prefix. Once built, the client sends one byte over the group (so
+the executor knows the client is done with the store too: gloo's rank 0 can be connected before
+rank 1 read its last key), and the executor shuts the store down; it does the same when the
+set-up fails. So the store is not there to be filled by anyone else on the host afterwards, and
+no set-up waits behind another's store traffic (issue 10: 300 Hellos on one connection started
+500 threads on one shared store, and a real client then timed out). Set-ups are bounded: one
+pending per session (another dist Hello on it meanwhile is refused), at most
+``max_pending_setups`` server-wide (more get ``ExecutorBusyError``; the client retries within
+its connect timeout), each given ``setup_timeout_s`` (the gloo group's own timeout; transfers are
+then waited for with the server's ``client_timeout_s``). Backend: ``gloo`` for CPU payloads,
+``nccl`` when the client's device is CUDA (the server then receives on its ``dist_device``).
+NCCL builds its communicator lazily, on the first transfer, and that blocks until both ranks
+take part: the set-up byte builds it, so no later transfer waits for it.
 
 Matching: a request header carries ``dist_tag`` (the request id) and ``dist_nbytes``; the payload
 is sent on that tag and the result comes back on the same tag, the other way. The client posts
@@ -46,7 +55,7 @@ completion callback, and a ``wait`` with a short timeout closes the pair, hence 
 Dead or stuck peers: a killed client's pair sockets close, so its pending transfers fail at once;
 the worker reports it and the server ends the session (pending requests get errors, the executor
 unregisters the client) and drops the group. A live peer that never sends a declared payload, or
-never takes its result, hits the group timeout (the server's ``client_timeout_s``); gloo then
+never takes its result, hits the transfer timeout (the server's ``client_timeout_s``); gloo then
 closes the pair, and the session ends the same way. ``ProcessGroup.abort`` does not wake a
 pending wait, which is why waits live on the worker, never on the socket thread.
 
@@ -58,7 +67,8 @@ transfers completing (a refused header after a posted send, an error reply, a ti
 the group as above.
 
 Security: CURVE (``security.py``) covers the ZeroMQ control messages only; gloo/NCCL payloads and
-the TCPStore are neither authenticated nor encrypted. With CURVE on, a server keeps its dist
+the TCPStore are neither authenticated nor encrypted (the store lives only while a set-up does;
+its keys sit under the session's secret prefix). With CURVE on, a server keeps its dist
 channel on loopback unless ``allow_non_loopback=True``, and a client refuses a pair group on a
 non-loopback host unless ``allow_unencrypted_payloads=True``.
 """
@@ -67,6 +77,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -79,7 +90,7 @@ import torch
 import torch.distributed as dist
 
 from symbiosis import protocol as P
-from symbiosis.errors import ProtocolError
+from symbiosis.errors import ExecutorBusyError, ProtocolError
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
 from symbiosis.vocabulary import LayerSpec
 
@@ -88,7 +99,6 @@ log = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 MAX_TAG = 2**31 - 1  # c10d tags are C ints
 EXECUTOR_RANK, CLIENT_RANK = 0, 1
-_RENDEZVOUS_KEYS = ("0/0", "0/1")  # what ProcessGroupGloo writes under its prefix (rank addresses)
 _CLOSE_JOIN_S = 5.0  # how long DistChannel.close waits for pair workers to finish
 
 
@@ -98,23 +108,28 @@ _CLOSE_JOIN_S = 5.0  # how long DistChannel.close waits for pair workers to fini
 def pair_group(
     store: dist.Store, rank: int, backend: str, timeout_s: float, gloo_device: Any, device: torch.device
 ) -> Any:
-    """A 2-rank process group over ``store`` (blocks until the other rank joins). For NCCL, the
-    communicator is built here too (see module doc), so no later transfer waits for the peer's."""
+    """A 2-rank process group over ``store`` (blocks until the other rank joins). Both ranks then
+    move one byte (client to executor): for NCCL that builds the communicator here (see module
+    doc), so no later transfer waits for the peer's; for both it tells the executor that the
+    client no longer needs the store, which the executor then shuts down (gloo's rank 0 may be
+    connected before rank 1 has read the last key)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(store, rank, 2, options)
-        byte = torch.zeros(1, dtype=torch.uint8, device=device)
-        if rank == CLIENT_RANK:
-            wait_work(group.send([byte], EXECUTOR_RANK, 0), device)  # NCCL ignores tags
-        else:
-            wait_work(group.recv([byte], CLIENT_RANK, 0), device)
-        return group
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [gloo_device]
-    return dist.ProcessGroupGloo(store, rank, 2, options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo_device]
+        group = dist.ProcessGroupGloo(store, rank, 2, options)
+        device = torch.device("cpu")
+    byte = torch.zeros(1, dtype=torch.uint8, device=device)
+    if rank == CLIENT_RANK:  # tag 0: before any request's transfer (NCCL ignores tags)
+        wait_work(group.send([byte], EXECUTOR_RANK, 0), device)
+    else:
+        wait_work(group.recv([byte], CLIENT_RANK, 0), device)
+    return group
 
 
 def check_backend(backend: str, device: torch.device) -> None:
@@ -124,8 +139,12 @@ def check_backend(backend: str, device: torch.device) -> None:
         raise ProtocolError(f"nccl needs CUDA payload devices and a build with NCCL (device here: {device})")
 
 
-def wait_work(work: Any, device: torch.device) -> None:
-    work.wait()
+def wait_work(work: Any, device: torch.device, timeout_s: float | None = None) -> None:
+    """Wait for a transfer (for ``timeout_s``, default: the group's timeout)."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=timeout_s))
     if device.type == "cuda":  # the bytes must have landed before another stream or thread reads them
         torch.cuda.synchronize(device)
 
@@ -137,19 +156,71 @@ def first_line(exc: BaseException) -> str:
 # ---- server side -----------------------------------------------------------------------------
 
 
-class _PairWorker:
-    """Server side of one dist session: a thread that builds the pair group (rank 0), then waits
-    for the session's transfers in the order the socket thread posted them (see module doc)."""
+class _Rendezvous:
+    """Where one pair group is set up: a listening socket on the dist host, bound on the socket
+    thread (its address goes into ``Welcome``), handed to a ``TCPStore`` that the pair worker
+    runs only while it sets the group up."""
 
-    def __init__(self, channel: DistChannel, session: Session, backend: str, prefix: str, gloo_device: Any) -> None:
+    def __init__(self, host: str) -> None:
+        self.host = host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))  # our own socket: the store listens only here
+            listener.listen(16)
+        except OSError:
+            listener.close()
+            raise
+        self.port = listener.getsockname()[1]
+        self.address = f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
+        self._fd: int | None = listener.detach()  # the TCPStore takes ownership (and closes it)
+
+    def store(self, prefix: str, timeout_s: float) -> tuple[dist.TCPStore, dist.Store]:
+        """(the store's server, rank 0's own client of it under ``prefix``). The group keeps its
+        client; dropping the server shuts the store down."""
+        fd, self._fd = self._fd, None
+        assert fd is not None, "a rendezvous serves one set-up"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            server = dist.TCPStore(
+                self.host, self.port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        return server, dist.PrefixStore(prefix, dist.TCPStore(self.host, self.port, None, False, timeout))
+
+    def discard(self) -> None:
+        """Never used (the worker failed to start): close the socket."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _PairWorker:
+    """Server side of one dist session: a thread that builds the pair group (rank 0) over its own
+    rendezvous store, then waits for the session's transfers in the order the socket thread
+    posted them (see module doc). ``pending`` until the set-up ended, either way."""
+
+    def __init__(
+        self,
+        channel: DistChannel,
+        session: Session,
+        backend: str,
+        rendezvous: _Rendezvous,
+        prefix: str,
+        gloo_device: Any,
+    ) -> None:
         self.session = session
         self.backend = backend
         self.device = channel.device if backend == "nccl" else torch.device("cpu")
         self.group: Any = None  # set on the socket thread once built; None again after stop()
         self.ended = False
+        self.pending = True  # setting the group up (counted in the channel's pending set-ups)
         self._channel = channel
         self._gloo_device = gloo_device
-        self._store = dist.PrefixStore(prefix, channel.store())
+        self._rendezvous = rendezvous
+        self._prefix = prefix
         self._unposted: list[tuple[Callable[[Any], Any], Callable[[], None] | None]] = []
         # (work, on_done) to wait for; on_done None marks a send. (None, group) ends the thread.
         self._waits: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
@@ -211,22 +282,31 @@ class _PairWorker:
     def _run(self) -> None:
         try:
             self._serve()
+        except Exception:  # a worker must never take the server down
+            log.exception("dist pair worker of %s failed", self.session.client_id)
+
+    def _set_up(self) -> Any:
+        """Build the pair group; the rendezvous store lives only for this call."""
+        channel = self._channel
+        # gloo waits for the client's rendezvous keys for the group's timeout: the set-up's.
+        # Transfers are then waited for with the server's timeout (``_serve``). NCCL's watchdog
+        # applies its group timeout to every transfer, so it keeps the server's.
+        timeout_s = channel.setup_timeout_s if self.backend == "gloo" else channel.timeout_s
+        server, store = self._rendezvous.store(self._prefix, channel.setup_timeout_s)
+        try:
+            return pair_group(store, EXECUTOR_RANK, self.backend, timeout_s, self._gloo_device, self.device)
         finally:
-            for key in _RENDEZVOUS_KEYS:
-                try:
-                    self._store.delete_key(key)
-                except Exception:  # noqa: BLE001, S110 - the store may be gone with its server
-                    pass
+            del server  # the store shuts down here; the group never asks it again
 
     def _serve(self) -> None:
         channel = self._channel
         try:
-            group = pair_group(
-                self._store, EXECUTOR_RANK, self.backend, channel.timeout_s, self._gloo_device, self.device
-            )
+            group = self._set_up()
         except Exception as exc:  # noqa: BLE001 - the client never joined, or joined wrongly
+            channel.host.call_soon(lambda: channel.set_up_ended(self))
             self._report(f"pair group setup failed: {first_line(exc)}")
             return
+        channel.host.call_soon(lambda: channel.set_up_ended(self))
         channel.host.call_soon(lambda built=group: self._ready(built))
         del group  # the socket thread holds it from now on, and stop() hands it back to drop here
         skipped: list[Any] = []  # receives nobody waits for: kept alive (their buffers) until the group goes
@@ -238,7 +318,7 @@ class _PairWorker:
                 if self.ended and on_done is not None:
                     skipped.append(work)
                     continue
-                wait_work(work, self.device)
+                wait_work(work, self.device, channel.timeout_s)
                 if on_done is not None:
                     on_done()
         except Exception as exc:  # noqa: BLE001 - peer died, timed out, or sent the wrong size
@@ -250,7 +330,10 @@ class _PairWorker:
 
 
 class DistChannel:
-    """Server side (``channels.PayloadChannel``): payloads and results on per-session pair groups."""
+    """Server side (``channels.PayloadChannel``): payloads and results on per-session pair groups.
+
+    ``timeout_s`` bounds every transfer; ``setup_timeout_s`` a pair group's set-up, of which at
+    most ``max_pending_setups`` run at once (see module doc)."""
 
     def __init__(
         self,
@@ -260,38 +343,21 @@ class DistChannel:
         listen_host: str,
         device: torch.device,
         timeout_s: float,
+        *,
+        setup_timeout_s: float = 10.0,
+        max_pending_setups: int = 8,
     ) -> None:
         self.host = host
         self.timeout_s = timeout_s
+        self.setup_timeout_s = setup_timeout_s
         self.device = device
         self._specs = specs
         self._limits = limits
         self._listen_host = listen_host
-        self._store: dist.TCPStore | None = None
-        self._store_address = ""
+        self._max_pending_setups = max_pending_setups
+        self._pending_setups = 0
         self._gloo_device: Any = None
         self._workers: list[_PairWorker] = []
-
-    def store(self) -> dist.TCPStore:
-        """The rendezvous store, hosted here and created on first use (on the socket thread)."""
-        if self._store is None:
-            family = socket.AF_INET6 if ":" in self._listen_host else socket.AF_INET
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                listener.bind((self._listen_host, 0))  # our own socket: the store listens only here
-                listener.listen(128)
-                port = listener.getsockname()[1]
-            except OSError:
-                listener.close()
-                raise
-            timeout = datetime.timedelta(seconds=self.timeout_s)
-            # TCPStore takes ownership of the listening fd (and closes it), hence detach().
-            self._store = dist.TCPStore(
-                self._listen_host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
-            )
-            shown = f"[{self._listen_host}]" if family == socket.AF_INET6 else self._listen_host
-            self._store_address = f"{shown}:{port}"
-        return self._store
 
     def gloo_device(self) -> Any:
         if self._gloo_device is None:  # one device (one I/O loop) for every session's group
@@ -304,13 +370,33 @@ class DistChannel:
     def open(self, session: Session, backend: str) -> tuple[str, str]:
         """Start ``session``'s pair group; returns (store address, key prefix) for the Welcome."""
         check_backend(backend, self.device)
+        current = self.current(session)
+        if current is not None and current.pending:
+            raise ProtocolError("a torch.distributed set-up is already pending for this session")
+        if self._pending_setups >= self._max_pending_setups:
+            raise ExecutorBusyError(
+                f"executor busy: {self._pending_setups} torch.distributed set-ups are pending (the most it allows); "
+                "retry in a moment"
+            )
         self.end_session(session)  # a second Hello on one connection replaces the group
-        self.store()
         gloo_device = self.gloo_device() if backend == "gloo" else None
+        rendezvous = _Rendezvous(self._listen_host)
         prefix = secrets.token_hex(16)
-        worker = session.channel_state["dist"] = _PairWorker(self, session, backend, prefix, gloo_device)
+        try:
+            worker = _PairWorker(self, session, backend, rendezvous, prefix, gloo_device)
+        except BaseException:
+            rendezvous.discard()
+            raise
+        session.channel_state["dist"] = worker
+        self._pending_setups += 1
         self._workers = [w for w in self._workers if w.alive()] + [worker]
-        return self._store_address, prefix
+        return rendezvous.address, prefix
+
+    def set_up_ended(self, worker: _PairWorker) -> None:
+        """(Socket thread.) ``worker``'s set-up ended, built or not: its store is gone."""
+        if worker.pending:
+            worker.pending = False
+            self._pending_setups -= 1
 
     def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
         if frames:
@@ -352,11 +438,10 @@ class DistChannel:
     def close(self) -> None:
         """Every session ended (workers stopped): give the workers a moment to drop their groups,
         so that no worker is still tearing one down when the process exits (a daemon thread that
-        comes back to Python during interpreter shutdown aborts the process). Workers keep the
-        store alive until they finish; the store's server stops with the last one."""
+        comes back to Python during interpreter shutdown aborts the process). A worker still setting
+        up stops by its set-up timeout; its store with it."""
         deadline = time.monotonic() + _CLOSE_JOIN_S
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         self._workers = []
-        self._store = None
         self._gloo_device = None

@@ -35,6 +35,7 @@ import datetime
 import ipaddress
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorUnavailableError, ProtocolError, SymbiosisError
+from symbiosis.errors import ExecutorBusyError, ExecutorUnavailableError, ProtocolError, SymbiosisError
 from symbiosis.transport.dist_channel import (
     CLIENT_RANK,
     EXECUTOR_RANK,
@@ -126,6 +127,19 @@ class DistTransport(ZmqTransport):
         self._serial = threading.Lock() if self.backend == "nccl" else None
         super().__init__(address[len("dist+") :], **kwargs)
         self.address = address
+
+    def _handshake(self, deadline: float) -> _Connection:
+        """Hello, retried while the executor has as many pair-group set-ups pending as it allows
+        (each takes milliseconds, so a burst of clients starting at once gets through)."""
+        delay_s = 0.02
+        while True:
+            try:
+                return super()._handshake(deadline)
+            except ExecutorBusyError:
+                if time.monotonic() + delay_s >= deadline:
+                    raise
+                time.sleep(delay_s)
+                delay_s = min(2 * delay_s, 0.5)
 
     def _hello_options(self) -> dict[str, Any]:
         return {"dist_backend": self.backend}

@@ -13,8 +13,7 @@ from symbiosis.transport.security import CurveClientKeys
 
 #: address prefix -> "module:Class" of the client transport. Longest prefixes first.
 TRANSPORTS: dict[str, str] = {
-    "shm+ipc://": "symbiosis.transport.shm_client:ShmTransport",
-    "shm+tcp://": "symbiosis.transport.shm_client:ShmTransport",
+    "shm+ipc://": "symbiosis.transport.shm_client:ShmTransport",  # same host only: never shm+tcp
     "dist+ipc://": "symbiosis.transport.dist_client:DistTransport",
     "dist+tcp://": "symbiosis.transport.dist_client:DistTransport",
     "ipc://": "symbiosis.transport.zmq_client:ZmqTransport",
@@ -32,9 +31,9 @@ def transport_class(address: str) -> type:
 
 
 def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any):
-    """Open the client transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://`` /
-    ``shm+tcp://`` (payloads in shared memory) or ``dist+ipc://`` / ``dist+tcp://`` (payloads over
-    torch.distributed).
+    """Open the client transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://`` (payloads
+    in shared memory the executor makes; ipc only) or ``dist+ipc://`` / ``dist+tcp://`` (payloads
+    over torch.distributed).
 
     ``curve``: CURVE keys for an authenticating executor; when None, the key files named by
     ``SYMBIOSIS_CURVE_SERVER_KEY`` and ``SYMBIOSIS_CURVE_CLIENT_KEY`` are used if set."""

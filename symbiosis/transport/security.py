@@ -14,7 +14,8 @@ mode 0600: keep it). The server reads its ``.key_secret`` and a folder of author
 
 What CURVE covers: every ZeroMQ frame — Hello/Welcome, request headers, replies, errors and
 inline tensor payloads (``tcp://``/``ipc://``). It does *not* cover payloads that bypass the
-socket: shared-memory segments (``shm+…``; same host, protected by file mode 0600) and
+socket: shared-memory segments (``shm+ipc://``; same host: sealed memfd segments passed only to the
+session's own peer over a Unix socket) and
 torch.distributed pair groups (``dist+…``; gloo/NCCL send plaintext, and their TCPStore is
 unauthenticated). That is why a CURVE server keeps its dist channel on loopback unless told
 ``allow_non_loopback=True``, and a CURVE ``dist+`` client refuses a non-loopback pair group unless
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,9 @@ from typing import ClassVar
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from symbiosis.errors import CurveKeyError, UnsafeBindError
 
 SERVER_KEY_ENV = "SYMBIOSIS_CURVE_SERVER_KEY"
 CLIENT_KEY_ENV = "SYMBIOSIS_CURVE_CLIENT_KEY"
@@ -85,10 +90,10 @@ def load_secret_key(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     """``(public, secret)`` Z85 keys from a ``.key_secret`` file; a public-only file is an error."""
     public, secret = _load(path)
     if secret is None:
-        raise ValueError(f"{path} holds no secret key: pass the NAME.key_secret file, not NAME.key")
+        raise CurveKeyError(f"{path} holds no secret key: pass the NAME.key_secret file, not NAME.key")
     mode = os.stat(path).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"secret key file {path} is readable by other users (mode {oct(mode & 0o777)}); chmod 600 it")
+        raise CurveKeyError(f"secret key file {path} is readable by other users (mode {oct(mode & 0o777)}); chmod 600 it")
     return public, secret
 
 
@@ -98,11 +103,41 @@ def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except ValueError:
-        raise ValueError(f"{path} is not a ZeroMQ certificate (no public-key line); make one with `symbiosis keys`") from None
+        raise CurveKeyError(f"{path} is not a ZeroMQ certificate (no public-key line); make one with `symbiosis keys`") from None
     for key in (public, secret):
-        if key is not None and len(key) != 40:
-            raise ValueError(f"{path} holds a malformed key (expected 40 Z85 characters)")
+        if key is not None and not is_z85_key(key):
+            raise CurveKeyError(f"{path} holds a malformed key (expected 40 Z85 characters)")
     return public, secret
+
+
+def is_z85_key(key: bytes) -> bool:
+    """True for a 40-character Z85 encoding of a 32-byte key.
+
+    Checked here because libzmq refuses anything else only when the key is set on a socket, and a
+    socket left open by that failure makes ``Context.term()`` wait forever.
+    """
+    if len(key) != 40:
+        return False
+    try:
+        z85.decode(key)
+    except (KeyError, ValueError, struct.error):  # a character outside Z85, or a group >= 2**32
+        return False
+    return True
+
+
+def check_abstract_ipc(address: str, curve: object | None) -> None:
+    """Refuse to bind ``ipc://@NAME`` (a Linux abstract socket) without CURVE.
+
+    A socket file's permissions decide which local users may connect to ``ipc:///PATH``; an
+    abstract socket has no file, so every user (and every process in the network namespace) can
+    connect. Only CURVE authentication keeps them out.
+    """
+    if address.startswith("ipc://@") and curve is None:
+        raise UnsafeBindError(
+            f"refusing to bind {address!r} without CURVE: an abstract socket has no file permissions, so any "
+            "local user could connect. Bind ipc:///PATH (a socket file) instead, or turn on CURVE "
+            "(--curve-secret-key FILE --authorized-clients DIR)"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +160,7 @@ class CurveServerKeys:
         if not self.authorized_clients_dir.is_dir():
             raise FileNotFoundError(f"authorized clients folder {self.authorized_clients_dir} does not exist")
         if not self.authorized_public_keys():
-            raise ValueError(f"no client public keys (*.key) in {self.authorized_clients_dir}: no client could connect")
+            raise CurveKeyError(f"no client public keys (*.key) in {self.authorized_clients_dir}: no client could connect")
 
     def authorized_public_keys(self) -> list[bytes]:
         return list(zmq.auth.load_certificates(self.authorized_clients_dir))
@@ -155,7 +190,7 @@ class CurveClientKeys:
             return None
         if not server or not client:
             missing = SERVER_KEY_ENV if not server else CLIENT_KEY_ENV
-            raise ValueError(f"CURVE needs both {SERVER_KEY_ENV} and {CLIENT_KEY_ENV}; {missing} is not set")
+            raise CurveKeyError(f"CURVE needs both {SERVER_KEY_ENV} and {CLIENT_KEY_ENV}; {missing} is not set")
         return cls(Path(server), Path(client))
 
 

@@ -1,12 +1,15 @@
-"""Same-host fast path, server side: ``ShmChannel`` reads rows from, and writes results into, the
-client's shared-memory segments. The client side is ``shm_client.ShmTransport``; this module
-never imports it (the server must not depend on the client), and the client takes the shared
-bits (``SHM_DIR``, ``segment_name_ok``, ``reply_nbytes``, ``reply_offset``) from here.
+"""Same-host fast path, server side: ``ShmChannel`` reads rows from, and writes results into,
+shared-memory segments the executor made for the client (``shm_broker``). The client side is
+``shm_client.ShmTransport``; this module never imports it (the server must not depend on the
+client), and the client takes the shared bits (``ALIGNMENT``, ``reply_nbytes``, ``reply_offset``,
+``max_segment_bytes``) from here.
 
-Address form: ``shm+ipc:///path/executor.sock`` (or ``shm+tcp://127.0.0.1:PORT``): the part after
-``shm+`` is the ``ZmqServer`` address; one server serves inline and shared-memory clients alike.
+Address form: ``shm+ipc:///path/executor.sock``: the part after ``shm+`` is the ``ZmqServer``
+address; one server serves inline and shared-memory clients alike. Shared memory is offered on
+``ipc://`` binds only (same host; its broker socket is made like the ipc socket, in the same folder
+under the same umask, so the same users can reach it).
 
-Layout and copies (the paper, §3.5): a request names a segment of the client's and an offset; the
+Layout and copies (the paper, §3.5): a request names a segment of its session and an offset; the
 rows lie there, and the result region follows them, disjoint, at ``offset + reply_offset(rows
 bytes)`` (the rows' bytes rounded up to ``ALIGNMENT``; so a call needs ``reply_offset(in) + out``
 bytes). Disjoint, because then the executor can write its product straight into the result region
@@ -20,43 +23,43 @@ while it still reads the rows. Per call:
    copied into the region once;
 4. the client hands that region out as its result (zero copy), see ``shm_client``.
 
-Segment lifecycle: the *client* creates each segment (``/dev/shm``, mode 0600, name ``symb_<session
-token>_<random>``) and the server maps it on first use, checking the name carries this session's
-secret token (so a client cannot name another's buffer), and — before any payload byte is
-touched — that the header is valid (``protocol.validate_request``) and the file is large enough.
-Segments live for one session: when the session ends — Goodbye, a detected dead client
-(``kill -9``), or server shutdown — the server drops its mappings and unlinks the names; the
-client unlinks them too when it retires a buffer, reconnects or closes (whoever comes second gets
-``FileNotFoundError``, which is fine). Mappings are ``torch.from_file`` storages, so memory is
-returned when the last tensor viewing it (e.g. rows the executor still holds) dies.
-
-Linux only (segments are files under ``/dev/shm``). Trust model: same host, same user — a peer
-that can connect to the ipc socket could also truncate its own segment under the server.
+Segment lifecycle and trust (issue 10, finding 1): the *executor* makes each segment when the
+client asks its broker (a sealed ``memfd``, mapped here at once; see ``shm_broker``), under the
+client's session, and a request names it by the id it was given. A request is served only from a
+segment of its own session's ``SegmentTable``: a client cannot name a file, another client's
+segment, or memory that can shrink under the mapping. Per call the server only looks the id up
+and checks bounds, after the header was validated (``protocol.validate_request``) and before any
+payload byte is touched. Segments live for one session at most: ``ShmRelease`` (the client retired
+one) or the session's end — Goodbye, a detected dead client (``kill -9``), server shutdown —
+drops the server's mapping; the memory is returned when the client's mapping goes too (a dead
+client's at once). Mappings are ``mmap`` objects under tensors, so memory is released when the
+last tensor viewing it (e.g. rows the executor still holds) dies.
 """
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
-import re
+import threading
 from typing import Any
 
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.errors import ProtocolError
+from symbiosis.errors import ExecutorBusyError, ExecutorUnavailableError, ProtocolError
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
+from symbiosis.transport.shm_broker import SegmentBroker, make_segment, map_segment
 from symbiosis.vocabulary import LayerSpec, Op
 
-SHM_DIR = "/dev/shm"
 MAX_SEGMENTS_PER_SESSION = 64
+#: Bytes of live segments one session may have (at least two of the largest): pages the executor
+#: writes are charged to it, so a client must not be able to park unbounded memory there.
+MAX_SEGMENT_BYTES_PER_SESSION = 8 << 30
+#: Live segments, server-wide: each is a mapping, and a process has ~65k (``vm.max_map_count``).
+MAX_LIVE_SEGMENTS = 4096
 #: Offsets into a segment are multiples of this (every torch kernel is happy with it).
 ALIGNMENT = 64
-_NAME = re.compile(r"[A-Za-z0-9_]{1,200}")
-
-
-def segment_name_ok(name: str, prefix: str) -> bool:
-    """Whether ``name`` is a plain file name under ``SHM_DIR`` that starts with ``prefix``."""
-    return _NAME.fullmatch(name) is not None and name.startswith(prefix)
 
 
 def reply_nbytes(op: Op | str, spec: LayerSpec, rows: int, itemsize: int) -> int:
@@ -70,61 +73,120 @@ def reply_offset(rows_nbytes: int) -> int:
     return -(-rows_nbytes // ALIGNMENT) * ALIGNMENT
 
 
-class SegmentMap:
-    """Server side: the shared-memory segments one client session has named, mapped on demand."""
+def page_round(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
-    def __init__(self, prefix: str) -> None:
-        self._prefix = prefix
-        self._maps: dict[str, torch.Tensor] = {}
 
-    def region(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
-        """``nbytes`` bytes at ``offset`` of segment ``name`` as a uint8 tensor (zero-copy)."""
-        if not segment_name_ok(name, self._prefix):
-            raise ProtocolError(f"shared-memory segment {name!r} does not belong to this session")
+def max_segment_bytes(limits: P.Limits) -> int:
+    """The largest segment a session may have: what the largest call allowed by ``limits`` needs."""
+    return page_round(reply_offset(limits.max_payload_bytes) + limits.max_payload_bytes)
+
+
+class SegmentTable:
+    """Server side: one session's segments, by the id the broker issued for each.
+
+    The broker thread adds segments; the socket thread looks them up (a plain dict read: one
+    per call, no lock), releases them and closes the table when the session ends. The first
+    segment binds the session to the Unix user who asked for it (``SO_PEERCRED``): a leaked
+    token does not let another user add segments to it."""
+
+    def __init__(self, label: str, max_bytes: int, max_segments: int = MAX_SEGMENTS_PER_SESSION) -> None:
+        self.label = label  # the memfd name: visible in the executor's /proc/PID/maps, never secret
+        self._max_segments = max_segments
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._segments: dict[str, torch.Tensor] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._owner_uid: int | None = None
+        self._closed = False
+
+    def add(self, data: torch.Tensor, uid: int) -> str:
+        with self._lock:
+            if self._closed:
+                raise ExecutorUnavailableError("the session ended: no shared memory for it")
+            if self._owner_uid is not None and uid != self._owner_uid:
+                raise ProtocolError("this session's shared memory belongs to another user")
+            if len(self._segments) >= self._max_segments:
+                raise ProtocolError(f"more than {self._max_segments} live shared-memory segments in one session")
+            if self._bytes + data.numel() > self._max_bytes:
+                raise ProtocolError(f"more than {self._max_bytes} bytes of live shared-memory segments in one session")
+            self._owner_uid = uid
+            segment_id = str(next(self._ids))
+            self._segments[segment_id] = data
+            self._bytes += data.numel()
+        return segment_id
+
+    def region(self, segment_id: str, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` bytes at ``offset`` of segment ``segment_id`` as a uint8 tensor (zero-copy)."""
+        segment = self._segments.get(segment_id)
+        if segment is None:
+            raise ProtocolError(f"no shared-memory segment {segment_id!r} in this session")
         if offset < 0 or offset % ALIGNMENT:
             raise ProtocolError(f"shared-memory offset {offset} must be a non-negative multiple of {ALIGNMENT}")
-        segment = self._maps.get(name)
-        if segment is None:
-            if len(self._maps) >= MAX_SEGMENTS_PER_SESSION:
-                raise ProtocolError(f"more than {MAX_SEGMENTS_PER_SESSION} live shared-memory segments")
-            path = os.path.join(SHM_DIR, name)
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise ProtocolError(f"no shared-memory segment {name!r} on the executor's host") from None
-            if size == 0:
-                raise ProtocolError(f"shared-memory segment {name!r} is empty")
-            segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            self._maps[name] = segment
         if offset + nbytes > segment.numel():
-            raise ProtocolError(f"segment {name!r} has {segment.numel()} bytes, request needs {offset + nbytes}")
+            raise ProtocolError(f"segment {segment_id!r} has {segment.numel()} bytes, request needs {offset + nbytes}")
         return segment[offset : offset + nbytes]
 
-    def release(self, names: list[str]) -> None:
-        for name in names:
-            self._maps.pop(name, None)
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def release(self, segment_ids: list[str]) -> None:
+        with self._lock:
+            for segment_id in segment_ids:
+                segment = self._segments.pop(segment_id, None)
+                self._bytes -= 0 if segment is None else segment.numel()
 
     def close(self) -> None:
-        """End of session: forget every mapping and unlink every name (the client is gone)."""
-        for name in self._maps:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
-        self._maps.clear()
+        with self._lock:
+            self._closed = True
+            self._segments.clear()
+            self._bytes = 0
 
 
 class ShmChannel:
     """Server side (``channels.PayloadChannel``): rows are read from, and results written into,
-    the segment a request names; the session's ``SegmentMap`` lives in its ``channel_state``.
-    The ticket of an accepted request is its reply region: ``[rows, out]`` in the wire dtype,
-    right after the rows (see the module doc); it is also ``Accepted.out``, for the executor to
-    compute into."""
+    the segment a request names; the session's ``SegmentTable`` lives in its ``channel_state``
+    (made by ``open_session``). The ticket of an accepted request is its reply region: ``[rows,
+    out]`` in the wire dtype, right after the rows (see the module doc); it is also
+    ``Accepted.out``, for the executor to compute into.
 
-    def __init__(self, host: ChannelHost, specs: dict[str, LayerSpec], limits: P.Limits) -> None:
+    ``broker_path``: where this channel's ``SegmentBroker`` listens (``shm_broker.broker_path``
+    of the server's ipc address); it raises ``OSError`` if it cannot listen there."""
+
+    def __init__(self, host: ChannelHost, specs: dict[str, LayerSpec], limits: P.Limits, broker_path: str) -> None:
         self._host = host
         self._specs = specs
         self._limits = limits
+        self._max_segment = max_segment_bytes(limits)
+        self._max_session_bytes = max(MAX_SEGMENT_BYTES_PER_SESSION, 2 * self._max_segment)
+        self._tables: dict[str, SegmentTable] = {}  # by session token: what the broker serves
+        self._labels = itertools.count(1)
+        self.broker = SegmentBroker(broker_path, self._allocate)
+
+    def open_session(self, session: Session) -> None:
+        """``session`` started (on the socket thread): its client may now ask for segments."""
+        label = f"symbiosis-shm-{next(self._labels)}"
+        table = session.channel_state["shm"] = SegmentTable(label, self._max_session_bytes)
+        self._tables[session.token] = table
+
+    def _allocate(self, token: str, nbytes: int, uid: int) -> tuple[str, int, int]:
+        """On the broker's thread: make, seal and map a segment for the session holding ``token``."""
+        table = self._tables.get(token)
+        if table is None:
+            raise ExecutorUnavailableError("no session holds this token (the executor restarted, or the session ended)")
+        if not 0 < nbytes <= self._max_segment:
+            raise ProtocolError(f"a shared-memory segment holds 1 to {self._max_segment} bytes, not {nbytes}")
+        if sum(map(len, list(self._tables.values()))) >= MAX_LIVE_SEGMENTS:  # list(): one step under the GIL
+            raise ExecutorBusyError(f"executor busy: {MAX_LIVE_SEGMENTS} shared-memory segments are live; retry later")
+        size = page_round(nbytes)
+        fd = make_segment(size, table.label)
+        try:
+            data = torch.frombuffer(map_segment(fd, size), dtype=torch.uint8)
+            return table.add(data, uid), fd, size
+        except BaseException:
+            os.close(fd)
+            raise
 
     def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
         if frames:
@@ -135,12 +197,12 @@ class ShmChannel:
         dtype = P.WIRE_DTYPES[req.dtype]
         out_shape = (req.shape[0], Op(req.op).output_width(spec))
         out_nbytes = reply_nbytes(req.op, spec, req.shape[0], P.ITEMSIZE[req.dtype])
-        segments = session.channel_state.get("shm")
-        if segments is None:
-            segments = session.channel_state["shm"] = SegmentMap(P.shm_prefix(session.token))
+        table = session.channel_state.get("shm")
+        if table is None:
+            raise ProtocolError("no shared-memory segments in this session")
         assert req.shm_name is not None
         result_at = reply_offset(nbytes)
-        region = segments.region(req.shm_name, req.shm_offset, result_at + out_nbytes)  # checks the size once
+        region = table.region(req.shm_name, req.shm_offset, result_at + out_nbytes)  # checks the size once
         rows = region[:nbytes].view(dtype).view(req.shape)  # zero-copy, valid until the reply
         out = region[result_at:].view(dtype).view(out_shape)  # disjoint from the rows
         return Accepted(spec, rows, out, out)
@@ -150,18 +212,19 @@ class ShmChannel:
             _copy_into(ticket, result)
         self._host.send(session.identity, reply)
 
-    def release(self, session: Session, names: list[str]) -> None:
-        segments = session.channel_state.get("shm")
-        if segments is not None:
-            segments.release(names)
+    def release(self, session: Session, segment_ids: list[str]) -> None:
+        table = session.channel_state.get("shm")
+        if table is not None:
+            table.release(segment_ids)
 
     def end_session(self, session: Session) -> None:
-        segments = session.channel_state.pop("shm", None)
-        if segments is not None:
-            segments.close()
+        table = session.channel_state.pop("shm", None)
+        if table is not None:
+            self._tables.pop(session.token, None)
+            table.close()
 
     def close(self) -> None:
-        pass
+        self.broker.close()
 
 
 def _copy_into(region: torch.Tensor, result: torch.Tensor) -> None:

@@ -22,32 +22,31 @@ O(log size) times. A client calling from several threads at once holds one buffe
 call; buffers coming back from callers are kept only up to one more than that (see
 ``_drain_returned``).
 
-Lifecycle: this client creates each segment (``/dev/shm/symb_<session token>_<random>``, mode
-0600, registered with ``multiprocessing``'s resource tracker so a crashed client's names are
-unlinked) and unlinks it when it retires a buffer, reconnects or closes; the server unlinks a
-session's names when the session ends (whoever comes second gets ``FileNotFoundError``). A
-segment's mapping lives until nothing uses it: a handed-out result stays valid after its name is
-unlinked.
+Lifecycle: the executor makes each segment when this client asks its broker (``shm_broker``:
+a sealed ``memfd`` whose descriptor comes over a Unix socket; the client maps it after checking
+its size and seals, once) and names it by an id valid in this session only. Retiring a buffer
+(grown, surplus, reconnect, close) tells the server to drop its mapping (``ShmRelease``); the
+memory goes when the last mapping does, so nothing is ever left behind in ``/dev/shm``, even by a
+crashed client. A segment's mapping here lives until nothing uses it: a handed-out result stays
+valid after the segment is retired or the session ends.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 import mmap
 import os
 import threading
-import uuid
 import weakref
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.errors import ProtocolError
-from symbiosis.transport.shm_channel import ALIGNMENT, SHM_DIR, reply_nbytes, reply_offset
+from symbiosis.errors import ExecutorUnavailableError, ProtocolError
+from symbiosis.transport.shm_broker import ask_segment, map_segment
+from symbiosis.transport.shm_channel import ALIGNMENT, max_segment_bytes, page_round, reply_nbytes, reply_offset
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
 from symbiosis.vocabulary import spec_of
 
@@ -63,11 +62,22 @@ FREELY_HANDED_OUT = 2
 assert MIN_BUFFER_BYTES % ALIGNMENT == 0
 
 
+@dataclass(frozen=True, eq=False)
+class _Session:
+    """Where this client gets segments in its current executor session (from ``Welcome``)."""
+
+    broker: str
+    token: str
+    max_segment: int
+    conn: _Connection
+
+
 @dataclass(eq=False)
 class _Buffer:
     """Client side: one segment, mapped once (``mapping``; ``data`` is a uint8 tensor over it)."""
 
-    name: str
+    segment_id: str
+    session: _Session
     mapping: mmap.mmap
     data: torch.Tensor
     handed_out: bool = False  # its region is a caller's result now
@@ -79,29 +89,16 @@ class _Buffer:
         return self.data.numel()
 
 
-def _create_buffer(prefix: str, nbytes: int) -> _Buffer:
-    name = f"{prefix}{uuid.uuid4().hex[:16]}"
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _create_buffer(session: _Session, nbytes: int, timeout_s: float) -> _Buffer:
+    """A fresh segment of at least ``nbytes`` from the executor's broker, mapped here."""
+    segment_id, fd, size = ask_segment(session.broker, session.token, nbytes, timeout_s)
     try:
-        resource_tracker.register(f"/{name}", "shared_memory")  # unlinked if this process dies
-        os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes)
-    except BaseException:
-        _unlink(name)
-        raise
+        mapping = map_segment(fd, size)
     finally:
-        os.close(fd)
+        os.close(fd)  # the mapping keeps the memory
     # Never ``mapping.close()``: tensors over it (``data``, handed-out results) hold references to
     # it, and it is unmapped when the last of them dies.
-    return _Buffer(name, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
-
-
-def _unlink(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass  # the server unlinked it first (session end)
-    resource_tracker.unregister(f"/{name}", "shared_memory")
+    return _Buffer(segment_id, session, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
 
 
 def _give_back(returned: collections.deque[_Buffer], buffer: _Buffer) -> None:
@@ -115,8 +112,8 @@ class ShmTransport(ZmqTransport):
     """``ZmqTransport`` whose payloads travel in shared memory (address ``shm+ipc://…``)."""
 
     def __init__(self, address: str, **kwargs: Any) -> None:
-        if not address.startswith("shm+"):
-            raise ValueError(f"shared-memory address must start with 'shm+', got {address!r}")
+        if not address.startswith("shm+ipc://"):
+            raise ValueError(f"shared memory is offered on ipc:// only: use shm+ipc:///PATH, got {address!r}")
         self._pool_lock = threading.Lock()
         self._free: list[_Buffer] = []
         self._leased: set[_Buffer] = set()
@@ -125,8 +122,7 @@ class ShmTransport(ZmqTransport):
         # thread drops the last reference (maybe one holding _pool_lock): a deque needs no lock.
         self._returned: collections.deque[_Buffer] = collections.deque()
         self._peak_leased = 0  # most calls in flight at once
-        self._prefix = ""
-        self._session_conn: _Connection | None = None
+        self._session: _Session | None = None
         super().__init__(address[len("shm+") :], **kwargs)
         self.address = address
 
@@ -167,7 +163,7 @@ class ShmTransport(ZmqTransport):
             request.dtype,
             request.shape,
             request.latency_class,
-            shm_name=buffer.name,
+            shm_name=buffer.segment_id,
             shm_offset=0,
         )
         return request, [P.encode(request)], buffer
@@ -197,27 +193,29 @@ class ShmTransport(ZmqTransport):
             self._leased.discard(lease)
             if lease.handed_out:
                 return  # in the caller's hands; back through ``_returned`` when its result dies
-            if reusable and not lease.retired and lease.name.startswith(self._prefix):
+            if reusable and not lease.retired and lease.session is self._session:
                 self._free.append(lease)
                 return
         # The server may still write into it (timeout, lost connection): never reuse it.
         self._retire([lease])
 
     def _on_session(self, welcome: P.Welcome, conn: _Connection) -> None:
-        if not welcome.shm_supported:
-            raise ProtocolError(f"executor at {self.address} does not accept shared-memory requests")
-        with self._pool_lock:  # the old session's segments are unlinked by the server: start over
+        if not welcome.shm_supported or not welcome.shm_socket:
+            raise ProtocolError(
+                f"executor at {self.address} does not offer shared memory (it does on ipc:// binds, on Linux)"
+            )
+        session = _Session(welcome.shm_socket, welcome.session_token, max_segment_bytes(welcome.limits), conn)
+        with self._pool_lock:  # the old session's segments died with it on the server: start over
             stale = self._drain_returned() + self._free
             self._free = []
-            self._prefix = P.shm_prefix(welcome.session_token)
-            self._session_conn = conn
+            self._session = session
         self._retire(stale, notify=False)
 
     def _on_close(self) -> None:
         with self._pool_lock:
             buffers = self._drain_returned() + self._free + list(self._leased) + list(self._handed_out)
             self._free, self._leased, self._handed_out = [], set(), set()
-        self._retire(buffers, notify=False)  # handed-out results stay valid: only names go
+        self._retire(buffers, notify=False)  # the Goodbye ends the session; handed-out results stay valid
 
     # ---- the pool ----------------------------------------------------------------------------
 
@@ -235,13 +233,13 @@ class ShmTransport(ZmqTransport):
             grown = max(self._free, key=lambda b: b.nbytes, default=None)
             if grown is not None:
                 self._free.remove(grown)
-            prefix = self._prefix
+            session = self._session
+        assert session is not None
         self._retire(stale)
-        size = max(nbytes, MIN_BUFFER_BYTES, 2 * grown.nbytes if grown else 0)
-        size = math.ceil(size / mmap.PAGESIZE) * mmap.PAGESIZE
+        size = max(nbytes, min(max(MIN_BUFFER_BYTES, 2 * grown.nbytes if grown else 0), session.max_segment))
         if grown is not None:
             self._retire([grown])
-        buffer = _create_buffer(prefix, size)
+        buffer = self._new_buffer(session, page_round(size))
         with self._pool_lock:
             self._leased.add(buffer)
             self._peak_leased = max(self._peak_leased, len(self._leased))
@@ -260,7 +258,7 @@ class ShmTransport(ZmqTransport):
             self._handed_out.discard(buffer)
             if buffer.retired:
                 continue
-            if buffer.name.startswith(self._prefix) and len(self._free) <= self._peak_leased:
+            if buffer.session is self._session and len(self._free) <= self._peak_leased:
                 self._free.append(buffer)
             else:
                 surplus.append(buffer)
@@ -273,7 +271,7 @@ class ShmTransport(ZmqTransport):
         ``FREELY_HANDED_OUT`` results are in the caller's hands (one that drops each result, or
         keeps the previous one while making the next, cycles through two warm segments), or when
         an idle buffer as large remains. A fresh segment costs more than copying out into fresh
-        memory (first-touch faults on ``/dev/shm`` cost ~1.5x those of anonymous memory here), so
+        memory (first-touch faults on shared memory cost ~1.5x those of anonymous memory here), so
         a caller that keeps many results mostly gets copies, as it would without handing out."""
         with self._pool_lock:
             stale = self._drain_returned()
@@ -299,19 +297,26 @@ class ShmTransport(ZmqTransport):
         del region
         return P.owned_tensor(flat, dtype, shape)
 
+    def _new_buffer(self, session: _Session, nbytes: int) -> _Buffer:
+        """A fresh segment from the session's broker. A broker that no longer knows the session
+        (the executor restarted) fails the connection, so the call's retry re-handshakes."""
+        try:
+            return _create_buffer(session, nbytes, self.connect_timeout_s)
+        except ExecutorUnavailableError as exc:
+            session.conn.fail(str(exc))
+            raise
+
     def _retire(self, buffers: list[_Buffer], notify: bool = True) -> None:
-        """Unlink ``buffers`` and (best effort) tell the server to drop its mappings of them."""
+        """Never reuse ``buffers``; (best effort) tell the server to drop its mappings of them.
+        Their memory goes when the last mapping (the server's, handed-out results) does."""
         if not buffers:
             return
         with self._pool_lock:  # once each: a late ``_release`` may meet a buffer ``close`` retired
             buffers = [b for b in buffers if not b.retired]
             for buffer in buffers:
                 buffer.retired = True
-            prefix = self._prefix
-        conn = self._session_conn
-        if notify and conn is not None and conn.dead is None:
-            names = [b.name for b in buffers if b.name.startswith(prefix)]
-            if names:
-                conn.send([P.encode(P.ShmRelease(names))])
-        for buffer in buffers:
-            _unlink(buffer.name)
+            session = self._session
+        if notify and session is not None and session.conn.dead is None:
+            segment_ids = [b.segment_id for b in buffers if b.session is session]
+            if segment_ids:
+                session.conn.send([P.encode(P.ShmRelease(segment_ids))])

@@ -1,7 +1,7 @@
 """ZeroMQ client: ``ZmqTransport`` (implements ``Transport``).
 
 Addresses: ``tcp://127.0.0.1:7000`` and ``ipc:///path/executor.sock``. ``schemes.open_transport()`` also accepts
-``shm+ipc://…`` / ``shm+tcp://…`` (same host: payloads in shared memory, see ``shm_client.py``) and
+``shm+ipc://…`` (same host: payloads in shared memory, see ``shm_client.py``) and
 ``dist+ipc://…`` / ``dist+tcp://…`` (payloads over torch.distributed, see ``dist_client.py``); one
 ``ZmqServer`` serves all of them. Those transports subclass ``ZmqTransport`` through its hooks.
 
@@ -112,9 +112,13 @@ class _Connection:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        if curve is not None:
-            configure_client_socket(self._sock, curve)
-        self._sock.connect(endpoint)
+        try:
+            if curve is not None:
+                configure_client_socket(self._sock, curve)
+            self._sock.connect(endpoint)
+        except BaseException:
+            self._sock.close(linger=0)  # a socket left open makes the transport's Context.term() hang
+            raise
         self._fd = self._sock.getsockopt(zmq.FD)
         self._leader_waker_fd = self._leader_waker.fileno()
         self._poll = select.poll()

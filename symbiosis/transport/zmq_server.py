@@ -25,10 +25,30 @@ Security: with ``curve=CurveServerKeys(...)`` the ROUTER is a CURVE server and a
 the server's context admits only the authorized client keys (``security.py``); every ZeroMQ
 frame is then authenticated and encrypted, which is what makes a non-loopback bind acceptable.
 Without CURVE, non-loopback binds need ``allow_non_loopback=True``.
+
+Bounds on what one client can make the server hold (issue 10, finding 2), all configurable:
+
+- per session, at most ``max_inflight_requests`` requests and ``max_inflight_bytes`` bytes in
+  flight (``protocol.Limits``). Bytes are the rows and results of requests not yet answered
+  plus inline results ZeroMQ still holds, unsent (tracked by a weak reference on the frame ZeroMQ
+  keeps, dropped once the bytes are out): a client that never reads its replies stops getting
+  work done. A request past either bound gets ``ExecutorBusyError`` at once, before its channel
+  touches a payload byte; one request alone is always admitted (``max_payload_bytes`` caps it).
+- a finite send queue per peer (``send_hwm`` messages). A reply that finds it full waits in the
+  session's backlog, in order, and goes out when there is room; a session whose backlog makes no
+  progress for ``send_stall_s`` is ended (a peer that stopped reading; vLLM's CVE-2025-30202).
+- ZeroMQ refuses any frame larger than the largest legal one (``ZMQ_MAXMSGSIZE``) before reading
+  it, and queues at most ``max_inflight_requests`` + a few whole messages per peer before it
+  stops reading from it (``ZMQ_RCVHWM``). How many frames one message has cannot be bounded
+  before ZeroMQ has received it all; extra frames are refused right after.
+- when a session ends or a peer disconnects, everything held for it is dropped, and freed heap
+  is handed back to the OS (``malloc_trim``: glibc otherwise keeps large freed results).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import ipaddress
 import logging
 import queue
@@ -45,7 +65,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorUnavailableError, ModelMismatchError, ProtocolError, SymbiosisError
+from symbiosis.errors import (
+    ExecutorBusyError,
+    ExecutorUnavailableError,
+    ModelMismatchError,
+    ProtocolError,
+    SymbiosisError,
+)
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
@@ -55,6 +81,16 @@ from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSp
 log = logging.getLogger(__name__)
 
 _INVALID = "<invalid>"  # stats key for requests that name no known layer
+#: Messages queued for one peer before ``send`` finds its queue full (then replies wait in the
+#: session's backlog). A client's I/O thread reads everything that arrives, so only a peer that
+#: stopped reading gets near it; the bytes it can pin are bounded by ``max_inflight_bytes``.
+DEFAULT_SEND_HWM = 64
+#: A session whose backlog makes no progress this long is ended: its peer stopped reading.
+DEFAULT_SEND_STALL_S = 5.0
+#: torch.distributed pair-group set-ups pending at once, server-wide, and how long one may take.
+DEFAULT_MAX_PENDING_DIST_SETUPS = 8
+DEFAULT_DIST_SETUP_TIMEOUT_S = 10.0
+_FRAME_SLACK = 1024  # ZMQ_MAXMSGSIZE headroom over the largest legal frame: CURVE's box overhead
 
 
 def check_bind_address(address: str, allow_non_loopback: bool, authenticated: bool = False) -> str:
@@ -96,6 +132,18 @@ class _InFlight:
     channel: PayloadChannel
     ticket: Any
     future: Future[torch.Tensor] | None = None  # None while the payload is still on its way
+    cost: int = 0  # bytes it pins (``_cost``), counted in ``session.inflight_bytes``
+
+
+def _cost(req: P.Request, spec: LayerSpec | None) -> int:
+    """Bytes of executor memory a request pins while in flight: its rows and its result; only the
+    result for shared memory (the rows stay in the client's segment). 0 for a header that names
+    no layer, op or dtype the executor knows (its channel refuses it)."""
+    itemsize, op = P.ITEMSIZE.get(req.dtype), OPS_BY_VALUE.get(req.op)
+    if spec is None or itemsize is None or op is None or len(req.shape) != 2 or min(req.shape) < 0:
+        return 0
+    rows_width = 0 if req.shm_name is not None else req.shape[1]
+    return req.shape[0] * (rows_width + op.output_width(spec)) * itemsize
 
 
 class ZmqServer:
@@ -108,6 +156,12 @@ class ZmqServer:
     ``curve``: authenticate and encrypt every client (see module doc). gloo/NCCL payloads are not
     encrypted, so with CURVE the dist channel stays on loopback (same-host clients) unless
     ``allow_non_loopback=True`` accepts plaintext payloads on the network.
+
+    Shared memory is offered on ``ipc://`` binds only (``shm_broker``). Bounds (see module doc):
+    ``max_inflight_requests`` / ``max_inflight_bytes`` per session, ``send_hwm`` messages queued
+    per peer, ``send_stall_s`` before a peer that stopped reading loses its session;
+    ``max_pending_dist_setups`` dist pair groups being set up at once (server-wide, one per
+    session), each given ``dist_setup_timeout_s``.
     """
 
     def __init__(
@@ -125,6 +179,12 @@ class ZmqServer:
         client_timeout_s: float = 15.0,
         drain_timeout_s: float = 30.0,
         curve: CurveServerKeys | None = None,
+        max_inflight_requests: int = P.DEFAULT_MAX_INFLIGHT_REQUESTS,
+        max_inflight_bytes: int = P.DEFAULT_MAX_INFLIGHT_BYTES,
+        send_hwm: int = DEFAULT_SEND_HWM,
+        send_stall_s: float = DEFAULT_SEND_STALL_S,
+        max_pending_dist_setups: int = DEFAULT_MAX_PENDING_DIST_SETUPS,
+        dist_setup_timeout_s: float = DEFAULT_DIST_SETUP_TIMEOUT_S,
     ) -> None:
         self._service = service
         self._curve = curve
@@ -137,7 +197,17 @@ class ZmqServer:
                 )
             if dist_host is None and not _is_loopback(_dist_host_for(self._bind_address)):
                 dist_host = "127.0.0.1"  # same-host dist clients only: their payloads never leave the host
-        self._limits = P.Limits(max_payload_bytes=max_payload_bytes)
+        if min(max_inflight_requests, max_inflight_bytes, send_hwm, max_pending_dist_setups) < 1:
+            raise ValueError("the max_inflight_*, send_hwm and max_pending_dist_setups bounds must be >= 1")
+        self._limits = P.Limits(
+            max_payload_bytes=max_payload_bytes,
+            max_inflight_requests=max_inflight_requests,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        self._send_hwm = send_hwm
+        self._send_stall_s = send_stall_s
+        self._max_pending_dist_setups = max_pending_dist_setups
+        self._dist_setup_timeout_s = dist_setup_timeout_s
         self._allow_shm = allow_shm
         self._allow_dist = allow_dist
         self._dist_host = dist_host
@@ -150,6 +220,8 @@ class ZmqServer:
         self._sessions: dict[bytes, Session] = {}
         self._identities_by_client: dict[str, set[bytes]] = {}
         self._inflight: dict[RequestKey, _InFlight] = {}
+        self._backlogged: set[bytes] = set()  # identities whose session has a backlog
+        self._trims: list[float] = []  # when to hand freed heap back to the OS
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stats: dict[str, dict[str, int]] = {}
         self._waker = Waker()
@@ -166,11 +238,10 @@ class ZmqServer:
         """The bound address, with a tcp port 0 resolved to the real port."""
         return self._address
 
-    def start(self) -> "ZmqServer":
+    def start(self) -> ZmqServer:
         """Bind (errors raise here, in the caller's thread) and serve from a background thread."""
         self._specs = self._service.layer_specs()  # not a copy: it resolves sibling group ids
         self._fingerprint = self._service.fingerprint
-        self._channels = self._make_channels()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         try:
@@ -178,16 +249,20 @@ class ZmqServer:
                 self._auth = start_authenticator(self._ctx, self._curve)
                 configure_server_socket(self._router, self._curve)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.SNDHWM, 0)
-            self._router.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes + P.MAX_HEADER_BYTES)
+            self._router.setsockopt(zmq.SNDHWM, self._send_hwm)
+            self._router.setsockopt(zmq.RCVHWM, self._limits.max_inflight_requests + 16)  # + control messages
+            # Per frame (ZeroMQ cannot bound a message's frame count): a header or one payload.
+            largest_frame = max(self._limits.max_payload_bytes, P.MAX_HEADER_BYTES)
+            self._router.setsockopt(zmq.MAXMSGSIZE, largest_frame + _FRAME_SLACK)
             self._router.setsockopt(zmq.LINGER, 500)
             self._router.bind(self._bind_address)
+            self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._channels = self._make_channels()  # after bind: shared memory lives next to the ipc socket
         except BaseException:
             self._router.close(0)
             self._stop_authenticator()
             self._ctx.term()
             raise
-        self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._thread = threading.Thread(target=self._run, name=f"ZmqServer({self._address})", daemon=True)
         self._thread.start()
@@ -226,16 +301,34 @@ class ZmqServer:
     def _make_channels(self) -> dict[str, PayloadChannel]:
         channels: dict[str, PayloadChannel] = {"inline": InlineChannel(self, self._specs, self._limits)}
         if self._allow_shm:
-            from symbiosis.transport.shm_channel import ShmChannel
-
-            channels["shm"] = ShmChannel(self, self._specs, self._limits)
+            shm = self._make_shm_channel()
+            if shm is not None:
+                channels["shm"] = shm
         if self._allow_dist:
             from symbiosis.transport.dist_channel import DistChannel
 
             host = self._dist_host or _dist_host_for(self._bind_address)
-            timeout_s = self._client_timeout_s
-            channels["dist"] = DistChannel(self, self._specs, self._limits, host, self._dist_device, timeout_s)
+            channels["dist"] = DistChannel(
+                self, self._specs, self._limits, host, self._dist_device, self._client_timeout_s,
+                setup_timeout_s=self._dist_setup_timeout_s, max_pending_setups=self._max_pending_dist_setups,
+            )
         return channels
+
+    def _make_shm_channel(self) -> PayloadChannel | None:
+        """The shared-memory channel, where it can be offered: ipc binds only (see ``shm_broker``)."""
+        from symbiosis.transport.shm_broker import broker_path
+        from symbiosis.transport.shm_channel import ShmChannel
+
+        path = broker_path(self._address)
+        if path is None:
+            if self._address.startswith("ipc://"):
+                log.warning("no shared memory at %s (abstract name, path too long, or no memfd)", self._address)
+            return None
+        try:
+            return ShmChannel(self, self._specs, self._limits, path)
+        except OSError as exc:
+            log.warning("not offering shared memory at %s: cannot listen at %s: %s", self._address, path, exc)
+            return None
 
     # ---- ChannelHost: what payload channels call back ------------------------------------
 
@@ -247,18 +340,70 @@ class ZmqServer:
 
     def send(self, identity: bytes, message: P.Message, payload: memoryview | None = None) -> None:
         frames: list[Any] = [identity, P.encode(message)]
-        if payload is not None:
-            frames.append(payload)
         copy = payload is None or payload.nbytes < P.COPY_THRESHOLD
+        session = self._sessions.get(identity)
+        if payload is not None:
+            if not copy and session is not None:
+                payload = session.unsent.track(payload)  # counted until ZeroMQ lets go of it
+            frames.append(payload)
+        if session is not None and session.backlog:  # after what waits already: replies stay in order
+            self._defer(session, message, frames, copy)
+        elif not self._send_frames(frames, copy) and session is not None and identity in self._sessions:
+            self._defer(session, message, frames, copy)  # its send queue is full
+
+    def _send_frames(self, frames: list[Any], copy: bool) -> bool:
+        """Send one message now; False if the peer's send queue is full (``send_hwm``). A peer
+        whose connection is gone loses its session."""
         try:  # frame by frame with int flags: send_multipart's IntFlag arithmetic costs more
             last = len(frames) - 1
             for i, frame in enumerate(frames):
                 self._router.send(frame, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy=copy)
+        except zmq.Again:  # on the identity frame, before any part is queued (ROUTER_MANDATORY)
+            return False
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                self._end_session(identity)  # the peer's connection is gone
+                self._end_session(frames[0])  # the peer's connection is gone
             else:
                 log.warning("dropping a reply: %s", exc)
+        return True
+
+    def _defer(self, session: Session, message: P.Message, frames: list[Any], copy: bool) -> None:
+        """Keep a message for a peer whose send queue is full; heartbeats are not worth keeping.
+        A backlog longer than a well-behaved client could cause (it has at most
+        ``max_inflight_requests`` replies coming) means a peer that keeps sending and never
+        reads: it loses its session at once."""
+        if isinstance(message, (P.Ping, P.Pong)):
+            return
+        if len(session.backlog) >= 2 * self._limits.max_inflight_requests:
+            log.warning("client %s sends and never reads its replies; ending its session", session.client_id)
+            self._end_session(session.identity)
+            return
+        if not session.backlog:
+            session.stalled_since = time.monotonic()
+            self._backlogged.add(session.identity)
+        session.backlog.append((frames, copy))
+
+    def _flush_backlogs(self, now: float) -> None:
+        """Send what waits for room; end the sessions whose backlog made no progress for
+        ``send_stall_s`` (their peer stopped reading)."""
+        for identity in list(self._backlogged):
+            session = self._sessions.get(identity)
+            if session is None:
+                self._backlogged.discard(identity)
+                continue
+            while session.backlog and self._send_frames(*session.backlog[0]):
+                if self._sessions.get(identity) is not session:
+                    break  # the peer is gone (its session ended, backlog dropped)
+                session.backlog.popleft()
+                session.stalled_since = now
+            if self._sessions.get(identity) is not session or not session.backlog:
+                self._backlogged.discard(identity)
+            elif now - session.stalled_since > self._send_stall_s:
+                log.warning(
+                    "client %s has not read its replies for %.1fs (%d waiting); ending its session",
+                    session.client_id, now - session.stalled_since, len(session.backlog),
+                )
+                self._end_session(identity)
 
     def rows_arrived(self, key: RequestKey, rows: torch.Tensor) -> None:
         entry = self._inflight.get(key)
@@ -267,7 +412,7 @@ class ZmqServer:
         try:
             self._submit(key, entry, rows)
         except SymbiosisError as exc:
-            del self._inflight[key]
+            self._forget(key)
             self._count(entry.request.layer_id, "errors")
             self.send(key[0], P.error_reply(entry.request.request_id, exc.code, str(exc)))
 
@@ -306,6 +451,8 @@ class ZmqServer:
         wakeup: float | None = None  # the executor's next scheduled batch, while driving
         while True:
             timeout_ms = 100.0 if wakeup is None else min(100.0, max(0.0, (wakeup - time.monotonic()) * 1e3))
+            if self._backlogged:
+                timeout_ms = min(timeout_ms, 5.0)  # retry soon: ZeroMQ does not say when a peer's queue drains
             events = dict(poller.poll(timeout_ms))
             now = time.monotonic()
             if self._waker.fileno() in events:
@@ -318,11 +465,13 @@ class ZmqServer:
                     if not self._router.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                         break
                     frames = self._router.recv_multipart(_NOBLOCK, copy=False)
-                    self._guarded(lambda: self._on_message(frames), frames)
+                    self._guarded(lambda f=frames: self._on_message(f), frames)
             self._run_tasks()
             if self._driving and (self._submitted or woken or (wakeup is not None and now >= wakeup)):
                 self._submitted = False
                 wakeup = self._drive()
+            if self._backlogged:
+                self._flush_backlogs(now)
             if probes and probes[0] <= now:  # a peer disconnected: find which sessions are gone
                 probes[:] = [t for t in probes if t > now]
                 for identity in list(self._sessions):
@@ -333,10 +482,13 @@ class ZmqServer:
                     if now - session.last_seen > self._client_timeout_s:
                         log.warning("client %s silent for %.1fs; ending its session", session.client_id, now - session.last_seen)
                         self._end_session(identity)
+                if self._trims and self._trims[0] <= now:
+                    self._trims[:] = [t for t in self._trims if t > now]
+                    _trim_heap()
             if self._close_request is not None:
                 if drain_deadline is None:
                     drain_deadline = now + (self._drain_timeout_s if self._close_request else 0.0)
-                if not self._inflight or now >= drain_deadline:
+                if (not self._inflight and not self._backlogged) or now >= drain_deadline:  # replies out too
                     break
         self._shutdown()
 
@@ -344,7 +496,7 @@ class ZmqServer:
         """Run the executor's ready batches here, then send the replies they completed."""
         try:
             wakeup = self._service.run_ready()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - a failing batch fails its requests, never the server
+        except Exception:  # a failing batch fails its requests, never the server
             log.exception("running ready batches failed")
             wakeup = None
         self._run_tasks()
@@ -360,12 +512,18 @@ class ZmqServer:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 # ZeroMQ may process the pipe's end a moment after the event: probe again later.
                 probes[:] = sorted(set(probes) | {now, now + 0.25, now + 1.0, now + 3.0})
+                self._schedule_trim(now)  # ZeroMQ drops what it queued for the peer
+
+    def _schedule_trim(self, now: float) -> None:
+        """Hand freed heap back to the OS soon (twice: ZeroMQ frees a gone peer's queue a moment
+        after its session ends, on its own threads)."""
+        self._trims[:] = sorted({*self._trims, now + 0.5, now + 3.0})
 
     def _guarded(self, handler: Callable[[], None], frames: list[zmq.Frame]) -> None:
         """Run a handler; no exception escapes, the sender (if known) gets an 'internal' error."""
         try:
             handler()
-        except Exception as exc:  # noqa: BLE001 - the server must survive any input
+        except Exception as exc:  # the server must survive any input
             log.exception("error handling a message")
             if len(frames) >= 2:
                 rid = P.salvage_request_id(frames[1].buffer)
@@ -421,14 +579,17 @@ class ZmqServer:
             self.send(identity, P.error_reply(rid, ProtocolError.code, msg))
             return
         session = self._sessions.get(identity)
+        shm = self._channels.get("shm")
         if session is None or session.client_id != hello.client_id:
             self._end_session(identity)
             identities = self._identities_by_client.setdefault(hello.client_id, set())
             if not identities:  # one client may hold several sessions (reconnects): count once
                 self._service.register_client(hello.client_id)
             identities.add(identity)
-            session = Session(identity, hello.client_id, secrets.token_hex(4), time.monotonic())
+            session = Session(identity, hello.client_id, secrets.token_hex(16), time.monotonic())
             self._sessions[identity] = session
+            if shm is not None:
+                shm.open_session(session)  # type: ignore[attr-defined]
         store = prefix = ""
         if hello.dist_backend:
             try:
@@ -439,7 +600,8 @@ class ZmqServer:
         layers = [P.WireLayerSpec.from_spec(s) for s in self._specs.values()]
         welcome = P.Welcome(
             P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
-            "shm" in self._channels, dist_store=store, dist_prefix=prefix,
+            shm is not None, shm_socket=shm.broker.path if shm is not None else "",  # type: ignore[attr-defined]
+            dist_store=store, dist_prefix=prefix,
         )
         self.send(identity, welcome)
 
@@ -459,8 +621,10 @@ class ZmqServer:
             name = _channel_name(req)
             channel = self._channels.get(name)
             if channel is None:
-                kind = {"shm": "shared-memory", "dist": "torch.distributed"}[name]
+                kind = {"shm": "shared-memory (offered on ipc:// binds only)", "dist": "torch.distributed"}[name]
                 raise ProtocolError(f"this executor does not accept {kind} requests")
+            if session.inflight or session.unsent.nbytes or session.backlog:  # one alone is always admitted
+                self._admit(session, req)  # before the channel touches a payload byte
             accepted = channel.accept(session, key, req, payload)
             entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket)
             if accepted.rows is not None and self._try_alone(key, entry, accepted.rows, stats_key, accepted.out):
@@ -471,9 +635,29 @@ class ZmqServer:
             self._count(stats_key, "errors")
             self.send(identity, P.error_reply(rid, exc.code, str(exc)))
             return
+        entry.cost = _cost(req, entry.spec)
+        session.inflight += 1
+        session.inflight_bytes += entry.cost
         self._inflight[key] = entry
         self._count(stats_key, "requests")
         self._count(stats_key, "rows", req.shape[0])
+
+    def _admit(self, session: Session, req: P.Request) -> None:
+        """Refuse ``req`` (``ExecutorBusyError``) if it would take ``session`` past its bounds."""
+        limits = self._limits
+        waiting = session.inflight + len(session.backlog)
+        if waiting >= limits.max_inflight_requests:
+            raise ExecutorBusyError(
+                f"executor busy: this client has {waiting} requests in flight or unread, the most one client may "
+                f"have (max_inflight_requests={limits.max_inflight_requests}); wait for replies before sending more"
+            )
+        held = session.inflight_bytes + session.unsent.held()
+        cost = _cost(req, self._specs.get(req.layer_id))
+        if held + cost > limits.max_inflight_bytes:
+            raise ExecutorBusyError(
+                f"executor busy: this client's requests in flight and unread results hold {held} bytes; {cost} more "
+                f"would pass max_inflight_bytes={limits.max_inflight_bytes}; wait for replies before sending more"
+            )
 
     def _try_alone(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str, out: torch.Tensor | None) -> bool:
         """Serve a request of the executor's only client at once, here (no queue, no future):
@@ -504,9 +688,17 @@ class ZmqServer:
             entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
         entry.future.add_done_callback(lambda _f: self.call_soon(lambda: self._complete(key)))
 
+    def _forget(self, key: RequestKey) -> _InFlight | None:
+        """Take an in-flight request off the books (its session's account too)."""
+        entry = self._inflight.pop(key, None)
+        if entry is not None:
+            entry.session.inflight -= 1
+            entry.session.inflight_bytes -= entry.cost
+        return entry
+
     def _complete(self, key: RequestKey) -> None:
         """A future completed: reply (on the socket thread)."""
-        entry = self._inflight.pop(key, None)
+        entry = self._forget(key)
         if entry is None:  # its session ended meanwhile; nobody waits for it
             return
         req = entry.request
@@ -544,7 +736,10 @@ class ZmqServer:
         if session is None:
             return
         for key in [k for k in self._inflight if k[0] == identity]:
-            del self._inflight[key]
+            self._forget(key)
+        session.backlog.clear()  # the results it holds go now
+        self._backlogged.discard(identity)
+        self._schedule_trim(time.monotonic())
         for channel in self._channels.values():  # first, so e.g. shm names are gone once the executor hears
             channel.end_session(session)
         identities = self._identities_by_client.get(session.client_id, set())
@@ -553,14 +748,14 @@ class ZmqServer:
             self._identities_by_client.pop(session.client_id, None)
             try:
                 self._service.unregister_client(session.client_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("unregister_client(%r) failed", session.client_id)
 
     def _shutdown(self) -> None:
         for key, entry in list(self._inflight.items()):
             msg = "executor shut down before the request completed"
             self.send(key[0], P.error_reply(entry.request.request_id, ExecutorUnavailableError.code, msg))
-        self._inflight.clear()
+            self._forget(key)
         for identity in list(self._sessions):
             self.send(identity, P.Goodbye())
             self._end_session(identity)
@@ -581,6 +776,25 @@ _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's IntFlag arithmetic costs micros
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the OS. glibc raises its mmap threshold after large blocks are
+    freed, so later large results come from the heap and stay there once freed: a client that
+    queued 660 MB of results left the executor 660 MB larger after it was gone (issue 10)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _is_loopback(host: str) -> bool:

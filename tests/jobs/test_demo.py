@@ -1,5 +1,6 @@
 """The demo in --quick mode: executor in its own process over ipc://, four fine-tuning clients
-with different PEFT methods and two inference clients run at once, and every figure of the final
+with different PEFT methods and the OpenAI-compatible server (two request streams, one of them
+answered by the LoRA adapter published while it trains) run at once, and every figure of the final
 table is measured (accuracy before and after, losses, tokens, executor batches)."""
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def test_quick_demo_runs_every_client_and_measures(tmp_path):
         assert c["accuracy_before"] is not None and c["accuracy_after"] is not None
         assert c["trainable_parameters"] > 0 and c["tokens_per_s"] > 0
         assert (output / "adapters" / c["method"] / "adapter_config.json").is_file()
-    assert all(g["generated_tokens"] > 0 for g in generators)
+    assert all(g["generated_tokens"] > 0 and g["requests"] > 0 for g in generators)
+    assert {g["method"] for g in generators} == {"base", "lora-live"}
+    lora = next(c for c in tuners if c["method"] == "lora")
+    assert lora["published_steps"] and lora["published_steps"][-1] == 8  # published mid-run and at the end
     figures = results["executor"]
     assert figures["batches"] > 0 and figures["mean_rows_per_batch"] > 0 and figures["peak_rss_mb"] > 0
     # Rows from different clients shared batches: on average more than one request per batch.

@@ -363,3 +363,34 @@ def test_an_unreachable_executor_answers_503(api_model, tmp_path):
     finally:
         server.close()
         stop(process)
+
+
+def test_a_fine_tuning_job_publishes_its_adapter_to_the_running_server(api_model, remote_executor, reference, tmp_path):
+    from symbiosis.jobs.finetune import FinetuneOptions, TrainOptions, finetune
+    from symbiosis.jobs.publish import PublishOptions
+
+    address, _ = remote_executor
+    server = start_server(api_model, ClientOptions(executor=address), allow_adapter_updates=True)
+    try:
+        data = tmp_path / "train.jsonl"
+        data.write_text("".join(json.dumps({"text": f"sample {i}: the cat sat on mat {i}"}) + "\n" for i in range(24)))
+        client = openai_client(server)
+        served_mid_run = []
+
+        def on_step(record) -> None:
+            if record.step == 2:  # published at step 2: the next request uses those weights
+                served_mid_run.append(greedy_tokens(client, "live", PROMPTS[0]))
+
+        options = FinetuneOptions(
+            model=api_model, data=data, output=tmp_path / "live", client=ClientOptions(executor=address),
+            train=TrainOptions(steps=4, batch_size=2, seq_len=16, eval_fraction=0.0, lr=5e-2),
+            progress=False, publish=PublishOptions(server.url, "live", every=2),
+        )
+        finetune(options, on_step=on_step)
+        step2 = tmp_path / "live.run" / "published" / "step-2"
+        assert served_mid_run == [reference.tokens(PROMPTS[0], step2, MAX_TOKENS)]
+        final = greedy_tokens(client, "live", PROMPTS[0])
+        assert final == reference.tokens(PROMPTS[0], tmp_path / "live", MAX_TOKENS)
+        assert final != served_mid_run[0]  # training moved the adapter, and the server followed
+    finally:
+        server.close()

@@ -10,7 +10,7 @@ must be tensors of their own: not views, writable, modifiable in place under aut
 
 from __future__ import annotations
 
-import glob
+import gc
 import multiprocessing
 import os
 import pickle
@@ -273,7 +273,7 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
         raw.send(request(7, "q", [1, 16], shm_name=None), bytes(64))  # before Hello: no session
         reply, _ = raw.recv()
         assert isinstance(reply, P.Reply) and (reply.request_id, reply.error_code) == (7, "unavailable")
-        welcome = raw.hello()
+        raw.hello()
         cases: list[tuple[list[bytes], int, tuple[str, ...]]] = [
             ([b"\xc1 not msgpack at all"], 0, ("protocol",)),
             ([pickle.dumps({"request_id": 3, "evil": os.system})], 0, ("protocol",)),
@@ -283,7 +283,7 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
             ([request(14, "q", [-1, 16]), b""], 14, ("shape",)),
             ([request(15, "q", [2, 16], dtype="int64"), bytes(256)], 15, ("protocol",)),
             ([request(16, "q", [2, 16], shm_name="symb_not_mine_x"), ], 16, ("protocol",)),
-            ([request(17, "q", [2, 16], shm_name=P.shm_prefix(welcome.session_token) + "missing")], 17, ("protocol",)),
+            ([request(17, "q", [2, 16], shm_name="999")], 17, ("protocol",)),  # no segment with that id
             ([request(18, "q", [2, 16], shm_name="../../etc/passwd")], 18, ("protocol",)),
             ([P.encode(P.Welcome(1, 19, "x", [], P.Limits(), 1.0, "t", True))], 19, ("protocol",)),
             ([b'{"request_id": 20}'], 0, ("protocol",)),
@@ -373,17 +373,24 @@ def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
     service.close()
 
 
-def session_token(server: ZmqServer, client_id: str) -> str:
-    """The token the server gave ``client_id``'s session (server internals, on purpose: a client's
-    shared-memory segments are named after it, so a test can tell them from other processes')."""
+def segment_label(server: ZmqServer, client_id: str) -> str:
+    """The memfd name of ``client_id``'s shared-memory segments (server internals, on purpose: the
+    executor names each session's segments apart, so a test can count one session's mappings)."""
     for _ in range(100):
         try:
-            tokens = [s.token for s in list(server._sessions.values()) if s.client_id == client_id]
+            labels = [s.channel_state["shm"].label for s in list(server._sessions.values()) if s.client_id == client_id]
         except RuntimeError:  # the server thread changed the dict while we copied it
             continue
-        assert len(tokens) == 1, tokens
-        return tokens[0]
+        assert len(labels) == 1, labels
+        return labels[0]
     raise AssertionError("could not read the server's sessions")
+
+
+def segment_mappings(label: str) -> int:
+    """How many mappings of segments named ``label`` this process (the server) holds."""
+    gc.collect()  # tensors over a mapping may sit in a reference cycle for a moment
+    with open("/proc/self/maps") as maps:
+        return sum(f"/memfd:{label} (deleted)" in line for line in maps)
 
 
 def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: FakeExecutorService, kind: str) -> None:
@@ -392,10 +399,10 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     child.start()
     try:
         assert fake.wait_for(lambda events: any(e[:3] == ("submit", client_id, "slow") for e in events), 60)
-        # Only this session's segments: other test runs on the machine make and free their own.
-        child_segments = f"/dev/shm/{P.shm_prefix(session_token(server, client_id))}*"
+        # Only this session's segments: other sessions in this process make and free their own.
+        label = segment_label(server, client_id) if kind == "shm" else ""
         if kind == "shm":
-            assert glob.glob(child_segments)  # the child's buffer exists
+            assert segment_mappings(label) == 1  # the child's buffer, mapped by the server
         os.kill(child.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         assert fake.wait_for(lambda events: ("unregister", client_id, 1) in events, 5), fake.events[-5:]
@@ -403,7 +410,8 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     finally:
         child.kill()
         child.join(timeout=10)
-    assert glob.glob(child_segments) == []  # its shared memory is freed
+    if kind == "shm":
+        assert segment_mappings(label) == 0  # the server's mapping of its shared memory is gone
     rows = torch.randn(6, 16)
     assert_same_product(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
 
