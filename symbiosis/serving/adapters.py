@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,7 @@ class AdapterPool:
         self._reserved = set(reserved_names)
         self.max_loaded = max_loaded
         self.loads = 0  # reads from disk (cold loads), for metrics and the benchmark
+        self.load_seconds = 0.0  # time spent in those reads
         self._lock = threading.RLock()
         if self._adapter_dir is not None and not self._adapter_dir.is_dir():
             raise UnknownAdapterError(f"--adapter-dir {str(self._adapter_dir)!r} is not a folder")
@@ -109,7 +111,9 @@ class AdapterPool:
             if adapter is None:
                 path = self.path_of(name)
                 self._make_room()
+                started = time.perf_counter()
                 adapter = self._load(name, path)
+                self.load_seconds += time.perf_counter() - started
                 self.loads += 1
                 self._loaded[name] = adapter
             self._loaded.move_to_end(name)

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from sse_starlette.sse import EventSourceResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from symbiosis.errors import SymbiosisError
@@ -49,8 +51,14 @@ class ApiError(Exception):
     """An error answered with OpenAI's error body."""
 
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
@@ -63,7 +71,9 @@ class ApiError(Exception):
 
 def _not_found(model: str) -> ApiError:
     # The same answer for a missing adapter and one the key may not use (tenants cannot probe).
-    return ApiError(404, f"The model `{model}` does not exist.", "not_found_error", param="model", code="model_not_found")
+    return ApiError(
+        404, f"The model `{model}` does not exist.", "not_found_error", param="model", code="model_not_found"
+    )
 
 
 @dataclass
@@ -90,20 +100,60 @@ class ApiState:
 # ---- one generation: events from the engine thread into asyncio -----------------------------------
 
 
-class _Choices:
-    """The choices of one API request: submitted sequences and their events, in one queue."""
+class _Mailbox:
+    """Events from the engine thread into the event loop, one wake-up per burst.
+
+    A decode step produces one event per running sequence; waking the loop once per event
+    (``call_soon_threadsafe`` each) costs the loop a wake-up and the engine a GIL hand-off per
+    token. Events posted while a drain is pending ride along with it.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self._items: deque[tuple[asyncio.Queue, Any]] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class _Choices:
+    """The choices of one API request: submitted sequences and their events, in one queue."""
+
+    def __init__(self, mailbox: _Mailbox) -> None:
+        self.mailbox = mailbox
         self.queue: asyncio.Queue[tuple[int, Delta | Failure]] = asyncio.Queue()
         self.handles: list = []
         self.open = 0
 
     def sink_for(self, index: int):
         def sink(event: Delta | Failure) -> None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            self.mailbox.post(self.queue, (index, event))
 
         return sink
+
+    def ready(self) -> list[tuple[int, Delta | Failure]]:
+        """Events already queued (without waiting)."""
+        events = []
+        while not self.queue.empty():
+            index, event = self.queue.get_nowait()
+            if isinstance(event, Failure) or event.finish_reason is not None:
+                self.open -= 1
+            events.append((index, event))
+        return events
 
     async def next(self) -> tuple[int, Delta | Failure]:
         index, event = await self.queue.get()
@@ -127,6 +177,13 @@ def _failure_error(failure: Failure) -> ApiError:
 def create_app(state: ApiState) -> FastAPI:
     app = FastAPI(title="Symbiosis OpenAI-compatible API", docs_url=None, redoc_url=None)
     config, engine = state.config, state.engine
+    mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+
+    def mailbox() -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        if loop not in mailboxes:
+            mailboxes[loop] = _Mailbox(loop)
+        return mailboxes[loop]
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError):
@@ -184,11 +241,25 @@ def create_app(state: ApiState) -> FastAPI:
     async def list_models(request: Request):
         scope = allowed_adapters(request)
         names = [n for n in engine.pool.names() if scope is None or n in scope]
-        base = {"id": config.served_model_name, "object": "model", "created": state.created, "owned_by": "symbiosis",
-                "root": config.served_model_name, "parent": None, "max_model_len": config.max_context}
+        base = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "symbiosis",
+            "root": config.served_model_name,
+            "parent": None,
+            "max_model_len": config.max_context,
+        }
         adapters = [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "symbiosis",
-             "root": name, "parent": config.served_model_name, "max_model_len": config.max_context}
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "symbiosis",
+                "root": name,
+                "parent": config.served_model_name,
+                "max_model_len": config.max_context,
+            }
             for name in names
         ]
         return {"object": "list", "data": [base, *adapters]}
@@ -210,7 +281,7 @@ def create_app(state: ApiState) -> FastAPI:
         if getattr(tokenizer, "chat_template", None):
             try:
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as exc:  # a template that rejects these messages (e.g. role order)
+            except Exception as exc:  # noqa: BLE001 (a template may raise anything for messages it rejects, e.g. role order)
                 raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
             return _encode(tokenizer, text, add_special_tokens=False)
         # No chat template: a plain transcript the model continues as the assistant.
@@ -228,7 +299,8 @@ def create_app(state: ApiState) -> FastAPI:
                 f"This model's maximum context length is {config.max_context} tokens. However, you requested "
                 f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, {max(max_tokens, 1)} in the "
                 "completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         return SamplingParams(
             max_tokens=max_tokens,
@@ -242,7 +314,7 @@ def create_app(state: ApiState) -> FastAPI:
         )
 
     def submit_all(prompts: list[list[int]], adapter: str | None, body: SamplingFields, default_tokens) -> _Choices:
-        choices = _Choices(asyncio.get_running_loop())
+        choices = _Choices(mailbox())
         params = [sampling_params(body, len(ids), default_tokens) for ids in prompts]
         try:
             index = 0
@@ -254,7 +326,9 @@ def create_app(state: ApiState) -> FastAPI:
                     index += 1
         except ServerOverloadedError as exc:
             choices.cancel()
-            raise ApiError(429, str(exc), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)}) from None
+            raise ApiError(
+                429, str(exc), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)}
+            ) from None
         except RequestTooLargeError as exc:
             choices.cancel()
             raise ApiError(400, str(exc), param="max_tokens") from None
@@ -284,46 +358,58 @@ def create_app(state: ApiState) -> FastAPI:
             choices.cancel()
             raise
         return [
-            {"index": i, "text": "".join(texts.get(i, [])), "token_ids": tokens.get(i, []), "finish_reason": finish[i][0],
-             "usage": finish[i][1]}
+            {
+                "index": i,
+                "text": "".join(texts.get(i, [])),
+                "token_ids": tokens.get(i, []),
+                "finish_reason": finish[i][0],
+                "usage": finish[i][1],
+            }
             for i in sorted(finish)
         ]
 
-    async def stream(choices: _Choices, make_chunk, finish_chunks, include_usage: bool) -> EventSourceResponse:
-        """SSE of ``make_chunk(index, event)`` payloads; the first event is awaited before answering."""
+    async def stream(choices: _Choices, make_chunk, finish_chunks, include_usage: bool) -> StreamingResponse:
+        """Server-sent events of ``make_chunk(index, event)`` payloads, ending with ``data: [DONE]``.
+
+        The first event is awaited before answering, so an error before the first token is a
+        proper HTTP error. Events that are ready together go out in one write.
+        """
         first = await choices.next()
         if isinstance(first[1], Failure):
             choices.cancel()
             raise _failure_error(first[1])
 
-        async def events() -> AsyncIterator[dict]:
+        async def events() -> AsyncIterator[bytes]:
             usage = {"prompt_tokens": 0, "completion_tokens": 0}
-            pending: tuple[int, Delta | Failure] | None = first
+            batch = [first]
             try:
-                while True:
-                    if pending is None:
-                        if choices.open <= 0:
+                while batch:
+                    out = []
+                    for index, event in batch:
+                        if isinstance(event, Failure):
+                            error = _failure_error(event)
+                            out.append(
+                                _sse({"error": {"message": error.message, "type": error.kind, "code": error.status}})
+                            )
+                            choices.open = 0
                             break
-                        pending = await choices.next()
-                    index, event = pending
-                    pending = None
-                    if isinstance(event, Failure):
-                        error = _failure_error(event)
-                        yield {"data": _json({"error": {"message": error.message, "type": error.kind, "code": error.status}})}
+                        out.extend(_sse(chunk) for chunk in make_chunk(index, event))
+                        if event.usage is not None:
+                            usage["prompt_tokens"] += event.usage.prompt_tokens
+                            usage["completion_tokens"] += event.usage.completion_tokens
+                    if out:
+                        yield b"".join(out)
+                    if choices.open <= 0:
                         break
-                    for chunk in make_chunk(index, event):
-                        yield {"data": _json(chunk)}
-                    if event.usage is not None:
-                        usage["prompt_tokens"] += event.usage.prompt_tokens
-                        usage["completion_tokens"] += event.usage.completion_tokens
+                    batch = [await choices.next()] + choices.ready()
                 if include_usage:
                     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                    yield {"data": _json(finish_chunks(usage))}
-                yield {"data": "[DONE]"}
+                    yield _sse(finish_chunks(usage))
+                yield b"data: [DONE]\n\n"
             finally:
                 choices.cancel()  # a client that went away frees its sequences at the next step
 
-        return EventSourceResponse(events(), ping=15)
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -333,18 +419,32 @@ def create_app(state: ApiState) -> FastAPI:
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def envelope(choice_list: list[dict], **extra) -> dict:
-            return {"id": response_id, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": choice_list, **extra}
+            return {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": choice_list,
+                **extra,
+            }
 
         if body.stream:
+
             def make_chunk(index: int, event: Delta):
                 if event.text or event.finish_reason or body.return_token_ids:
-                    choice = {"index": index, "text": event.text, "logprobs": None, "finish_reason": event.finish_reason}
+                    choice = {
+                        "index": index,
+                        "text": event.text,
+                        "logprobs": None,
+                        "finish_reason": event.finish_reason,
+                    }
                     if body.return_token_ids:
                         choice["token_ids"] = list(event.token_ids)
                     yield envelope([choice])
 
-            return await stream(choices, make_chunk, lambda usage: envelope([], usage=usage), body.include_usage_in_stream)
+            return await stream(
+                choices, make_chunk, lambda usage: envelope([], usage=usage), body.include_usage_in_stream
+            )
         results = await collect(choices, request)
         usage = _usage(results, len(prompts), body.n)
         out = []
@@ -363,7 +463,14 @@ def create_app(state: ApiState) -> FastAPI:
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def envelope(choice_list: list[dict], kind: str, **extra) -> dict:
-            return {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": choice_list, **extra}
+            return {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": body.model,
+                "choices": choice_list,
+                **extra,
+            }
 
         if body.stream:
             started: set[int] = set()
@@ -372,21 +479,37 @@ def create_app(state: ApiState) -> FastAPI:
                 if index not in started:
                     started.add(index)
                     delta = {"role": "assistant", "content": ""}
-                    yield envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], "chat.completion.chunk")
+                    yield envelope(
+                        [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                        "chat.completion.chunk",
+                    )
                 if event.text:
                     delta = {"content": event.text}
-                    yield envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], "chat.completion.chunk")
+                    yield envelope(
+                        [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                        "chat.completion.chunk",
+                    )
                 if event.finish_reason:
-                    yield envelope([{"index": index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}], "chat.completion.chunk")
+                    yield envelope(
+                        [{"index": index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+                        "chat.completion.chunk",
+                    )
 
             return await stream(
-                choices, make_chunk, lambda usage: envelope([], "chat.completion.chunk", usage=usage), body.include_usage_in_stream
+                choices,
+                make_chunk,
+                lambda usage: envelope([], "chat.completion.chunk", usage=usage),
+                body.include_usage_in_stream,
             )
         results = await collect(choices, request)
         return envelope(
             [
-                {"index": r["index"], "message": {"role": "assistant", "content": r["text"]}, "logprobs": None,
-                 "finish_reason": r["finish_reason"]}
+                {
+                    "index": r["index"],
+                    "message": {"role": "assistant", "content": r["text"]},
+                    "logprobs": None,
+                    "finish_reason": r["finish_reason"],
+                }
                 for r in results
             ],
             "chat.completion",
@@ -453,7 +576,5 @@ def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     return list(ids)
 
 
-def _json(payload: dict) -> str:
-    import json
-
-    return json.dumps(payload, separators=(",", ":"))
+def _sse(payload: dict) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"

@@ -109,7 +109,7 @@ class _Sequence:
 class SequenceHandle:
     """What ``submit`` returns: cancel the sequence (a client went away)."""
 
-    def __init__(self, engine: "GenerationEngine", sequence: _Sequence) -> None:
+    def __init__(self, engine: GenerationEngine, sequence: _Sequence) -> None:
         self._engine = engine
         self._sequence = sequence
 
@@ -208,6 +208,8 @@ class GenerationEngine:
                 "steps": self.steps,
                 "peak_running": self.peak_running,
                 "adapters_loaded": self.pool.loaded_count,
+                "adapter_loads": self.pool.loads,
+                "adapter_load_seconds": self.pool.load_seconds,
                 "executor_ok": self.executor_ok,
             }
 
@@ -233,7 +235,7 @@ class GenerationEngine:
             except (ExecutorUnavailableError, ExecutorTimeoutError) as exc:
                 self.executor_ok, self.last_error = False, str(exc)
                 self._fail_all(Failure(503, f"the base executor is unavailable: {exc}", "service_unavailable"))
-            except Exception:  # a bug: log it, fail who was affected, keep serving the others
+            except Exception:  # noqa: BLE001 (a bug: log it, fail who was affected, keep serving the others)
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(Failure(500, "internal error while generating; see the server log", "internal_error"))
             self._report_queue()
@@ -290,10 +292,15 @@ class GenerationEngine:
         rows = len(self._running) + len(joiners)
         if rows > self.options.max_batch_size:
             return False
-        if len(joiners) > 1 and len(joiners) * max(len(s.request.prompt_ids) for s in joiners) > self.options.max_prefill_tokens:
+        if (
+            len(joiners) > 1
+            and len(joiners) * max(len(s.request.prompt_ids) for s in joiners) > self.options.max_prefill_tokens
+        ):
             return False
         everyone = self._running + joiners
-        columns = max([self._batch.columns if self._batch is not None else 0] + [len(s.request.prompt_ids) for s in joiners])
+        columns = max(
+            [self._batch.columns if self._batch is not None else 0] + [len(s.request.prompt_ids) for s in joiners]
+        )
         peak = rows * (columns + max(s.remaining_tokens for s in everyone)) * self.bytes_per_token
         return rows == 1 or peak <= self.options.kv_cache_bytes
 
@@ -361,7 +368,9 @@ class GenerationEngine:
         else:  # every token gets an event (token counts); the API skips empty text in streams
             sequence.request.sink(Delta(delta, (token,)))
 
-    def _finish(self, sequence: _Sequence, reason: str, *, token: int | None = None, delta: str = "", emit: bool = True) -> None:
+    def _finish(
+        self, sequence: _Sequence, reason: str, *, token: int | None = None, delta: str = "", emit: bool = True
+    ) -> None:
         if sequence.done:
             return
         sequence.done = True

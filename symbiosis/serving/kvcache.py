@@ -61,7 +61,7 @@ class PaddedBatch:
     def columns(self) -> int:
         return int(self.mask.shape[1])
 
-    def merge(self, other: "PaddedBatch") -> "PaddedBatch":
+    def merge(self, other: PaddedBatch) -> PaddedBatch:
         """One batch holding this batch's rows, then ``other``'s."""
         width = max(self.columns, other.columns)
         mine, theirs = _layers(self.cache), _layers(other.cache)
@@ -69,15 +69,19 @@ class PaddedBatch:
             raise UnsupportedCacheError("the two caches have different numbers of layers")
         merged = DynamicCache()
         for index, (a, b) in enumerate(zip(mine, theirs)):
-            keys = torch.cat([_pad_left(a.keys, width - self.columns, -2), _pad_left(b.keys, width - other.columns, -2)])
+            keys = torch.cat(
+                [_pad_left(a.keys, width - self.columns, -2), _pad_left(b.keys, width - other.columns, -2)]
+            )
             values = torch.cat(
                 [_pad_left(a.values, width - self.columns, -2), _pad_left(b.values, width - other.columns, -2)]
             )
             merged.update(keys, values, index)
-        mask = torch.cat([_pad_left(self.mask, width - self.columns, 1), _pad_left(other.mask, width - other.columns, 1)])
+        mask = torch.cat(
+            [_pad_left(self.mask, width - self.columns, 1), _pad_left(other.mask, width - other.columns, 1)]
+        )
         return PaddedBatch(merged, mask, torch.cat([self.positions, other.positions]))
 
-    def select(self, keep: list[int]) -> "PaddedBatch":
+    def select(self, keep: list[int]) -> PaddedBatch:
         """Only rows ``keep`` (in that order), without the columns that are padding in all of them."""
         index = torch.tensor(keep, dtype=torch.long)
         mask = self.mask.index_select(0, index)

@@ -104,7 +104,7 @@ def load_lora_adapter(
         raise AdapterFormatError(f"adapter {str(path)!r} has no adapter_model.safetensors (pickled .bin is not read)")
     try:
         tensors = load_file(str(weights_file))
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types for corrupt files)
         raise AdapterFormatError(f"cannot read {weights_file}: {exc}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -211,7 +211,9 @@ class MultiLoraLinear(nn.Module):
             return result
         a_cat, b_cat, mask, scaling = stacked
         if x.dim() != 3 or x.shape[0] != mask.shape[0]:
-            raise RuntimeError(f"{self.module_name}: expected [rows={mask.shape[0]}, tokens, features], got {tuple(x.shape)}")
+            raise RuntimeError(
+                f"{self.module_name}: expected [rows={mask.shape[0]}, tokens, features], got {tuple(x.shape)}"
+            )
         hidden = (x.to(a_cat.dtype) @ a_cat.T) * mask[:, None, :]
         return result + (hidden @ b_cat.T) * scaling[:, None, None].to(result.dtype)
 

@@ -10,7 +10,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from symbiosis.serving.engine import EngineHooks
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class ServingMetrics(EngineHooks):
@@ -27,7 +47,10 @@ class ServingMetrics(EngineHooks):
             "symbiosis:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "symbiosis:inter_token_latency_seconds", "Time between two tokens of a sequence", buckets=_LATENCY_BUCKETS, registry=r
+            "symbiosis:inter_token_latency_seconds",
+            "Time between two tokens of a sequence",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "symbiosis:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r

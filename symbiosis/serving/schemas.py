@@ -48,7 +48,7 @@ class SamplingFields(BaseModel):
         return values
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> "SamplingFields":
+    def _refuse_unsupported(self) -> SamplingFields:
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty / frequency_penalty are not supported (leave them at 0)")
         if self.logprobs not in (None, False, 0):
@@ -73,7 +73,7 @@ class CompletionRequest(SamplingFields):
         return value
 
     @model_validator(mode="after")
-    def _refuse_unsupported_completion(self) -> "CompletionRequest":
+    def _refuse_unsupported_completion(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
         if self.suffix:

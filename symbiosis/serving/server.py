@@ -13,6 +13,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -136,7 +137,10 @@ class ApiServer:
                 import symbiosis
 
                 self.model = symbiosis.load_client_model(
-                    options.model, executor=self._shared_executor, client_id="symbiosis-api", timeout_s=options.client.timeout_s
+                    options.model,
+                    executor=self._shared_executor,
+                    client_id="symbiosis-api",
+                    timeout_s=options.client.timeout_s,
                 )
         output = self.model.get_output_embeddings()
         output_names = {name for name, module in self.model.named_modules() if module is output}
@@ -150,8 +154,11 @@ class ApiServer:
             return load_lora_adapter(name, path, shapes, dtype=dtype, device=device)
 
         self.pool = AdapterPool(
-            load, adapters=options.adapters, adapter_dir=options.adapter_dir,
-            max_loaded=options.max_loaded_adapters, reserved_names=(served_name,),
+            load,
+            adapters=options.adapters,
+            adapter_dir=options.adapter_dir,
+            max_loaded=options.max_loaded_adapters,
+            reserved_names=(served_name,),
         )
         self.metrics = ServingMetrics(served_name)
         batch = min(options.max_batch_size, options.max_concurrent_requests)
@@ -182,8 +189,12 @@ class ApiServer:
         import uvicorn
 
         return uvicorn.Config(
-            self.app, host=self.options.host, port=self.options.port, log_level="warning",
-            timeout_graceful_shutdown=5, lifespan="off",
+            self.app,
+            host=self.options.host,
+            port=self.options.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            lifespan="off",
         )
 
     @property
@@ -244,7 +255,7 @@ class ApiServer:
         elif getattr(self, "model", None) is not None:
             self.model.symbiosis_transport.close()
 
-    def __enter__(self) -> "ApiServer":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -64,7 +64,10 @@ class Reference:
         if key not in self._cache:
             ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
             output = self._model(adapter_dir).generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or 0,
             )
             self._cache[key] = output[0, ids.shape[1] :].tolist()

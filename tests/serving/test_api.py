@@ -105,7 +105,9 @@ def test_streaming_gives_the_same_text_as_non_streaming(server):
     client = openai_client(server)
     for model in ("attn8", server.served_model_name):
         whole = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0)
-        chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True))
+        chunks = list(
+            client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True)
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
@@ -116,14 +118,24 @@ def test_chat_completions_with_and_without_streaming(server):
     whole = client.chat.completions.create(model="mlp16", messages=messages, max_tokens=10, temperature=0)
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == 10 or whole.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(model="mlp16", messages=messages, max_tokens=10, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model="mlp16", messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
 
 
 def test_sampling_with_a_seed_is_repeatable_and_stop_strings_cut_the_text(server):
     client = openai_client(server)
-    kwargs = dict(model="qv4", prompt="abc", max_tokens=16, temperature=0.9, top_p=0.9, seed=7, extra_body={"top_k": 50})
+    kwargs = {
+        "model": "qv4",
+        "prompt": "abc",
+        "max_tokens": 16,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "seed": 7,
+        "extra_body": {"top_k": 50},
+    }
     first, second = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
     assert first == second
     whole = client.completions.create(model="qv4", prompt="abc", max_tokens=16, temperature=0).choices[0].text
@@ -164,9 +176,14 @@ def test_metrics_use_the_names_dashboards_chart(server):
     status, text = get(server.url + "/metrics")
     assert status == 200
     for name in (
-        "symbiosis:num_requests_running", "symbiosis:num_requests_waiting", "symbiosis:time_to_first_token_seconds",
-        "symbiosis:inter_token_latency_seconds", "symbiosis:e2e_request_latency_seconds",
-        "symbiosis:generation_tokens_total", "symbiosis:prompt_tokens_total", "symbiosis:lora_adapters_loaded",
+        "symbiosis:num_requests_running",
+        "symbiosis:num_requests_waiting",
+        "symbiosis:time_to_first_token_seconds",
+        "symbiosis:inter_token_latency_seconds",
+        "symbiosis:e2e_request_latency_seconds",
+        "symbiosis:generation_tokens_total",
+        "symbiosis:prompt_tokens_total",
+        "symbiosis:lora_adapters_loaded",
     ):
         assert name in text, name
     status, body = get(server.url + "/health")
@@ -189,7 +206,11 @@ def test_a_client_that_goes_away_mid_stream_frees_its_sequence(api_model, monkey
         _slow_steps(server, monkeypatch, 0.02)
         client = openai_client(server)
         stream = client.completions.create(
-            model=server.served_model_name, prompt="go on", max_tokens=200, temperature=0, stream=True,
+            model=server.served_model_name,
+            prompt="go on",
+            max_tokens=200,
+            temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True},
         )
         next(iter(stream))
@@ -252,7 +273,9 @@ def test_a_key_limited_to_one_adapter_gets_404_for_the_others(api_model, lora_ad
             greedy_tokens(tenant, "attn8", "hi", 3)
         with pytest.raises(openai.NotFoundError) as missing:
             greedy_tokens(tenant, "no-such-adapter", "hi", 3)
-        assert hidden.value.body["message"].replace("attn8", "X") == missing.value.body["message"].replace("no-such-adapter", "X")
+        assert hidden.value.body["message"].replace("attn8", "X") == missing.value.body["message"].replace(
+            "no-such-adapter", "X"
+        )
         assert {m.id for m in tenant.models.list().data} == {server.served_model_name, "qv4"}
         with pytest.raises(openai.AuthenticationError):
             greedy_tokens(openai_client(server, "wrong-key-123"), "qv4", "hi", 3)
@@ -262,7 +285,9 @@ def test_a_key_limited_to_one_adapter_gets_404_for_the_others(api_model, lora_ad
 
 
 def test_adapters_load_replace_and_unload_while_serving(api_model, tmp_path, reference):
-    server = start_server(api_model, allow_adapter_updates=True, api_keys={"admin-key-000": None, "tenant-key-1": frozenset()})
+    server = start_server(
+        api_model, allow_adapter_updates=True, api_keys={"admin-key-000": None, "tenant-key-1": frozenset()}
+    )
     try:
         client = openai_client(server, "admin-key-000")
         first = make_lora_adapter(api_model, tmp_path / "v1", 4, 8, ["q_proj", "v_proj"], seed=11)
@@ -308,7 +333,10 @@ def test_adapter_dir_serves_folders_added_later(api_model, tmp_path, reference):
     try:
         client = openai_client(server)
         assert {m.id for m in client.models.list().data} == {server.served_model_name}
-        made = {f"d{i}": make_lora_adapter(api_model, tmp_path / f"d{i}", 2 + i, 4, ["v_proj"], seed=30 + i) for i in range(3)}
+        made = {
+            f"d{i}": make_lora_adapter(api_model, tmp_path / f"d{i}", 2 + i, 4, ["v_proj"], seed=30 + i)
+            for i in range(3)
+        }
         for name, folder in made.items():
             assert greedy_tokens(client, name, "x y") == reference.tokens("x y", folder, MAX_TOKENS)
         assert server.pool.loaded_count == 2 and server.pool.loads == 3
@@ -382,9 +410,13 @@ def test_a_fine_tuning_job_publishes_its_adapter_to_the_running_server(api_model
                 served_mid_run.append(greedy_tokens(client, "live", PROMPTS[0]))
 
         options = FinetuneOptions(
-            model=api_model, data=data, output=tmp_path / "live", client=ClientOptions(executor=address),
+            model=api_model,
+            data=data,
+            output=tmp_path / "live",
+            client=ClientOptions(executor=address),
             train=TrainOptions(steps=4, batch_size=2, seq_len=16, eval_fraction=0.0, lr=5e-2),
-            progress=False, publish=PublishOptions(server.url, "live", every=2),
+            progress=False,
+            publish=PublishOptions(server.url, "live", every=2),
         )
         finetune(options, on_step=on_step)
         step2 = tmp_path / "live.run" / "published" / "step-2"

@@ -41,7 +41,7 @@ def test_text_is_released_as_it_becomes_final_and_cut_at_a_stop_string():
 
 
 def test_text_without_stop_strings_is_released_token_by_token():
-    deltas, text, stopped = released((), "hello")
+    deltas, _, stopped = released((), "hello")
     assert deltas == list("hello") and not stopped
 
 
@@ -100,15 +100,22 @@ def test_rows_get_only_their_own_adapters_update():
     x = torch.randn(4, 1, 3)
     update = ((x @ a_cat.T) * mask[:, None, :]) @ b_cat.T * scaling[:, None, None]
     for row, adapter in enumerate([first, None, second, first]):
-        expected = torch.zeros(1, 4) if adapter is None else (x[row] @ adapter.modules["m"].a.T) @ adapter.modules["m"].b.T * adapter.modules["m"].scaling
+        expected = (
+            torch.zeros(1, 4)
+            if adapter is None
+            else (x[row] @ adapter.modules["m"].a.T) @ adapter.modules["m"].b.T * adapter.modules["m"].scaling
+        )
         torch.testing.assert_close(update[row], expected)
     assert rows.stacked("other") is None
 
 
 def _batch(lengths: list[int]) -> PaddedBatch:
-    ids, mask, _ = left_pad([[1] * n for n in lengths], 0)
+    _, mask, _ = left_pad([[1] * n for n in lengths], 0)
     cache = DynamicCache()
-    keys = mask[:, None, :, None].float().expand(len(lengths), 1, mask.shape[1], 2).clone() * torch.arange(1, len(lengths) + 1)[:, None, None, None]
+    keys = (
+        mask[:, None, :, None].float().expand(len(lengths), 1, mask.shape[1], 2).clone()
+        * torch.arange(1, len(lengths) + 1)[:, None, None, None]
+    )
     cache.update(keys, keys.clone(), 0)
     return PaddedBatch(cache, mask, mask.sum(-1))
 
