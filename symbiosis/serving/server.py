@@ -8,6 +8,7 @@ start; ``start()`` runs uvicorn on a background thread, ``run()`` in the foregro
 from __future__ import annotations
 
 import ipaddress
+import socket
 import threading
 import time
 import warnings
@@ -102,6 +103,21 @@ def _max_context(model, tokenizer) -> int:
             return value
     value = getattr(tokenizer, "model_max_length", None)
     return value if isinstance(value, int) and 0 < value < 1 << 24 else 2048
+
+
+def _uvicorn_server(config):
+    """uvicorn's Server, except that SIGINT/SIGTERM end ``serve()`` cleanly instead of being
+    re-raised after shutdown (uvicorn's default kills the process before our cleanup runs)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server(config)
 
 
 class ApiServer:
@@ -205,12 +221,27 @@ class ApiServer:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         return f"http://{host}:{port}"
 
+    def _listen(self) -> socket.socket:
+        """The listening socket, bound here so a taken port is a clear error, not uvicorn's exit."""
+        host, port = self.options.host, self.options.port
+        try:
+            sock = socket.create_server(
+                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048
+            )
+        except OSError as exc:
+            raise ApiConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        sock.set_inheritable(True)
+        return sock
+
     def start(self, timeout_s: float = 30.0) -> str:
         """Serve on a background thread; returns the base URL once it accepts connections."""
         import uvicorn
 
         self._uvicorn = uvicorn.Server(self._config())
-        self._thread = threading.Thread(target=self._uvicorn.run, name="symbiosis-api-http", daemon=True)
+        sockets = [self._listen()]
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": sockets}, name="symbiosis-api-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._uvicorn.started:
@@ -223,12 +254,10 @@ class ApiServer:
         """Serve in this thread until SIGINT/SIGTERM; ``on_ready(url)`` once listening."""
         import asyncio
 
-        import uvicorn
-
-        self._uvicorn = uvicorn.Server(self._config())
+        self._uvicorn = _uvicorn_server(self._config())
 
         async def serve() -> None:
-            task = asyncio.create_task(self._uvicorn.serve())
+            task = asyncio.create_task(self._uvicorn.serve(sockets=sockets))
             while not self._uvicorn.started and not task.done():
                 await asyncio.sleep(0.01)
             if self._uvicorn.started and on_ready is not None:
@@ -236,6 +265,7 @@ class ApiServer:
             await task
 
         try:
+            sockets = [self._listen()]
             asyncio.run(serve())
         finally:
             self.close()

@@ -426,3 +426,46 @@ def test_a_fine_tuning_job_publishes_its_adapter_to_the_running_server(api_model
         assert final != served_mid_run[0]  # training moved the adapter, and the server followed
     finally:
         server.close()
+
+
+def test_the_command_line_serves_until_sigterm(api_model, lora_adapters):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "symbiosis",
+        "api",
+        "--model",
+        str(api_model),
+        "--embedded",
+        "--port",
+        str(port),
+        "--adapter",
+        f"qv4={lora_adapters['qv4']}",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if get(url + "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        status, body = post(url + "/v1/completions", {"model": "qv4", "prompt": "hi", "max_tokens": 3})
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err[-2000:]
+        assert f"{url}/v1" in out and "Traceback" not in err
+    finally:
+        if process.poll() is None:
+            process.kill()
