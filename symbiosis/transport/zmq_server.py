@@ -51,6 +51,7 @@ import ctypes
 import ctypes.util
 import ipaddress
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -232,6 +233,7 @@ class ZmqServer:
         self._submitted = False  # requests went to the executor since the last _drive
         self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
+        self._socket_file: tuple[str, int] | None = None  # (path, inode) of the ipc socket file we bound
 
     @property
     def address(self) -> str:
@@ -257,6 +259,7 @@ class ZmqServer:
             self._router.setsockopt(zmq.LINGER, 500)
             self._router.bind(self._bind_address)
             self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._socket_file = _socket_file(self._address)
             self._channels = self._make_channels()  # after bind: shared memory lives next to the ipc socket
         except BaseException:
             self._router.close(0)
@@ -279,6 +282,7 @@ class ZmqServer:
         self._stop_authenticator()
         self._ctx.term()
         self._waker.close()
+        _remove_socket_file(self._socket_file)
 
     @property
     def curve(self) -> CurveServerKeys | None:
@@ -795,6 +799,31 @@ def _trim_heap() -> None:
     queued 660 MB of results left the executor 660 MB larger after it was gone (issue 10)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def _socket_file(address: str) -> tuple[str, int] | None:
+    """(path, inode) of the socket file a bind at ``address`` made; None for tcp and abstract names."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return None
+    path = address[len("ipc://") :]
+    try:
+        return path, os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+def _remove_socket_file(socket_file: tuple[str, int] | None) -> None:
+    """Remove the ipc socket file a closed server bound: libzmq 4.3 leaves it behind (it removes
+    only the files of wildcard binds), so every clean shutdown left a dead socket file (the soak
+    test, issue 10). Only our own file: another executor may have bound the path since."""
+    if socket_file is None:
+        return
+    path, inode = socket_file
+    try:
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _is_loopback(host: str) -> bool:
