@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -30,6 +31,7 @@ def serve(
     allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key.")] = False,
     curve_secret_key: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind.")] = None,
     authorized_clients: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["authorized_clients_dir"])] = None,
+    ready_file: Annotated[Path | None, typer.Option(help="Once serving, write JSON here (addresses with real ports, pid, checkpoint fingerprint, model type, metrics URL) for scripts and supervisors to read instead of parsing the log; written atomically, removed on exit.")] = None,
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
 
@@ -68,7 +70,15 @@ def serve(
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
         err=False,
     )
+    if ready_file is not None:
+        from symbiosis.executor.process import ReadyInfo, write_ready_file
+
+        metrics_url = f"http://127.0.0.1:{metrics.port}" if metrics else None
+        info = ReadyInfo([s.address for s in servers], os.getpid(), executor.fingerprint, executor.weights.model_type, metrics_url)
+        write_ready_file(ready_file, info)
     stop.wait()
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)
     typer.echo("draining in-flight requests and shutting down", err=True)
     if metrics:
         metrics.close()

@@ -2,46 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-
-def start_executor(path: Path, address: str, *extra: str, timeout_s: float = 60.0) -> subprocess.Popen:
-    """``symbiosis serve`` in its own process; returns once it prints that it is serving."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "symbiosis", "serve", str(path), "--bind", address, *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    deadline = time.monotonic() + timeout_s
-    lines = []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line and process.poll() is not None:
-            break
-        lines.append(line)
-        if line.startswith("serving"):
-            return process
-    process.kill()
-    raise RuntimeError("executor did not start:\n" + "".join(lines))
+from symbiosis.executor.process import ExecutorProcess
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def start_executor(path: Path, address: str, *extra: str, timeout_s: float = 120.0) -> ExecutorProcess:
+    """``symbiosis serve`` in its own process, ready when this returns (its ready file exists)."""
+    return ExecutorProcess(path, [address], extra_args=extra, timeout_s=timeout_s)
+
+
+def stop(process: ExecutorProcess) -> None:
+    process.close()
 
 
 def compare_client(path: str, address: str, method: str, arch: str, result_queue) -> None:

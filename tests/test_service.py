@@ -127,10 +127,12 @@ def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
 
 def test_serve_drains_and_exits_cleanly_on_sigterm(tiny_checkpoint, tmp_path):
     executor = start_executor(tiny_checkpoint("llama"), _address("ipc", tmp_path))
-    executor.send_signal(signal.SIGTERM)
-    output, _ = executor.communicate(timeout=60)
-    assert executor.returncode == 0
-    assert "stopped" in output
+    ready_file = executor.ready_file
+    assert ready_file.exists()
+    executor.signal(signal.SIGTERM)
+    assert executor.wait(timeout_s=60) == 0
+    assert "stopped" in executor.output()
+    assert not ready_file.exists(), "a stopped executor must not leave a ready file that says it serves"
 
 
 def test_serve_refuses_a_public_bind_without_consent(tiny_checkpoint):

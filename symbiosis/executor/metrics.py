@@ -1,4 +1,4 @@
-"""Prometheus ``/metrics`` and a ``/health`` endpoint for a running executor.
+"""Prometheus ``/metrics``, a ``/health`` endpoint and ``/stats`` (JSON) for a running executor.
 
 A custom collector reads ``executor.stats()`` at scrape time, so the executor's hot path keeps
 plain counters and pays nothing for observability. Served by the standard library's HTTP
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,6 +52,11 @@ class ExecutorCollector:
         yield GaugeMetricFamily("symbiosis_inflight_requests", "Requests not yet answered", value=stats["inflight_requests"])
         yield GaugeMetricFamily("symbiosis_weights_bytes", "Bytes of base-layer weights held", value=stats["weights_bytes"])
         yield GaugeMetricFamily("symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"])
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
@@ -109,12 +115,17 @@ class MetricsServer:
             def do_GET(self):  # http.server's naming
                 if self.path.startswith("/metrics"):
                     body, ctype, status = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+                elif self.path.startswith("/stats"):
+                    # The whole stats() as JSON, for tools that start an executor process
+                    # (symbiosis/executor/process.py), plus this process's peak RSS.
+                    payload = dict(executor.stats(), peak_rss_bytes=_peak_rss_bytes())
+                    body, ctype, status = json.dumps(payload, default=str).encode(), "application/json", 200
                 elif self.path.startswith("/health"):
                     stats = executor.stats()
                     payload = {"status": "ok", "inflight_requests": stats["inflight_requests"], "device": stats["device"]}
                     body, ctype, status = json.dumps(payload).encode(), "application/json", 200
                 else:
-                    body, ctype, status = b"not found; try /metrics or /health\n", "text/plain", 404
+                    body, ctype, status = b"not found; try /metrics, /health or /stats\n", "text/plain", 404
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
