@@ -21,7 +21,6 @@ that need to look back several tokens it only learns a constant guess (~1/6 accu
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import resource
 import tempfile
@@ -89,26 +88,7 @@ class DemoOptions:
 # ---- the executor in its own process --------------------------------------------------------
 
 
-def _executor_main(model_dir: str, address: str, conn) -> None:
-    """Body of the executor process: serve until told to stop, answer stats requests."""
-    torch.set_num_threads(1)
-    from symbiosis import BaseExecutor
-
-    executor = BaseExecutor.from_pretrained(model_dir)
-    server = executor.serve(address)
-    conn.send(("ready", server.address))
-    while True:
-        command = conn.recv()
-        if command == "stats":
-            conn.send(_executor_figures(executor))
-        elif command == "stop":
-            break
-    executor.close()
-    conn.send("closed")
-
-
-def _executor_figures(executor) -> dict:
-    stats = executor.stats()
+def _executor_figures(stats: dict, peak_rss_bytes: int) -> dict:
     layers = stats["layers"].values()
     batches = sum(layer["batches"] for layer in layers)
     rows = sum(layer["mean_rows_per_batch"] * layer["batches"] for layer in layers)
@@ -117,12 +97,13 @@ def _executor_figures(executor) -> dict:
         "batches": batches,
         "mean_rows_per_batch": rows / batches if batches else 0.0,
         "weights_mb": stats["weights_bytes"] / 2**20,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_bytes / 2**20,
     }
 
 
 class ExecutorHandle:
-    """The demo's executor: a spawned process serving ``ipc://`` (or an in-process object)."""
+    """The demo's executor: ``symbiosis serve`` in its own process over ``ipc://`` (or an object in
+    this process, with ``--in-process``)."""
 
     def __init__(self, model_dir: Path, in_process: bool) -> None:
         self.in_process = in_process
@@ -132,35 +113,24 @@ class ExecutorHandle:
             self.executor = BaseExecutor.from_pretrained(model_dir)
             self.target = self.executor
             return
+        from symbiosis.executor.process import ExecutorProcess
+
         self._socket_dir = tempfile.mkdtemp(prefix="symbiosis-demo-")
         address = f"ipc://{self._socket_dir}/executor.sock"
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.process = context.Process(target=_executor_main, args=(str(model_dir), address, child), daemon=True)
-        self.process.start()
-        if not self._conn.poll(120):
-            self.process.kill()
-            raise RuntimeError("the executor process did not start within 120 s")
-        _, self.target = self._conn.recv()
+        self.process = ExecutorProcess(model_dir, [address], threads=1, metrics=True, timeout_s=120)
+        self.target = self.process.address
 
     def figures(self) -> dict:
-        if self.in_process:
-            return _executor_figures(self.executor)
-        self._conn.send("stats")
-        return self._conn.recv()
+        if self.in_process:  # this process's peak: the clients' memory is in it too
+            return _executor_figures(self.executor.stats(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        stats = self.process.stats()
+        return _executor_figures(stats, stats["peak_rss_bytes"])
 
     def close(self) -> None:
         if self.in_process:
             self.executor.close()
             return
-        try:
-            self._conn.send("stop")
-            self._conn.poll(30) and self._conn.recv()
-        except (OSError, EOFError):
-            pass
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
+        self.process.close()
         try:
             os.rmdir(self._socket_dir)
         except OSError:
