@@ -116,9 +116,7 @@ class ExecutionEngine:
         # Which threads ran products (observability; in-process and driven servers should leave
         # the compute thread idle, see the module doc). "alone": the lone-client fast path.
         self._batches_run_by = {"alone": 0, "caller": 0, "driver": 0, "compute_thread": 0}
-        first = next(iter(weights.layers.values()), None)
-        self.device = first.weight.device if first else torch.device("cpu")
-        self.dtype = first.weight.dtype if first else torch.float32
+        self.device, self.dtype = weights.device, weights.dtype
         self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
         self._thread.start()
 

@@ -11,7 +11,7 @@ of a block, named by its group id — is one product against a view, with no wei
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,10 +105,15 @@ class BaseModelWeights:
     model_type: str
 
     @classmethod
-    def load(cls, path: str | Path, *, device: torch.device, dtype: torch.dtype) -> "BaseModelWeights":
+    def load(
+        cls, path: str | Path, *, device: torch.device, dtype: torch.dtype, layer_ids: Collection[str] | None = None
+    ) -> "BaseModelWeights":
+        """``layer_ids``: read only these base layers (a shard of a sharded executor; the
+        fingerprint still covers every layer, so clients of the whole model are accepted)."""
         checkpoint = Checkpoint(path)
         skeleton = build_skeleton(checkpoint.config)
-        specs = discover_base_layers(skeleton)
+        all_specs = discover_base_layers(skeleton)
+        specs = all_specs if layer_ids is None else {k: v for k, v in all_specs.items() if k in layer_ids}
         tensor_names = base_layer_tensor_names(specs)
         tensors = checkpoint.read(locate_tensors(checkpoint, skeleton, tensor_names))
         conv1d_layers = {name for name, module in skeleton.named_modules() if isinstance(module, Conv1D)}
@@ -124,7 +129,7 @@ class BaseModelWeights:
             )
             if tuple(layers[layer_id].weight.shape) != (spec.out_features, spec.in_features):
                 raise ValueError(f"weight of {layer_id} has shape {tuple(weight.shape)}, expected {spec}")
-        return cls.assemble(specs, layers, checkpoint.fingerprint(specs), checkpoint.config.model_type)
+        return cls.assemble(specs, layers, checkpoint.fingerprint(all_specs), checkpoint.config.model_type)
 
     @classmethod
     def assemble(cls, specs: dict[str, LayerSpec], layers: dict[str, LayerWeights], fingerprint: str, model_type: str) -> "BaseModelWeights":
@@ -144,6 +149,16 @@ class BaseModelWeights:
                 start = stop
         resolver = _GroupResolver(specs, layers, blocks, block_weights)
         return cls(_Registry(specs, resolver, 0), _Registry(layers, resolver, 1), fingerprint, model_type)
+
+    @property
+    def device(self) -> torch.device:
+        first = next(iter(self.layers.values()), None)
+        return first.weight.device if first is not None else torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        first = next(iter(self.layers.values()), None)
+        return first.weight.dtype if first is not None else torch.float32
 
     def nbytes(self) -> int:
         """Bytes of the stored weights (each storage once: block members share theirs)."""
