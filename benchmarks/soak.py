@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from symbiosis.executor.process import ExecutorProcess
 
 MODULE = "benchmarks.soak"
 FINETUNE_METHODS = ("lora", "ia3", "prefix", "loha", "lokr")
@@ -477,45 +478,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Executor:
-    """``symbiosis serve`` in a child process, its output in a log file (scanned at the end)."""
+class Executor(ExecutorProcess):
+    """``symbiosis serve`` in a child process (ready from its ready file), its output also in a log
+    file (scanned at the end); ``started``/``ready_at`` in wall-clock seconds, like the soak's clock."""
 
     def __init__(self, path: Path, binds: dict[str, str], log: Path, *, threads: int, metrics_port: int | None) -> None:
-        command = [sys.executable, "-m", "symbiosis", "serve", str(path), "--bind", binds["tcp"], "--bind", binds["ipc"]]
-        if metrics_port is not None:
-            command += ["--metrics-port", str(metrics_port)]
         self.log = log
-        self._log_file = open(log, "a")  # noqa: SIM115 - the child writes it until it exits (``stop``)
         self.started = time.time()
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, env=common.process_env(threads))
-        self.pid = self.process.pid
-        self._offset = log.stat().st_size
+        extra = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
+        super().__init__(path, [binds["tcp"], binds["ipc"]], extra_args=extra, threads=threads, log_path=log, wait=False)
         self.ready_at: float | None = None
 
     def wait_ready(self, timeout_s: float = 180.0) -> float:
-        deadline = time.monotonic() + timeout_s
-        while self.ready_at is None:
-            with open(self.log) as f:
-                f.seek(self._offset)
-                if any(line.startswith("serving") for line in f):
-                    self.ready_at = time.time()
-                    break
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"executor did not start; log:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.05)
+        if self.ready_at is None:
+            super().wait_ready(timeout_s)
+            self.ready_at = time.time()
         return self.ready_at
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log_file.close()
-        return self.process.returncode
+        self.signal(sig)
+        try:
+            self.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.close()
 
 
 def scrape_metrics(port: int) -> dict[str, float] | None:

@@ -128,13 +128,11 @@ class ExecutorProcess:
             child_env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         child_env.update(env or {})
         self._log = open(log_path, "a") if log_path is not None else None  # noqa: SIM115 (closed in close())
-        self.started_at = time.monotonic()
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env
         )
         self._output = _OutputDrain(self.process.stdout, self._log)
         self._ready: ReadyInfo | None = None
-        self.ready_at: float | None = None
         self._timeout_s = timeout_s
         if wait:
             self.wait_ready()
@@ -158,7 +156,6 @@ class ExecutorProcess:
                 raise ExecutorProcessError(f"the executor process was not ready in time; its output:\n{self._output.text()}")
             time.sleep(0.02)
         self._ready = ReadyInfo.read(self.ready_file)
-        self.ready_at = time.monotonic()
         return self._ready
 
     @property
