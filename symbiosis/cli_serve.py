@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
+from symbiosis.sharding.options import DEFAULT_STRATEGY, SHARD_HELP, ShardOptions
 from symbiosis.transport.security import CurveServerKeys, check_abstract_ipc
 
 _HELP = SchedulerConfig.help_texts()
@@ -32,6 +33,12 @@ def serve(
     curve_secret_key: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind.")] = None,
     authorized_clients: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["authorized_clients_dir"])] = None,
     ready_file: Annotated[Path | None, typer.Option(help="Once serving, write JSON here (addresses with real ports, pid, checkpoint fingerprint, model type, metrics URL) for scripts and supervisors to read instead of parsing the log; written atomically, removed on exit.")] = None,
+    shards: Annotated[int, typer.Option(min=1, help=SHARD_HELP["shards"])] = 1,
+    shard_strategy: Annotated[str, typer.Option(help=SHARD_HELP["shard_strategy"] + f" Default {DEFAULT_STRATEGY}.")] = DEFAULT_STRATEGY,
+    shard_bind: Annotated[list[str] | None, typer.Option(help=SHARD_HELP["shard_bind"])] = None,
+    max_restarts: Annotated[int, typer.Option(min=0, help=SHARD_HELP["max_restarts"])] = 3,
+    shard_host: Annotated[str, typer.Option(help=SHARD_HELP["shard_host"])] = "127.0.0.1",
+    failure_linger_s: Annotated[float, typer.Option(min=0.0, help=SHARD_HELP["failure_linger_s"])] = ShardOptions.failure_linger_s,
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
 
@@ -46,6 +53,19 @@ def serve(
     curve = CurveServerKeys(curve_secret_key, authorized_clients) if curve_secret_key and authorized_clients else None
     for address in bind:  # before loading anything
         check_abstract_ipc(address, curve)
+    if shards > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several processes (torchrun, or --shards)
+        from symbiosis.sharding.serve import ServeRequest, serve_sharded
+
+        scheduler_config = SchedulerConfig(
+            policy=policy, max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
+            aging_ms=aging_ms, predict_arrivals=predict_arrivals,
+        )
+        options = ShardOptions(strategy=shard_strategy, link_host=shard_host, failure_linger_s=failure_linger_s)
+        request = ServeRequest(
+            model_dir, bind, shard_bind or [], device, dtype, scheduler_config, options,
+            {"allow_non_loopback": allow_non_loopback, "curve": curve}, metrics_port, ready_file,
+        )
+        raise typer.Exit(serve_sharded(request, shards, max_restarts))
 
     executor = BaseExecutor.from_pretrained(
         model_dir, device=device, dtype=dtype, policy=policy,

@@ -40,6 +40,9 @@ class FakeExecutor:
     def stats(self) -> dict:
         return {"layers": {}, "inflight_requests": 0, "weights_bytes": 0, "device": "cpu", "scheduler": {"joined_clients": 0}}
 
+    def health(self) -> dict:
+        return {"status": "ok", "inflight_requests": 0, "device": "cpu"}
+
 
 def half_open(port: int, n: int) -> list[socket.socket]:
     """``n`` connections that each send part of a request line and then nothing more."""

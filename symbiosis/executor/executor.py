@@ -153,6 +153,11 @@ class BaseExecutor:
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
         return stats
 
+    def health(self) -> dict:
+        """What ``/health`` reports (``status`` "ok": answering)."""
+        stats = self._engine.stats()
+        return {"status": "ok", "inflight_requests": stats["inflight_requests"], "device": str(self.device)}
+
     def close(self, drain: bool = True) -> None:
         """Stop serving. ``drain``: finish the requests in flight first (up to each server's
         ``drain_timeout_s``); otherwise answer them ``ExecutorUnavailableError`` at once."""

@@ -52,6 +52,16 @@ class ExecutorCollector:
         yield GaugeMetricFamily("symbiosis_inflight_requests", "Requests not yet answered", value=stats["inflight_requests"])
         yield GaugeMetricFamily("symbiosis_weights_bytes", "Bytes of base-layer weights held", value=stats["weights_bytes"])
         yield GaugeMetricFamily("symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"])
+        if "shards" in stats:  # a sharded executor (symbiosis/sharding): one series per rank
+            up = GaugeMetricFamily("symbiosis_shard_up", "1 while the shard answers, else 0", labels=["shard"])
+            held = GaugeMetricFamily("symbiosis_shard_weights_bytes", "Bytes of base-layer weights the shard keeps", labels=["shard"])
+            inflight = GaugeMetricFamily("symbiosis_shard_inflight_requests", "Requests not yet answered, per shard", labels=["shard"])
+            for shard in stats["shards"]:
+                label = [str(shard["shard"]["rank"])]
+                up.add_metric(label, 1.0 if shard["shard"]["up"] else 0.0)
+                held.add_metric(label, shard.get("weights_bytes", 0))
+                inflight.add_metric(label, shard.get("inflight_requests", 0))
+            yield from (up, held, inflight)
 
 
 def _peak_rss_bytes() -> int:
@@ -121,9 +131,9 @@ class MetricsServer:
                     payload = dict(executor.stats(), peak_rss_bytes=_peak_rss_bytes())
                     body, ctype, status = json.dumps(payload, default=str).encode(), "application/json", 200
                 elif self.path.startswith("/health"):
-                    stats = executor.stats()
-                    payload = {"status": "ok", "inflight_requests": stats["inflight_requests"], "device": stats["device"]}
-                    body, ctype, status = json.dumps(payload).encode(), "application/json", 200
+                    payload = executor.health()  # a sharded executor reports every shard
+                    status = 200 if payload["status"] == "ok" else 503
+                    body, ctype = json.dumps(payload, default=str).encode(), "application/json"
                 else:
                     body, ctype, status = b"not found; try /metrics, /health or /stats\n", "text/plain", 404
                 self.send_response(status)
