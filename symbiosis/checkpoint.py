@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -131,6 +132,12 @@ class Checkpoint:
         return digest.hexdigest()[:32]
 
 
+#: Two threads inside ``init_empty_weights`` at once can leave ``nn.Module.register_parameter``
+#: patched for good (each restores what it found), and every model built later gets meta
+#: parameters: found running the ranks of a sharded executor as threads (tests/test_sharded.py).
+_SKELETON_LOCK = threading.Lock()
+
+
 def build_skeleton(config) -> nn.Module:
     """The model class `AutoModelForCausalLM` would build, with parameters on meta, buffers real.
 
@@ -140,8 +147,8 @@ def build_skeleton(config) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    try:
-        with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+    try:  # one at a time: init_empty_weights patches nn.Module for the whole process while it runs
+        with _SKELETON_LOCK, init_empty_weights(include_buffers=False), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return AutoModelForCausalLM.from_config(config)
     except ValueError as exc:

@@ -386,6 +386,13 @@ class ShardedExecutor:
 
     # ---- observability ----------------------------------------------------------------------
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The weight tensors this rank keeps for good (its layers, or its row shards)."""
+        weights = self._engine.weights
+        if self._sequencer is not None:
+            return [t for shard in weights.shards for t in (shard.weight, shard.bias) if t is not None]
+        return [t for w in weights.layers.values() for t in (w.weight, w.bias) if t is not None]
+
     def local_stats(self) -> dict:
         """This rank's own figures (what ``stats()`` reports per shard)."""
         stats = self._engine.stats()

@@ -345,10 +345,10 @@ class GatheredWeights:
         self.layers = _GatheringLayers(layout, sequencer)
         self.fingerprint = fingerprint
         self.model_type = model_type
-        self._shards = shards
+        self.shards = shards
         first = shards[0].weight if shards else torch.empty(0)
         self.device, self.dtype = first.device, first.dtype
 
     def nbytes(self) -> int:
         """Bytes this rank keeps for good (its shards, padding included)."""
-        return sum(shard.nbytes() for shard in self._shards)
+        return sum(shard.nbytes() for shard in self.shards)

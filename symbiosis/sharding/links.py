@@ -111,6 +111,7 @@ class PeerLinks:
         self._waker = Waker()
         self._ready = threading.Condition()
         self._stop = False
+        self._closed = False
         self._thread: threading.Thread | None = None
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -336,6 +337,8 @@ class PeerLinks:
 
     def say_bye(self, reason: str) -> None:
         """Tell every live peer this rank stops on purpose."""
+        if self._closed:
+            return
         for peer, state in self._peers.items():
             if state.down is None:
                 try:
@@ -347,7 +350,7 @@ class PeerLinks:
         """Wait until every peer said ``Bye`` or is down; False if some did not in ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._ready:
-            while any(p.down is None and not p.leaving for p in self._peers.values()):
+            while not self._closed and any(p.down is None and not p.leaving for p in self._peers.values()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -355,6 +358,9 @@ class PeerLinks:
         return True
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._stop = True
         self._waker.wake()
         if self._thread is not None:
