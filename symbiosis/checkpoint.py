@@ -17,7 +17,7 @@ import hashlib
 import json
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -102,15 +102,18 @@ class Checkpoint:
 
     def read(self, sources: Mapping[str, TensorSource]) -> dict[str, torch.Tensor]:
         """Read only the named tensors (``name -> source``); each file is opened once."""
+        return dict(self.iter_tensors(sources))
+
+    def iter_tensors(self, sources: Mapping[str, TensorSource]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for the named tensors, one at a time, each file opened once: a caller
+        that keeps only a converted form (a quantized executor) never holds them all at once."""
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for name, source in sources.items():
             by_file.setdefault(source.file, []).append((name, source.key))
-        tensors: dict[str, torch.Tensor] = {}
         for file, wanted in by_file.items():
             with safe_open(file, framework="pt") as handle:
                 for name, key in wanted:
-                    tensors[name] = handle.get_tensor(key)
-        return tensors
+                    yield name, handle.get_tensor(key)
 
     def fingerprint(self, specs: Mapping[str, LayerSpec]) -> str:
         """Identity of the checkpoint as the executor sees it, compared when a client connects.

@@ -108,6 +108,13 @@ class UnsafeBindError(SymbiosisError, ValueError):
     code = "unsafe_bind"
 
 
+class UnsupportedQuantizationError(SymbiosisError, ValueError):
+    """An unknown quantization name, or one the executor's device cannot store; the message names
+    what is supported."""
+
+    code = "unsupported_quantization"
+
+
 # Errors that do cross the wire, added after ``ERRORS_BY_CODE``: each registers itself there.
 
 

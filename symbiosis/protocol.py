@@ -100,6 +100,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     shm_socket: str = ""
     dist_store: str = ""  # "HOST:PORT" of the executor's TCPStore, when the Hello asked for dist
     dist_prefix: str = ""  # this session's secret key prefix in that store
+    quantization: str = ""  # how the executor stores the base: "" (full precision), "int8", "fp8-rowwise"
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):

@@ -8,6 +8,7 @@ edited, so any architecture made of supported modules works.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,8 @@ from symbiosis.executor.executor import parse_dtype
 from symbiosis.transport.base import ExecutorService, Transport
 from symbiosis.transport.inproc import InProcTransport
 from symbiosis.transport.security import CurveClientKeys
+
+log = logging.getLogger(__name__)
 
 
 def open_connection(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None, curve: CurveClientKeys | None = None) -> Transport:
@@ -95,6 +98,12 @@ def load_client_model(
             f"the executor serves a different model (fingerprint {transport.fingerprint}) than the "
             f"checkpoint {str(path)!r} (fingerprint {fingerprint}); start the client from the executor's checkpoint"
         )
+    # A quantized executor of this checkpoint has its fingerprint (the fingerprint is the
+    # checkpoint's): accepted, and said, since its products differ from full precision by the
+    # quantization error (transport.quantization; executor/quantized.py).
+    quantization = getattr(transport, "quantization", None)
+    if quantization:
+        log.info("executor serves checkpoint %s with %s-quantized base weights: accepted", fingerprint, quantization)
 
     # Which tensors the client reads: everything the skeleton holds except served base layers.
     served_names = base_layer_tensor_names(served_specs)

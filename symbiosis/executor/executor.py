@@ -47,15 +47,20 @@ class BaseExecutor:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
         policy: str = "opportunistic",
+        quantization: str | None = None,
         **scheduler_options,
     ) -> "BaseExecutor":
         """Load only the base layers of the checkpoint at ``path`` onto ``device`` in ``dtype``.
 
-        ``scheduler_options`` are the other ``SchedulerConfig`` fields (``max_wait_ms``,
+        ``quantization``: None (weights in ``dtype``), "int8" or "fp8-rowwise": weights stored
+        quantized with one scale per output row, quantized as they are read; ``dtype`` is then the
+        dtype products are computed and answered in (``executor/quantized.py``). Clients need no
+        change. ``scheduler_options`` are the other ``SchedulerConfig`` fields (``max_wait_ms``,
         ``row_budget``, ...).
         """
         config = SchedulerConfig(policy=policy, **scheduler_options)
-        weights = BaseModelWeights.load(path, device=torch.device(device), dtype=parse_dtype(dtype))
+        device, dtype = torch.device(device), parse_dtype(dtype)
+        weights = BaseModelWeights.load(path, device=device, dtype=dtype, quantization=quantization)
         return cls(weights, config)
 
     # ---- ExecutorService -----------------------------------------------------------------------
@@ -71,6 +76,11 @@ class BaseExecutor:
     @property
     def dtype(self) -> torch.dtype:
         return self._engine.dtype
+
+    @property
+    def quantization(self) -> str | None:
+        """How the base weights are stored: None (full precision ``dtype``), "int8" or "fp8-rowwise"."""
+        return self.weights.quantization
 
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return self.weights.specs
@@ -151,6 +161,8 @@ class BaseExecutor:
         stats["weights_bytes"] = self.weights.nbytes()
         stats["device"] = str(self.device)
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
+        stats["quantization"] = self.quantization or "none"
+        stats["kernels"] = self.weights.kernels()
         return stats
 
     def health(self) -> dict:

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from symbiosis.executor.weights import LayerWeights
+from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
 
-def apply_op(layer: LayerWeights, op: Op, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_op(layer: StoredLayer, op: Op, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows`` [n, width] in the weights' dtype/device -> result [n, out_width].
 
     forward ``x Wᵀ + b``; backward ``g W`` (∂(xWᵀ+b)/∂x = W, so no saved input is needed);
@@ -25,14 +25,24 @@ def apply_op(layer: LayerWeights, op: Op, rows: torch.Tensor, out: torch.Tensor 
     contiguous tensor of the result's shape in the weights' dtype and device that does not
     overlap ``rows``; then the result *is* ``out``. The same kernel runs either way (``@`` on
     matrices is ``mm``), so the numbers are the same bits.
+
+    A quantized layer (``quantized.py``) computes the same ops against its dequantized weight
+    with its own kernels, and never writes into ``out`` (the caller copies, as for any result
+    that is not ``out``).
     """
+    if type(layer) is not LayerWeights:
+        return layer.apply(op, rows)
     weight = layer.weight
     if out is not None and not _fits(out, rows, weight, weight.shape[1] if op is Op.BACKWARD else weight.shape[0]):
         out = None
     if op is Op.FORWARD:
         if layer.bias is None:
             return rows @ weight.t() if out is None else torch.mm(rows, weight.t(), out=out)
-        return torch.addmm(layer.bias, rows, weight.t()) if out is None else torch.addmm(layer.bias, rows, weight.t(), out=out)
+        return (
+            torch.addmm(layer.bias, rows, weight.t())
+            if out is None
+            else torch.addmm(layer.bias, rows, weight.t(), out=out)
+        )
     if op is Op.BACKWARD:
         return rows @ weight if out is None else torch.mm(rows, weight, out=out)
     if op is Op.NOISE:
@@ -57,7 +67,7 @@ def _span(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def run_batch(layer: LayerWeights, op: Op, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def run_batch(layer: StoredLayer, op: Op, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Concatenate ``inputs`` by rows, run one product, and split the result back in order."""
     if len(inputs) == 1:
         return [apply_op(layer, op, inputs[0])]

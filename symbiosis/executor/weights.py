@@ -7,6 +7,12 @@ Sibling blocks (``vocabulary.sibling_blocks``: q/k/v/o of one attention, gate/up
 stored as one matrix whose row slices are the members' weights, so a *group* — a contiguous run
 of a block, named by its group id — is one product against a view, with no weight held twice.
 ``specs`` and ``layers`` resolve group ids on lookup; iterating them lists only real layers.
+
+A quantized base (``quantization="int8"`` or ``"fp8-rowwise"``, see ``quantized.py``) stores each
+layer as codes and per-row scales instead, quantized tensor by tensor while the checkpoint is
+read. Its blocks keep the property above: codes and scales are concatenated like float weights
+(members become row views), except fbgemm packs, which cannot be sliced: their block is the run of
+the members' own packs (``StackedWeights``), so a group's product runs member by member.
 """
 
 from __future__ import annotations
@@ -25,13 +31,46 @@ from symbiosis.checkpoint import (
     discover_base_layers,
     locate_tensors,
 )
+from symbiosis.executor.quantized import (
+    FbgemmInt8Weights,
+    QuantizedWeights,
+    Quantizer,
+    RowwiseQuantizedWeights,
+    StackedWeights,
+    parse_quantization,
+)
 from symbiosis.vocabulary import GROUP_SEPARATOR, LayerSpec, group_members, sibling_blocks
 
 
 @dataclass(frozen=True)
 class LayerWeights:
+    """A full-precision layer, or a run of a block (row views). ``quantized.py``'s stored forms
+    offer the same ``device``, ``dtype``, ``rows`` and ``storage_items``, and an ``apply``."""
+
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
+
+    kernel = "matmul"  # what computes its products (stats)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def rows(self, start: int, stop: int) -> LayerWeights:
+        return LayerWeights(self.weight[start:stop], None if self.bias is None else self.bias[start:stop])
+
+    def storage_items(self) -> Iterator[tuple[object, int]]:
+        for tensor in (self.weight, self.bias):
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                yield ("storage", storage.data_ptr()), storage.nbytes()
+
+
+StoredLayer = LayerWeights | QuantizedWeights
 
 
 class _GroupResolver:
@@ -40,15 +79,21 @@ class _GroupResolver:
     Only ids that name such a run are resolved (and cached): there are at most ``k(k-1)/2`` of
     them per block of ``k`` members, so a client cannot grow the cache with made-up ids."""
 
-    def __init__(self, specs: Mapping[str, LayerSpec], layers: Mapping[str, LayerWeights], blocks: list[tuple[str, ...]], block_weights: list[LayerWeights]):
+    def __init__(
+        self,
+        specs: Mapping[str, LayerSpec],
+        layers: Mapping[str, StoredLayer],
+        blocks: list[tuple[str, ...]],
+        block_weights: list[StoredLayer],
+    ):
         self._specs = specs
         self._layers = layers
         self._position = {member: (b, i) for b, block in enumerate(blocks) for i, member in enumerate(block)}
         self._blocks = blocks
         self._block_weights = block_weights
-        self._resolved: dict[str, tuple[LayerSpec, LayerWeights]] = {}
+        self._resolved: dict[str, tuple[LayerSpec, StoredLayer]] = {}
 
-    def resolve(self, layer_id: str) -> tuple[LayerSpec, LayerWeights] | None:
+    def resolve(self, layer_id: str) -> tuple[LayerSpec, StoredLayer] | None:
         if GROUP_SEPARATOR not in layer_id:
             return None
         found = self._resolved.get(layer_id)
@@ -63,8 +108,7 @@ class _GroupResolver:
             return None  # not a contiguous run in block order: no single view serves it
         start = sum(self._specs[m].out_features for m in self._blocks[block][:first])
         stop = start + sum(self._specs[m].out_features for m in members)
-        whole = self._block_weights[block]
-        weights = LayerWeights(whole.weight[start:stop], None if whole.bias is None else whole.bias[start:stop])
+        weights = self._block_weights[block].rows(start, stop)
         head = self._specs[members[0]]
         spec = LayerSpec(layer_id, head.in_features, stop - start, head.has_bias)
         self._resolved[layer_id] = (spec, weights)
@@ -97,75 +141,119 @@ class _Registry(Mapping):
 
 @dataclass(frozen=True)
 class BaseModelWeights:
-    """Base layers of one checkpoint, on the executor's device and dtype."""
+    """Base layers of one checkpoint, on the executor's device and dtype (the compute dtype of a
+    quantized base: rows arrive and results leave in it)."""
 
     specs: Mapping[str, LayerSpec]
-    layers: Mapping[str, LayerWeights]
+    layers: Mapping[str, StoredLayer]
     fingerprint: str
     model_type: str
+    quantization: str | None = None  # None: full precision; else a name from quantized.FORMATS
 
     @classmethod
     def load(
-        cls, path: str | Path, *, device: torch.device, dtype: torch.dtype, layer_ids: Collection[str] | None = None
-    ) -> "BaseModelWeights":
+        cls,
+        path: str | Path,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        layer_ids: Collection[str] | None = None,
+        quantization: str | None = None,
+    ) -> BaseModelWeights:
         """``layer_ids``: read only these base layers (a shard of a sharded executor; the
-        fingerprint still covers every layer, so clients of the whole model are accepted)."""
+        fingerprint still covers every layer, so clients of the whole model are accepted).
+        ``quantization``: None, "int8" or "fp8-rowwise" (``quantized.py``); each weight is stored
+        as soon as it is read, so at most one full-precision tensor is in memory at a time."""
+        quantization = parse_quantization(quantization)
+        quantize = Quantizer(quantization, device, dtype) if quantization else None
         checkpoint = Checkpoint(path)
         skeleton = build_skeleton(checkpoint.config)
         all_specs = discover_base_layers(skeleton)
         specs = all_specs if layer_ids is None else {k: v for k, v in all_specs.items() if k in layer_ids}
-        tensor_names = base_layer_tensor_names(specs)
-        tensors = checkpoint.read(locate_tensors(checkpoint, skeleton, tensor_names))
+        names = base_layer_tensor_names(specs)
+        sources = locate_tensors(checkpoint, skeleton, names)
+        is_weight = {name: name == f"{layer_id}.weight" for name, layer_id in names.items()}
         conv1d_layers = {name for name, module in skeleton.named_modules() if isinstance(module, Conv1D)}
-        layers: dict[str, LayerWeights] = {}
-        for layer_id, spec in specs.items():
-            weight = tensors.pop(f"{layer_id}.weight")
+        biases = {  # first, so that each layer is stored whole as its weight arrives
+            names[name]: bias.to(device=device, dtype=dtype).contiguous()
+            for name, bias in checkpoint.iter_tensors({n: src for n, src in sources.items() if not is_weight[n]})
+        }
+        layers: dict[str, StoredLayer] = {}
+        for name, weight in checkpoint.iter_tensors({n: src for n, src in sources.items() if is_weight[n]}):
+            layer_id = names[name]
+            spec = specs[layer_id]
             if layer_id in conv1d_layers:
                 weight = weight.t()
-            bias = tensors.pop(f"{layer_id}.bias", None)
-            layers[layer_id] = LayerWeights(
-                weight=weight.to(device=device, dtype=dtype).contiguous(),
-                bias=None if bias is None else bias.to(device=device, dtype=dtype).contiguous(),
-            )
-            if tuple(layers[layer_id].weight.shape) != (spec.out_features, spec.in_features):
+            if tuple(weight.shape) != (spec.out_features, spec.in_features):
                 raise ValueError(f"weight of {layer_id} has shape {tuple(weight.shape)}, expected {spec}")
-        return cls.assemble(specs, layers, checkpoint.fingerprint(all_specs), checkpoint.config.model_type)
+            bias = biases.pop(layer_id, None)
+            if quantize is not None:
+                layers[layer_id] = quantize(layer_id, weight, bias)
+            else:
+                layers[layer_id] = LayerWeights(weight.to(device=device, dtype=dtype).contiguous(), bias)
+            del weight  # the full-precision tensor goes before the next one is read
+        layers = {layer_id: layers[layer_id] for layer_id in specs}  # registry order, not file order
+        return cls.assemble(
+            specs, layers, checkpoint.fingerprint(all_specs), checkpoint.config.model_type, quantization
+        )
 
     @classmethod
-    def assemble(cls, specs: dict[str, LayerSpec], layers: dict[str, LayerWeights], fingerprint: str, model_type: str) -> "BaseModelWeights":
-        """Store each sibling block as one matrix (members become row-slice views of it) and wrap
-        ``specs``/``layers`` so that group ids resolve."""
+    def assemble(
+        cls,
+        specs: dict[str, LayerSpec],
+        layers: dict[str, StoredLayer],
+        fingerprint: str,
+        model_type: str,
+        quantization: str | None = None,
+    ) -> BaseModelWeights:
+        """Store each sibling block as one matrix (members become row-slice views of it; fbgemm
+        packs become the run of the members' packs) and wrap ``specs``/``layers`` so that group
+        ids resolve."""
         blocks = sibling_blocks(specs.values())
         block_weights = []
         for block in blocks:
-            members = [layers[m] for m in block]
-            weight = torch.cat([w.weight for w in members])
-            bias = None if members[0].bias is None else torch.cat([w.bias for w in members])
-            block_weights.append(LayerWeights(weight, bias))
+            whole = _concatenate([layers[m] for m in block])
+            block_weights.append(whole)
+            if isinstance(whole, StackedWeights):
+                continue  # the members keep their own packs: nothing to drop
             start = 0
             for member in block:  # the separate copies are dropped: each member is now a view
                 stop = start + specs[member].out_features
-                layers[member] = LayerWeights(weight[start:stop], None if bias is None else bias[start:stop])
+                layers[member] = whole.rows(start, stop)
                 start = stop
         resolver = _GroupResolver(specs, layers, blocks, block_weights)
-        return cls(_Registry(specs, resolver, 0), _Registry(layers, resolver, 1), fingerprint, model_type)
+        return cls(_Registry(specs, resolver, 0), _Registry(layers, resolver, 1), fingerprint, model_type, quantization)
 
     @property
     def device(self) -> torch.device:
         first = next(iter(self.layers.values()), None)
-        return first.weight.device if first is not None else torch.device("cpu")
+        return first.device if first is not None else torch.device("cpu")
 
     @property
     def dtype(self) -> torch.dtype:
         first = next(iter(self.layers.values()), None)
-        return first.weight.dtype if first is not None else torch.float32
+        return first.dtype if first is not None else torch.float32
+
+    def kernels(self) -> dict[str, int]:
+        """How many layers each kernel serves (``quantized.py``; "matmul": full precision)."""
+        counts: dict[str, int] = {}
+        for layer in self.layers.values():
+            counts[layer.kernel] = counts.get(layer.kernel, 0) + 1
+        return counts
 
     def nbytes(self) -> int:
-        """Bytes of the stored weights (each storage once: block members share theirs)."""
-        storages = {}
-        for w in self.layers.values():
-            for tensor in (w.weight, w.bias):
-                if tensor is not None:
-                    storage = tensor.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        """Bytes of the stored weights, scales and biases (each storage once: block members share theirs)."""
+        stored = dict(item for layer in self.layers.values() for item in layer.storage_items())
+        return sum(stored.values())
+
+
+def _concatenate(members: list[StoredLayer]) -> StoredLayer:
+    """One stored form for a block from its members' (see the module docstring)."""
+    if all(type(m) is LayerWeights for m in members):
+        bias = None if members[0].bias is None else torch.cat([m.bias for m in members])
+        return LayerWeights(torch.cat([m.weight for m in members]), bias)
+    if all(type(m) is RowwiseQuantizedWeights for m in members) and len({m.codes.dtype for m in members}) == 1:
+        return RowwiseQuantizedWeights.concatenate(members)
+    if all(type(m) in (FbgemmInt8Weights, RowwiseQuantizedWeights) for m in members):
+        return StackedWeights(tuple(members))
+    raise ValueError(f"a sibling block mixes stored forms {sorted({type(m).__name__ for m in members})}")

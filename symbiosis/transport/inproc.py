@@ -31,6 +31,12 @@ class InProcTransport:
     def fingerprint(self) -> str:
         return self.service.fingerprint
 
+    @property
+    def quantization(self) -> str | None:
+        """How the executor stores the base weights (None: full precision, also for services
+        without the attribute)."""
+        return getattr(self.service, "quantization", None)
+
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return self.service.layer_specs()
 

@@ -379,6 +379,12 @@ class ZmqTransport:
         assert self._welcome is not None
         return self._welcome.fingerprint
 
+    @property
+    def quantization(self) -> str | None:
+        """How the executor stores the base weights (None: full precision), from its Welcome."""
+        assert self._welcome is not None
+        return self._welcome.quantization or None
+
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return dict(self._specs)
 

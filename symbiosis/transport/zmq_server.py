@@ -244,6 +244,8 @@ class ZmqServer:
         """Bind (errors raise here, in the caller's thread) and serve from a background thread."""
         self._specs = self._service.layer_specs()  # not a copy: it resolves sibling group ids
         self._fingerprint = self._service.fingerprint
+        # Told to clients in Welcome; services without the attribute (sharded) store full precision.
+        self._quantization = getattr(self._service, "quantization", None) or ""
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         try:
@@ -605,7 +607,7 @@ class ZmqServer:
         welcome = P.Welcome(
             P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
             shm is not None, shm_socket=shm.broker.path if shm is not None else "",  # type: ignore[attr-defined]
-            dist_store=store, dist_prefix=prefix,
+            dist_store=store, dist_prefix=prefix, quantization=self._quantization,
         )
         self.send(identity, welcome)
 
