@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from symbiosis.cli_jobs import ConnectTimeoutOpt, DeviceOpt, DtypeOpt, EmbeddedOpt, ExecutorOpt, ModelOpt, TimeoutOpt
+from symbiosis.cli_jobs import (
+    ConnectTimeoutOpt,
+    DeviceOpt,
+    DtypeOpt,
+    EmbeddedOpt,
+    ExecutorOpt,
+    ModelOpt,
+    QuantizationOpt,
+    TimeoutOpt,
+)
 from symbiosis.jobs.client import ClientOptions
 
 
@@ -71,6 +80,7 @@ def api_command(
     dtype: DtypeOpt = "float32",
     timeout: TimeoutOpt = 60.0,
     connect_timeout: ConnectTimeoutOpt = 10.0,
+    quantization: QuantizationOpt = None,
 ) -> None:
     """Serve the base model and its LoRA adapters with OpenAI's API (/v1/completions, /v1/chat/completions).
 
@@ -89,6 +99,7 @@ def api_command(
             dtype=dtype,
             timeout_s=timeout,
             connect_timeout_s=connect_timeout,
+            quantization=quantization,
         ),
         adapters=parse_adapter_specs(adapter or []),
         adapter_dir=adapter_dir,

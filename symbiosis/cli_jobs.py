@@ -36,6 +36,7 @@ DeviceOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "device"))]
 DtypeOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "dtype"))]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help=_help_of(ClientOptions, "timeout_s"))]
 ConnectTimeoutOpt = Annotated[float, typer.Option("--connect-timeout", help=_help_of(ClientOptions, "connect_timeout_s"))]
+QuantizationOpt = Annotated[Optional[str], typer.Option(help=_help_of(ClientOptions, "quantization"))]
 ModelOpt = Annotated[Path, typer.Option("--model", help="Checkpoint folder of the base model (config.json, *.safetensors, tokenizer).")]
 
 
@@ -72,6 +73,7 @@ def finetune_command(
     dtype: DtypeOpt = _default_of(ClientOptions, "dtype"),
     timeout: TimeoutOpt = _default_of(ClientOptions, "timeout_s"),
     connect_timeout: ConnectTimeoutOpt = _default_of(ClientOptions, "connect_timeout_s"),
+    quantization: QuantizationOpt = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (stderr) with loss and tokens/s.")] = True,
     publish_to: Annotated[Optional[str], typer.Option(help="URL of a running `symbiosis api` (started with --allow-adapter-updates, same host): publish the LoRA adapter there while training, so new requests use the newest weights.")] = None,
     publish_name: Annotated[Optional[str], typer.Option(help="Adapter name to publish under (default: the --output folder's name).")] = None,
@@ -85,7 +87,7 @@ def finetune_command(
         model=model,
         data=data,
         output=output,
-        client=ClientOptions(executor, embedded, device, dtype, timeout, connect_timeout),
+        client=ClientOptions(executor, embedded, device, dtype, timeout, connect_timeout, quantization),
         method=method,
         method_options=MethodOptions(rank, alpha, dropout, tuple(target_modules or ()), num_virtual_tokens),
         peft_config=peft_config,
@@ -124,13 +126,14 @@ def generate_command(
     dtype: DtypeOpt = _default_of(ClientOptions, "dtype"),
     timeout: TimeoutOpt = _default_of(ClientOptions, "timeout_s"),
     connect_timeout: ConnectTimeoutOpt = _default_of(ClientOptions, "connect_timeout_s"),
+    quantization: QuantizationOpt = None,
 ) -> None:
     """Generate from prompts on a split client, with zero or more adapters; tokens stream to stdout as they come."""
     from symbiosis.jobs.generate import GenerateOptions, SamplingOptions, generate
 
     options = GenerateOptions(
         model=model,
-        client=ClientOptions(executor, embedded, device, dtype, timeout, connect_timeout),
+        client=ClientOptions(executor, embedded, device, dtype, timeout, connect_timeout, quantization),
         prompts=list(prompt or ()),
         prompts_file=prompts,
         adapters=list(adapter or ()),
@@ -147,11 +150,18 @@ def demo_command(
     output: Annotated[Path, typer.Option(help="Folder for the loss plot, results JSON and the trained adapters.")] = Path("symbiosis-demo"),
     in_process: Annotated[bool, typer.Option("--in-process", help="Run the executor in this process instead of its own process (debugging).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the model, the tasks and training.")] = 0,
+    quantization: Annotated[str, typer.Option(help="The executor's base weights: none, int8 or fp8-rowwise (see `symbiosis serve --help`).")] = "none",
 ) -> None:
     """The main job: one executor process, four fine-tuning clients (LoRA, IA3, prefix, LoHa) on learnable tasks and two inference clients, at once."""
+    from symbiosis.executor.quantized import parse_quantization
     from symbiosis.jobs.demo import DemoOptions, run_demo
 
-    run_demo(DemoOptions(quick=quick, preset=preset, steps=steps, cache_dir=cache_dir, output=output, in_process=in_process, seed=seed))
+    run_demo(
+        DemoOptions(
+            quick=quick, preset=preset, steps=steps, cache_dir=cache_dir, output=output, in_process=in_process, seed=seed,
+            quantization=parse_quantization(quantization),
+        )
+    )
 
 
 def register(app: typer.Typer) -> None:

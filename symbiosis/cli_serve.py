@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from symbiosis.executor.quantized import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
 from symbiosis.sharding.options import DEFAULT_STRATEGY, SHARD_HELP, ShardOptions
 from symbiosis.transport.security import CurveServerKeys, check_abstract_ipc
@@ -21,7 +22,8 @@ def serve(
     model_dir: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
     bind: Annotated[list[str], typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with shm+ipc://PATH to pass payloads through shared memory.")] = ["tcp://127.0.0.1:7000"],
     device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16 (with --quantization: the dtype products are computed in).")] = "float32",
+    quantization: Annotated[str, typer.Option(help=QUANTIZATION_HELP + f" One of {', '.join(QUANTIZATION_CHOICES)}.")] = "none",
     policy: Annotated[str, typer.Option(help=_HELP["policy"] + f" One of {', '.join(POLICIES)}.")] = "opportunistic",
     max_wait_ms: Annotated[float, typer.Option(help=_HELP["max_wait_ms"])] = SchedulerConfig.max_wait_ms,
     row_budget: Annotated[int, typer.Option(help=_HELP["row_budget"])] = SchedulerConfig.row_budget,
@@ -53,7 +55,12 @@ def serve(
     curve = CurveServerKeys(curve_secret_key, authorized_clients) if curve_secret_key and authorized_clients else None
     for address in bind:  # before loading anything
         check_abstract_ipc(address, curve)
+    from symbiosis.executor.quantized import parse_quantization
+
+    quantization = parse_quantization(quantization)  # an unknown name fails before anything loads
     if shards > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several processes (torchrun, or --shards)
+        if quantization:
+            raise typer.BadParameter("--quantization is not supported with a sharded executor (--shards, torchrun) yet")
         from symbiosis.sharding.serve import ServeRequest, serve_sharded
 
         scheduler_config = SchedulerConfig(
@@ -68,7 +75,7 @@ def serve(
         raise typer.Exit(serve_sharded(request, shards, max_restarts))
 
     executor = BaseExecutor.from_pretrained(
-        model_dir, device=device, dtype=dtype, policy=policy,
+        model_dir, device=device, dtype=dtype, policy=policy, quantization=quantization,
         max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
         aging_ms=aging_ms, predict_arrivals=predict_arrivals,
     )
@@ -84,7 +91,9 @@ def serve(
     layers = len(executor.layer_specs())
     typer.echo(
         f"serving {layers} base layers of {model_dir} ({executor.weights.model_type}, "
-        f"{executor.weights.nbytes() / 2**20:.1f} MiB, {executor.dtype}, {executor.device}) "
+        f"{executor.weights.nbytes() / 2**20:.1f} MiB, {executor.dtype}, {executor.device}"
+        + (f", {quantization} weights" if quantization else "")
+        + ") "
         f"at {' and '.join(s.address for s in servers)} with policy {policy}"
         + (f"; CURVE on, {len(curve.authorized_public_keys())} authorized client keys" if curve else "")
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),

@@ -30,10 +30,16 @@ class ClientOptions:
     dtype: str = field(default="float32", metadata=_help("Client dtype (and embedded executor dtype): float32, bfloat16, float16."))
     timeout_s: float = field(default=60.0, metadata=_help("Seconds one executor call may take before failing."))
     connect_timeout_s: float = field(default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting."))
+    quantization: str | None = field(default=None, metadata=_help("With --embedded: store the embedded executor's base weights quantized (none, int8 or fp8-rowwise; see `symbiosis serve --help`). A running executor was started with its own."))
 
     def __post_init__(self) -> None:
+        from symbiosis.executor.quantized import parse_quantization
+
         if (self.executor is None) == (not self.embedded):
             raise JobError("give exactly one of --executor ADDRESS or --embedded")
+        self.quantization = parse_quantization(self.quantization)
+        if self.quantization and not self.embedded:
+            raise JobError("--quantization applies to an --embedded executor; start a running one with `symbiosis serve --quantization`")
 
 
 class ExecutorTarget:
@@ -51,7 +57,9 @@ class ExecutorTarget:
         self.executor = None
         self._models: list = []
         if options.embedded:
-            self.executor = symbiosis.BaseExecutor.from_pretrained(self.model_dir, device=options.device, dtype=options.dtype)
+            self.executor = symbiosis.BaseExecutor.from_pretrained(
+                self.model_dir, device=options.device, dtype=options.dtype, quantization=options.quantization
+            )
 
     def client(self, client_id: str | None = None):
         import symbiosis

@@ -73,6 +73,7 @@ class DemoOptions:
     in_process: bool = False
     seed: int = 0
     batch_size: int = 16
+    quantization: str | None = None  # the executor's base weights: None, "int8" or "fp8-rowwise"
 
     @property
     def model_preset(self) -> str:
@@ -105,19 +106,20 @@ class ExecutorHandle:
     """The demo's executor: ``symbiosis serve`` in its own process over ``ipc://`` (or an object in
     this process, with ``--in-process``)."""
 
-    def __init__(self, model_dir: Path, in_process: bool) -> None:
+    def __init__(self, model_dir: Path, in_process: bool, quantization: str | None = None) -> None:
         self.in_process = in_process
         if in_process:
             from symbiosis import BaseExecutor
 
-            self.executor = BaseExecutor.from_pretrained(model_dir)
+            self.executor = BaseExecutor.from_pretrained(model_dir, quantization=quantization)
             self.target = self.executor
             return
         from symbiosis.executor.process import ExecutorProcess
 
         self._socket_dir = tempfile.mkdtemp(prefix="symbiosis-demo-")
         address = f"ipc://{self._socket_dir}/executor.sock"
-        self.process = ExecutorProcess(model_dir, [address], threads=1, metrics=True, timeout_s=120)
+        extra_args = ["--quantization", quantization] if quantization else []
+        self.process = ExecutorProcess(model_dir, [address], extra_args=extra_args, threads=1, metrics=True, timeout_s=120)
         self.target = self.process.address
 
     def figures(self) -> dict:
@@ -401,8 +403,10 @@ def run_demo(options: DemoOptions) -> dict:
     # The executor runs in its own process and serves over ZeroMQ ipc://; --in-process keeps it
     # in this process instead (debugging, or where ipc:// is unavailable).
     in_process = options.in_process
-    executor = ExecutorHandle(model_dir, in_process)
+    executor = ExecutorHandle(model_dir, in_process, options.quantization)
     where = "in this process" if in_process else f"process {executor.process.pid}, serving {executor.target}"
+    if options.quantization:
+        where += f", {options.quantization} base weights"
     console.print(f"executor: {where}")
     stop = threading.Event()
     tuners: list[Tuner] = []
@@ -444,6 +448,7 @@ def run_demo(options: DemoOptions) -> dict:
         "model": str(model_dir),
         "preset": preset,
         "executor_in_own_process": not in_process,
+        "quantization": options.quantization or "none",
         "wall_s": wall_s,
         "executor": figures,
         "clients": [asdict(s) for s in states],
