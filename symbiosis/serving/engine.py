@@ -24,12 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
 from symbiosis.serving.adapters import AdapterPool, UnknownAdapterError
 from symbiosis.serving.detokenize import IncrementalText
-from symbiosis.serving.kvcache import PaddedBatch, left_pad
+from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
 from symbiosis.serving.lora import AdapterContext, LoraAdapter, RowAdapters
 from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
 
@@ -322,10 +321,12 @@ class GenerationEngine:
 
     def _prefill(self, joiners: list[_Sequence]) -> None:
         ids, mask, positions = left_pad([s.request.prompt_ids for s in joiners], self.pad_id)
-        cache = DynamicCache()
+        cache = roomy_cache(max(s.remaining_tokens for s in joiners))
         logits = self._forward(ids, mask, positions, cache, RowAdapters([s.adapter for s in joiners]), last_only=True)
         batch = PaddedBatch(cache, mask, mask.sum(-1))
-        self._batch = batch if self._batch is None else self._batch.merge(batch)
+        if self._batch is not None:
+            batch = self._batch.merge(batch, max(s.remaining_tokens for s in self._running + joiners))
+        self._batch = batch
         with self._cond:
             self._running.extend(joiners)
             self.peak_running = max(self.peak_running, len(self._running))
@@ -404,7 +405,10 @@ class GenerationEngine:
             return
         with self._cond:
             self._running = [self._running[i] for i in keep]
-        self._batch = self._batch.select(keep) if keep else None
+        if keep:
+            self._batch = self._batch.select(keep, max(s.remaining_tokens for s in self._running))
+        else:
+            self._batch = None
         self._rows = None
 
     def _report_queue(self) -> None:
@@ -413,7 +417,7 @@ class GenerationEngine:
 
     def _measure_cache_bytes_per_token(self) -> int:
         """KV-cache bytes one token takes, from a one-token forward (also checks the cache type)."""
-        cache = DynamicCache()
+        cache = roomy_cache(0)
         ids = torch.tensor([[self.pad_id]], dtype=torch.long)
         with torch.no_grad():
             self._forward(ids, torch.ones_like(ids), torch.zeros_like(ids), cache, RowAdapters([None]), last_only=True)

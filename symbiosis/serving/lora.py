@@ -3,14 +3,16 @@
 The server is one split client that decodes every running sequence at once, so one base-layer
 request carries all their rows. Each base layer the adapters may target is wrapped in a
 :class:`MultiLoraLinear`: it asks the executor for ``x Wᵀ`` once for the whole batch and adds each
-row's own low-rank update. The update is two dense products for any number of adapters, not one
-pass per adapter: the batch's adapters at this layer are stacked along the rank axis
-(``A_cat [Σr, in]``, ``B_cat [out, Σr]``), and a 0/1 column mask keeps only each row's own
-adapter's columns, so ranks and target modules may differ freely. A row whose adapter does not
-target the layer (or that has none) gets an exact zero update.
+row's own low-rank update. The update is three ops for any number of adapters, not one pass per
+adapter: the batch's adapters at this layer are stacked along the rank axis (``A_cat [Σr, in]``,
+``B_cat [out, Σr]``); ``h = x A_catᵀ`` is multiplied by a per-row column weight that is the
+row's own adapter's ``scaling`` on that adapter's columns and 0 elsewhere, and ``B_cat`` adds
+``h B_catᵀ`` to the base output in one ``addmm``. So ranks and target modules may differ freely,
+and a row whose adapter does not target the layer (or that has none) gets an exact zero update.
 
-The order of operations is peft's (``lora_B(lora_A(x)) * scaling``), so greedy tokens equal those
-of the monolithic ``transformers`` + ``peft`` model with that adapter.
+peft computes ``(x Aᵀ Bᵀ) * scaling``; scaling the rank-``r`` hidden instead moves one rounding
+step (the products are equal in exact arithmetic), and greedy tokens still equal those of the
+monolithic ``transformers`` + ``peft`` model with that adapter (tests/serving).
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ class RowAdapters:
         self._stacked: dict[str, tuple | None] = {}
 
     def stacked(self, module: str) -> tuple | None:
-        """``(A_cat, B_cat, column_mask [rows, Σr], scaling [rows])`` at ``module``, or None."""
+        """``(A_cat [Σr, in], B_catᵀ [Σr, out], row_weight [rows, 1, Σr])`` at ``module``, or None."""
         if module not in self._stacked:
             self._stacked[module] = self._stack(module)
         return self._stacked[module]
@@ -177,15 +179,13 @@ class RowAdapters:
             return None
         loras = [lora for lora, _ in distinct.values()]
         a_cat = torch.cat([lora.a for lora in loras])
-        b_cat = torch.cat([lora.b for lora in loras], dim=1)
-        mask = a_cat.new_zeros((len(self.per_row), width))
-        scaling = a_cat.new_zeros(len(self.per_row))
+        b_cat_t = torch.cat([lora.b for lora in loras], dim=1).t().contiguous()
+        row_weight = a_cat.new_zeros((len(self.per_row), 1, width))
         for row, adapter in enumerate(self.per_row):
             if adapter is not None and id(adapter) in distinct:
                 lora, start = distinct[id(adapter)]
-                mask[row, start : start + lora.a.shape[0]] = 1
-                scaling[row] = lora.scaling
-        return a_cat, b_cat, mask, scaling
+                row_weight[row, 0, start : start + lora.a.shape[0]] = lora.scaling
+        return a_cat, b_cat_t, row_weight
 
 
 class AdapterContext(threading.local):
@@ -209,13 +209,17 @@ class MultiLoraLinear(nn.Module):
         stacked = rows.stacked(self.module_name) if rows is not None else None
         if stacked is None:
             return result
-        a_cat, b_cat, mask, scaling = stacked
-        if x.dim() != 3 or x.shape[0] != mask.shape[0]:
+        a_cat, b_cat_t, row_weight = stacked
+        if x.dim() != 3 or x.shape[0] != row_weight.shape[0]:
             raise RuntimeError(
-                f"{self.module_name}: expected [rows={mask.shape[0]}, tokens, features], got {tuple(x.shape)}"
+                f"{self.module_name}: expected [rows={row_weight.shape[0]}, tokens, features], got {tuple(x.shape)}"
             )
-        hidden = (x.to(a_cat.dtype) @ a_cat.T) * mask[:, None, :]
-        return result + (hidden @ b_cat.T) * scaling[:, None, None].to(result.dtype)
+        if x.dtype != a_cat.dtype:
+            x = x.to(a_cat.dtype)
+        hidden = torch.matmul(x, a_cat.t()).mul_(row_weight)
+        out_features = result.shape[-1]
+        update = torch.addmm(result.reshape(-1, out_features), hidden.view(-1, hidden.shape[-1]), b_cat_t)
+        return update.view(result.shape)
 
 
 def install_multi_lora(model: nn.Module, context: AdapterContext, exclude: set[str]) -> dict[str, tuple[int, int]]:

@@ -75,7 +75,7 @@ def read_api_keys(keys: list[str], keys_file: Path | None) -> dict[str, frozense
             lines = Path(keys_file).read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise ApiConfigError(f"cannot read --api-keys {str(keys_file)!r}: {exc.strerror or exc}") from None
-        for number, line in enumerate(lines, start=1):
+        for line in lines:
             words = line.split("#", 1)[0].split()
             if not words:
                 continue

@@ -11,8 +11,16 @@ from transformers import DynamicCache
 
 from symbiosis.serving.adapters import AdapterPool, AdapterPoolFullError, UnknownAdapterError
 from symbiosis.serving.detokenize import IncrementalText
-from symbiosis.serving.kvcache import PaddedBatch, left_pad
-from symbiosis.serving.lora import AdapterFormatError, LoraAdapter, LoraModule, RowAdapters, read_lora_config
+from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
+from symbiosis.serving.lora import (
+    AdapterContext,
+    AdapterFormatError,
+    LoraAdapter,
+    LoraModule,
+    MultiLoraLinear,
+    RowAdapters,
+    read_lora_config,
+)
 from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
 
 
@@ -95,23 +103,26 @@ def test_only_plain_lora_adapters_are_accepted(tmp_path):
 def test_rows_get_only_their_own_adapters_update():
     first = LoraAdapter("x", Path("x"), {"m": LoraModule(torch.randn(2, 3), torch.randn(4, 2), 0.5)})
     second = LoraAdapter("y", Path("y"), {"m": LoraModule(torch.randn(5, 3), torch.randn(4, 5), 2.0)})
-    rows = RowAdapters([first, None, second, first])
-    a_cat, b_cat, mask, scaling = rows.stacked("m")
-    x = torch.randn(4, 1, 3)
-    update = ((x @ a_cat.T) * mask[:, None, :]) @ b_cat.T * scaling[:, None, None]
-    for row, adapter in enumerate([first, None, second, first]):
-        expected = (
-            torch.zeros(1, 4)
-            if adapter is None
-            else (x[row] @ adapter.modules["m"].a.T) @ adapter.modules["m"].b.T * adapter.modules["m"].scaling
-        )
-        torch.testing.assert_close(update[row], expected)
-    assert rows.stacked("other") is None
+    per_row = [first, None, second, first]
+    context = AdapterContext()
+    layer = MultiLoraLinear(torch.nn.Linear(3, 4), "m", context)
+    x = torch.randn(4, 2, 3)
+    context.rows = RowAdapters(per_row)
+    with torch.no_grad():
+        served = layer(x)
+        base = layer.base_layer(x)
+    for row, adapter in enumerate(per_row):
+        lora = adapter.modules["m"] if adapter is not None else None
+        expected = base[row] if lora is None else base[row] + (x[row] @ lora.a.T) @ lora.b.T * lora.scaling
+        torch.testing.assert_close(served[row], expected)
+    assert context.rows.stacked("other") is None
+    context.rows = None
+    torch.testing.assert_close(layer(x), layer.base_layer(x))  # no rows set: the base layer alone
 
 
 def _batch(lengths: list[int]) -> PaddedBatch:
     _, mask, _ = left_pad([[1] * n for n in lengths], 0)
-    cache = DynamicCache()
+    cache = roomy_cache(spare_columns=2)
     keys = (
         mask[:, None, :, None].float().expand(len(lengths), 1, mask.shape[1], 2).clone()
         * torch.arange(1, len(lengths) + 1)[:, None, None, None]
@@ -121,10 +132,26 @@ def _batch(lengths: list[int]) -> PaddedBatch:
 
 
 def test_padded_batches_merge_and_shrink_without_losing_rows():
-    merged = _batch([3, 1]).merge(_batch([5]))
+    merged = _batch([3, 1]).merge(_batch([5]), spare_columns=4)
     assert merged.mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1]]
     assert merged.positions.tolist() == [3, 1, 5]
-    kept = merged.select([0, 1])  # the longest row left: its columns go
+    kept = merged.select([0, 1], spare_columns=1)  # the longest row left: its columns go
     assert kept.mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     keys = kept.cache.layers[0].keys
     assert keys.shape[2] == 3 and keys[0, 0, :, 0].tolist() == [1, 1, 1] and keys[1, 0, :, 0].tolist() == [0, 0, 2]
+
+
+def test_decode_steps_append_in_place_and_the_cache_grows_when_its_room_runs_out():
+    batch = _batch([2, 1])  # 2 columns, room for 2 more
+    layer = batch.cache.layers[0]
+    buffer = layer._key_buffer
+    assert batch.cache_bytes() == 2 * buffer.nbytes and buffer.shape[2] == 4
+    plain = DynamicCache()
+    plain.update(layer.keys.clone(), layer.values.clone(), 0)
+    for step in range(3):  # the third step outgrows the room: the buffers are reallocated
+        new = torch.full((2, 1, 1, 2), float(step + 10))
+        keys, values = batch.cache.update(new, new.clone(), 0)
+        expected_keys, expected_values = plain.update(new, new.clone(), 0)
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    assert layer._key_buffer is not buffer and layer._key_buffer.shape[2] >= 5
+    assert batch.cache.get_seq_length() == 5
