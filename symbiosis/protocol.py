@@ -236,36 +236,58 @@ def validate_request(header: Request, payload_nbytes: int, specs: Mapping[str, L
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Wire name of a torch dtype (``torch.float32`` -> ``"float32"``), allowed or not."""
-    return str(dtype).removeprefix("torch.")
+    name = WIRE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
+
+
+#: torch dtype -> wire name, for the allowed ones (a dict lookup, not a string operation, per call).
+WIRE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+#: numpy has no bfloat16: its bytes are exposed as int16 (same size) to get a buffer.
+_BUFFER_DTYPES = {torch.bfloat16: torch.int16}
 
 
 def tensor_payload(tensor: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor, without copying (works for bfloat16 too)."""
-    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+    if not tensor.is_contiguous() or not tensor.is_cpu:
         raise ValueError("tensor_payload needs a contiguous CPU tensor")
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    as_dtype = _BUFFER_DTYPES.get(tensor.dtype)
+    return memoryview((tensor if as_dtype is None else tensor.view(as_dtype)).numpy()).cast("B")
+
+
+def rows_from_payload(buffer: memoryview | bytes | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
+    """Executor side: the rows of ``shape`` over ``buffer`` (zero-copy; a view, which is all a
+    product needs). The caller has validated ``len(buffer)``. Bytes at an address that is not
+    64-byte aligned are copied, so that the product runs the same kernels, and gives the same
+    bits, as it would on a tensor made in-process (every torch allocation is aligned so)."""
+    torch_dtype = WIRE_DTYPES[dtype]
+    count = shape[0] * shape[1]
+    if count == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    flat = torch.frombuffer(buffer, dtype=torch_dtype, count=count)
+    if flat.data_ptr() % 64:
+        flat = flat.clone()
+    return flat.view(shape)
 
 
 def tensor_from_payload(buffer: memoryview | bytes | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
-    """Tensor of ``shape`` over ``buffer`` (zero-copy; the tensor keeps the buffer alive).
+    """Client side: a tensor of ``shape`` over ``buffer`` (zero-copy; the tensor keeps the buffer
+    alive). The caller has validated ``len(buffer)``; misaligned bytes are copied (see
+    ``rows_from_payload``).
 
-    The caller has validated ``len(buffer)``. ZeroMQ may hand us memory at any address; when it is
-    not aligned to the element size the bytes are copied, because CPU kernels assume alignment.
-
-    The result is a tensor of its own, not a view (``owned_tensor``): a transport's result flows
-    out of a custom autograd Function, where autograd forbids in-place ops on views, and peft
-    adds adapter outputs in place.
+    The result is a tensor of its own, not a view: a transport's result flows out of a custom
+    autograd Function, where autograd forbids in-place ops on views, and peft adds adapter
+    outputs in place. (``resize_`` to the same number of elements only sets the shape.)
     """
     torch_dtype = WIRE_DTYPES[dtype]
     count = math.prod(shape)
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count * ITEMSIZE[dtype])
+    flat = torch.frombuffer(buffer, dtype=torch_dtype, count=count)
     if flat.data_ptr() % 64:
         flat = flat.clone()  # 64-byte aligned like every torch allocation: same kernels, same bits
-    return owned_tensor(flat, torch_dtype, shape)
+    return flat.resize_(shape)
 
 
 def owned_tensor(flat_bytes: torch.Tensor, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:

@@ -7,6 +7,9 @@ ZeroMQ socket; the *payload* of a request can travel three ways, chosen by its h
 - shared memory (``shm_channel.ShmChannel``): the header names a segment of the client's;
 - torch.distributed (``dist_channel.DistChannel``): the header names a tag on a per-session pair group.
 
+The header itself arrives on the ZeroMQ socket or on the session's lane (``lane.py``), and the
+reply goes back the way its request came; channels do not care which.
+
 Every channel validates the header (``protocol.validate_request``) *before* touching a payload
 byte, and runs on the server's socket thread unless it says otherwise.
 """
@@ -75,6 +78,7 @@ class Session:
     unsent: UnsentBytes = field(default_factory=UnsentBytes)
     backlog: deque[tuple[list[Any], bool]] = field(default_factory=deque)  # (frames, copy) awaiting room
     stalled_since: float = 0.0  # when the backlog last made progress (or started)
+    lane: Any = None  # the session's ``lane.ExecutorLane``, once its client asked for one
 
 
 @dataclass
@@ -106,6 +110,10 @@ class ChannelHost(Protocol):
 
     def rows_arrived(self, key: RequestKey, rows: torch.Tensor) -> None: ...
 
+    def attach_lane(self, lane: Any) -> None:
+        """Serve the session's new ``lane.ExecutorLane`` too (socket thread)."""
+        ...
+
     def transfer_failed(self, session: Session, reason: str) -> None:
         """A payload transfer of ``session`` failed: its pending requests get errors, it ends."""
         ...
@@ -114,13 +122,15 @@ class ChannelHost(Protocol):
 class PayloadChannel(Protocol):
     """One way for payloads to travel; the server holds one instance of each it allows."""
 
-    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
+    def accept(self, session: Session, key: RequestKey, req: P.Request, payload: list[memoryview]) -> Accepted:
         """Validate ``req`` against the layer registry before any payload byte is read and take its
-        rows; raise a ``SymbiosisError`` to refuse it (nothing of the payload was accepted)."""
+        rows (``payload``: the buffers that came after the header); raise a ``SymbiosisError`` to
+        refuse it (nothing of the payload was accepted)."""
         ...
 
-    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
-        """Send the successful ``reply`` and ``result`` (rows in the request's wire dtype)."""
+    def reply(self, session: Session, req: P.Request, result: torch.Tensor, ticket: Any) -> memoryview | None:
+        """Deliver ``result`` (rows in the request's wire dtype); return the bytes to send after
+        the reply header, if the result travels with it (the server sends the header)."""
         ...
 
     def end_session(self, session: Session) -> None:
@@ -140,14 +150,16 @@ class InlineChannel:
         self._specs = specs
         self._limits = limits
 
-    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
-        if len(frames) != 1:
-            raise ProtocolError(f"expected 1 payload frame, got {len(frames)}")
-        spec = P.validate_request(req, len(frames[0].buffer), self._specs, self._limits)
-        return Accepted(spec, P.tensor_from_payload(frames[0].buffer, req.dtype, req.shape))
+    def accept(self, session: Session, key: RequestKey, req: P.Request, payload: list[memoryview]) -> Accepted:
+        if len(payload) != 1:
+            raise ProtocolError(f"expected 1 payload frame, got {len(payload)}")
+        spec = P.validate_request(req, payload[0].nbytes, self._specs, self._limits)
+        return Accepted(spec, P.rows_from_payload(payload[0], req.dtype, req.shape))
 
-    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
-        self._host.send(session.identity, reply, P.tensor_payload(result.to("cpu").contiguous()))
+    def reply(self, session: Session, req: P.Request, result: torch.Tensor, ticket: Any) -> memoryview | None:
+        if not (result.is_cpu and result.is_contiguous()):
+            result = result.to("cpu").contiguous()
+        return P.tensor_payload(result)
 
     def end_session(self, session: Session) -> None:
         pass

@@ -90,7 +90,7 @@ import torch
 import torch.distributed as dist
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorBusyError, ProtocolError
+from symbiosis.errors import ExecutorBusyError, ExecutorUnavailableError, ProtocolError
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
 from symbiosis.vocabulary import LayerSpec
 
@@ -398,8 +398,8 @@ class DistChannel:
             worker.pending = False
             self._pending_setups -= 1
 
-    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
-        if frames:
+    def accept(self, session: Session, key: RequestKey, req: P.Request, payload: list[memoryview]) -> Accepted:
+        if payload:
             raise ProtocolError("a torch.distributed request carries no payload frame")
         worker = self.current(session)
         if worker is None:
@@ -421,14 +421,14 @@ class DistChannel:
         worker.post(lambda group: group.recv([buffer], CLIENT_RANK, tag), arrived)
         return Accepted(spec, None, tag)
 
-    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
+    def reply(self, session: Session, req: P.Request, result: torch.Tensor, ticket: Any) -> memoryview | None:
         worker = self.current(session)
         if worker is None:
-            return  # the session's group was replaced: nobody can receive this result
+            raise ExecutorUnavailableError("the session's torch.distributed group was replaced")
         if result.numel():  # the bytes first: the client's receive is posted, so they leave at once
             payload = result.to(worker.device).contiguous().reshape(-1).view(torch.uint8)
             worker.post(lambda group: group.send([payload], CLIENT_RANK, ticket))
-        self.host.send(session.identity, reply)
+        return None
 
     def end_session(self, session: Session) -> None:
         worker = session.channel_state.pop("dist", None)

@@ -149,6 +149,8 @@ class DistTransport(ZmqTransport):
         """Where payloads leave from and results land: gloo moves CPU memory, NCCL device memory."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
+    _lanes_supported = False  # payloads take the pair group or ZeroMQ frames, never a lane
+
     def _stage(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.detach().contiguous()  # moved where it leaves from once ``_encode`` chose the way
 
@@ -223,11 +225,11 @@ class DistTransport(ZmqTransport):
             return -1
         return rows.shape[0] * Op(request.op).output_width(spec) * rows.element_size()
 
-    def _decode(self, reply: P.Reply, frames: list[Any], lease: Any) -> torch.Tensor:
+    def _decode(self, reply: P.Reply, payload: list[memoryview], lease: Any) -> torch.Tensor:
         if lease is None:  # an inline request
-            return super()._decode(reply, frames, lease)
-        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or frames:
-            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(frames)} frames")
+            return super()._decode(reply, payload, lease)
+        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or payload:
+            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(payload)} frames")
         nbytes = P.declared_nbytes(reply.dtype, reply.shape)
         if nbytes != lease.result_nbytes:
             raise ProtocolError(f"reply of {nbytes} bytes, expected {lease.result_nbytes}")

@@ -76,19 +76,34 @@ class SegmentGiven(msgspec.Struct, tag="given", frozen=True):
 
 
 class SegmentRefused(msgspec.Struct, tag="refused", frozen=True):
-    """Broker -> client: no segment; ``code`` is a ``symbiosis.errors`` code."""
+    """Broker -> client: no segment (or lane); ``code`` is a ``symbiosis.errors`` code."""
 
     code: str
     message: str
 
 
+class LaneAsk(msgspec.Struct, tag="lane", frozen=True):
+    """Client -> broker: a lane (``lane.py``) for the session holding ``token``."""
+
+    token: str
+
+
+class LaneGiven(msgspec.Struct, tag="lane_given", frozen=True):
+    """Broker -> client: the client's end of a lane rides along; datagrams of at most
+    ``max_message_bytes``."""
+
+    max_message_bytes: int
+
+
 _encoder = msgspec.msgpack.Encoder()
-_ask_decoder = msgspec.msgpack.Decoder(SegmentAsk)
-_answer_decoder = msgspec.msgpack.Decoder(SegmentGiven | SegmentRefused)
+_ask_decoder = msgspec.msgpack.Decoder(SegmentAsk | LaneAsk)
+_answer_decoder = msgspec.msgpack.Decoder(SegmentGiven | LaneGiven | SegmentRefused)
 
 #: ``allocate(token, nbytes, peer_uid) -> (segment_id, fd, nbytes)``; raises a ``SymbiosisError``
 #: to refuse. The broker sends ``fd`` and closes it.
 Allocate = Callable[[str, int, int], tuple[str, int, int]]
+#: ``open_lane(token, peer_uid) -> (fd, max_message_bytes)``: the client's end of a new lane.
+OpenLane = Callable[[str, int], tuple[int, int]]
 
 
 def broker_path(ipc_address: str) -> str | None:
@@ -130,12 +145,28 @@ def map_segment(fd: int, nbytes: int) -> mmap.mmap:
 def ask_segment(path: str, token: str, nbytes: int, timeout_s: float) -> tuple[str, int, int]:
     """Ask the broker at ``path`` for a segment of at least ``nbytes``: ``(segment_id, fd, size)``.
     Refusals raise their typed error; an unreachable broker raises ``ExecutorUnavailableError``."""
+    answer, fd = _ask(path, SegmentAsk(token, nbytes), SegmentGiven, timeout_s)
+    assert isinstance(answer, SegmentGiven)
+    return answer.segment_id, fd, answer.nbytes
+
+
+def ask_lane(path: str, token: str, timeout_s: float) -> tuple[int, int]:
+    """Ask the broker at ``path`` for a lane (``lane.py``): ``(fd of the client's end,
+    max_message_bytes)``. Errors as for ``ask_segment``."""
+    answer, fd = _ask(path, LaneAsk(token), LaneGiven, timeout_s)
+    assert isinstance(answer, LaneGiven)
+    return fd, answer.max_message_bytes
+
+
+def _ask(path: str, ask: SegmentAsk | LaneAsk, expected: type, timeout_s: float) -> tuple[SegmentGiven | LaneGiven, int]:
+    """One connection to the broker: ``ask`` out, the answer (of type ``expected``) and its one
+    descriptor back."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     try:
         sock.settimeout(timeout_s)
         sock.connect(path)
-        sock.sendall(_encoder.encode(SegmentAsk(token, nbytes)))
+        sock.sendall(_encoder.encode(ask))
         sock.shutdown(socket.SHUT_WR)
         data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
         while data and len(data) <= MAX_MESSAGE_BYTES and (chunk := sock.recv(MAX_MESSAGE_BYTES)):
@@ -149,10 +180,10 @@ def ask_segment(path: str, token: str, nbytes: int, timeout_s: float) -> tuple[s
     if isinstance(answer, SegmentRefused):
         _close_all(fds)
         raise error_from_code(answer.code, answer.message)
-    if len(fds) != 1:
+    if not isinstance(answer, expected) or len(fds) != 1:
         _close_all(fds)
-        raise ProtocolError(f"shared-memory broker sent {len(fds)} descriptors, expected 1")
-    return answer.segment_id, fds[0], answer.nbytes
+        raise ProtocolError(f"shared-memory broker sent {type(answer).__name__} with {len(fds)} descriptors")
+    return answer, fds[0]
 
 
 def _close_all(fds: list[int]) -> None:
@@ -172,11 +203,13 @@ class _Pending:
 
 class SegmentBroker:
     """Server side: listens at ``path`` and answers each ``SegmentAsk`` with ``allocate``'s
-    segment (see module doc), from one thread of its own."""
+    segment and each ``LaneAsk`` with ``open_lane``'s lane (see module doc), from one thread of
+    its own."""
 
-    def __init__(self, path: str, allocate: Allocate) -> None:
+    def __init__(self, path: str, allocate: Allocate, open_lane: OpenLane | None = None) -> None:
         self.path = path
         self._allocate = allocate
+        self._open_lane = open_lane
         self._listener = _listen(path)
         self._inode = os.lstat(path).st_ino
         self._pending: dict[socket.socket, _Pending] = {}
@@ -267,18 +300,23 @@ class SegmentBroker:
             if fd is not None:
                 os.close(fd)  # the executor keeps its mapping, not the descriptor
 
-    def _decide(self, conn: socket.socket, data: bytes) -> tuple[SegmentGiven | SegmentRefused, int | None]:
+    def _decide(self, conn: socket.socket, data: bytes) -> tuple[SegmentGiven | LaneGiven | SegmentRefused, int | None]:
         try:
             ask = _ask_decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return SegmentRefused(ProtocolError.code, f"undecodable segment request: {exc}"), None
         pid, uid, _ = _peer_credentials(conn)
         try:
+            if isinstance(ask, LaneAsk):
+                if self._open_lane is None:
+                    raise ProtocolError("this executor offers no lanes")
+                fd, max_message_bytes = self._open_lane(ask.token, uid)
+                return LaneGiven(max_message_bytes), fd
             segment_id, fd, nbytes = self._allocate(ask.token, ask.nbytes, uid)
         except SymbiosisError as exc:
             return SegmentRefused(exc.code, str(exc)), None
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the client learns why
-            log.warning("making a shared-memory segment for pid %d failed: %s", pid, exc)
+            log.warning("making a shared-memory segment or lane for pid %d failed: %s", pid, exc)
             return SegmentRefused(SymbiosisError.code, f"{type(exc).__name__}: {exc}"), None
         return SegmentGiven(segment_id, nbytes), fd
 

@@ -49,8 +49,9 @@ import torch
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorBusyError, ExecutorUnavailableError, ProtocolError
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
+from symbiosis.transport.lane import ExecutorLane, make_pair
 from symbiosis.transport.shm_broker import SegmentBroker, make_segment, map_segment
-from symbiosis.vocabulary import LayerSpec, Op
+from symbiosis.vocabulary import OPS_BY_VALUE, LayerSpec, Op
 
 MAX_SEGMENTS_PER_SESSION = 64
 #: Bytes of live segments one session may have (at least two of the largest): pages the executor
@@ -64,7 +65,7 @@ ALIGNMENT = 64
 
 def reply_nbytes(op: Op | str, spec: LayerSpec, rows: int, itemsize: int) -> int:
     """Bytes of the result of ``op`` on ``rows`` rows of ``spec``."""
-    return rows * Op(op).output_width(spec) * itemsize
+    return rows * (OPS_BY_VALUE.get(op) or Op(op)).output_width(spec) * itemsize
 
 
 def reply_offset(rows_nbytes: int) -> int:
@@ -95,38 +96,47 @@ class SegmentTable:
         self._max_segments = max_segments
         self._max_bytes = max_bytes
         self._bytes = 0
-        self._segments: dict[str, torch.Tensor] = {}
+        self._segments: dict[str, mmap.mmap] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._owner_uid: int | None = None
         self._closed = False
 
-    def add(self, data: torch.Tensor, uid: int) -> str:
+    def claim(self, uid: int) -> None:
+        """Bind the session to Unix user ``uid`` (its first segment or lane does); refuse another."""
         with self._lock:
-            if self._closed:
-                raise ExecutorUnavailableError("the session ended: no shared memory for it")
-            if self._owner_uid is not None and uid != self._owner_uid:
-                raise ProtocolError("this session's shared memory belongs to another user")
+            self._claim(uid)
+
+    def _claim(self, uid: int) -> None:
+        if self._closed:
+            raise ExecutorUnavailableError("the session ended: no shared memory for it")
+        if self._owner_uid is not None and uid != self._owner_uid:
+            raise ProtocolError("this session's shared memory belongs to another user")
+        self._owner_uid = uid
+
+    def add(self, mapping: mmap.mmap, uid: int) -> str:
+        with self._lock:
+            self._claim(uid)
             if len(self._segments) >= self._max_segments:
                 raise ProtocolError(f"more than {self._max_segments} live shared-memory segments in one session")
-            if self._bytes + data.numel() > self._max_bytes:
+            if self._bytes + len(mapping) > self._max_bytes:
                 raise ProtocolError(f"more than {self._max_bytes} bytes of live shared-memory segments in one session")
-            self._owner_uid = uid
             segment_id = str(next(self._ids))
-            self._segments[segment_id] = data
-            self._bytes += data.numel()
+            self._segments[segment_id] = mapping
+            self._bytes += len(mapping)
         return segment_id
 
-    def region(self, segment_id: str, offset: int, nbytes: int) -> torch.Tensor:
-        """``nbytes`` bytes at ``offset`` of segment ``segment_id`` as a uint8 tensor (zero-copy)."""
+    def segment(self, segment_id: str, offset: int, nbytes: int) -> mmap.mmap:
+        """The mapping of segment ``segment_id``, after checking that ``nbytes`` bytes at
+        ``offset`` lie in it (tensors made over it with ``torch.frombuffer`` keep it alive)."""
         segment = self._segments.get(segment_id)
         if segment is None:
             raise ProtocolError(f"no shared-memory segment {segment_id!r} in this session")
         if offset < 0 or offset % ALIGNMENT:
             raise ProtocolError(f"shared-memory offset {offset} must be a non-negative multiple of {ALIGNMENT}")
-        if offset + nbytes > segment.numel():
-            raise ProtocolError(f"segment {segment_id!r} has {segment.numel()} bytes, request needs {offset + nbytes}")
-        return segment[offset : offset + nbytes]
+        if offset + nbytes > len(segment):
+            raise ProtocolError(f"segment {segment_id!r} has {len(segment)} bytes, request needs {offset + nbytes}")
+        return segment
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -135,7 +145,7 @@ class SegmentTable:
         with self._lock:
             for segment_id in segment_ids:
                 segment = self._segments.pop(segment_id, None)
-                self._bytes -= 0 if segment is None else segment.numel()
+                self._bytes -= 0 if segment is None else len(segment)
 
     def close(self) -> None:
         with self._lock:
@@ -161,14 +171,28 @@ class ShmChannel:
         self._max_segment = max_segment_bytes(limits)
         self._max_session_bytes = max(MAX_SEGMENT_BYTES_PER_SESSION, 2 * self._max_segment)
         self._tables: dict[str, SegmentTable] = {}  # by session token: what the broker serves
+        self._sessions: dict[str, Session] = {}  # by session token: whom a lane is for
         self._labels = itertools.count(1)
-        self.broker = SegmentBroker(broker_path, self._allocate)
+        self.broker = SegmentBroker(broker_path, self._allocate, self._open_lane)
 
     def open_session(self, session: Session) -> None:
         """``session`` started (on the socket thread): its client may now ask for segments."""
         label = f"symbiosis-shm-{next(self._labels)}"
         table = session.channel_state["shm"] = SegmentTable(label, self._max_session_bytes)
         self._tables[session.token] = table
+        self._sessions[session.token] = session
+
+    def _open_lane(self, token: str, uid: int) -> tuple[int, int]:
+        """On the broker's thread: a lane (``lane.py``) for the session holding ``token``; the
+        server's socket thread takes the executor's end (``ChannelHost.attach_lane``)."""
+        table, session = self._tables.get(token), self._sessions.get(token)
+        if table is None or session is None:
+            raise ExecutorUnavailableError("no session holds this token (the executor restarted, or the session ended)")
+        table.claim(uid)
+        executor_end, client_end, max_message_bytes = make_pair()
+        lane = ExecutorLane(executor_end, session, max_message_bytes)
+        self._host.call_soon(lambda: self._host.attach_lane(lane))
+        return client_end.detach(), max_message_bytes
 
     def _allocate(self, token: str, nbytes: int, uid: int) -> tuple[str, int, int]:
         """On the broker's thread: make, seal and map a segment for the session holding ``token``."""
@@ -182,35 +206,38 @@ class ShmChannel:
         size = page_round(nbytes)
         fd = make_segment(size, table.label)
         try:
-            data = torch.frombuffer(map_segment(fd, size), dtype=torch.uint8)
-            return table.add(data, uid), fd, size
+            return table.add(map_segment(fd, size), uid), fd, size
         except BaseException:
             os.close(fd)
             raise
 
-    def accept(self, session: Session, key: RequestKey, req: P.Request, frames: list[Any]) -> Accepted:
-        if frames:
+    def accept(self, session: Session, key: RequestKey, req: P.Request, payload: list[memoryview]) -> Accepted:
+        if payload:
             raise ProtocolError("a shared-memory request carries no payload frame")
         well_formed = req.dtype in P.ITEMSIZE and len(req.shape) == 2 and min(req.shape) >= 0
         nbytes = P.declared_nbytes(req.dtype, req.shape) if well_formed else -1
         spec = P.validate_request(req, nbytes, self._specs, self._limits)  # before any payload byte
         dtype = P.WIRE_DTYPES[req.dtype]
-        out_shape = (req.shape[0], Op(req.op).output_width(spec))
-        out_nbytes = reply_nbytes(req.op, spec, req.shape[0], P.ITEMSIZE[req.dtype])
+        n, width = req.shape
+        out_width = OPS_BY_VALUE[req.op].output_width(spec)
+        itemsize = P.ITEMSIZE[req.dtype]
         table = session.channel_state.get("shm")
         if table is None:
             raise ProtocolError("no shared-memory segments in this session")
         assert req.shm_name is not None
-        result_at = reply_offset(nbytes)
-        region = table.region(req.shm_name, req.shm_offset, result_at + out_nbytes)  # checks the size once
-        rows = region[:nbytes].view(dtype).view(req.shape)  # zero-copy, valid until the reply
-        out = region[result_at:].view(dtype).view(out_shape)  # disjoint from the rows
+        offset, result_at = req.shm_offset, reply_offset(nbytes)
+        segment = table.segment(req.shm_name, offset, result_at + n * out_width * itemsize)  # checks the size once
+        if n == 0:
+            return Accepted(spec, torch.empty((0, width), dtype=dtype), None, None)
+        # Zero-copy tensors over the segment, valid until the reply; the result region is disjoint from the rows.
+        rows = torch.frombuffer(segment, dtype=dtype, count=n * width, offset=offset).view(n, width)
+        out = torch.frombuffer(segment, dtype=dtype, count=n * out_width, offset=offset + result_at).view(n, out_width)
         return Accepted(spec, rows, out, out)
 
-    def reply(self, session: Session, req: P.Request, reply: P.Reply, result: torch.Tensor, ticket: Any) -> None:
-        if result.numel():
+    def reply(self, session: Session, req: P.Request, result: torch.Tensor, ticket: Any) -> memoryview | None:
+        if ticket is not None and result is not ticket and result.numel():  # ``ticket`` itself: computed in place
             _copy_into(ticket, result)
-        self._host.send(session.identity, reply)
+        return None
 
     def release(self, session: Session, segment_ids: list[str]) -> None:
         table = session.channel_state.get("shm")
@@ -221,6 +248,7 @@ class ShmChannel:
         table = session.channel_state.pop("shm", None)
         if table is not None:
             self._tables.pop(session.token, None)
+            self._sessions.pop(session.token, None)
             table.close()
 
     def close(self) -> None:

@@ -48,7 +48,6 @@ from symbiosis.errors import ExecutorUnavailableError, ProtocolError
 from symbiosis.transport.shm_broker import ask_segment, map_segment
 from symbiosis.transport.shm_channel import ALIGNMENT, max_segment_bytes, page_round, reply_nbytes, reply_offset
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
-from symbiosis.vocabulary import spec_of
 
 MIN_BUFFER_BYTES = 1 << 20
 #: Results of at least this many bytes are handed out (the segment region), smaller ones copied.
@@ -80,6 +79,7 @@ class _Buffer:
     session: _Session
     mapping: mmap.mmap
     data: torch.Tensor
+    view: memoryview  # of ``mapping``: plain byte copies in and out, cheaper than torch ops for small calls
     handed_out: bool = False  # its region is a caller's result now
     retired: bool = False  # unlinked: never reused
     reply_at: int = 0  # while leased: where the call's result region starts (after its rows)
@@ -98,7 +98,7 @@ def _create_buffer(session: _Session, nbytes: int, timeout_s: float) -> _Buffer:
         os.close(fd)  # the mapping keeps the memory
     # Never ``mapping.close()``: tensors over it (``data``, handed-out results) hold references to
     # it, and it is unmapped when the last of them dies.
-    return _Buffer(segment_id, session, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+    return _Buffer(segment_id, session, mapping, torch.frombuffer(mapping, dtype=torch.uint8), memoryview(mapping))
 
 
 def _give_back(returned: collections.deque[_Buffer], buffer: _Buffer) -> None:
@@ -141,7 +141,7 @@ class ShmTransport(ZmqTransport):
 
     def _encode(self, request: P.Request, rows: torch.Tensor) -> tuple[P.Request, list[Any], Any]:
         in_nbytes = rows.numel() * rows.element_size()
-        spec = spec_of(request.layer_id, self._specs)  # sibling group ids too
+        spec = self._spec(request.layer_id)  # sibling group ids too
         out_nbytes = in_nbytes
         if spec is not None and rows.dim() == 2:
             out_nbytes = reply_nbytes(request.op, spec, rows.shape[0], rows.element_size())
@@ -150,7 +150,10 @@ class ShmTransport(ZmqTransport):
         buffer.reply_at = reply_at
         try:
             if in_nbytes:  # the one copy of the rows: straight into the segment
-                buffer.data[:in_nbytes].view(rows.dtype).view(rows.shape).copy_(rows)
+                if rows.is_cpu and rows.is_contiguous() and rows.dtype in P.WIRE_NAMES:
+                    buffer.view[:in_nbytes] = P.tensor_payload(rows)  # a memcpy, without torch's per-op cost
+                else:  # any device or layout
+                    buffer.data[:in_nbytes].view(rows.dtype).view(rows.shape).copy_(rows)
         except BaseException:
             self._release(buffer, reusable=True)
             raise
@@ -168,9 +171,9 @@ class ShmTransport(ZmqTransport):
         )
         return request, [P.encode(request)], buffer
 
-    def _decode(self, reply: P.Reply, frames: list[Any], lease: Any) -> torch.Tensor:
-        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or frames:
-            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(frames)} frames")
+    def _decode(self, reply: P.Reply, payload: list[memoryview], lease: Any) -> torch.Tensor:
+        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or payload:
+            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(payload)} frames")
         nbytes = P.declared_nbytes(reply.dtype, reply.shape)
         start = lease.reply_at
         if start + nbytes > lease.nbytes:
@@ -183,7 +186,7 @@ class ShmTransport(ZmqTransport):
         # Copy out: the buffer is reused by the next call, the result must outlive it. The result
         # is a tensor of its own, never a view (autograd forbids in-place ops on those).
         result = torch.empty(reply.shape, dtype=dtype)
-        result.view(-1).view(torch.uint8).copy_(lease.data[start : start + nbytes])
+        P.tensor_payload(result)[:] = lease.view[start : start + nbytes]  # writes into ``result``
         return result
 
     def _release(self, lease: Any, reusable: bool) -> None:

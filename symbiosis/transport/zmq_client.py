@@ -9,6 +9,11 @@ Threading: a call sends and receives in the calling thread (no hand-off); a lock
 socket to one thread at a time, and among several waiting threads one reads replies for all
 (see ``_Connection``). A small background thread heartbeats and watches the connection.
 
+Lanes (``lane.py``): an ``ipc://`` (or ``shm+ipc://``) client asks the executor for a lane when a
+session starts, a private Unix socket that skips ZeroMQ's I/O threads. A call whose rows and
+result fit a lane datagram goes over it when no other thread of this client is using it; every
+other call, and all the rest (handshake, heartbeats), goes over ZeroMQ. ``lane=False`` turns it off.
+
 Security: ``curve=CurveClientKeys(...)`` (or the ``SYMBIOSIS_CURVE_SERVER_KEY`` /
 ``SYMBIOSIS_CURVE_CLIENT_KEY`` environment variables, read by ``connect``) makes the socket a
 CURVE client (``security.py``). A failed handshake (no CURVE against a CURVE server, a key the
@@ -21,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import select
+import socket
 import threading
 import time
 import uuid
@@ -38,11 +44,13 @@ from symbiosis.errors import (
     ExecutorUnavailableError,
     ModelMismatchError,
     ProtocolError,
+    SymbiosisError,
     error_from_code,
 )
+from symbiosis.transport.lane import ClientLane
 from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
-from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op, spec_of
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +65,7 @@ class _Reply:
     fails the connection (``fail``). Lighter than a ``concurrent.futures.Future``: waiting is done
     by ``_Connection.wait``, not by the slot."""
 
-    __slots__ = ("message", "frames", "error")
+    __slots__ = ("error", "frames", "message")
 
     def __init__(self) -> None:
         self.message: P.Message | None = None
@@ -109,6 +117,7 @@ class _Connection:
         self._last_heard = time.monotonic()
         self._stop = False
         self._goodbye: bytes | None = None
+        self.lane: ClientLane | None = None  # this session's lane, if the executor gave one
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -192,6 +201,8 @@ class _Connection:
         with self._lock:
             self.dead = self.dead or reason
             pending, self._pending = self._pending, {}
+        if self.lane is not None:
+            self.lane.close()  # a call on it gets an error at once
         for future in pending.values():
             if not future.done():
                 future.error = ExecutorUnavailableError(reason)
@@ -203,6 +214,9 @@ class _Connection:
         self._io_waker.wake()
         self._thread.join(timeout=5.0)
         self.fail("transport closed")
+        if self.lane is not None:
+            with self.lane.lock:  # a call still on it has returned (``fail`` closed it): free it
+                self.lane.release()
 
     def _wake_waiters(self) -> None:
         """Futures were completed: wake the followers and a leader sleeping on the socket."""
@@ -351,6 +365,7 @@ class ZmqTransport:
         timeout_s: float = 60.0,
         connect_timeout_s: float = 10.0,
         curve: CurveClientKeys | None = None,
+        lane: bool = True,
     ) -> None:
         if not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"unsupported executor address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
@@ -361,6 +376,8 @@ class ZmqTransport:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.curve = curve
+        self.use_lane = lane and self._lanes_supported
+        self._spec_cache: dict[str, LayerSpec | None] = {}  # layer or sibling group id -> spec
         self._ctx = zmq.Context()
         self._request_ids = itertools.count(1)
         self._conn_lock = threading.Lock()
@@ -446,6 +463,8 @@ class ZmqTransport:
 
     # ---- hooks the shared-memory and torch.distributed transports override ---------------
 
+    _lanes_supported = True  # whether calls may travel on a lane (``lane.py``)
+
     def _stage(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` as the payload is sent: contiguous, on the device the payload leaves from."""
         return rows.detach().to("cpu").contiguous()
@@ -455,12 +474,20 @@ class ZmqTransport:
         payload = P.tensor_payload(rows)
         return request, [P.encode(request), payload], None
 
-    def _decode(self, reply: P.Reply, frames: list[zmq.Frame], lease: Any) -> torch.Tensor:
-        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or len(frames) != 1:
-            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(frames)} frames")
-        if len(frames[0].buffer) != P.declared_nbytes(reply.dtype, reply.shape):
+    def _decode(self, reply: P.Reply, payload: list[memoryview], lease: Any) -> torch.Tensor:
+        """The result of ``reply``; ``payload``: the buffers that came after its header."""
+        if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or len(payload) != 1:
+            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(payload)} frames")
+        if payload[0].nbytes != P.declared_nbytes(reply.dtype, reply.shape):
             raise ProtocolError("reply payload size does not match its shape")
-        return P.tensor_from_payload(frames[0].buffer, reply.dtype, reply.shape)
+        return P.tensor_from_payload(payload[0], reply.dtype, reply.shape)
+
+    def _lane_reply_nbytes(self, request: P.Request, rows: torch.Tensor) -> int:
+        """Bytes of the result that will come back on the lane after the reply header (inline)."""
+        spec = self._spec(request.layer_id)
+        if spec is None or rows.dim() != 2:
+            return 0  # the executor refuses it: only an error reply comes back
+        return rows.shape[0] * Op(request.op).output_width(spec) * rows.element_size()
 
     def _release(self, lease: Any, reusable: bool) -> None:
         """The server is done with ``lease`` (``reusable``) or may still touch it (not)."""
@@ -496,11 +523,34 @@ class ZmqTransport:
             conn.heartbeat_s = msg.heartbeat_s
             self._welcome = msg
             self._specs = {w.layer_id: w.to_spec() for w in msg.layers}
+            self._spec_cache = {}
             self._on_session(msg, conn)
+            if self.use_lane and msg.shm_socket:
+                conn.lane = self._open_lane(msg, deadline)
         except BaseException:
             conn.close(goodbye=None)
             raise
         return conn
+
+    def _open_lane(self, welcome: P.Welcome, deadline: float) -> ClientLane | None:
+        """A lane for this session from the executor's broker; None if it offers none (calls
+        then all go over ZeroMQ, as they would without lanes)."""
+        from symbiosis.transport.shm_broker import ask_lane  # same-host only: not for tcp clients
+
+        try:
+            fd, max_message_bytes = ask_lane(welcome.shm_socket, welcome.session_token, max(0.1, deadline - time.monotonic()))
+        except (SymbiosisError, OSError) as exc:
+            log.info("no lane from the executor at %s (%s); calls go over ZeroMQ", self.address, exc)
+            return None
+        return ClientLane(socket.socket(fileno=fd), max_message_bytes)
+
+    def _spec(self, layer_id: str) -> LayerSpec | None:
+        """The spec of a layer or sibling group id (cached: group ids are parsed once)."""
+        try:
+            return self._spec_cache[layer_id]
+        except KeyError:
+            spec = self._spec_cache[layer_id] = spec_of(layer_id, self._specs)
+            return spec
 
     def _live_connection(self, deadline: float) -> _Connection:
         with self._conn_lock:
@@ -515,16 +565,25 @@ class ZmqTransport:
             return self._conn
 
     def _call_once(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, deadline: float) -> torch.Tensor:
-        conn = self._live_connection(deadline)
-        assert self._welcome is not None
+        conn = self._conn
+        if conn is None or conn.dead is not None or self._closed:
+            conn = self._live_connection(deadline)
+        welcome = self._welcome
+        assert welcome is not None
         nbytes = rows.numel() * rows.element_size()
-        if nbytes > self._welcome.limits.max_payload_bytes:
-            raise ProtocolError(f"{nbytes} bytes exceed the executor's cap of {self._welcome.limits.max_payload_bytes}")
+        if nbytes > welcome.limits.max_payload_bytes:
+            raise ProtocolError(f"{nbytes} bytes exceed the executor's cap of {welcome.limits.max_payload_bytes}")
         rid = next(self._request_ids)
         request = P.Request(
             P.PROTOCOL_VERSION, self.client_id, rid, layer_id, op.value, P.dtype_name(rows.dtype), list(rows.shape), latency_class.value
         )
         request, frames, lease = self._encode(request, rows)
+        lane = conn.lane
+        if lane is not None and not lane.closed and lane.lock.acquire(blocking=False):
+            reply_nbytes = self._lane_reply_nbytes(request, rows) if len(frames) > 1 else 0
+            if (len(frames) == 1 or frames[1].nbytes <= lane.max_payload_bytes) and reply_nbytes <= lane.max_payload_bytes:
+                return self._call_on_lane(conn, lane, request, frames, lease, reply_nbytes, deadline)  # releases the lock
+            lane.lock.release()
         try:
             future = conn.submit(rid, frames, copy=nbytes < P.COPY_THRESHOLD)
             try:
@@ -536,6 +595,33 @@ class ZmqTransport:
             self._release(lease, reusable=False)
             raise
         assert isinstance(reply, P.Reply)
+        return self._finish(conn, reply, [frame.buffer for frame in payload], lease)
+
+    def _call_on_lane(
+        self, conn: _Connection, lane: ClientLane, request: P.Request, frames: list[Any], lease: Any, reply_nbytes: int, deadline: float
+    ) -> torch.Tensor:
+        """``_call_once`` over the lane, whose lock the caller holds (released here)."""
+        try:
+            try:
+                payload = frames[1] if len(frames) > 1 else None
+                reply, reply_payload = lane.exchange(frames[0], payload, request.request_id, reply_nbytes, deadline - time.monotonic())
+            finally:
+                lane.lock.release()
+        except ExecutorTimeoutError:
+            self._release(lease, reusable=False)
+            raise ExecutorTimeoutError(f"{request.op} of {request.layer_id!r} took longer than {self.timeout_s}s") from None
+        except ExecutorUnavailableError as exc:
+            self._release(lease, reusable=False)
+            conn.fail(str(exc))  # the executor closed the lane: its session ended or it is gone
+            raise
+        except BaseException:
+            self._release(lease, reusable=False)
+            raise
+        inline = len(frames) > 1 or (request.shm_name is None and request.dist_tag is None)
+        return self._finish(conn, reply, [reply_payload] if inline or reply_payload.nbytes else [], lease)
+
+    def _finish(self, conn: _Connection, reply: P.Reply, payload: list[memoryview], lease: Any) -> torch.Tensor:
+        """The result of a reply (or its typed error); ``lease`` goes back to the transport."""
         if not reply.ok:
             self._release(lease, reusable=True)
             error = error_from_code(reply.error_code, reply.error_message)

@@ -75,6 +75,7 @@ from symbiosis.errors import (
 )
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
+from symbiosis.transport.lane import HEADER_ROOM_BYTES, MAX_MESSAGE_BYTES, ExecutorLane, LaneClosed, aligned_buffer
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
@@ -92,6 +93,8 @@ DEFAULT_SEND_STALL_S = 5.0
 DEFAULT_MAX_PENDING_DIST_SETUPS = 8
 DEFAULT_DIST_SETUP_TIMEOUT_S = 10.0
 _FRAME_SLACK = 1024  # ZMQ_MAXMSGSIZE headroom over the largest legal frame: CURVE's box overhead
+#: Messages read from one lane per wake-up (a well-behaved client has one in flight per lane).
+_LANE_BURST = 16
 
 
 def check_bind_address(address: str, allow_non_loopback: bool, authenticated: bool = False) -> str:
@@ -132,8 +135,17 @@ class _InFlight:
     spec: LayerSpec
     channel: PayloadChannel
     ticket: Any
+    lane: ExecutorLane | None = None  # where it came from and its reply goes (None: the ZeroMQ socket)
     future: Future[torch.Tensor] | None = None  # None while the payload is still on its way
     cost: int = 0  # bytes it pins (``_cost``), counted in ``session.inflight_bytes``
+
+
+def _check_fits_lane(req: P.Request, spec: LayerSpec, lane: ExecutorLane) -> None:
+    """Refuse an inline lane request whose result would not fit one lane datagram (the client
+    sends such calls over ZeroMQ; only a client that ignores the lane's size gets here)."""
+    out_nbytes = req.shape[0] * OPS_BY_VALUE[req.op].output_width(spec) * P.ITEMSIZE[req.dtype]
+    if out_nbytes > lane.max_message_bytes - HEADER_ROOM_BYTES:
+        raise ProtocolError(f"a result of {out_nbytes} bytes does not fit a lane message; send this request over ZeroMQ")
 
 
 def _cost(req: P.Request, spec: LayerSpec | None) -> int:
@@ -221,6 +233,9 @@ class ZmqServer:
         self._sessions: dict[bytes, Session] = {}
         self._identities_by_client: dict[str, set[bytes]] = {}
         self._inflight: dict[RequestKey, _InFlight] = {}
+        self._lanes: dict[int, ExecutorLane] = {}  # by file descriptor
+        self._lane_buffer: memoryview | None = None  # where every lane message is read (socket thread)
+        self._poller: zmq.Poller | None = None
         self._backlogged: set[bytes] = set()  # identities whose session has a backlog
         self._trims: list[float] = []  # when to hand freed heap back to the OS
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -357,6 +372,88 @@ class ZmqServer:
         elif not self._send_frames(frames, copy) and session is not None and identity in self._sessions:
             self._defer(session, message, frames, copy)  # its send queue is full
 
+    def _answer(self, identity: bytes, lane: ExecutorLane | None, message: P.Message, payload: memoryview | None = None) -> None:
+        """Send the answer to a request the way the request came: the ZeroMQ socket, or its lane."""
+        if lane is None:
+            self.send(identity, message, payload)
+        else:
+            self._lane_send(lane, message, payload)
+
+    def _lane_send(self, lane: ExecutorLane, message: P.Message, payload: memoryview | None = None) -> None:
+        header = P.encode(message)
+        if len(header) > HEADER_ROOM_BYTES // 2 and isinstance(message, P.Reply):  # a long error message
+            header = P.encode(P.error_reply(message.request_id, message.error_code, message.error_message[:500] + "…"))
+        try:
+            lane.send(header, payload)
+        except BlockingIOError:  # its queue is full: the client sends and never reads
+            if self._sessions.get(lane.session.identity) is lane.session:
+                log.warning("client %s does not read its lane; ending its session", lane.session.client_id)
+                self._end_session(lane.session.identity)
+        except OSError:  # the client closed its end (e.g. after a timeout): nobody waits for this
+            self._drop_lane(lane)
+
+    def attach_lane(self, lane: ExecutorLane) -> None:
+        """(Socket thread.) Serve ``lane`` too, if its session still runs; it replaces an older one."""
+        session = lane.session
+        if self._sessions.get(session.identity) is not session or self._poller is None:
+            lane.close()
+            return
+        if session.lane is not None:
+            self._drop_lane(session.lane)
+        if self._lane_buffer is None:
+            self._lane_buffer = aligned_buffer(MAX_MESSAGE_BYTES)
+        session.lane = lane
+        self._lanes[lane.fd] = lane
+        self._poller.register(lane.fd, zmq.POLLIN)
+
+    def _drop_lane(self, lane: ExecutorLane) -> None:
+        if self._lanes.pop(lane.fd, None) is lane and self._poller is not None:
+            self._poller.unregister(lane.fd)
+        if lane.session.lane is lane:
+            lane.session.lane = None
+        lane.close()
+
+    def _read_lane(self, lane: ExecutorLane) -> None:
+        """Serve what waits on ``lane`` (a bounded burst, so other clients are not starved)."""
+        assert self._lane_buffer is not None
+        for _ in range(_LANE_BURST):
+            try:
+                message = lane.receive(self._lane_buffer)
+            except LaneClosed:
+                self._drop_lane(lane)
+                return
+            except ProtocolError as exc:
+                self._count(_INVALID, "errors")
+                self._lane_send(lane, P.error_reply(0, exc.code, str(exc)))
+                continue
+            if message is None:
+                return
+            try:
+                self._on_lane_message(lane, *message)
+            except Exception as exc:  # the server must survive any input
+                log.exception("error handling a lane message")
+                rid = P.salvage_request_id(message[0])
+                self._lane_send(lane, P.error_reply(rid, SymbiosisError.code, f"{type(exc).__name__}: {exc}"))
+            if self._lanes.get(lane.fd) is not lane:
+                return  # dropped meanwhile (its session ended)
+
+    def _on_lane_message(self, lane: ExecutorLane, header: memoryview, payload: memoryview) -> None:
+        session = lane.session
+        try:
+            msg = P.decode(header)
+        except ProtocolError as exc:
+            self._count(_INVALID, "errors")
+            self._lane_send(lane, P.error_reply(P.salvage_request_id(header), exc.code, str(exc)))
+            return
+        session.last_seen = time.monotonic()
+        if not isinstance(msg, P.Request):
+            self._count(_INVALID, "errors")
+            rid = P.salvage_request_id(header)
+            self._lane_send(lane, P.error_reply(rid, ProtocolError.code, f"a lane carries requests only, not {type(msg).__name__}"))
+            return
+        inline = msg.shm_name is None and msg.dist_tag is None  # an inline request always has its payload, maybe empty
+        self._on_request(session.identity, session, msg, [payload] if inline or payload.nbytes else [], lane)  # type: ignore[arg-type]
+
     def _send_frames(self, frames: list[Any], copy: bool) -> bool:
         """Send one message now; False if the peer's send queue is full (``send_hwm``). A peer
         whose connection is gone loses its session."""
@@ -420,15 +517,15 @@ class ZmqServer:
         except SymbiosisError as exc:
             self._forget(key)
             self._count(entry.request.layer_id, "errors")
-            self.send(key[0], P.error_reply(entry.request.request_id, exc.code, str(exc)))
+            self._answer(key[0], entry.lane, P.error_reply(entry.request.request_id, exc.code, str(exc)))
 
     def transfer_failed(self, session: Session, reason: str) -> None:
         if self._sessions.get(session.identity) is not session:
             return  # already ended
         log.warning("payload transfer of client %s failed (%s); ending its session", session.client_id, reason)
-        for key in [k for k in self._inflight if k[0] == session.identity]:
+        for key, entry in [(k, e) for k, e in self._inflight.items() if k[0] == session.identity]:
             msg = f"payload transfer failed: {reason}"
-            self.send(session.identity, P.error_reply(key[1], ExecutorUnavailableError.code, msg))
+            self._answer(session.identity, entry.lane, P.error_reply(key[1], ExecutorUnavailableError.code, msg))
         self._end_session(session.identity)
 
     # ---- socket thread -------------------------------------------------------------------
@@ -443,11 +540,11 @@ class ZmqServer:
             self._serve()
         finally:
             if self._driving:
-                self._service.detach_driver(self._waker.wake)  # type: ignore[attr-defined]
+                self._service.detach_driver(self._waker.wake)
                 self._driving = False
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
@@ -472,6 +569,10 @@ class ZmqServer:
                         break
                     frames = self._router.recv_multipart(_NOBLOCK, copy=False)
                     self._guarded(lambda f=frames: self._on_message(f), frames)
+            if self._lanes:
+                for ready in [self._lanes.get(key) for key in events]:  # type: ignore[call-overload]
+                    if ready is not None:
+                        self._read_lane(ready)
             self._run_tasks()
             if self._driving and (self._submitted or woken or (wakeup is not None and now >= wakeup)):
                 self._submitted = False
@@ -501,7 +602,7 @@ class ZmqServer:
     def _drive(self) -> float | None:
         """Run the executor's ready batches here, then send the replies they completed."""
         try:
-            wakeup = self._service.run_ready()  # type: ignore[attr-defined]
+            wakeup = self._service.run_ready()
         except Exception:  # a failing batch fails its requests, never the server
             log.exception("running ready batches failed")
             wakeup = None
@@ -550,7 +651,7 @@ class ZmqServer:
         if session is not None:
             session.last_seen = time.monotonic()
         if isinstance(msg, P.Request):
-            self._on_request(identity, session, msg, frames[2:])
+            self._on_request(identity, session, msg, [frame.buffer for frame in frames[2:]])
         elif isinstance(msg, P.Hello):
             self._on_hello(identity, msg)
         elif isinstance(msg, P.Ping):
@@ -560,7 +661,7 @@ class ZmqServer:
         elif isinstance(msg, P.ShmRelease):
             shm = self._channels.get("shm")
             if session is not None and shm is not None:
-                shm.release(session, msg.names)  # type: ignore[attr-defined]
+                shm.release(session, msg.names)
         elif not isinstance(msg, P.Pong):
             rid = P.salvage_request_id(frames[1].buffer)
             self._count(_INVALID, "errors")
@@ -595,7 +696,7 @@ class ZmqServer:
             session = Session(identity, hello.client_id, secrets.token_hex(16), time.monotonic())
             self._sessions[identity] = session
             if shm is not None:
-                shm.open_session(session)  # type: ignore[attr-defined]
+                shm.open_session(session)
         store = prefix = ""
         if hello.dist_backend:
             try:
@@ -606,12 +707,15 @@ class ZmqServer:
         layers = [P.WireLayerSpec.from_spec(s) for s in self._specs.values()]
         welcome = P.Welcome(
             P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
-            shm is not None, shm_socket=shm.broker.path if shm is not None else "",  # type: ignore[attr-defined]
+            shm is not None, shm_socket=shm.broker.path if shm is not None else "",
             dist_store=store, dist_prefix=prefix, quantization=self._quantization,
         )
         self.send(identity, welcome)
 
-    def _on_request(self, identity: bytes, session: Session | None, req: P.Request, payload: list[zmq.Frame]) -> None:
+    def _on_request(
+        self, identity: bytes, session: Session | None, req: P.Request, payload: list[memoryview], lane: ExecutorLane | None = None
+    ) -> None:
+        """Serve one request header (and its payload buffers) from the ZeroMQ socket or ``lane``."""
         rid = req.request_id
         key = (identity, rid)
         stats_key = req.layer_id if req.layer_id in self._specs else _INVALID
@@ -632,14 +736,19 @@ class ZmqServer:
             if session.inflight or session.unsent.nbytes or session.backlog:  # one alone is always admitted
                 self._admit(session, req)  # before the channel touches a payload byte
             accepted = channel.accept(session, key, req, payload)
-            entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket)
-            if accepted.rows is not None and self._try_alone(key, entry, accepted.rows, stats_key, accepted.out):
+            entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket, lane)
+            rows = accepted.rows
+            if lane is not None and name == "inline":
+                _check_fits_lane(req, accepted.spec, lane)
+            if rows is not None and self._try_alone(key, entry, rows, stats_key, accepted.out):
                 return
-            if accepted.rows is not None:
-                self._submit(key, entry, accepted.rows)
+            if rows is not None:
+                if lane is not None and name == "inline":
+                    rows = rows.clone()  # it lies in the lane buffer, which the next lane message overwrites
+                self._submit(key, entry, rows)
         except SymbiosisError as exc:
             self._count(stats_key, "errors")
-            self.send(identity, P.error_reply(rid, exc.code, str(exc)))
+            self._answer(identity, lane, P.error_reply(rid, exc.code, str(exc)))
             return
         entry.cost = _cost(req, entry.spec)
         session.inflight += 1
@@ -675,7 +784,7 @@ class ZmqServer:
             return False
         req = entry.request
         op, latency_class = OPS_BY_VALUE[req.op], LATENCY_CLASSES_BY_VALUE[req.latency_class]  # validated
-        result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class, out=out)  # type: ignore[attr-defined]
+        result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class, out=out)
         if result is None:
             return False
         self._count(stats_key, "requests")
@@ -707,7 +816,6 @@ class ZmqServer:
         entry = self._forget(key)
         if entry is None:  # its session ended meanwhile; nobody waits for it
             return
-        req = entry.request
         assert entry.future is not None
         try:
             if entry.future.cancelled():
@@ -717,7 +825,7 @@ class ZmqServer:
                 raise exc
             self._reply(key, entry, entry.future.result())
         except Exception as exc:  # noqa: BLE001 - any executor failure becomes a typed reply
-            self._reply_error(key, req, exc)
+            self._reply_error(key, entry, exc)
 
     def _reply(self, key: RequestKey, entry: _InFlight, result: Any) -> None:
         """Send a computed result (on the socket thread); a malformed one becomes an error reply."""
@@ -726,16 +834,18 @@ class ZmqServer:
             expected = [req.shape[0], OPS_BY_VALUE[req.op].output_width(entry.spec)]
             if not isinstance(result, torch.Tensor) or list(result.shape) != expected:
                 raise SymbiosisError(f"executor returned {getattr(result, 'shape', type(result))}, expected {expected}")
-            result = result.detach().to(dtype=P.WIRE_DTYPES[req.dtype])
-            reply = P.Reply(req.request_id, True, req.dtype, expected)
-            entry.channel.reply(entry.session, req, reply, result, entry.ticket)
+            wire_dtype = P.WIRE_DTYPES[req.dtype]
+            if result.dtype != wire_dtype or result.requires_grad:
+                result = result.detach().to(dtype=wire_dtype)
+            payload = entry.channel.reply(entry.session, req, result, entry.ticket)
+            self._answer(key[0], entry.lane, P.Reply(req.request_id, True, req.dtype, expected), payload)
         except Exception as exc:  # noqa: BLE001 - any executor failure becomes a typed reply
-            self._reply_error(key, req, exc)
+            self._reply_error(key, entry, exc)
 
-    def _reply_error(self, key: RequestKey, req: P.Request, exc: BaseException) -> None:
+    def _reply_error(self, key: RequestKey, entry: _InFlight, exc: BaseException) -> None:
         code = exc.code if isinstance(exc, SymbiosisError) else SymbiosisError.code
-        self._count(req.layer_id, "errors")
-        self.send(key[0], P.error_reply(req.request_id, code, f"{type(exc).__name__}: {exc}"))
+        self._count(entry.request.layer_id, "errors")
+        self._answer(key[0], entry.lane, P.error_reply(entry.request.request_id, code, f"{type(exc).__name__}: {exc}"))
 
     def _end_session(self, identity: bytes) -> None:
         session = self._sessions.pop(identity, None)
@@ -745,6 +855,8 @@ class ZmqServer:
             self._forget(key)
         session.backlog.clear()  # the results it holds go now
         self._backlogged.discard(identity)
+        if session.lane is not None:
+            self._drop_lane(session.lane)
         self._schedule_trim(time.monotonic())
         for channel in self._channels.values():  # first, so e.g. shm names are gone once the executor hears
             channel.end_session(session)
@@ -760,7 +872,7 @@ class ZmqServer:
     def _shutdown(self) -> None:
         for key, entry in list(self._inflight.items()):
             msg = "executor shut down before the request completed"
-            self.send(key[0], P.error_reply(entry.request.request_id, ExecutorUnavailableError.code, msg))
+            self._answer(key[0], entry.lane, P.error_reply(entry.request.request_id, ExecutorUnavailableError.code, msg))
             self._forget(key)
         for identity in list(self._sessions):
             self.send(identity, P.Goodbye())

@@ -1,5 +1,7 @@
 """One conformance suite for every ZeroMQ-based transport: tcp, ipc, shared memory (shm), and
-torch.distributed payloads over gloo (dist).
+torch.distributed payloads over gloo (dist). ipc and shm clients send their calls over a lane
+(``lane.py``) when they can; ``shm-zmq`` is shm with lanes off, so the ZeroMQ way of the same
+requests is held to the same suite (tcp does that for inline payloads).
 
 Each test runs against a ``ZmqServer`` serving a ``FakeExecutorService`` (real torch math), in a
 thread of this process unless it says otherwise, and compares results with the fake's own math
@@ -49,7 +51,7 @@ from .fakes import (
     serve_in_process,
 )
 
-KINDS = ["tcp", "ipc", "shm", "dist"]
+KINDS = ["tcp", "ipc", "shm", "dist", "shm-zmq"]
 SPAWN = multiprocessing.get_context("spawn")
 
 
@@ -58,7 +60,8 @@ def bind_address(kind: str, sock_dir: str) -> str:
 
 
 def client_address(kind: str, server_address: str) -> str:
-    return f"{kind}+{server_address}" if kind in ("shm", "dist") else server_address
+    scheme = kind.removesuffix("-zmq")
+    return f"{scheme}+{server_address}" if scheme in ("shm", "dist") else server_address
 
 
 @pytest.fixture(params=KINDS)
@@ -80,6 +83,8 @@ def open_client(server: ZmqServer, kind: str) -> Iterator[Callable[..., ZmqTrans
     def _open(**kwargs: object) -> ZmqTransport:
         if kind == "dist":  # every payload over the pair group (small ones would ride inline)
             kwargs.setdefault("inline_threshold", 0)
+        if kind.endswith("-zmq"):
+            kwargs.setdefault("lane", False)
         transport = open_transport(client_address(kind, server.address), **kwargs)
         clients.append(transport)
         return transport
@@ -400,8 +405,8 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     try:
         assert fake.wait_for(lambda events: any(e[:3] == ("submit", client_id, "slow") for e in events), 60)
         # Only this session's segments: other sessions in this process make and free their own.
-        label = segment_label(server, client_id) if kind == "shm" else ""
-        if kind == "shm":
+        label = segment_label(server, client_id) if kind.startswith("shm") else ""
+        if kind.startswith("shm"):
             assert segment_mappings(label) == 1  # the child's buffer, mapped by the server
         os.kill(child.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -410,7 +415,7 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     finally:
         child.kill()
         child.join(timeout=10)
-    if kind == "shm":
+    if kind.startswith("shm"):
         assert segment_mappings(label) == 0  # the server's mapping of its shared memory is gone
     rows = torch.randn(6, 16)
     assert_same_product(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
@@ -426,7 +431,7 @@ def remote_server() -> Iterator[dict[str, str]]:
     child.start()
     try:
         tcp, ipc = ready.get(timeout=60)
-        yield {"tcp": tcp, "ipc": ipc, "shm": ipc, "dist": tcp}
+        yield {"tcp": tcp, "ipc": ipc, "shm": ipc, "dist": tcp, "shm-zmq": ipc}
     finally:
         stop.set()
         child.join(timeout=20)
@@ -438,7 +443,8 @@ def remote_server() -> Iterator[dict[str, str]]:
 
 def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> None:
     reference = FakeExecutorService(seed=3)
-    with open_transport(client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint) as transport:
+    options = {"lane": False} if kind.endswith("-zmq") else {}
+    with open_transport(client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint, **options) as transport:
         for op in Op:
             for dtype in (torch.float32, torch.bfloat16):
                 rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)

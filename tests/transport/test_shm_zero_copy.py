@@ -34,13 +34,13 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """One entry per result the shm channel sends: True if it had to be copied into the region
     (False: the executor computed it there)."""
     seen: list[bool] = []
-    original = shm_channel._copy_into
+    original = shm_channel.ShmChannel.reply
 
-    def spy(region: torch.Tensor, result: torch.Tensor) -> None:
-        seen.append(result.data_ptr() != region.data_ptr())
-        original(region, result)
+    def spy(self, session, req, result: torch.Tensor, ticket: torch.Tensor):
+        seen.append(result.data_ptr() != ticket.data_ptr())
+        return original(self, session, req, result, ticket)
 
-    monkeypatch.setattr(shm_channel, "_copy_into", spy)
+    monkeypatch.setattr(shm_channel.ShmChannel, "reply", spy)
     return seen
 
 
