@@ -81,6 +81,15 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     dist_backend: str = ""  # "gloo" / "nccl": open a torch.distributed pair group for payloads
 
 
+class Route(msgspec.Struct, frozen=True):
+    """A rank of a sharded executor that runs some layers itself (``symbiosis/sharding``): a client
+    may send those layers' requests straight to ``address`` (``transport/routing.py``) rather than
+    through the rank it connected to, which would relay them."""
+
+    address: str  # a server address of the same kind as the one the client connected to
+    layers: list[int]  # indices into ``Welcome.layers``
+
+
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     """Server -> client: what the executor serves and on which terms.
 
@@ -101,6 +110,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     dist_store: str = ""  # "HOST:PORT" of the executor's TCPStore, when the Hello asked for dist
     dist_prefix: str = ""  # this session's secret key prefix in that store
     quantization: str = ""  # how the executor stores the base: "" (full precision), "int8", "fp8-rowwise"
+    routes: list[Route] = []  # a sharded executor's other ranks (clients that ignore it are relayed)
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):

@@ -61,6 +61,14 @@ def ranks_in_threads(
         stop_ranks(started)
 
 
+def serve_all(ranks: list[ShardedExecutor], bind: str = "tcp://127.0.0.1:0") -> str:
+    """What ``serve`` does: every rank serves its endpoint, rank 0 ``bind`` with routes to them;
+    returns rank 0's address."""
+    for rank in ranks[1:]:
+        rank.serve_rank_endpoints([bind])
+    return ranks[0].serve_entry([bind], timeout_s=30)[0].address
+
+
 def stop_ranks(ranks: list[ShardedExecutor]) -> None:
     """What ``serve`` does on SIGTERM, for every rank at once."""
     for rank in ranks:

@@ -28,7 +28,7 @@ from symbiosis.sharding.placement import STRATEGIES, Layout, place_units, row_ra
 from symbiosis.transport.zmq_client import ZmqTransport
 from symbiosis.vocabulary import LayerSpec
 from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
-from tests.sharding_helpers import _train, finetune_or_decode_client, ranks_in_threads, resident_bytes
+from tests.sharding_helpers import _train, finetune_or_decode_client, ranks_in_threads, resident_bytes, serve_all
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_split_reference.py: another summation order, same model
 
@@ -110,18 +110,49 @@ def _check_reference(path, address: str, arch: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])  # gpt2: Conv1D and tied embeddings; gemma2: tied
 def test_sharded_executor_matches_monolithic(arch, world_size, strategy, tiny_checkpoint):
+    """A client given rank 0's address, as for one executor: under ``layers`` it sends each layer
+    to the rank that runs it (routes in the Welcome); under ``fsdp`` rank 0 gathers every layer."""
     path = tiny_checkpoint(arch)
     with ranks_in_threads(path, world_size, strategy) as ranks:
-        server = ranks[0].serve("tcp://127.0.0.1:0")
-        _check_reference(path, server.address, arch)
-        shards = [s["shard"] for s in ranks[0].stats()["shards"]]
+        _check_reference(path, serve_all(ranks), arch)
+        per_rank = ranks[0].stats()["shards"]
+    shards = [s["shard"] for s in per_rank]
     assert [s["rank"] for s in shards] == list(range(world_size)) and all(s["up"] for s in shards)
-    if strategy == "layers":  # the work really was spread: rank 0 forwarded, the others served
-        assert shards[0]["forwarded_requests"] > 0 and all(
-            s["served_for_peers"] > 0 for s in shards[1:] if s["owned_layers"]
-        )
+    assert all(s["relayed_requests"] == 0 for s in shards)  # nothing needed a relay
+    if strategy == "layers":  # each rank ran its own layers' requests, straight from the client
+        served = [sum(c["requests"] for c in s["layers"].values()) for s in per_rank]
+        assert all(n > 0 for n, s in zip(served, shards) if s["owned_layers"])
     else:  # every rank took part in every gather
         assert len({s["gathers"]["gathers"] for s in shards}) == 1 and shards[0]["gathers"]["gathers"] > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_client_that_ignores_routes_is_relayed(world_size, tiny_checkpoint):
+    """A plain connection to rank 0 (no routing, as an older client would be): rank 0 relays the
+    other ranks' layers, and the results are the same."""
+    path = tiny_checkpoint("llama")
+    with ranks_in_threads(path, world_size, "layers") as ranks:
+        address = serve_all(ranks)
+        _check_reference(path, ZmqTransport(address), "llama")
+        shards = [s["shard"] for s in ranks[0].stats()["shards"]]
+    assert shards[0]["relayed_requests"] > 0
+    assert all(s["served_for_peers"] > 0 for s in shards[1:] if s["owned_layers"])
+
+
+def test_a_failed_route_falls_back_to_the_entry(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    with ranks_in_threads(path, 2, "layers") as ranks:
+        address = serve_all(ranks)
+        reference, split = make_pair(path, address, "lora", "llama")
+        transport = split.get_base_model().symbiosis_transport
+        assert len(transport.routed_addresses()) == 1
+        transport.connect_timeout_s = 0.5
+        ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+        ranks[1].close_servers(drain=False)  # rank 1 stops serving clients; its links stay up
+        assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids), **TOL)
+        assert transport.routed_addresses() == []  # rank 1's layers now go through rank 0
+        assert ranks[0].local_stats()["shard"]["relayed_requests"] > 0
+        close_client(split)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -2,17 +2,20 @@
 
 Every rank is a whole executor to its clients: it implements ``ExecutorService`` (and the driver
 interface ``ZmqServer`` uses), so ``ZmqServer`` serves it unchanged and a client cannot tell a
-sharded executor from a single one. Rank 0 serves the address the user gave; any rank may also
-serve endpoints of its own (the paper's "client talks to its local shard").
+sharded executor from a single one. Rank 0 serves the addresses the user gave and tells clients
+where the other ranks are (``endpoints.py``, ``transport/routing.py``); every rank also serves
+endpoints of its own (the paper's "client talks to its local shard").
 
 Where a request runs depends on the strategy (``placement.py``):
 
-- ``layers``: the rank that owns the layer runs it. A request for a layer owned elsewhere is
-  forwarded over the links (``Forward``) with the client's id, so the owner's scheduler batches
-  it with every other client's rows for that layer, exactly as a single executor would; the
-  answer (``Result``) completes the request's future here.
-- ``fsdp``: the rank the client talks to runs it, on weights gathered from every rank for the
-  batch (``gather.py``).
+- ``layers``: on the rank that owns the layer. A client that follows the routes sends it there;
+  otherwise the rank it talks to relays it (``relay.py``).
+- ``fsdp``: on the rank the client talks to, on weights gathered from every rank for the batch
+  (``gather.py``).
+
+Clients are counted per rank by where they come from (a session here, or relayed requests from a
+peer, ``Member``), so a client connected to several ranks stays known to each as long as one of
+its ways in is open.
 
 Failures: when a peer goes down (``links.py``) this rank *fails*: every request in flight that
 needs another rank, and every new request, gets ``ExecutorUnavailableError`` naming the shard
@@ -23,11 +26,13 @@ computes what the old one would have.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
+import resource
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -41,30 +46,21 @@ from symbiosis.errors import (
     ExecutorUnavailableError,
     ProtocolError,
     ShapeError,
-    SymbiosisError,
     UnknownLayerError,
-    error_from_code,
 )
 from symbiosis.executor.engine import ExecutionEngine
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.sharding import messages as M
+from symbiosis.sharding.endpoints import EndpointBook, rank_address, routes_for
 from symbiosis.sharding.gather import GatherSequencer
 from symbiosis.sharding.links import PeerLinks
+from symbiosis.sharding.observe import health_of, merge_layers
 from symbiosis.sharding.placement import Layout, SpecRegistry
-from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LatencyClass, LayerSpec, Op
+from symbiosis.sharding.relay import Relay
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 STATS_TIMEOUT_S = 2.0
-
-
-@dataclass
-class _Forwarded:
-    """A request waiting for its owner's answer."""
-
-    future: Future
-    owner: int
-    out_dtype: torch.dtype
-    out_device: torch.device
-    staged: torch.Tensor  # the rows as sent (their bytes may still be in ZeroMQ's queue)
+_LOCAL = -1  # the source of a client that has a session on this rank (peers are sources by rank)
 
 
 @dataclass
@@ -102,20 +98,20 @@ class ShardedExecutor:
         self._sequencer = setup.sequencer
         self._specs = SpecRegistry(setup.layout)
         self._owner_of_unit = setup.owners
+        self._relay = Relay(setup.engine, setup.links)
+        self._endpoints = EndpointBook(setup.world_size)
         self._lock = threading.Lock()
+        self._sources: dict[str, collections.Counter] = {}  # client id -> where it comes from
         self._seqs = itertools.count(1)
-        self._forwarded: dict[int, _Forwarded] = {}
         self._stats_replies: dict[int, Future] = {}
-        self._counters = {"forwarded": 0, "served_for_peers": 0}
         self._failure: ExecutorUnavailableError | None = None
         self._failure_listeners: list[Callable[[str], None]] = []
         self._servers: list = []
         self.addresses: list[str] = []
-        # ``layers``: the link thread runs products for peers itself (a driver, like ZmqServer's
+        # ``layers``: the link thread runs relayed products itself (a driver, like ZmqServer's
         # socket thread). Never in ``fsdp``: a product there may wait for a gather, whose
         # announcement the link thread must be free to read.
         self._links_drive = setup.strategy == "layers"
-        self._link_submitted = False
         if self._links_drive:
             self._engine.attach_driver(self._links.wake)
 
@@ -141,12 +137,12 @@ class ShardedExecutor:
         return self._specs
 
     def register_client(self, client_id: str) -> None:
-        self._engine.client_joined(client_id)
-        if self._links_drive:
+        self._joined(client_id, _LOCAL)
+        if self._links_drive:  # owners may get this client's requests relayed from here
             self._tell_peers(M.Member(client_id, True))
 
     def unregister_client(self, client_id: str) -> None:
-        self._engine.client_left(client_id)
+        self._left(client_id, _LOCAL)
         if self._links_drive:
             self._tell_peers(M.Member(client_id, False))
 
@@ -170,7 +166,7 @@ class ShardedExecutor:
             future: Future = Future()
             future.set_result(rows.new_empty((0, op.output_width(self._specs[layer_id]))))
             return future
-        return self._forward(owner, client_id, layer_id, op, rows, latency_class)
+        return self._relay.forward(owner, client_id, layer_id, op, rows, latency_class)
 
     # ---- the driver interface (ZmqServer's socket thread runs local products itself) --------
 
@@ -185,7 +181,7 @@ class ShardedExecutor:
 
     def try_alone(self, client_id, layer_id, op, rows, latency_class, out=None):
         """The lone-client fast path for layers this rank runs (``BaseExecutor.try_alone``);
-        None for layers another rank owns (the server then ``submit``s, which forwards)."""
+        None for layers another rank owns (the server then ``submit``s, which relays)."""
         self._check_up()
         if self.owner_of(layer_id) != self.rank:
             return None
@@ -218,7 +214,7 @@ class ShardedExecutor:
         """Synchronous single call, for tests and tools."""
         return self.call("direct", layer_id, Op(op), rows, LatencyClass.PREFILL)
 
-    # ---- routing ---------------------------------------------------------------------------
+    # ---- routing and membership -------------------------------------------------------------
 
     def owner_of(self, layer_id: str) -> int:
         """The rank that runs ``layer_id`` for a client of this rank (this one under ``fsdp``)."""
@@ -231,8 +227,7 @@ class ShardedExecutor:
 
     def _check_request(self, layer_id: str, op: Op, rows: torch.Tensor) -> None:
         """What the owner's engine would refuse, refused here before anything is sent."""
-        spec = self._specs[layer_id]
-        op = Op(op)
+        spec, op = self._specs[layer_id], Op(op)
         if rows.dim() != 2 or rows.shape[1] != op.input_width(spec):
             raise ShapeError(
                 f"{op.value} of {layer_id!r} takes rows of width {op.input_width(spec)}, got shape {tuple(rows.shape)}"
@@ -240,25 +235,25 @@ class ShardedExecutor:
         if rows.dtype not in P.WIRE_DTYPES.values():
             raise ProtocolError(f"dtype {rows.dtype} is not allowed; use one of {list(P.WIRE_DTYPES)}")
 
-    def _forward(
-        self, owner: int, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass
-    ) -> Future:
-        staged = rows.detach().to("cpu").contiguous()
-        seq = next(self._seqs)
-        future: Future = Future()
+    def _joined(self, client_id: str, source: int) -> None:
         with self._lock:
-            self._forwarded[seq] = _Forwarded(future, owner, rows.dtype, rows.device, staged)
-            self._counters["forwarded"] += 1
-        message = M.Forward(
-            seq, client_id, layer_id, op.value, latency_class.value, P.dtype_name(staged.dtype), list(staged.shape)
-        )
-        try:
-            self._links.send(owner, message, P.tensor_payload(staged))
-        except ExecutorUnavailableError:
-            with self._lock:
-                self._forwarded.pop(seq, None)
-            raise
-        return future
+            sources = self._sources.setdefault(client_id, collections.Counter())
+            first = not sources
+            sources[source] += 1
+        if first:
+            self._engine.client_joined(client_id)
+
+    def _left(self, client_id: str, source: int) -> None:
+        with self._lock:
+            sources = self._sources.get(client_id)
+            if not sources or not sources[source]:
+                return
+            sources[source] -= 1
+            gone = not +sources  # no positive count left
+            if gone:
+                del self._sources[client_id]
+        if gone:
+            self._engine.client_left(client_id)
 
     def _tell_peers(self, message: M.LinkMessage) -> None:
         try:
@@ -270,15 +265,17 @@ class ShardedExecutor:
 
     def on_message(self, peer: int, message: M.LinkMessage, payload: list[zmq.Frame]) -> None:
         if isinstance(message, M.Forward):
-            self._serve_forward(peer, message, payload)
+            self._relay.on_forward(peer, message, payload)
         elif isinstance(message, M.Result):
-            self._complete_forward(message, payload)
+            self._relay.on_result(message, payload)
         elif isinstance(message, M.Member):
-            (self._engine.client_joined if message.joined else self._engine.client_left)(message.client_id)
+            (self._joined if message.joined else self._left)(message.client_id, peer)
         elif isinstance(message, M.Gather) and self._sequencer is not None:
             self._sequencer.on_gather(message.seq, message.unit)
         elif isinstance(message, M.Want) and self._sequencer is not None:
             self._sequencer.on_want(message.unit, message.after_seq)
+        elif isinstance(message, M.Endpoints):
+            self._endpoints.add(message.rank, message.addresses)
         elif isinstance(message, M.StatsQuery):
             self._links.answer(peer, M.StatsReply(message.seq, msgspec.json.encode(self.local_stats())))
         elif isinstance(message, M.StatsReply):
@@ -291,69 +288,13 @@ class ShardedExecutor:
         """Called by the link thread after each burst: run the products it queued (a driver)."""
         if not self._links_drive:
             return None
-        self._link_submitted = False
+        self._relay.submitted = False
         return self._engine.run_ready()
 
     def on_peer_down(self, peer: int, reason: str, clean: bool) -> None:
-        what = "stopped" if clean else reason
-        self.fail(ExecutorUnavailableError(f"{self._links.describe(peer)} is unavailable: {what}"))
-
-    def _serve_forward(self, peer: int, message: M.Forward, payload: list[zmq.Frame]) -> None:
-        """(Owner.) Run a peer's request for a layer of this rank; answer when it is done."""
-        try:
-            op, latency_class = OPS_BY_VALUE.get(message.op), LATENCY_CLASSES_BY_VALUE.get(message.latency_class)
-            if op is None or latency_class is None or message.dtype not in P.WIRE_DTYPES or len(payload) != 1:
-                raise ProtocolError(f"malformed forwarded request for {message.layer_id!r}")
-            if len(message.shape) != 2 or len(payload[0].buffer) != P.declared_nbytes(message.dtype, message.shape):
-                raise ProtocolError("forwarded rows do not match their declared shape")
-            rows = P.tensor_from_payload(payload[0].buffer, message.dtype, message.shape)
-            self._engine.validate(message.layer_id, op, rows)
-            self._counters["served_for_peers"] += 1
-            result = self._engine.try_alone(message.client_id, message.layer_id, op, rows, latency_class)
-            if result is not None:
-                self._answer(peer, message.seq, result, None)
-                return
-            future = self._engine.submit(message.client_id, message.layer_id, op, rows, latency_class, wake=False)
-            self._link_submitted = True
-            future.add_done_callback(lambda f, seq=message.seq: self._answer_future(peer, seq, f))
-        except SymbiosisError as exc:
-            self._answer(peer, message.seq, None, exc)
-
-    def _answer_future(self, peer: int, seq: int, future: Future) -> None:
-        exc = future.exception()
-        self._answer(peer, seq, None if exc is not None else future.result(), exc)
-
-    def _answer(self, peer: int, seq: int, result: torch.Tensor | None, exc: BaseException | None) -> None:
-        if exc is not None:
-            code = exc.code if isinstance(exc, SymbiosisError) else SymbiosisError.code
-            self._links.answer(
-                peer, M.Result(seq, False, error_code=code, error_message=f"{type(exc).__name__}: {exc}")
-            )
-            return
-        assert result is not None
-        result = result.detach().to("cpu").contiguous()
-        dtype = P.dtype_name(result.dtype)
-        self._links.answer(peer, M.Result(seq, True, dtype, list(result.shape)), P.tensor_payload(result))
-
-    def _complete_forward(self, message: M.Result, payload: list[zmq.Frame]) -> None:
-        """(Entry.) The owner answered a forwarded request."""
-        with self._lock:
-            pending = self._forwarded.pop(message.seq, None)
-        if pending is None or pending.future.done():
-            return
-        if not message.ok:
-            pending.future.set_exception(error_from_code(message.error_code, message.error_message))
-            return
-        if (
-            message.dtype not in P.WIRE_DTYPES
-            or len(message.shape) != 2
-            or len(payload) != 1
-            or len(payload[0].buffer) != P.declared_nbytes(message.dtype, message.shape)
-        ):
-            pending.future.set_exception(ProtocolError(f"malformed answer from {self._links.describe(pending.owner)}"))
-            return
-        result = P.tensor_from_payload(payload[0].buffer, message.dtype, message.shape)
-        pending.future.set_result(result.to(device=pending.out_device, dtype=pending.out_dtype))
+        self.fail(
+            ExecutorUnavailableError(f"{self._links.describe(peer)} is unavailable: {'stopped' if clean else reason}")
+        )
 
     # ---- failures --------------------------------------------------------------------------
 
@@ -371,10 +312,7 @@ class ShardedExecutor:
             if self._failure is not None:
                 return
             self._failure = error
-            pending, self._forwarded = self._forwarded, {}
-        for entry in pending.values():
-            if not entry.future.done():
-                entry.future.set_exception(error)
+        self._relay.fail_all(error)
         if self._sequencer is not None:
             self._sequencer.fail(error)
         for listener in self._failure_listeners:
@@ -400,7 +338,7 @@ class ShardedExecutor:
         stats["weights_bytes"] = self._setup.resident_bytes
         stats["device"] = str(self.device)
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
-        owned = [u for u, owner in enumerate(self._owner_of_unit or []) if owner == self.rank]
+        owners = self._owner_of_unit
         stats["shard"] = {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -412,11 +350,12 @@ class ShardedExecutor:
             "addresses": list(self.addresses),
             "resident_weight_bytes": self._setup.resident_bytes,
             "total_weight_bytes": self._setup.total_bytes,
-            "owned_layers": sum(len(self.layout.units[u].layer_ids) for u in owned)
-            if self._owner_of_unit
-            else len(self.layout.specs),
-            "forwarded_requests": self._counters["forwarded"],
-            "served_for_peers": self._counters["served_for_peers"],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+            "owned_layers": len(self.layout.specs)
+            if owners is None
+            else sum(len(unit.layer_ids) for unit, owner in zip(self.layout.units, owners) if owner == self.rank),
+            "relayed_requests": self._relay.forwarded,
+            "served_for_peers": self._relay.served_for_peers,
             "gathers": self._sequencer.stats() if self._sequencer is not None else None,
         }
         return stats
@@ -429,10 +368,9 @@ class ShardedExecutor:
             if peer == self.rank:
                 continue
             seq = next(self._seqs)
-            future: Future = Future()
+            futures[peer] = future = Future()
             with self._lock:
                 self._stats_replies[seq] = future
-            futures[peer] = future
             try:
                 self._links.send(peer, M.StatsQuery(seq))
             except ExecutorUnavailableError as exc:
@@ -445,8 +383,9 @@ class ShardedExecutor:
             try:
                 shards.append(futures[peer].result(timeout=timeout_s))
             except Exception as exc:  # noqa: BLE001 - down, or too slow to answer: say so
-                why = str(exc) or f"no answer in {timeout_s} s"
-                shards.append({"shard": {"rank": peer, "up": False, "failure": why}})
+                shards.append(
+                    {"shard": {"rank": peer, "up": False, "failure": str(exc) or f"no answer in {timeout_s} s"}}
+                )
         return shards
 
     def stats(self) -> dict:
@@ -454,24 +393,14 @@ class ShardedExecutor:
         ``shards``: each rank's own stats."""
         stats = self.local_stats()
         shards = self.shard_stats()
-        stats["layers"] = _merge_layers(s.get("layers", {}) for s in shards)
+        stats["layers"] = merge_layers(s.get("layers", {}) for s in shards)
         stats["weights_bytes"] = sum(s.get("weights_bytes", 0) for s in shards)
         stats["shards"] = shards
         return stats
 
     def health(self) -> dict:
         """``/health``: every shard, up or not; status ``ok`` only when all are."""
-        shards = [
-            s["shard"] | {"inflight_requests": s.get("inflight_requests")} for s in self.shard_stats(timeout_s=1.0)
-        ]
-        status = "ok" if all(s["up"] for s in shards) else "unavailable"
-        return {
-            "status": status,
-            "strategy": self.strategy,
-            "world_size": self.world_size,
-            "device": str(self.device),
-            "shards": shards,
-        }
+        return health_of(self.shard_stats(timeout_s=1.0), self.strategy, str(self.device))
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -485,13 +414,40 @@ class ShardedExecutor:
         self.addresses.append(server.address)
         return server
 
+    def serve_rank_endpoints(
+        self, entry_binds: Sequence[str], templates: Sequence[str] = (), local_rank: int = 0, **server_options
+    ) -> list:
+        """(Ranks but 0.) Serve this rank's counterpart of each of rank 0's addresses and the
+        ``--shard-bind`` templates, and tell rank 0 (``endpoints.py``)."""
+        servers, reported = [], []
+        for address in entry_binds:
+            own = rank_address(address, self.rank)
+            server = self.serve(own, **server_options) if own is not None else None
+            servers += [server] if server is not None else []
+            reported.append(server.address if server is not None else "")
+        for template in templates:
+            server = self.serve(template.format(rank=self.rank, local_rank=local_rank), **server_options)
+            servers.append(server)
+            reported.append(server.address)
+        self._links.send(0, M.Endpoints(self.rank, reported))
+        return servers
+
+    def serve_entry(self, binds: Sequence[str], timeout_s: float, **server_options) -> list:
+        """(Rank 0.) Once every other rank reported its endpoints, serve ``binds``, each telling
+        its clients the routes to the ranks that run the other layers (strategy ``layers``)."""
+        endpoints = self._endpoints.wait(timeout_s)
+        return [
+            self.serve(address, routes=routes_for(self.layout, self._owner_of_unit, endpoints, index), **server_options)
+            for index, address in enumerate(binds)
+        ]
+
     @property
     def links(self) -> PeerLinks:
         return self._links
 
     def close_servers(self, drain: bool = True) -> None:
         """Stop serving this rank's clients (``drain``: finish what is in flight first). Peers may
-        still forward work here until they stop too, so the engine and links stay up."""
+        still relay work here until they stop too, so the engine and links stay up."""
         for server in self._servers:
             server.close(drain=drain)
         self._servers.clear()
@@ -505,34 +461,3 @@ class ShardedExecutor:
         if self._sequencer is not None:
             self._sequencer.stop()
         self._engine.close(drain=drain)
-
-
-def _merge_layers(per_shard) -> dict:
-    """Sum per-layer counters over shards (means weighted by their counts)."""
-    merged: dict[str, dict] = {}
-    for layers in per_shard:
-        for layer_id, c in layers.items():
-            m = merged.setdefault(
-                layer_id,
-                {
-                    "requests": 0,
-                    "rows": 0,
-                    "batches": 0,
-                    "errors": 0,
-                    "_rows_in_batches": 0.0,
-                    "_wait": 0.0,
-                    "_latency": 0.0,
-                },
-            )
-            m["requests"] += c["requests"]
-            m["rows"] += c["rows"]
-            m["batches"] += c["batches"]
-            m["errors"] += c["errors"]
-            m["_rows_in_batches"] += c["mean_rows_per_batch"] * c["batches"]
-            m["_wait"] += c["mean_queue_wait_ms"] * c["requests"]
-            m["_latency"] += c["mean_latency_ms"] * c["requests"]
-    for m in merged.values():
-        m["mean_rows_per_batch"] = m.pop("_rows_in_batches") / m["batches"] if m["batches"] else 0.0
-        m["mean_queue_wait_ms"] = m.pop("_wait") / m["requests"] if m["requests"] else 0.0
-        m["mean_latency_ms"] = m.pop("_latency") / m["requests"] if m["requests"] else 0.0
-    return merged

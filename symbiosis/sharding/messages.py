@@ -73,6 +73,14 @@ class Want(msgspec.Struct, tag="want", frozen=True):
     after_seq: int
 
 
+class Endpoints(msgspec.Struct, tag="endpoints", frozen=True):
+    """A rank to rank 0: the client addresses it serves, one per ``--bind`` address of rank 0 (""
+    where it has none), then its ``--shard-bind`` ones (``endpoints.py``)."""
+
+    rank: int
+    addresses: list[str]
+
+
 class StatsQuery(msgspec.Struct, tag="stats_query", frozen=True):
     seq: int
 
@@ -88,7 +96,9 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     reason: str
 
 
-LinkMessage = Ready | Ping | Pong | Forward | Result | Member | Gather | Want | StatsQuery | StatsReply | Bye
+LinkMessage = (
+    Ready | Ping | Pong | Forward | Result | Member | Gather | Want | Endpoints | StatsQuery | StatsReply | Bye
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(LinkMessage)

@@ -169,9 +169,16 @@ def run_rank(request: ServeRequest, info: RankInfo, echo=None) -> int:
     )
     failed = threading.Event()
     executor.on_failure(lambda reason: failed.set())
-    binds = list(request.bind) if info.is_entry else []
-    binds += [template.format(rank=info.rank, local_rank=info.local_rank) for template in request.shard_bind]
-    servers = [executor.serve(address, **request.server_options) for address in binds]
+    if info.is_entry:  # once the other ranks serve too: rank 0's Welcome routes clients to them
+        servers = executor.serve_entry(request.bind, options.start_timeout_s, **request.server_options)
+        for template in request.shard_bind:
+            servers.append(
+                executor.serve(template.format(rank=0, local_rank=info.local_rank), **request.server_options)
+            )
+    else:
+        servers = executor.serve_rank_endpoints(
+            request.bind, request.shard_bind, info.local_rank, **request.server_options
+        )
     metrics = None
     if info.is_entry and request.metrics_port is not None:
         from symbiosis.executor.metrics import MetricsServer

@@ -33,10 +33,23 @@ def transport_class(address: str) -> type:
 def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any):
     """Open the client transport for ``address``: ``tcp://``, ``ipc://``, ``shm+ipc://`` (payloads
     in shared memory the executor makes; ipc only) or ``dist+ipc://`` / ``dist+tcp://`` (payloads
-    over torch.distributed).
+    over torch.distributed). A sharded executor's address gives a ``RoutingTransport``
+    (``routing.py``): connections of the same kind to its other ranks too, each layer's requests
+    sent to the rank that runs it.
 
     ``curve``: CURVE keys for an authenticating executor; when None, the key files named by
     ``SYMBIOSIS_CURVE_SERVER_KEY`` and ``SYMBIOSIS_CURVE_CLIENT_KEY`` are used if set."""
     cls = transport_class(address)
     kwargs["curve"] = curve if curve is not None else CurveClientKeys.from_env()
-    return cls(address, **kwargs)
+    transport = cls(address, **kwargs)
+    if not transport.welcome.routes:  # every scheme here is the ZeroMQ family; only a sharded executor routes
+        return transport
+    from symbiosis.transport.routing import RoutingTransport
+
+    scheme = address[: address.index("://")].rpartition("+")[0]  # "shm", "dist" or ""
+    kwargs["client_id"] = transport.client_id  # one client, several connections
+
+    def open_route(route: str) -> Any:
+        return cls(f"{scheme}+{route}" if scheme else route, **kwargs)
+
+    return RoutingTransport(transport, open_route)

@@ -405,6 +405,12 @@ class ZmqTransport:
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return dict(self._specs)
 
+    @property
+    def welcome(self) -> P.Welcome | None:
+        """The executor's latest ``Welcome`` (a new one after each reconnect); ``transport/routing.py``
+        reads a sharded executor's routes from it."""
+        return self._welcome
+
     def call(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
         started = time.monotonic()
         deadline = started + self.timeout_s

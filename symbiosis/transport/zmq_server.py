@@ -174,7 +174,8 @@ class ZmqServer:
     ``max_inflight_requests`` / ``max_inflight_bytes`` per session, ``send_hwm`` messages queued
     per peer, ``send_stall_s`` before a peer that stopped reading loses its session;
     ``max_pending_dist_setups`` dist pair groups being set up at once (server-wide, one per
-    session), each given ``dist_setup_timeout_s``.
+    session), each given ``dist_setup_timeout_s``. ``routes``: where a client may send some layers'
+    requests directly (a sharded executor's other ranks, ``symbiosis/sharding``).
     """
 
     def __init__(
@@ -198,8 +199,10 @@ class ZmqServer:
         send_stall_s: float = DEFAULT_SEND_STALL_S,
         max_pending_dist_setups: int = DEFAULT_MAX_PENDING_DIST_SETUPS,
         dist_setup_timeout_s: float = DEFAULT_DIST_SETUP_TIMEOUT_S,
+        routes: list[P.Route] | None = None,
     ) -> None:
         self._service = service
+        self._routes = list(routes or [])  # a sharded executor's other ranks, told to clients in Welcome
         self._curve = curve
         self._bind_address = check_bind_address(address, allow_non_loopback, authenticated=curve is not None)
         if curve is not None and allow_dist and not allow_non_loopback:
@@ -708,7 +711,7 @@ class ZmqServer:
         welcome = P.Welcome(
             P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
             shm is not None, shm_socket=shm.broker.path if shm is not None else "",
-            dist_store=store, dist_prefix=prefix, quantization=self._quantization,
+            dist_store=store, dist_prefix=prefix, quantization=self._quantization, routes=self._routes,
         )
         self.send(identity, welcome)
 
