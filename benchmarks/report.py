@@ -188,6 +188,12 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
     summary = result["summary"]
     tps, r = summary["tokens_per_s"], summary["ratios"]
     lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}).", ""]
+    config, end_load = result.get("config"), result["machine"].get("load_average_1_5_15min_at_end")
+    if config:
+        lines.append(
+            f"- Every process (servers, executor, HF PEFT) with {config['threads_per_process']} torch thread(s); load generator: "
+            f"{config['load_client']}" + (f"; load average {end_load[0]:.1f} at the end" if end_load else "") + "."
+        )
     lines.append(
         f"- 4 LoRA adapters, 16 concurrent streaming requests x 32 greedy tokens (tokens/s): HF PEFT mixed batch "
         f"{tps['hf_peft_mixed']:.0f}, api embedded {tps['api_embedded']:.0f} (x{r['api_embedded_vs_hf']:.2f}), api over shm "

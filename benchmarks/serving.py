@@ -675,6 +675,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "benchmark": "serving",
         "command": command_line(argv, MODULE),
         "machine": {**machine, "load_average_1_5_15min_at_end": list(os.getloadavg())},
+        "config": {"threads_per_process": args.threads, "load_client": args.load_client, "serve_args": args.serve_arg},
         "wall_s": time.time() - started,
         "summary": summary,
         "measured": measured,
