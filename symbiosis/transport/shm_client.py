@@ -137,7 +137,8 @@ class ShmTransport(ZmqTransport):
     # ---- ZmqTransport hooks ------------------------------------------------------------------
 
     def _stage(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.detach()  # no staging copy: ``_encode`` copies from any device or layout
+        # no staging copy: ``_encode`` copies from any device or layout
+        return rows.detach() if rows.requires_grad else rows
 
     def _encode(self, request: P.Request, rows: torch.Tensor) -> tuple[P.Request, list[Any], Any]:
         in_nbytes = rows.numel() * rows.element_size()
