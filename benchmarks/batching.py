@@ -1,264 +1,185 @@
-"""Per-layer batching policies under many concurrent clients (paper §4.4-4.5, Table 5).
+"""Batching and sharing policies under many concurrent clients (paper §4.4-4.5, Table 5; FlexLLM co-serving).
 
 Clients are threads of this process, each a plain ``transformers`` model with its own PEFT
-adapter and KV cache, all served by one ``BaseExecutor`` (in-process transport; with
-``--executor ADDRESS`` they connect to a running executor there instead, whose policy is fixed
-and whose stats are not visible, so only one "remote" run is made and rows per batch are null).
-With ``--clients-as processes`` each client and the executor run in their own process, over
-``ipc://`` (``batching_processes.py``), so the clients' Python no longer shares one GIL.
-Every run starts a fresh executor over the same loaded weights and fresh clients; each client
-warms up (prefill + 2 decode steps, or 1 training step), all start together at a barrier, and
-the run measures a window of ``--window-s`` seconds. Runs of different policies are interleaved
-(order rotated each repeat) and each metric is the median over ``--repeats`` runs.
+adapter and KV cache, all served by one ``BaseExecutor`` (in-process transport); with
+``--clients-as processes`` each client and the executor run in their own process, over ``ipc://``
+(``batching_processes.py``); with ``--executor ADDRESS`` they connect to a running executor there
+(its policy is fixed and its stats are not visible: one "remote" variant, rows per batch null).
+The clients are in ``batching_clients.py``. Every run starts a fresh executor over the same
+loaded weights and fresh clients; each client warms up, all start together, and the run
+measures a window of ``--window-s`` seconds after ``--warmup-s`` seconds of running (a steady
+state). Runs of different policies are interleaved (order rotated each repeat) and each figure
+is the median over ``--repeats`` runs.
 
-(a) ``inference``: 8 inference clients with batch sizes 1, 2, 4, 8, 16, 32, 64, 1 and alternating
-    adapters (LoRA r=8 on q_proj; LoRA r=64 on q,k,v,o_proj) decode greedily, one token per
-    sequence per step, for each policy (``VARIANTS``: immediate, lockstep, opportunistic, and
-    opportunistic-fixed, the opportunistic policy as first built). Reported:
-    aggregate tokens/s (tokens of steps finished inside the window / window), mean, median and
-    p95 per-token latency (time of one decode step of one client, pooled over clients), mean rows
-    per executor batch (scheduler ``rows_served / batches`` over the window), per-client latency,
-    the scheduler's mean wait per latency class (arrival -> first rows handed out) and why
-    groups became ready (``ready_reasons``).
-(b) ``mixed``: the first 6 of those inference clients alone, the same 6 plus 2 fine-tuning clients
-    (LoRA r=16 on q,k,v,o; AdamW; ``--ft-batch`` x ``--ft-seq-len`` tokens per step), and the 2
-    fine-tuning clients alone, for each policy. Reported: inference latency alone vs mixed (and
-    their ratio: the cost of mixing in fine-tuning) and fine-tuning tokens/s mixed vs alone.
+Scenarios:
 
-Baselines: ``immediate`` (no waiting, paper's "no lockstep") and ``lockstep`` (one batch per layer
-across all clients, as a monolithic server would) for (a); inference alone for (b).
+(a) ``inference`` (heterogeneous clients): 8 inference clients with batch sizes 1, 2, 4, 8, 16, 1,
+    2, 4 and alternating adapters (LoRA r=8 on q_proj; LoRA r=64 on q,k,v,o_proj) decode greedily.
+    Reported: aggregate tokens/s, mean/median/p95 per-token latency (one decode step of one
+    client, pooled), mean rows per executor batch, the opportunistic waiting rule chosen.
+(b) mixed load: ``inference_alone`` (the first 6 of those clients), ``inference_with_finetune``
+    (the same 6 plus 2 fine-tuning clients: LoRA r=16 on q,k,v,o, AdamW, ``--ft-batch`` x
+    ``--ft-seq-len`` tokens per step) and ``finetune_alone`` (the 2 fine-tuning clients). Reported:
+    inference p95 latency mixed / alone, fine-tuning tokens/s mixed / alone. The variant
+    ``opportunistic-slo`` runs the mixed scenario with ``decode_slo_ms`` set to ``--slo-factor``
+    (1.2) x the p95 per-token latency opportunistic measured for the same 6 clients alone in the
+    same repeat (or ``--decode-slo-ms``): the target of issue 11, asked of the executor directly.
+(c) flood: ``bystander_alone`` (one inference client, batch 1), ``flood_finetune`` and
+    ``flood_decode`` (the same bystander while a client keeps ``--flood-depth`` requests of
+    ``--flood-rows`` rows for one base layer outstanding, labelled finetune or decode). Reported:
+    the bystander's p95 per-token latency flood / alone, the flood's rows/s.
 
-Threads share one Python interpreter: the GIL serializes client-side Python (attention, PEFT,
-sampling) and the executor thread; torch releases it inside its kernels. On a 2-core machine
-this bounds what any policy can gain, and stretches every wait by GIL hand-offs; the numbers
-are what this machine gives.
+Targets (issue 11), each reported PASS/MISS in ``summary.targets``: (a) opportunistic >= immediate
+on tokens/s and <= lockstep on mean per-token latency; (b) fine-tuning keeps >= 85% of its solo
+tokens/s while inference p95 is <= 1.2x alone (opportunistic), or within the set target
+(opportunistic-slo); (c) the bystander's p95 <= 3x alone under either flood (opportunistic).
 
-JSON (``batching.json`` in ``--output``) keys: ``benchmark, command, machine, config, inference,
-mixed, summary, wall_s``. ``inference[policy]``: ``tokens_per_s, latency_ms_mean,
-latency_ms_median, latency_ms_p95, mean_rows_per_batch, batches, per_client, runs`` (each run
-also has ``mean_first_wait_ms`` per class and ``ready_reasons``).
-``mixed[policy]``: ``inference_alone, inference_with_finetune, finetune_alone`` (each with
-``tokens_per_s, latency_ms_mean, latency_ms_p95, finetune_tokens_per_s, mean_rows_per_batch``),
-``latency_mean_ratio_mixed_over_alone, latency_p95_ratio_mixed_over_alone,
-finetune_tokens_ratio_mixed_over_alone``. ``summary`` adds ``inference_ratios_vs_immediate`` and,
-per policy, the scheduler's mean wait of fine-tuning and decode requests when mixed. Plot: ``batching.png``.
+Threads share one Python interpreter: the GIL serializes client-side Python and the products'
+dispatch; on a 2-core machine this bounds what any policy can gain. The numbers are what this
+machine gives, with the load average at the start and end recorded next to them.
 
-Run: ``python -m benchmarks.batching [--quick] [--preset base] [--clients-as processes] --output DIR``.
+JSON (``batching.json`` in ``--output``): ``benchmark, command, machine, config, runs_by_scenario,
+inference, mixed, flood, summary, wall_s``; ``summary`` holds the headline figures and
+``targets`` (name, value, target, met). Plot: ``batching.png``.
+
+Run: ``python -m benchmarks.batching [--quick] [--clients-as processes] [--scenarios ...] --output DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
-import peft
-import torch
 from transformers import AutoConfig
 
 import symbiosis
 from benchmarks import common
+from benchmarks.batching_clients import (
+    ClientRecord,
+    ClientSpec,
+    counters_from_stats,
+    make_client,
+    run_measured,
+    summarize_run,
+    warm_up,
+)
 from symbiosis.executor.scheduler import SchedulerConfig
 
 NAME = "batching"
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ADAPTERS: dict[str, Callable[[], peft.LoraConfig]] = {
-    "lora_r8_q": lambda: peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj"]),
-    "lora_r64_qkvo": lambda: peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=64, lora_alpha=128, lora_dropout=0.0, target_modules=ATTENTION),
-    "lora_r16_qkvo": lambda: peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=ATTENTION),
-}
-INFERENCE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 1)
+INFERENCE_BATCH_SIZES = (1, 2, 4, 8, 16, 1, 2, 4)
+INFERENCE_ADAPTERS = ("lora_r8_q", "lora_r64_qkvo")
 MIXED_INFERENCE_CLIENTS = 6
 FINETUNE_CLIENTS = 2
 FINETUNE_ADAPTER = "lora_r16_qkvo"
-SCENARIOS = ("inference", "inference_alone", "inference_with_finetune", "finetune_alone")
-# What is compared: a name -> the SchedulerConfig fields that make it. "opportunistic-fixed" is the
-# opportunistic policy as first built (no predicted arrivals: it always holds a group for its whole
-# wait budget; and its original, shorter budgets), kept as knobs so both run side by side.
+SCENARIOS = (
+    "inference",
+    "inference_alone",
+    "inference_with_finetune",
+    "finetune_alone",
+    "bystander_alone",
+    "flood_finetune",
+    "flood_decode",
+)
+FLOOD_SCENARIOS = ("bystander_alone", "flood_finetune", "flood_decode")
+SLO_VARIANT = "opportunistic-slo"
+# What is compared: a name -> the SchedulerConfig fields that make it.
 VARIANTS: dict[str, dict] = {
     "immediate": {"policy": "immediate"},
     "lockstep": {"policy": "lockstep"},
-    "opportunistic": {"policy": "opportunistic", "predict_arrivals": True},
-    # Before: fixed waits with the budgets first shipped (decode 0.25 ms, prefill 1 ms, fine-tuning 2 ms).
-    "opportunistic-fixed": {
-        "policy": "opportunistic",
-        "predict_arrivals": False,
-        "decode_base_wait_ms": 0.25,
-        "prefill_base_wait_ms": 1.0,
-        "finetune_base_wait_ms": 2.0,
-    },
+    "opportunistic": {"policy": "opportunistic"},  # the default: adapts its waiting rule
+    # Each waiting rule the adaptive default chooses from, fixed ("predicted" was the default before).
+    "opportunistic-none": {"policy": "opportunistic", "wait_rule": "none"},
+    "opportunistic-predicted": {"policy": "opportunistic", "wait_rule": "predicted"},
+    "opportunistic-convoy": {"policy": "opportunistic", "wait_rule": "convoy"},
+    SLO_VARIANT: {"policy": "opportunistic"},  # + decode_slo_ms, in the mixed scenario only
 }
-
-
-@dataclass(frozen=True)
-class ClientSpec:
-    kind: str  # "inference" or "finetune"
-    adapter: str
-    batch_size: int  # sequences per step
-    seq_len: int = 0  # fine-tuning tokens per sequence
-
-
-def inference_specs(count: int) -> list[ClientSpec]:
-    adapters = ("lora_r8_q", "lora_r64_qkvo")
-    return [ClientSpec("inference", adapters[i % 2], INFERENCE_BATCH_SIZES[i]) for i in range(count)]
+# Which variants run where: the SLO variant only where fine-tuning meets inference; the flood only
+# for the two policies a provider would run (lockstep waits for the flooder at every layer).
+VARIANT_SCENARIOS = {
+    SLO_VARIANT: ("inference_with_finetune",),
+    "lockstep": SCENARIOS[:4],
+    "opportunistic-none": SCENARIOS[:4],
+    "opportunistic-predicted": SCENARIOS[:4],
+    "opportunistic-convoy": SCENARIOS[:4],
+}
+TARGETS = {"finetune_kept": 0.85, "inference_p95_ratio": 1.2, "flood_p95_ratio": 3.0}
 
 
 def clients_for(scenario: str, args: argparse.Namespace) -> list[ClientSpec]:
+    inference = [
+        ClientSpec("inference", INFERENCE_ADAPTERS[i % 2], size) for i, size in enumerate(INFERENCE_BATCH_SIZES)
+    ]
     finetune = [ClientSpec("finetune", FINETUNE_ADAPTER, args.ft_batch, args.ft_seq_len)] * FINETUNE_CLIENTS
+    bystander = [ClientSpec("inference", "lora_r8_q", 1)]
+    flood = {
+        label: [ClientSpec("flood", batch_size=args.flood_rows, depth=args.flood_depth, label=label)]
+        for label in ("finetune", "decode")
+    }
     return {
-        "inference": inference_specs(len(INFERENCE_BATCH_SIZES)),
-        "inference_alone": inference_specs(MIXED_INFERENCE_CLIENTS),
-        "inference_with_finetune": inference_specs(MIXED_INFERENCE_CLIENTS) + finetune,
+        "inference": inference,
+        "inference_alone": inference[:MIXED_INFERENCE_CLIENTS],
+        "inference_with_finetune": inference[:MIXED_INFERENCE_CLIENTS] + finetune,
         "finetune_alone": finetune,
+        "bystander_alone": bystander,
+        "flood_finetune": bystander + flood["finetune"],
+        "flood_decode": bystander + flood["decode"],
     }[scenario]
 
 
-# ---- one client thread ---------------------------------------------------------------------------
+def runs_in(variant: str, scenario: str) -> bool:
+    return scenario in VARIANT_SCENARIOS.get(variant, SCENARIOS)
 
 
-@dataclass
-class Window:
-    """Shared between the threads of one run: when the measured window ends, and when to stop."""
-
-    stop: threading.Event = field(default_factory=threading.Event)
-    start_s: float = 0.0
-    end_s: float = float("inf")
-
-
-@dataclass
-class ClientRecord:
-    spec: ClientSpec
-    step_s: list[float] = field(default_factory=list)  # steps that finished inside the window
-    tokens: int = 0
-    error: BaseException | None = None
-
-
-class InferenceClient:
-    """Greedy decoding with a KV cache; re-prefills a new prompt after ``segment_tokens`` tokens."""
-
-    def __init__(self, model, spec: ClientSpec, prompt_len: int, segment_tokens: int, seed: int):
-        self.model, self.spec = model, spec
-        self.prompt_len, self.segment_tokens = prompt_len, segment_tokens
-        self.generator = torch.Generator().manual_seed(seed)
-        self.vocab = model.config.vocab_size
-        self.generated = segment_tokens  # forces a prefill first
-
-    def step(self) -> bool:
-        """Advance one step; True when it was a decode step (one new token per sequence)."""
-        with torch.no_grad():
-            if self.generated >= self.segment_tokens:
-                prompt = torch.randint(0, self.vocab, (self.spec.batch_size, self.prompt_len), generator=self.generator)
-                out = self.model(input_ids=prompt, use_cache=True)
-                self.generated, decoded = 0, False
-            else:
-                out = self.model(input_ids=self.next_tokens, past_key_values=self.cache, use_cache=True)
-                self.generated, decoded = self.generated + 1, True
-        self.cache = out.past_key_values
-        self.next_tokens = out.logits[:, -1:].argmax(-1)
-        return decoded
-
-
-class FinetuneClient:
-    def __init__(self, model, spec: ClientSpec, seed: int):
-        self.model, self.spec = model, spec
-        generator = torch.Generator().manual_seed(seed)
-        self.batch = torch.randint(0, model.config.vocab_size, (spec.batch_size, spec.seq_len), generator=generator)
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-    def step(self) -> bool:
-        loss = self.model(input_ids=self.batch, labels=self.batch).loss
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return True
-
-
-def client_thread(client, record: ClientRecord, barrier: threading.Barrier, window: Window, warmup_steps: int, close: Callable[[], None]) -> None:
-    try:
-        for _ in range(warmup_steps):
-            client.step()
-        barrier.wait()
-        tokens_per_step = record.spec.batch_size * max(1, record.spec.seq_len)
-        while not window.stop.is_set():
-            started = time.perf_counter()
-            counted = client.step()
-            finished = time.perf_counter()
-            if counted and finished <= window.end_s:
-                record.step_s.append(finished - started)
-                record.tokens += tokens_per_step
-    except BaseException as exc:  # reported by the main thread
-        record.error = exc
-        barrier.abort()
-    finally:
-        close()  # unregister at once, so that lockstep stops waiting for this client
-
-
-# ---- one run -------------------------------------------------------------------------------------
-
-
-def scheduler_counters(executor) -> dict:
-    """Counters read at the window's start and end; waits and reasons are since the executor started."""
-    if executor is None:
-        return {"batches": 0, "rows": 0}
-    return counters_from_stats(executor.stats()["scheduler"])
-
-
-def counters_from_stats(stats: dict) -> dict:
-    return {
-        "batches": stats["batches"],
-        "rows": stats["rows_served"],
-        "mean_first_wait_ms": stats["mean_first_wait_ms"],
-        "ready_reasons": stats["ready_reasons"],
-    }
+# ---- one run (threads) ---------------------------------------------------------------------------
 
 
 def run_once(path: Path, target, specs: Sequence[ClientSpec], args: argparse.Namespace, seed: int) -> dict:
-    """Start the clients of ``specs`` against ``target`` (executor or address), measure one window."""
-    clients, records, closers = [], [], []
-    for index, spec in enumerate(specs):
-        base = symbiosis.load_client_model(path, executor=target)
-        model = peft.get_peft_model(base, ADAPTERS[spec.adapter]())
-        if spec.kind == "inference":
-            model.eval()
-            clients.append(InferenceClient(model, spec, args.prompt_len, args.segment_tokens, seed=seed + index))
-        else:
-            model.train()
-            clients.append(FinetuneClient(model, spec, seed=seed + index))
-        records.append(ClientRecord(spec))
-        closers.append(base.symbiosis_transport.close)
-
+    """Start the clients of ``specs`` as threads against ``target`` (executor or address), measure one window."""
+    made = [
+        make_client(path, target, spec, seed + i, args.prompt_len, args.segment_tokens) for i, spec in enumerate(specs)
+    ]
+    records = [ClientRecord(spec) for spec in specs]
     executor = target if isinstance(target, symbiosis.BaseExecutor) else None
-    window = Window()
     counters: dict[str, dict] = {}
+    window = {"end_s": float("inf")}
+    stop = threading.Event()
 
     def start_window() -> None:  # runs once, when every client is warm and waiting
-        counters["start"] = scheduler_counters(executor)
-        window.start_s = time.perf_counter()
-        window.end_s = window.start_s + args.window_s
-
-    barrier = threading.Barrier(len(clients), action=start_window)
-    threads = [
-        threading.Thread(
-            target=client_thread,
-            args=(client, record, barrier, window, 3 if spec.kind == "inference" else 1, closer),
-            name=f"client-{i}",
-            daemon=True,
+        counters["start"] = (
+            counters_from_stats(executor.stats()["scheduler"]) if executor else {"batches": 0, "rows": 0}
         )
-        for i, (client, record, spec, closer) in enumerate(zip(clients, records, specs, closers))
+        window["end_s"] = time.perf_counter() + args.window_s
+
+    barrier = threading.Barrier(len(made), action=start_window)
+
+    def client_thread(client, close, record: ClientRecord) -> None:
+        try:
+            warm_up(client, record.spec, args.warmup_s)
+            barrier.wait()
+            run_measured(client, record, window["end_s"], stop.is_set)
+        except BaseException as exc:  # reported by the main thread
+            record.error = exc
+            barrier.abort()
+        finally:
+            close()  # unregister at once, so that lockstep stops waiting for this client
+
+    threads = [
+        threading.Thread(target=client_thread, args=(client, close, record), name=f"client-{i}", daemon=True)
+        for i, ((client, close), record) in enumerate(zip(made, records))
     ]
     for thread in threads:
         thread.start()
     while "start" not in counters and not any(r.error for r in records):
         time.sleep(0.005)
     if "start" in counters:
-        time.sleep(max(0.0, window.end_s - time.perf_counter()))
-        counters["end"] = scheduler_counters(executor)
-    window.stop.set()
+        time.sleep(max(0.0, window["end_s"] - time.perf_counter()))
+        counters["end"] = counters_from_stats(executor.stats()["scheduler"]) if executor else {"batches": 0, "rows": 0}
+    stop.set()
     for thread in threads:
         thread.join(timeout=120)
     errors = [r.error for r in records if r.error is not None and not isinstance(r.error, threading.BrokenBarrierError)]
@@ -267,41 +188,19 @@ def run_once(path: Path, target, specs: Sequence[ClientSpec], args: argparse.Nam
     return summarize_run(records, counters, args.window_s, executor is not None)
 
 
-def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: float, have_stats: bool) -> dict:
-    inference = [r for r in records if r.spec.kind == "inference"]
-    finetune = [r for r in records if r.spec.kind == "finetune"]
-    latencies = [s for r in inference for s in r.step_s]
-    batches = counters["end"]["batches"] - counters["start"]["batches"]
-    rows = counters["end"]["rows"] - counters["start"]["rows"]
-    return {
-        "tokens_per_s": sum(r.tokens for r in inference) / window_s if inference else None,
-        "latency_ms_mean": 1e3 * statistics.fmean(latencies) if latencies else None,
-        "latency_ms_median": 1e3 * statistics.median(latencies) if latencies else None,
-        "latency_ms_p95": 1e3 * common.percentile(latencies, 95) if latencies else None,
-        "finetune_tokens_per_s": sum(r.tokens for r in finetune) / window_s if finetune else None,
-        "finetune_step_ms_median": 1e3 * statistics.median([s for r in finetune for s in r.step_s]) if any(r.step_s for r in finetune) else None,
-        "mean_rows_per_batch": rows / batches if have_stats and batches else None,
-        "batches": batches if have_stats else None,
-        # Time from arrival to first rows handed out, per latency class (whole run, warm-up included).
-        "mean_first_wait_ms": counters["end"].get("mean_first_wait_ms") if have_stats else None,
-        "ready_reasons": counters["end"].get("ready_reasons") if have_stats else None,
-        "per_client": [
-            {
-                "kind": r.spec.kind,
-                "adapter": r.spec.adapter,
-                "batch_size": r.spec.batch_size,
-                "steps": len(r.step_s),
-                "step_ms_mean": 1e3 * statistics.fmean(r.step_s) if r.step_s else None,
-                "step_ms_p95": 1e3 * common.percentile(r.step_s, 95) if r.step_s else None,
-            }
-            for r in records
-        ],
-    }
+# ---- aggregation ---------------------------------------------------------------------------------
 
-
-# ---- aggregation and output ----------------------------------------------------------------------
-
-SCALARS = ("tokens_per_s", "latency_ms_mean", "latency_ms_median", "latency_ms_p95", "finetune_tokens_per_s", "finetune_step_ms_median", "mean_rows_per_batch", "batches")
+SCALARS = (
+    "tokens_per_s",
+    "latency_ms_mean",
+    "latency_ms_median",
+    "latency_ms_p95",
+    "finetune_tokens_per_s",
+    "finetune_step_ms_median",
+    "flood_rows_per_s",
+    "mean_rows_per_batch",
+    "batches",
+)
 
 
 def aggregate(runs: Sequence[dict]) -> dict:
@@ -315,15 +214,152 @@ def aggregate(runs: Sequence[dict]) -> dict:
             client[key] = common.median_or_nan([run["per_client"][index][key] for run in runs])
         per_client.append(client)
     result["per_client"] = per_client
+    result["wait_rules"] = [(run.get("wait_rule") or {}).get("rule") for run in runs]
     result["runs"] = runs
     return result
+
+
+def median_ratio(numerators: Sequence[dict], denominators: Sequence[dict], key: str) -> float:
+    """Median over repeats of the per-repeat ratio (runs of one repeat ran side by side)."""
+    return common.median_or_nan(
+        [common.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key]]
+    )
+
+
+def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_ms: list[float]) -> dict:
+    have = {key for key, value in runs.items() if value}
+    agg = {key: aggregate(value) for key, value in runs.items() if value}
+    summary: dict = {"inference": {}, "mixed": {}, "flood": {}, "targets": []}
+    for v in variants:
+        if ("inference", v) in have:
+            a = agg["inference", v]
+            summary["inference"][v] = {
+                k: a[k]
+                for k in (
+                    "tokens_per_s",
+                    "latency_ms_mean",
+                    "latency_ms_median",
+                    "latency_ms_p95",
+                    "mean_rows_per_batch",
+                )
+            } | {"wait_rules": a["wait_rules"]}
+    for v in variants:
+        base = "opportunistic" if v == SLO_VARIANT else v
+        if (
+            ("inference_with_finetune", v) not in have
+            or ("inference_alone", base) not in have
+            or ("finetune_alone", base) not in have
+        ):
+            continue
+        mixed, alone, ft_alone = (
+            runs["inference_with_finetune", v],
+            runs["inference_alone", base],
+            runs["finetune_alone", base],
+        )
+        summary["mixed"][v] = {
+            "inference_latency_ms_p95_alone": agg["inference_alone", base]["latency_ms_p95"],
+            "inference_latency_ms_p95_mixed": agg["inference_with_finetune", v]["latency_ms_p95"],
+            "inference_p95_ratio": median_ratio(mixed, alone, "latency_ms_p95"),
+            "inference_mean_ratio": median_ratio(mixed, alone, "latency_ms_mean"),
+            "finetune_tokens_per_s_alone": agg["finetune_alone", base]["finetune_tokens_per_s"],
+            "finetune_tokens_per_s_mixed": agg["inference_with_finetune", v]["finetune_tokens_per_s"],
+            "finetune_kept": median_ratio(mixed, ft_alone, "finetune_tokens_per_s"),
+            "decode_slo_ms": common.median_or_nan(slo_ms) if v == SLO_VARIANT else None,
+            "slo_p95_ratio": common.median_or_nan([common.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms)])
+            if v == SLO_VARIANT
+            else None,
+        }
+    for v in variants:
+        if ("bystander_alone", v) not in have:
+            continue
+        entry = {"bystander_p95_ms_alone": agg["bystander_alone", v]["latency_ms_p95"]}
+        for label in ("finetune", "decode"):
+            scenario = f"flood_{label}"
+            if (scenario, v) in have:
+                entry[f"bystander_p95_ms_{scenario}"] = agg[scenario, v]["latency_ms_p95"]
+                entry[f"p95_ratio_{scenario}"] = median_ratio(
+                    runs[scenario, v], runs["bystander_alone", v], "latency_ms_p95"
+                )
+                entry[f"flood_rows_per_s_{scenario}"] = agg[scenario, v]["flood_rows_per_s"]
+        summary["flood"][v] = entry
+    summary["targets"] = targets(summary)
+    return summary
+
+
+def targets(summary: dict) -> list[dict]:
+    found = []
+
+    def check(name: str, value: float | None, target: float, met: bool | None) -> None:
+        found.append({"name": name, "value": value, "target": target, "met": bool(met) if met is not None else None})
+
+    inference = summary["inference"]
+    if {"opportunistic", "immediate"} <= set(inference):
+        ratio = common.ratio(inference["opportunistic"]["tokens_per_s"], inference["immediate"]["tokens_per_s"])
+        check("heterogeneous: opportunistic tokens/s / immediate >= 1", ratio, 1.0, ratio >= 1.0)
+    if {"opportunistic", "lockstep"} <= set(inference):
+        ratio = common.ratio(inference["opportunistic"]["latency_ms_mean"], inference["lockstep"]["latency_ms_mean"])
+        check("heterogeneous: opportunistic mean per-token latency / lockstep <= 1", ratio, 1.0, ratio <= 1.0)
+    for v, figures in summary["mixed"].items():
+        if v not in ("opportunistic", SLO_VARIANT):
+            continue
+        kept = figures["finetune_kept"]
+        check(
+            f"mixed ({v}): fine-tuning kept >= {TARGETS['finetune_kept']:.0%} of solo",
+            kept,
+            TARGETS["finetune_kept"],
+            kept >= TARGETS["finetune_kept"],
+        )
+        if v == SLO_VARIANT:
+            ratio = figures["slo_p95_ratio"]
+            check(f"mixed ({v}): inference p95 / the set target <= 1", ratio, 1.0, ratio <= 1.0)
+        else:
+            ratio = figures["inference_p95_ratio"]
+            check(
+                f"mixed ({v}): inference p95 mixed / alone <= {TARGETS['inference_p95_ratio']}",
+                ratio,
+                TARGETS["inference_p95_ratio"],
+                ratio <= TARGETS["inference_p95_ratio"],
+            )
+    flood = summary["flood"].get("opportunistic", {})
+    for label in ("finetune", "decode"):
+        ratio = flood.get(f"p95_ratio_flood_{label}")
+        if ratio is not None:
+            check(
+                f"flood labelled {label} (opportunistic): bystander p95 / alone <= {TARGETS['flood_p95_ratio']:g}",
+                ratio,
+                TARGETS["flood_p95_ratio"],
+                ratio <= TARGETS["flood_p95_ratio"],
+            )
+    return found
+
+
+# ---- driver --------------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_repeats=3, quick_repeats=1)
-    parser.add_argument("--executor", default=None, metavar="ADDRESS", help="Connect clients to a running executor at ADDRESS (e.g. tcp://127.0.0.1:7000) instead of an in-process one; needs --model with its checkpoint.")
-    parser.add_argument("--policies", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), help="Policies to compare (default: all); 'opportunistic-fixed' is opportunistic without predicted arrivals.")
+    parser.add_argument(
+        "--executor",
+        default=None,
+        metavar="ADDRESS",
+        help="Connect clients to a running executor at ADDRESS (e.g. tcp://127.0.0.1:7000) instead of an "
+        "in-process one; needs --model with its checkpoint.",
+    )
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="Variants to compare (default: all).",
+    )
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=list(SCENARIOS),
+        default=list(SCENARIOS),
+        help="Scenarios to run (default: all).",
+    )
     parser.add_argument(
         "--clients-as",
         choices=("threads", "processes"),
@@ -331,20 +367,61 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="Run each client as a thread of this process with an in-process executor (default; one GIL for all), "
         "or each client and the executor as its own process, connected over ipc:// (benchmarks/batching_processes.py).",
     )
-    parser.add_argument("--max-wait-ms", type=float, default=None, help="Executor max_wait_ms (default: SchedulerConfig's).")
-    parser.add_argument("--window-s", type=float, default=None, help="Measured seconds per run (default 6; 0.6 with --quick).")
-    parser.add_argument("--prompt-len", type=int, default=16, help="Prompt tokens per inference sequence (default: %(default)s).")
-    parser.add_argument("--ft-batch", type=int, default=None, help="Sequences per fine-tuning step (default 4; 2 with --quick).")
-    parser.add_argument("--ft-seq-len", type=int, default=None, help="Tokens per fine-tuning sequence (default 64; 16 with --quick).")
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=None, help="Executor max_wait_ms (default: SchedulerConfig's)."
+    )
+    parser.add_argument(
+        "--window-s", type=float, default=None, help="Measured seconds per run (default 6; 0.6 with --quick)."
+    )
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="Seconds each client runs before the window, the same for every policy (default 2; 0 with --quick).",
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=16, help="Prompt tokens per inference sequence (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--ft-batch", type=int, default=None, help="Sequences per fine-tuning step (default 4; 2 with --quick)."
+    )
+    parser.add_argument(
+        "--ft-seq-len", type=int, default=None, help="Tokens per fine-tuning sequence (default 64; 16 with --quick)."
+    )
+    parser.add_argument(
+        "--flood-rows", type=int, default=None, help="Rows per flood request (default 16384; 512 with --quick)."
+    )
+    parser.add_argument(
+        "--flood-depth", type=int, default=None, help="Flood requests kept outstanding (default 8; 2 with --quick)."
+    )
+    parser.add_argument(
+        "--decode-slo-ms",
+        type=float,
+        default=None,
+        help=f"decode_slo_ms of the {SLO_VARIANT} variant (default: --slo-factor x the p95 measured alone).",
+    )
+    parser.add_argument(
+        "--slo-factor",
+        type=float,
+        default=1.2,
+        help="Without --decode-slo-ms: the target as a multiple of inference alone's p95 (default: %(default)s).",
+    )
     args = common.resolve_common(parser.parse_args(argv))
     if args.clients_as == "processes" and args.quick:
         parser.error("--clients-as processes is for full runs; --quick uses threads")
     if args.executor and args.model is None:
         parser.error("--executor needs --model DIR: the checkpoint the executor at ADDRESS serves")
     args.window_s = args.window_s or (0.6 if args.quick else 6.0)
+    args.warmup_s = args.warmup_s if args.warmup_s is not None else (0.0 if args.quick else 2.0)
     args.ft_batch = args.ft_batch or (2 if args.quick else 4)
     args.ft_seq_len = args.ft_seq_len or (16 if args.quick else 64)
+    args.flood_rows = args.flood_rows or (512 if args.quick else 16384)
+    args.flood_depth = args.flood_depth or (2 if args.quick else 8)
     return args
+
+
+def _load() -> list[float]:
+    return list(os.getloadavg())
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -353,80 +430,74 @@ def main(argv: Sequence[str] | None = None) -> dict:
     path = common.checkpoint_path(args)
     max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 1024)
     args.segment_tokens = max(8, min(512, max_positions - args.prompt_len - 8))
+    load_start = _load()
 
-    weights = None
-    policies = ["remote"] if args.executor else list(args.policies)
+    variants = ["remote"] if args.executor else list(args.policies)
     options = {} if args.max_wait_ms is None else {"max_wait_ms": args.max_wait_ms}
-    configs = {p: SchedulerConfig(**VARIANTS.get(p, {}), **options) for p in policies}
-    pool = None
+    scenarios = [s for s in SCENARIOS if s in args.scenarios]
+    if SLO_VARIANT in variants and "inference_with_finetune" in scenarios and args.decode_slo_ms is None:
+        if "opportunistic" not in variants or "inference_alone" not in scenarios:
+            raise SystemExit(
+                f"{SLO_VARIANT} derives its target from opportunistic's inference_alone run: "
+                "include both, or pass --decode-slo-ms"
+            )
+    weights, pool = None, None
     if args.clients_as == "processes":
         from benchmarks.batching_processes import ProcessPool
 
-        pool = ProcessPool(path, len(INFERENCE_BATCH_SIZES), args)
+        pool = ProcessPool(path, max(len(clients_for(s, args)) for s in scenarios), args)
     elif args.executor is None:
         weights = symbiosis.BaseExecutor.from_pretrained(path).weights  # loaded once, shared by every run
 
-    runs: dict[tuple[str, str], list[dict]] = {(s, p): [] for s in SCENARIOS for p in policies}
+    runs: dict[tuple[str, str], list[dict]] = {(s, v): [] for s in scenarios for v in variants}
+    slo_ms: list[float] = []
     try:
         for repeat in range(args.repeats):
-            for scenario in SCENARIOS:
-                shift = repeat % len(policies)
-                for policy in policies[shift:] + policies[:shift]:
+            for scenario in scenarios:
+                shift = repeat % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    if variant != "remote" and not runs_in(variant, scenario):
+                        continue
+                    config = None
+                    if variant != "remote":
+                        fields = dict(VARIANTS[variant], **options)
+                        if variant == SLO_VARIANT:
+                            slo = (
+                                args.decode_slo_ms
+                                or args.slo_factor * runs["inference_alone", "opportunistic"][-1]["latency_ms_p95"]
+                            )
+                            slo_ms.append(slo)
+                            fields["decode_slo_ms"] = slo
+                        config = SchedulerConfig(**fields)
                     specs, seed = clients_for(scenario, args), 100 * repeat
                     if pool is not None:
-                        runs[scenario, policy].append(pool.run_once(None if args.executor else configs[policy], specs, seed))
-                        continue
-                    target = args.executor or symbiosis.BaseExecutor(weights, configs[policy])
-                    try:
-                        runs[scenario, policy].append(run_once(path, target, specs, args, seed=seed))
-                    finally:
-                        if not isinstance(target, str):
-                            target.close()
+                        result = pool.run_once(config, specs, seed)
+                    else:
+                        target = args.executor or symbiosis.BaseExecutor(weights, config)
+                        try:
+                            result = run_once(path, target, specs, args, seed=seed)
+                        finally:
+                            if not isinstance(target, str):
+                                target.close()
+                    result["config"] = None if config is None else dataclasses.asdict(config)
+                    runs[scenario, variant].append(result)
+                    print(f"[{repeat}] {scenario:24s} {variant:24s} {_brief(result)}", flush=True)
     finally:
         if pool is not None:
             pool.close()
 
-    inference = {p: aggregate(runs["inference", p]) for p in policies}
-    mixed = {}
-    for p in policies:
-        alone, with_ft, ft_alone = (aggregate(runs[s, p]) for s in SCENARIOS[1:])
-        mixed[p] = {
-            "inference_alone": alone,
-            "inference_with_finetune": with_ft,
-            "finetune_alone": ft_alone,
-            "latency_mean_ratio_mixed_over_alone": common.ratio(with_ft["latency_ms_mean"], alone["latency_ms_mean"]),
-            "latency_p95_ratio_mixed_over_alone": common.ratio(with_ft["latency_ms_p95"], alone["latency_ms_p95"]),
-            "finetune_tokens_ratio_mixed_over_alone": common.ratio(with_ft["finetune_tokens_per_s"], ft_alone["finetune_tokens_per_s"]),
+    summary = summarize(runs, variants, slo_ms)
+    summary.update(
+        {
+            "benchmark": NAME,
+            "preset": args.preset,
+            "clients_as": args.clients_as,
+            "transport": args.executor or ("ipc" if pool else "inproc"),
+            "window_s": args.window_s,
+            "repeats": args.repeats,
+            "load_average_1min_start_end": [load_start[0], _load()[0]],
         }
-    summary = {
-        "benchmark": NAME,
-        "preset": args.preset,
-        "transport": args.executor or ("ipc" if pool else "inproc"),
-        "clients_as": args.clients_as,
-        "window_s": args.window_s,
-        "repeats": args.repeats,
-        "inference": {p: {k: inference[p][k] for k in ("tokens_per_s", "latency_ms_mean", "latency_ms_p95", "mean_rows_per_batch")} for p in policies},
-        "inference_ratios_vs_immediate": {
-            p: {
-                k: common.ratio(inference[p][k], inference["immediate"][k])
-                for k in ("tokens_per_s", "latency_ms_mean", "latency_ms_p95")
-            }
-            for p in policies
-            if "immediate" in inference
-        },
-        "mixed": {
-            p: {
-                "inference_latency_ms_mean_alone": mixed[p]["inference_alone"]["latency_ms_mean"],
-                "inference_latency_ms_mean_with_finetune": mixed[p]["inference_with_finetune"]["latency_ms_mean"],
-                "latency_mean_ratio_mixed_over_alone": mixed[p]["latency_mean_ratio_mixed_over_alone"],
-                "finetune_tokens_per_s_alone": mixed[p]["finetune_alone"]["finetune_tokens_per_s"],
-                "finetune_tokens_per_s_mixed": mixed[p]["inference_with_finetune"]["finetune_tokens_per_s"],
-                "finetune_mean_first_wait_ms_mixed": median_wait(runs["inference_with_finetune", p], "finetune"),
-                "decode_mean_first_wait_ms_mixed": median_wait(runs["inference_with_finetune", p], "decode"),
-            }
-            for p in policies
-        },
-    }
+    )
     result = {
         "benchmark": NAME,
         "command": common.command_line(argv, f"benchmarks.{NAME}"),
@@ -437,77 +508,105 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "preset": args.preset,
             "quick": args.quick,
             "transport": args.executor
-            or ("ipc (executor and each client in its own process)" if pool else "inproc (client threads in this process)"),
+            or (
+                "ipc (executor and each client in its own process)"
+                if pool
+                else "inproc (client threads in this process)"
+            ),
             "clients_as": args.clients_as,
-            "policies": policies,
-            "scheduler": None if args.executor else {p: dataclasses.asdict(configs[p]) for p in policies},
+            "variants": variants,
+            "scenarios": scenarios,
             "window_s": args.window_s,
+            "warmup_s": args.warmup_s,
             "repeats": args.repeats,
             "prompt_len": args.prompt_len,
             "segment_tokens": args.segment_tokens,
-            "clients": {s: [vars(c) for c in clients_for(s, args)] for s in SCENARIOS},
-            "baselines": "(a) immediate and lockstep policies; (b) the same inference clients without fine-tuning",
+            "clients": {s: [vars(c) for c in clients_for(s, args)] for s in scenarios},
+            "baselines": "(a) immediate and lockstep; (b) the same inference clients alone, the same "
+            "fine-tuning clients alone; (c) the bystander alone",
         },
-        "inference": inference,
-        "mixed": mixed,
+        "runs_by_scenario": {s: {v: runs[s, v] for v in variants if runs[s, v]} for s in scenarios},
         "summary": summary,
     }
     result["wall_s"] = summary["wall_s"] = time.perf_counter() - started
     output = Path(args.output)
     common.write_json(output / f"{NAME}.json", result)
-    plot(output / f"{NAME}.png", result, policies)
+    plot(output / f"{NAME}.png", result)
     common.print_summary(summary)
     return result
 
 
-def median_wait(runs: Sequence[dict], latency_class: str) -> float:
-    """Median over runs of the scheduler's mean wait (arrival -> first rows handed out) for a class."""
-    return common.median_or_nan([(r["mean_first_wait_ms"] or {}).get(latency_class) for r in runs])
+def _brief(run: dict) -> str:
+    parts = []
+    for key, label in (
+        ("tokens_per_s", "tok/s"),
+        ("latency_ms_mean", "mean"),
+        ("latency_ms_p95", "p95"),
+        ("finetune_tokens_per_s", "ft tok/s"),
+        ("flood_rows_per_s", "flood rows/s"),
+        ("mean_rows_per_batch", "rows/batch"),
+    ):
+        if run.get(key) is not None:
+            parts.append(f"{label} {run[key]:.1f}")
+    rule = (run.get("wait_rule") or {}).get("rule")
+    return " ".join(parts) + (f" rule {rule}" if rule else "")
 
 
-def plot(path: Path, result: dict, policies: list[str]) -> None:
-    inference, mixed = result["inference"], result["mixed"]
-    sizes = [str(c["batch_size"]) for c in inference[policies[0]]["per_client"]]
-    common.plot_panels(
-        path,
-        f"Batching policies, {result['config']['arch']} {result['config']['preset']}, clients as {result['config']['clients_as']}, "
-        f"{result['config']['window_s']} s windows, median of {result['config']['repeats']}",
-        [
-            common.Panel("(a) 8 inference clients: aggregate throughput", "tokens/s", policies, {"tokens/s": [inference[p]["tokens_per_s"] for p in policies]}),
+def plot(path: Path, result: dict) -> None:
+    summary = result["summary"]
+    inference, mixed, flood = summary["inference"], summary["mixed"], summary["flood"]
+    panels = []
+    names = list(inference)
+    if names:
+        panels += [
+            common.Panel(
+                "(a) heterogeneous clients: aggregate throughput",
+                "tokens/s",
+                names,
+                {"tokens/s": [inference[v]["tokens_per_s"] for v in names]},
+            ),
             common.Panel(
                 "(a) per-token latency",
                 "ms",
-                policies,
-                {"mean": [inference[p]["latency_ms_mean"] for p in policies], "p95": [inference[p]["latency_ms_p95"] for p in policies]},
-            ),
-            common.Panel("(a) mean rows per executor batch", "rows", policies, {"rows/batch": [inference[p]["mean_rows_per_batch"] for p in policies]}),
-            common.Panel(
-                "(a) per-client mean step latency by batch size",
-                "ms",
-                sizes,
-                {p: [c["step_ms_mean"] for c in inference[p]["per_client"]] for p in policies},
-                kind="line",
-            ),
-            common.Panel(
-                "(b) 6 inference clients: mean per-token latency",
-                "ms",
-                policies,
+                names,
                 {
-                    "alone": [mixed[p]["inference_alone"]["latency_ms_mean"] for p in policies],
-                    "+2 fine-tuning": [mixed[p]["inference_with_finetune"]["latency_ms_mean"] for p in policies],
+                    "mean": [inference[v]["latency_ms_mean"] for v in names],
+                    "p95": [inference[v]["latency_ms_p95"] for v in names],
                 },
             ),
+        ]
+    names = list(mixed)
+    if names:
+        panels += [
             common.Panel(
-                "(b) 2 fine-tuning clients: throughput",
-                "tokens/s",
-                policies,
+                "(b) 6 inference + 2 fine-tuning: inference p95 and fine-tuning kept, vs alone",
+                "ratio",
+                names,
                 {
-                    "alone": [mixed[p]["finetune_alone"]["finetune_tokens_per_s"] for p in policies],
-                    "+6 inference": [mixed[p]["inference_with_finetune"]["finetune_tokens_per_s"] for p in policies],
+                    "inference p95 / alone": [mixed[v]["inference_p95_ratio"] for v in names],
+                    "fine-tuning kept": [mixed[v]["finetune_kept"] for v in names],
                 },
             ),
-        ],
-        columns=3,
+        ]
+    names = list(flood)
+    if names:
+        panels += [
+            common.Panel(
+                "(c) bystander p95 under a flood / alone",
+                "ratio",
+                names,
+                {label: [flood[v].get(f"p95_ratio_flood_{label}") for v in names] for label in ("finetune", "decode")},
+            ),
+        ]
+    if not panels:
+        return
+    config = result["config"]
+    common.plot_panels(
+        path,
+        f"Batching and sharing, {config['arch']} {config['preset']}, clients as {config['clients_as']}, "
+        f"{config['window_s']} s windows, median of {config['repeats']}",
+        panels,
+        columns=2,
     )
 
 

@@ -3,14 +3,15 @@
 In thread mode every client and the executor share one interpreter, so the GIL serializes their
 Python and a policy's waits are stretched by GIL hand-offs (``sys.getswitchinterval()``, 5 ms). Here
 each client is a process with its own interpreter (one torch thread each), talking to an executor
-process over ``ipc://`` through the ZeroMQ transport, as ``symbiosis serve`` clients do.
+process over ``ipc://`` through the ZeroMQ transport, as ``symbiosis serve`` clients do, with
+``OMP_WAIT_POLICY=PASSIVE`` as ``serve`` sets it (unless the environment sets another).
 
 Processes are started once (spawn) and reused for every run: the executor process loads the
 weights once and starts a fresh ``BaseExecutor`` with the run's ``SchedulerConfig`` at a fresh
 address; each client process builds a fresh client model and adapter per run, warms up, reports
 ready, and then runs from a common start time (``time.perf_counter`` is CLOCK_MONOTONIC, shared by
 processes on Linux) until the window's end, counting the steps that finish inside the window.
-It returns the same per-run summary as thread mode (``batching.summarize_run``).
+It returns the same per-run summary as thread mode (``batching_clients.summarize_run``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from symbiosis.executor.scheduler import SchedulerConfig
+from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE
 
 # Clients start this long after the last one reported ready, so all of them see the same start.
 _START_DELAY_S = 0.2
@@ -47,7 +49,7 @@ def _executor_main(conn, path: str, threads: int | None) -> None:
             executor.serve(address)
             conn.send(("ok", None))
         elif command == "stats":
-            from benchmarks.batching import counters_from_stats
+            from benchmarks.batching_clients import counters_from_stats
 
             conn.send(("ok", counters_from_stats(executor.stats()["scheduler"])))
         elif command == "stop":
@@ -62,11 +64,10 @@ def _executor_main(conn, path: str, threads: int | None) -> None:
 
 
 def _client_main(conn, path: str) -> None:
-    import peft
     import torch
 
-    import symbiosis
-    from benchmarks import batching, common
+    from benchmarks import batching_clients as clients
+    from benchmarks import common
 
     torch.set_num_threads(1)  # one core's worth per client; the executor process takes its own
     common.quiet_libraries()
@@ -74,37 +75,18 @@ def _client_main(conn, path: str) -> None:
         command, payload = conn.recv()
         if command == "exit":
             return
-        spec, address, seed, prompt_len, segment_tokens = payload
+        spec, address, seed, prompt_len, segment_tokens, warmup_s = payload
         try:
-            base = symbiosis.load_client_model(path, executor=address)
-            model = peft.get_peft_model(base, batching.ADAPTERS[spec.adapter]())
-            if spec.kind == "inference":
-                model.eval()
-                client = batching.InferenceClient(model, spec, prompt_len, segment_tokens, seed=seed)
-                warmup_steps = 3
-            else:
-                model.train()
-                client = batching.FinetuneClient(model, spec, seed=seed)
-                warmup_steps = 1
-            for _ in range(warmup_steps):
-                client.step()
+            client, close = clients.make_client(path, address, spec, seed, prompt_len, segment_tokens)
+            clients.warm_up(client, spec, warmup_s)
             conn.send(("ready", None))
             _, (start_s, end_s) = conn.recv()
             time.sleep(max(0.0, start_s - time.perf_counter()))
-            tokens_per_step = spec.batch_size * max(1, spec.seq_len)
-            step_s, tokens = [], 0
-            while True:
-                started = time.perf_counter()
-                counted = client.step()
-                finished = time.perf_counter()
-                if finished > end_s:
-                    break
-                if counted:
-                    step_s.append(finished - started)
-                    tokens += tokens_per_step
-            base.symbiosis_transport.close()  # unregister at once, so that lockstep stops waiting
-            del client, model, base
-            conn.send(("done", (step_s, tokens)))
+            record = clients.ClientRecord(spec)
+            clients.run_measured(client, record, end_s, lambda end_s=end_s: time.perf_counter() > end_s)
+            close()  # unregister at once, so that lockstep stops waiting
+            del client
+            conn.send(("done", (record.step_s, record.tokens)))
         except Exception as exc:  # reported by the parent
             conn.send(("error", repr(exc)))
 
@@ -115,6 +97,9 @@ class ProcessPool:
     def __init__(self, path: Path, clients: int, args: argparse.Namespace):
         self.args = args
         self.path = str(path)
+        # As `symbiosis serve` does for itself and the README asks of same-host clients (see
+        # symbiosis/threads.py): idle OpenMP workers sleep, so whichever process has work gets the cores.
+        os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
         context = mp.get_context("spawn")
         self._runs = 0
         self._executor = None
@@ -146,7 +131,7 @@ class ProcessPool:
 
     def run_once(self, config: SchedulerConfig | None, specs: Sequence, seed: int) -> dict:
         """One measured window of ``specs``; ``config`` None means the running executor at ``--executor``."""
-        from benchmarks.batching import ClientRecord, summarize_run
+        from benchmarks.batching_clients import ClientRecord, summarize_run
 
         self._runs += 1
         if config is not None:
@@ -157,7 +142,19 @@ class ProcessPool:
         used = self._clients[: len(specs)]
         try:
             for index, ((_, conn), spec) in enumerate(zip(used, specs)):
-                conn.send(("run", (spec, address, seed + index, self.args.prompt_len, self.args.segment_tokens)))
+                conn.send(
+                    (
+                        "run",
+                        (
+                            spec,
+                            address,
+                            seed + index,
+                            self.args.prompt_len,
+                            self.args.segment_tokens,
+                            self.args.warmup_s,
+                        ),
+                    )
+                )
             for index, (process, conn) in enumerate(used):
                 self._reply(process, conn, f"client process {index}")
             counters = {}

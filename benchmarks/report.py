@@ -138,41 +138,64 @@ def split_models_section(result: dict[str, Any] | None, results_dir: Path, relat
     return lines + [""]
 
 
+def _num(value: Any, scale: float = 1.0, spec: str = ".2f") -> str:
+    """``value * scale`` formatted, or a dash for a figure a run could not produce (null in the JSON)."""
+    return "–" if value is None or value != value else format(value * scale, spec)
+
+
 def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
-    """Issue 4's policy comparison, one subsection per client mode (threads, processes)."""
+    """``benchmarks/batching.py``: policies and sharing (issues 4 and 11), one subsection per client mode."""
     lines: list[str] = []
     for mode in ("threads", "processes"):
         data = _load(results_dir / "batching" / mode / "batching.json")
-        if not data:
+        if not data or "targets" not in data.get("summary", {}):
             continue
-        summary = data["summary"]
+        summary, config = data["summary"], data["config"]
+        load = summary.get("load_average_1min_start_end") or [float("nan")] * 2
         lines += [
-            f"### Batching policies, clients as {mode} (issue 4)",
+            f"### Batching and sharing between clients, clients as {mode} (issues 4, 11)",
             "",
-            f"Command: `{data['command']}` ({data['wall_s']:.0f} s; llama {summary['preset']}, 8 inference clients, "
-            f"{summary['window_s']:g} s windows × {summary['repeats']} repeats).",
+            f"Command: `{data['command']}` ({data['wall_s']:.0f} s; llama {summary['preset']}; {config['window_s']:g} s windows "
+            f"after {config.get('warmup_s', 0):g} s of warm-up, medians of {summary['repeats']} interleaved repeats; "
+            f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {data['machine'].get('usable_cpus')} CPUs).",
             "",
         ]
-        inference, ratios = summary["inference"], summary["inference_ratios_vs_immediate"]
-        best = max(inference, key=lambda p: inference[p]["tokens_per_s"])
-        lines.append(
-            f"- Highest aggregate decode throughput: {best} ({inference[best]['tokens_per_s']:.0f} tokens/s, "
-            f"x{ratios[best]['tokens_per_s']:.2f} of immediate)."
-        )
-        for policy, figures in summary["mixed"].items():
-            lines.append(
-                f"- {policy}, 6 inference + 2 fine-tuning clients: inference latency x{figures['latency_mean_ratio_mixed_over_alone']:.2f} "
-                f"of inference alone; fine-tuning {figures['finetune_tokens_per_s_mixed']:.0f} vs {figures['finetune_tokens_per_s_alone']:.0f} tokens/s alone."
+        inference = summary["inference"]
+        if inference:
+            figures = ", ".join(
+                f"{v} {_num(f['tokens_per_s'], 1, '.0f')} tokens/s, {_num(f['latency_ms_mean'], 1, '.0f')} ms mean" for v, f in inference.items()
             )
-        losers = [p for p in ("immediate", "lockstep") if inference[p]["tokens_per_s"] > inference["opportunistic"]["tokens_per_s"]]
-        if losers:
-            lines.append(f"- **Where we lose:** opportunistic is out-run on throughput by {', '.join(losers)} in this mode.")
+            rules = inference.get("opportunistic", {}).get("wait_rules")
+            lines.append(
+                f"- Heterogeneous clients (8, batch 1-16, LoRA r=8 and r=64): {figures}"
+                + (f"; opportunistic's rule at the end of each run: {', '.join(map(str, rules))}." if rules else ".")
+            )
+        for v, f in summary["mixed"].items():
+            slo = f" (target {_num(f['decode_slo_ms'], 1, '.0f')} ms: p95 at x{_num(f['slo_p95_ratio'])} of it)" if f.get("decode_slo_ms") else ""
+            lines.append(
+                f"- {v}, 6 inference + 2 fine-tuning clients: fine-tuning keeps {_num(f['finetune_kept'], 100, '.0f')}% of its tokens/s "
+                f"alone; inference p95 x{_num(f['inference_p95_ratio'])} of alone{slo}."
+            )
+        for v, f in summary["flood"].items():
+            ratios = [
+                f"labelled {label} x{_num(f[f'p95_ratio_flood_{label}'])}" for label in ("finetune", "decode") if f"p95_ratio_flood_{label}" in f
+            ]
+            lines.append(
+                f"- {v}, a bystander decoding next to a client flooding the executor: p95 per token {_num(f['bystander_p95_ms_alone'], 1, '.0f')} ms "
+                f"alone; under the flood {', '.join(ratios)}."
+            )
+        met = [t for t in summary["targets"] if t["met"]]
+        missed = [t for t in summary["targets"] if not t["met"]]
+        if met:
+            lines.append("- Targets met: " + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in met) + ".")
+        if missed:
+            lines.append("- **Where we lose (target missed):** " + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in missed) + ".")
         lines += ["", "| policy | tokens/s | mean latency ms | p95 latency ms | rows/batch |", "|---|---|---|---|---|"]
-        for policy, figures in inference.items():
+        for v, f in inference.items():
             lines.append(
-                f"| {policy} | {figures['tokens_per_s']:.0f} | {figures['latency_ms_mean']:.0f} | "
-                f"{figures['latency_ms_p95']:.0f} | {figures['mean_rows_per_batch']:.1f} |"
+                f"| {v} | {_num(f['tokens_per_s'], 1, '.0f')} | {_num(f['latency_ms_mean'], 1, '.0f')} | {_num(f['latency_ms_p95'], 1, '.0f')} | {_num(f['mean_rows_per_batch'], 1, '.1f')} |"
             )
+        lines += ["", "Targets: " + ", ".join(f"{'PASS' if t['met'] else 'MISS'} {t['name']}" for t in summary["targets"]) + "."]
         plot = results_dir / "batching" / mode / "batching.png"
         if plot.is_file():
             lines += ["", f"![batching {mode}]({os.path.relpath(plot, relative_to)})"]

@@ -10,26 +10,20 @@ from typing import Annotated
 
 import typer
 
+from symbiosis.cli_scheduler import with_scheduler_options
 from symbiosis.executor.quantized import QUANTIZATION_CHOICES, QUANTIZATION_HELP
-from symbiosis.executor.scheduler import POLICIES, SchedulerConfig
+from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.sharding.options import DEFAULT_STRATEGY, SHARD_HELP, ShardOptions
 from symbiosis.transport.security import CurveServerKeys, check_abstract_ipc
 
-_HELP = SchedulerConfig.help_texts()
 
-
+@with_scheduler_options  # --policy, --max-wait-ms, --decode-slo-ms, ...: every SchedulerConfig field
 def serve(
     model_dir: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
     bind: Annotated[list[str], typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with shm+ipc://PATH to pass payloads through shared memory.")] = ["tcp://127.0.0.1:7000"],
     device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16 (with --quantization: the dtype products are computed in).")] = "float32",
     quantization: Annotated[str, typer.Option(help=QUANTIZATION_HELP + f" One of {', '.join(QUANTIZATION_CHOICES)}.")] = "none",
-    policy: Annotated[str, typer.Option(help=_HELP["policy"] + f" One of {', '.join(POLICIES)}.")] = "opportunistic",
-    max_wait_ms: Annotated[float, typer.Option(help=_HELP["max_wait_ms"])] = SchedulerConfig.max_wait_ms,
-    row_budget: Annotated[int, typer.Option(help=_HELP["row_budget"])] = SchedulerConfig.row_budget,
-    lockstep_timeout_ms: Annotated[float, typer.Option(help=_HELP["lockstep_timeout_ms"])] = SchedulerConfig.lockstep_timeout_ms,
-    aging_ms: Annotated[float, typer.Option(help=_HELP["aging_ms"])] = SchedulerConfig.aging_ms,
-    predict_arrivals: Annotated[bool, typer.Option(help=_HELP["predict_arrivals"])] = SchedulerConfig.predict_arrivals,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")] = None,
     allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key.")] = False,
     curve_secret_key: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind.")] = None,
@@ -41,6 +35,7 @@ def serve(
     max_restarts: Annotated[int, typer.Option(min=0, help=SHARD_HELP["max_restarts"])] = 3,
     shard_host: Annotated[str, typer.Option(help=SHARD_HELP["shard_host"])] = "127.0.0.1",
     failure_linger_s: Annotated[float, typer.Option(min=0.0, help=SHARD_HELP["failure_linger_s"])] = ShardOptions.failure_linger_s,
+    scheduler_config: SchedulerConfig | None = None,  # made by @with_scheduler_options from its options
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
 
@@ -63,10 +58,6 @@ def serve(
             raise typer.BadParameter("--quantization is not supported with a sharded executor (--shards, torchrun) yet")
         from symbiosis.sharding.serve import ServeRequest, serve_sharded
 
-        scheduler_config = SchedulerConfig(
-            policy=policy, max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
-            aging_ms=aging_ms, predict_arrivals=predict_arrivals,
-        )
         options = ShardOptions(strategy=shard_strategy, link_host=shard_host, failure_linger_s=failure_linger_s)
         request = ServeRequest(
             model_dir, bind, shard_bind or [], device, dtype, scheduler_config, options,
@@ -75,9 +66,7 @@ def serve(
         raise typer.Exit(serve_sharded(request, shards, max_restarts))
 
     executor = BaseExecutor.from_pretrained(
-        model_dir, device=device, dtype=dtype, policy=policy, quantization=quantization,
-        max_wait_ms=max_wait_ms, row_budget=row_budget, lockstep_timeout_ms=lockstep_timeout_ms,
-        aging_ms=aging_ms, predict_arrivals=predict_arrivals,
+        model_dir, device=device, dtype=dtype, quantization=quantization, scheduler_config=scheduler_config,
     )
     servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
     metrics = None
@@ -94,7 +83,8 @@ def serve(
         f"{executor.weights.nbytes() / 2**20:.1f} MiB, {executor.dtype}, {executor.device}"
         + (f", {quantization} weights" if quantization else "")
         + ") "
-        f"at {' and '.join(s.address for s in servers)} with policy {policy}"
+        f"at {' and '.join(s.address for s in servers)} with policy {scheduler_config.policy}"
+        + (f", decode target {scheduler_config.decode_slo_ms:g} ms per token" if scheduler_config.decode_slo_ms else "")
         + (f"; CURVE on, {len(curve.authorized_public_keys())} authorized client keys" if curve else "")
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
         err=False,

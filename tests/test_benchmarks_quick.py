@@ -10,20 +10,10 @@ import json
 
 import pytest
 
-from benchmarks import batching, split_overhead
+from benchmarks import split_overhead
 
 TIMING_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "n"}
 MACHINE_KEYS = {"cpu_count", "torch", "torch_threads"}
-INFERENCE_KEYS = {"tokens_per_s", "latency_ms_mean", "latency_ms_median", "latency_ms_p95", "mean_rows_per_batch", "batches", "per_client", "runs"}
-MIXED_KEYS = {
-    "inference_alone",
-    "inference_with_finetune",
-    "finetune_alone",
-    "latency_mean_ratio_mixed_over_alone",
-    "latency_p95_ratio_mixed_over_alone",
-    "finetune_tokens_ratio_mixed_over_alone",
-}
-
 
 SPLIT_KEYS = {"benchmark", "command", "machine", "config", "targets", "results", "verdicts", "check", "calls_per_token", "processes", "unavailable", "dist", "wall_s"}
 SPLIT_TIMING_KEYS = TIMING_KEYS | {"ratio_over_monolithic", "target", "verdict"}
@@ -65,24 +55,6 @@ def test_split_overhead_quick_writes_documented_json(tmp_path):
     for breakdown in [*calls["archs"].values(), *calls["models"].values()]:
         assert breakdown["layers"] == 2 and breakdown["outside_layers"] >= 1
         assert abs(breakdown["calls_per_token"] - (breakdown["per_layer"] * breakdown["layers"] + breakdown["outside_layers"])) < 1e-9
-
-
-def test_batching_quick_writes_documented_json(tmp_path):
-    batching.main(["--quick", "--output", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--window-s", "0.3"])
-
-    written = json.loads((tmp_path / "out" / "batching.json").read_text())
-    assert (tmp_path / "out" / "batching.png").stat().st_size > 0
-    assert {"benchmark", "command", "machine", "config", "inference", "mixed", "summary", "wall_s"} <= written.keys()
-    assert MACHINE_KEYS <= written["machine"].keys()
-    assert set(written["inference"]) == set(written["mixed"]) == set(batching.VARIANTS)
-    for policy, result in written["inference"].items():
-        assert INFERENCE_KEYS <= result.keys(), policy
-        assert [c["batch_size"] for c in result["per_client"]] == list(batching.INFERENCE_BATCH_SIZES)
-        assert result["batches"] is not None  # in-process runs read the executor's stats
-    for policy, result in written["mixed"].items():
-        assert MIXED_KEYS <= result.keys(), policy
-        assert len(result["inference_with_finetune"]["per_client"]) == batching.MIXED_INFERENCE_CLIENTS + batching.FINETUNE_CLIENTS
-        assert result["finetune_alone"]["tokens_per_s"] is None  # no inference client in that run
 
 
 @pytest.mark.slow

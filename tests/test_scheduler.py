@@ -112,11 +112,11 @@ def check_invariants(config: SchedulerConfig, arrivals: list[PendingRequest], ru
 
 
 def wait_bound_s(config: SchedulerConfig, r: PendingRequest) -> float:
-    return {
-        "immediate": 0.0,
-        "lockstep": config.lockstep_timeout_ms / 1000.0,
-        "opportunistic": config.wait_budget_s(r.rows, r.latency_class),
-    }[config.policy]
+    """The longest a request may be held back to grow a batch (with the executor otherwise idle)."""
+    opportunistic = config.wait_budget_s(r.rows, r.latency_class)
+    if config.wait_rule in ("adaptive", "convoy"):  # the convoy rule waits up to the lockstep timeout
+        opportunistic = max(opportunistic, config.lockstep_timeout_ms / 1000.0)
+    return {"immediate": 0.0, "lockstep": config.lockstep_timeout_ms / 1000.0, "opportunistic": opportunistic}[config.policy]
 
 
 def random_workload(seed: int, n: int = 120) -> tuple[list[PendingRequest], tuple[tuple[float, str], ...]]:
@@ -225,7 +225,7 @@ def test_lockstep_counts_unjoined_senders_and_forgets_leavers():
 
 
 def test_opportunistic_fixed_waits_its_budget_unless_waiting_cannot_help():
-    config = SchedulerConfig(policy="opportunistic", row_budget=64, predict_arrivals=False)
+    config = SchedulerConfig(policy="opportunistic", row_budget=64, wait_rule="budget")
     scheduler = Scheduler(config)
     for c in ("a", "b"):
         scheduler.client_joined(c)
@@ -237,7 +237,7 @@ def test_opportunistic_fixed_waits_its_budget_unless_waiting_cannot_help():
     # Every joined client is present: serve at once.
     scheduler.add(req(2, client="a", at=1.0))
     scheduler.add(req(3, client="b", at=1.0))
-    assert [s.request_id for s in scheduler.next_batch(1.0).slices] == [2, 3]
+    assert sorted(s.request_id for s in scheduler.next_batch(1.0).slices) == [2, 3]
     # The group already fills the row budget: serve at once.
     scheduler.add(req(4, client="a", rows=64, cls=F, at=2.0))
     assert scheduler.next_batch(2.0).rows == 64
@@ -402,7 +402,7 @@ def test_stats_report_policy_and_counts():
 # ------------------------------------------------------------------------------------ predicted arrivals
 
 LAYERS = ("l0", "l1", "l2", "l3")
-FIVE_MS = dict(decode_base_wait_ms=5.0, prefill_base_wait_ms=5.0, finetune_base_wait_ms=5.0, max_wait_ms=5.0)
+FIVE_MS = dict(decode_base_wait_ms=5.0, prefill_base_wait_ms=5.0, finetune_base_wait_ms=5.0, max_wait_ms=5.0, wait_rule="predicted")
 
 
 class Walker:
@@ -441,7 +441,10 @@ PREDICTION_CASES = {
     "b_ahead": ([("l0", 1.0, Op.FORWARD), ("l1", 1.002, Op.FORWARD), ("l2", 1.004, Op.FORWARD)], ("l1", 1.0045), None),
     "b_served_at_this_layer": ([("l0", 1.0, Op.FORWARD), ("l1", 1.002, Op.FORWARD)], ("l1", 1.0025), None),
     "b_too_far_behind_for_budget": ([("l0", 1.0, Op.FORWARD)], ("l3", 1.0005), None),
-    "b_finished_its_pass": ([(layer, 1.0 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)], ("l1", 1.007), None),
+    # b walked its second pass: it repeats the forward op (a decoder), so it comes round again to
+    # l1 in 2 hops (l3 -> l0 -> l1), expected at 1.006 + 2 x 2 ms; held until the deadline.
+    "b_finished_its_pass_comes_round_again": ([(layer, 1.0 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)], ("l1", 1.007), 1.012),
+    "b_idle_after_its_only_pass": ([], ("l1", 1.0), None),
     "b_in_backward": ([("l3", 1.0, Op.BACKWARD)], ("l1", 1.0005), None),
     "b_overdue": ([("l0", 1.0, Op.FORWARD)], ("l1", 1.0045), None),
 }
@@ -491,8 +494,8 @@ def test_late_client_is_given_up_at_expected_arrival_plus_one_gap():
 
 
 def test_joined_client_without_requests_is_not_waited_for_unless_prediction_is_off():
-    for predict, held in ((True, False), (False, True)):
-        scheduler = Scheduler(SchedulerConfig(policy="opportunistic", predict_arrivals=predict, **FIVE_MS))
+    for rule, held in (("predicted", False), ("convoy", False), ("budget", True)):
+        scheduler = Scheduler(SchedulerConfig(policy="opportunistic", **{**FIVE_MS, "wait_rule": rule}))
         scheduler.client_joined("idle")
         scheduler.add(req(1, client="a"))
         assert (scheduler.next_batch(0.0) is None) == held
@@ -555,11 +558,11 @@ def test_predicted_arrivals_form_convoys_within_budget_and_skip_idle_clients():
     gaps = {"a": 0.0010, "b": 0.0012, "c": 0.0009}
     starts = {"a": 0.0, "b": 0.0004, "c": 0.0011}
     runs = {
-        name: closed_loop(SchedulerConfig(**kwargs, **FIVE_MS), gaps, starts, passes=6, joins=("idle",))
+        name: closed_loop(SchedulerConfig(**{**FIVE_MS, **kwargs}), gaps, starts, passes=6, joins=("idle",))
         for name, kwargs in {
             "immediate": {"policy": "immediate"},
             "predicted": {"policy": "opportunistic"},
-            "fixed": {"policy": "opportunistic", "predict_arrivals": False},
+            "fixed": {"policy": "opportunistic", "wait_rule": "budget"},
         }.items()
     }
     rows_per_batch = {name: sum(b.rows for b in run[0]) / len(run[0]) for name, run in runs.items()}

@@ -9,10 +9,15 @@ the next layer's input. So from arrivals alone one can learn:
   gets position ``p + 1``; a client's first request of an op gets 0 (clients start a pass at the
   first layer, so the first pass anyone walks fixes the order);
 - each client's pace per op (``gap``): an EWMA of the time from one of its requests being handed
-  out to its next request arriving, divided by the positions it advanced.
+  out to its next request arriving, divided by the positions it advanced;
+- whether a client *repeats* an op: a decoding client starts its next forward pass right after
+  the last one (it wraps around to position 0), a fine-tuning client turns to backward instead.
 
 A client behind a layer in the same pass (``hops = position(layer) - position(its last request)
-> 0``) is expected there at ``(handed_out_s or now) + hops * gap``.
+> 0``) is expected there at ``(handed_out_s or now) + hops * gap``. A client that repeats the op
+and is at or past the layer is on its way too, through the end of its pass and the start of the
+next one (``hops = positions - position + position(layer)``), if that is at most half a pass: a
+client further round is rather ahead, and waiting for it would make two clients wait for each other.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ GAP_EWMA_WEIGHT = 0.25
 class _Track:
     """One client's last request (op, learned position, hand-out time) and its pace per op."""
 
-    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s")
+    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s", "repeats", "walks")
 
     def __init__(self) -> None:
         self.op: Op | None = None
@@ -36,6 +41,8 @@ class _Track:
         self.request_id = -1
         self.handed_out_s: float | None = None  # None while that request is pending
         self.gap_s: dict[Op, float] = {}
+        self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
+        self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
 
 
 class ArrivalPredictor:
@@ -45,7 +52,8 @@ class ArrivalPredictor:
         self.positions: dict[Op, dict[str, int]] = {op: {} for op in Op}
         self.tracks: dict[str, _Track] = {}
 
-    def arrived(self, request: PendingRequest) -> None:
+    def arrived(self, request: PendingRequest) -> int:
+        """Learn from an arrival; returns the request's position in its op's pass."""
         track = self.tracks.get(request.client_id)
         if track is None:
             track = self.tracks[request.client_id] = _Track()
@@ -58,7 +66,13 @@ class ArrivalPredictor:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
             old = track.gap_s.get(request.op)
             track.gap_s[request.op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
+        elif same_op and position < track.position:
+            track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
+        elif not same_op and track.op is not None:
+            track.repeats.discard(track.op)  # it left that op for another one
+        track.walks = not same_op or position != track.position
         track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
+        return position
 
     def handed_out(self, request: PendingRequest, now_s: float) -> None:
         """``request``'s last rows were handed out at ``now_s``: its client's next step starts then."""
@@ -69,23 +83,71 @@ class ArrivalPredictor:
     def forget(self, client_id: str) -> None:
         self.tracks.pop(client_id, None)
 
-    def expected(self, layer_id: str, op: Op, skip: dict[str, int], now_s: float) -> list[tuple[float, float]]:
+    def pass_length(self, op: Op) -> int:
+        """Layers in one pass of ``op`` seen so far (base-layer calls per decoded token for forward)."""
+        return len(self.positions[op])
+
+    def gap_s(self, client_id: str, op: Op) -> float | None:
+        track = self.tracks.get(client_id)
+        return None if track is None else track.gap_s.get(op)
+
+    def _hops(self, track: _Track, target: int, length: int, wrap: bool) -> int | None:
+        """Layers ``track``'s client still has to walk to reach position ``target``; None when it is
+        not on its way: not walking (it sent its last two requests for one layer, as a client
+        flooding that layer does), ahead in its pass (and not repeating the op, or ``wrap`` off),
+        or more than half a pass away round the ring (then it is rather *ahead* and would lap the
+        layer: the client waited for must be the one behind, or two clients would wait for each other)."""
+        if not track.walks:
+            return None
+        if track.position < target:
+            hops = target - track.position
+        elif wrap and track.op in track.repeats:
+            hops = length - track.position + target
+        else:
+            return None
+        return hops if not wrap or 2 * hops <= length else None
+
+    def walking(self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, idle_s: float) -> list[str]:
+        """The clients not in ``skip`` on their way to the layer in their walk of ``op`` (see
+        ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``). No pace is
+        needed: the convoy rule waits for them however slow they are."""
+        target = self.positions[op].get(layer_id)
+        if target is None:
+            return []
+        length = len(self.positions[op])
+        found = []
+        for client_id, track in self.tracks.items():
+            if track.op is not op or client_id in skip:
+                continue
+            if track.handed_out_s is not None and now_s - track.handed_out_s > idle_s:
+                continue
+            if self._hops(track, target, length, wrap=True) is not None:
+                found.append(client_id)
+        return found
+
+    def expected(
+        self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, wrap: bool = False
+    ) -> list[tuple[float, float]]:
         """``(expected arrival, gap)`` of every client not in ``skip`` that is on its way to the layer.
 
         Not on its way: a client in another op (a fine-tuning client in backward while the layer is
-        wanted for forward), at or past the layer (also one idle after its pass), or whose pace is
-        not known yet.
+        wanted for forward), at or past the layer (also one idle after its pass) unless ``wrap`` and
+        it repeats the op, or whose pace is not known yet.
         """
         target = self.positions[op].get(layer_id)
         if target is None:
             return []
+        length = len(self.positions[op])
         coming = []
         for client_id, track in self.tracks.items():
-            if track.op is not op or track.position >= target or client_id in skip:
+            if track.op is not op or client_id in skip:
+                continue
+            hops = self._hops(track, target, length, wrap)
+            if hops is None:
                 continue
             gap_s = track.gap_s.get(op)
             if gap_s is None:
                 continue
             start_s = now_s if track.handed_out_s is None else track.handed_out_s  # pending: not before now
-            coming.append((start_s + (target - track.position) * gap_s, gap_s))
+            coming.append((start_s + hops * gap_s, gap_s))
         return coming

@@ -53,6 +53,9 @@ from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.vocabulary import LatencyClass, Op
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A driver (server socket thread) returns to its sockets after running products this long, even
+# with more ready: a latency-sensitive request may be waiting unread behind a run of bulk chunks.
+DRIVER_SLICE_S = 0.002
 
 
 @dataclass
@@ -165,10 +168,16 @@ class ExecutionEngine:
     def run_ready(self) -> float | None:
         """Run, in this thread, every batch that is ready now; return the scheduler's next wake-up
         (a monotonic time; None: nothing is held). Returns early while another thread computes
-        (that thread wakes the drivers when it is done)."""
+        (that thread wakes the drivers when it is done), and once it has run products for
+        ``DRIVER_SLICE_S`` with more still ready: it then returns the current time, so that the
+        driver reads its sockets (a decode request may be waiting there behind a run of bulk
+        chunks) and calls again at once."""
         with self._cond:
+            started = self._clock()
             while self._running and not self._computing:
                 now = self._clock()
+                if now - started >= DRIVER_SLICE_S:
+                    return now
                 batch = self.scheduler.next_batch(now)
                 if batch is None:
                     return self.scheduler.next_wakeup(now)
@@ -260,8 +269,9 @@ class ExecutionEngine:
                 counters.rows += local.shape[0]
                 counters.batches += 1
                 counters.batch_rows += local.shape[0]
-                counters.latency_s += self._clock() - started
-                self.scheduler.served_alone(client_id, local.shape[0], latency_class)
+                duration = self._clock() - started
+                counters.latency_s += duration
+                self.scheduler.served_alone(client_id, local.shape[0], latency_class, layer_id, op, duration)
                 self._batches_run_by["alone"] += 1
                 self._computing_done()
         return result.to(device=rows.device, dtype=rows.dtype)
@@ -383,10 +393,13 @@ class ExecutionEngine:
         self._computing = True
         self._batches_run_by[runner] += 1
         self._cond.release()
+        duration = None
         try:
-            self._compute(batch, parts)
+            duration = self._compute(batch, parts)
         finally:
             self._cond.acquire()
+            if duration is not None:
+                self.scheduler.batch_done(batch, duration, self._clock())  # the cost model learns from it
             self._computing_done()
 
     def _computing_done(self) -> None:
@@ -398,15 +411,20 @@ class ExecutionEngine:
         elif self._inflight:
             self._wake_others()
 
-    def _compute(self, batch: Batch, parts) -> None:
-        """The product and completing its requests' futures (called without ``_cond`` held)."""
+    def _compute(self, batch: Batch, parts) -> float | None:
+        """The product and completing its requests' futures (called without ``_cond`` held); the
+        product's duration in seconds, None if it failed."""
         layer = self.weights.layers[batch.layer_id]
+        started = self._clock()
         try:
             outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
         except Exception as exc:  # a failed product fails its batch, never the executor
             self._fail_batch(batch.layer_id, parts, exc)
-            return
+            return None
+        duration = self._clock() - started
         self._complete(batch, parts, outputs)
+        return duration
+
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> None:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")
         with self._cond:

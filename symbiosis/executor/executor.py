@@ -48,6 +48,7 @@ class BaseExecutor:
         dtype: torch.dtype | str = torch.float32,
         policy: str = "opportunistic",
         quantization: str | None = None,
+        scheduler_config: SchedulerConfig | None = None,
         **scheduler_options,
     ) -> "BaseExecutor":
         """Load only the base layers of the checkpoint at ``path`` onto ``device`` in ``dtype``.
@@ -56,9 +57,11 @@ class BaseExecutor:
         quantized with one scale per output row, quantized as they are read; ``dtype`` is then the
         dtype products are computed and answered in (``executor/quantized.py``). Clients need no
         change. ``scheduler_options`` are the other ``SchedulerConfig`` fields (``max_wait_ms``,
-        ``row_budget``, ...).
+        ``row_budget``, ``decode_slo_ms``, ...); or pass a whole ``scheduler_config`` instead.
         """
-        config = SchedulerConfig(policy=policy, **scheduler_options)
+        if scheduler_config is not None and (scheduler_options or policy != "opportunistic"):
+            raise ValueError("pass either scheduler_config or policy and SchedulerConfig fields, not both")
+        config = scheduler_config or SchedulerConfig(policy=policy, **scheduler_options)
         device, dtype = torch.device(device), parse_dtype(dtype)
         weights = BaseModelWeights.load(path, device=device, dtype=dtype, quantization=quantization)
         return cls(weights, config)

@@ -1,229 +1,159 @@
 """Batching policy of the base executor: which rows of which requests to multiply next, and when.
 
-Pure policy: the scheduler takes request descriptions (``PendingRequest``) and a
-clock value passed in by the caller, and returns decisions (``Batch``). It does no I/O, no math,
-no threading and never reads a clock, so it is tested with plain floats.
+Pure policy: the scheduler takes request descriptions (``PendingRequest``), product durations the
+engine measured (``batch_done``) and a clock value passed in by the caller, and returns decisions
+(``Batch``). It does no I/O, no math, no threading and never reads a clock, so it is tested with
+plain floats.
 
-Requests are grouped by ``(layer_id, op)``: only rows for the same base layer and the same product
-can share one GEMM. Three policies decide when a group is *ready* (paper §3.6-3.7):
+**Groups and readiness.** Requests are grouped by ``(layer_id, op)``: only rows for the same base
+layer and the same product can share one GEMM. The policy decides when a group is *ready*:
 
-- ``immediate`` ("no-lockstep"): at once. Lowest latency, smallest batches.
-- ``lockstep``: when every joined client has a request in the group (the way HF/vLLM keep one batch
-  through all layers), or after ``lockstep_timeout_ms`` so that a stalled client cannot freeze others.
-- ``opportunistic`` (default): wait a little to collect more rows, with a budget that grows with
-  the request's size and latency class (see ``SchedulerConfig.wait_budget_s``), and stop waiting
-  as soon as waiting cannot help (the group already fills ``row_budget``, or every joined client
-  is already in it). With ``predict_arrivals`` (default) it waits only for clients that are *on
-  their way* to the group's layer; see "Predicted arrivals" below.
+- ``immediate`` ("no-lockstep"): at once.
+- ``lockstep``: when every joined client has a request in the group (the way HF/vLLM keep one
+  batch through all layers), or after ``lockstep_timeout_ms`` so that a stalled client cannot
+  freeze others.
+- ``opportunistic`` (default): wait only where waiting pays. Which waiting pays differs between
+  client threads, client processes and remote clients, so with ``wait_rule="adaptive"`` (default)
+  the scheduler keeps trying three rules and uses the best (``wait_tuner.py``): no waiting,
+  waiting for clients *predicted* to arrive within the request's wait budget, and waiting for a
+  *convoy* of every client on its way to the layer. ``wait_rule`` may also fix one of them, or
+  ``budget`` (hold every request for its whole wait budget: the paper's rule). Whichever rule, a
+  group stops waiting once waiting cannot help (it fills ``row_budget``, or every joined client is in it).
 
-Predicted arrivals. Clients walk the base layers of an op in a fixed order, one request at a
-time; ``arrivals.ArrivalPredictor`` learns that order and each client's pace (``gap`` per layer)
-from arrivals, and predicts when a client behind a group's layer in the same pass reaches it. The
-group is held only while some client is expected no
-later than the group's budget deadline, and at most until the latest such expectation plus one
-``gap`` of slack (a client that falls behind its prediction stops being waited for). Clients that
-are ahead (already at or past the layer), idle between passes, in another op (a fine-tuning
-client in backward while the group is forward), or without a measured pace are not waited for:
-the group is served at once. Waiting for them cannot grow the batch within the budget, only delay
-it. The budget deadline remains the bound in every case.
+Arrivals (``arrivals.py``): clients walk the base layers of an op in a fixed order, one request
+at a time; the predictor learns that order and each client's pace from arrivals. A client behind
+a group's layer in the same pass, or one that repeats its op (a decoder) and will come round
+again, is *on its way*. The predicted rule waits for one until its expected arrival plus one gap
+of its pace, if that is within the request's wait budget (clients without a measured pace are
+not waited for). The convoy rule waits, up to ``lockstep_timeout_ms``, for every client on its way
+that is not idle, however far: every group waits for the same clients, so they meet and then
+walk together, as in lockstep. Neither waits for clients in another op (fine-tuning in backward
+while the group is forward).
 
-Among ready groups, and among requests inside a batch, requests that waited ``aging_ms`` go first
-(oldest first); otherwise decode before prefill before fine-tuning, then oldest arrival. A batch
-holds at most ``row_budget`` rows; the request that does not fit is split by rows and continued in
-the next batch. This is FlexLLM's token-level fine-tuning idea (a fine-tuning sequence is cut into
-token windows that ride along with inference) done at the executor, where it is free: base layers
-are row-independent, so any row chunking gives the same result. It bounds how much other work a
-decode request can find in front of it.
+**Fair sharing between clients.** Among ready groups, the batch is led by the client with the
+smallest virtual start tag (start-time fair queueing on rows): each slice handed out charges its
+client ``rows + REQUEST_CHARGE_ROWS``; a client that becomes busy again starts at the scheduler's
+virtual time, so a client's own backlog only ever delays the client itself: another client's
+request waits for at most the product running when it arrives. A decode request gets
+``decode_share_rows`` of head start (a prefill request half), so decode goes before bulk work -
+but only for a decode-sized share: a client that labels big or endless work ``decode`` spends
+its head start at once and is then served like bulk. Within one client's own queue, its most
+urgent class goes first, except that a request that waited ``aging_ms`` goes first (oldest
+first), so a client's own decode stream cannot starve its own fine-tuning.
 
-Cost per call is O(groups with pending work) plus O(log n) per request handed out (opportunistic
-with predictions: O(groups x clients)); requests are never scanned as a whole, except by ``client_left`` (rare) for the leaving client's own requests.
+**Chunks.** A batch holds at most ``row_budget`` rows; while a client is decoding, the bulk rows
+of a batch (anything but decode requests of a decode-sized share) are further cut to what the
+learned cost model says fits in the decoders' delay budget (``pacing.py``: a multiple
+``decode_slowdown`` of their own time per call, or with ``decode_slo_ms`` the per-call slack of the
+target), never below ``min_chunk_rows``. The rest of a cut request is continued in a later batch.
+This is FlexLLM's token-level fine-tuning (a fine-tuning sequence cut into windows that ride
+along with inference) done at the executor, where it is free: base layers are row-independent, so
+any row chunking gives the same result. With a target, fine-tuning is also paced: while decoders
+are active it may use only ``bulk_share`` of the time, a share that feedback from the decoders'
+measured token times against the target keeps as large as the target allows.
+
+Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
-from dataclasses import asdict, dataclass, field, fields
-from typing import Literal
+from dataclasses import asdict
 
 from symbiosis.executor.arrivals import ArrivalPredictor
+from symbiosis.executor.pacing import CostModel, DecodeGuard
 from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
+from symbiosis.executor.scheduler_config import POLICIES, Policy, SchedulerConfig
+from symbiosis.executor.wait_tuner import WaitTuner
 from symbiosis.vocabulary import LatencyClass, Op
 
-Policy = Literal["immediate", "lockstep", "opportunistic"]
-POLICIES: tuple[str, ...] = ("immediate", "lockstep", "opportunistic")
+__all__ = ["POLICIES", "Policy", "Scheduler", "SchedulerConfig", "REQUEST_CHARGE_ROWS"]
 
-# Latency classes in the order a batch serves them (decode first).
+# Latency classes in the order a client's own queue serves them (decode first).
 _CLASS_ORDER: tuple[LatencyClass, ...] = tuple(sorted(LatencyClass, key=lambda c: c.priority))
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How the base executor batches requests. Each field's ``metadata["help"]`` is the CLI help text."""
-
-    policy: Policy = field(
-        default="opportunistic",
-        metadata=_help(
-            "Batching policy: 'immediate' (serve at once, no lockstep), 'lockstep' (wait for every "
-            "joined client at each layer) or 'opportunistic' (wait briefly, by request size and class)."
-        ),
-    )
-    max_wait_ms: float = field(
-        default=5.0,
-        metadata=_help("Opportunistic: cap on how long any request may be held back to grow a batch (ms)."),
-    )
-    row_budget: int = field(
-        default=4096,
-        metadata=_help("Most rows in one batch; larger requests are split into row chunks across batches."),
-    )
-    lockstep_timeout_ms: float = field(
-        default=50.0,
-        metadata=_help("Lockstep: serve a layer anyway once its oldest request waited this long (ms)."),
-    )
-    aging_ms: float = field(
-        default=20.0,
-        metadata=_help(
-            "A request that waited this long is served before any class priority, oldest first (ms); "
-            "prevents fine-tuning from starving under a steady stream of decode requests. A fine-tuning "
-            "step makes ~2 requests per base layer, so this bounds its queueing per step."
-        ),
-    )
-    decode_base_wait_ms: float = field(
-        default=3.0,
-        metadata=_help("Opportunistic: wait budget of a decode request before its per-row growth (ms)."),
-    )
-    prefill_base_wait_ms: float = field(
-        default=4.0,
-        metadata=_help("Opportunistic: wait budget of a prefill request before its per-row growth (ms)."),
-    )
-    finetune_base_wait_ms: float = field(
-        default=5.0,
-        metadata=_help("Opportunistic: wait budget of a fine-tuning request before its per-row growth (ms)."),
-    )
-    wait_per_row_ms: float = field(
-        default=0.002,
-        metadata=_help(
-            "Opportunistic: how much the wait budget grows per row of the request (ms/row); "
-            "0.002 adds 0.5 ms for 256 rows, 4 ms for 2048 rows."
-        ),
-    )
-
-    predict_arrivals: bool = field(
-        default=True,
-        metadata=_help(
-            "Opportunistic: hold a layer's requests only while another client is on its way to that "
-            "layer (behind it in the same pass and expected within the wait budget, learned from the "
-            "order and pace of each client's requests); off: always hold for the whole wait budget."
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if isinstance(self.row_budget, bool) or not isinstance(self.row_budget, int) or self.row_budget < 1:
-            raise ValueError(f"SchedulerConfig.row_budget must be an integer >= 1, got {self.row_budget!r}")
-        if not isinstance(self.predict_arrivals, bool):
-            raise ValueError(f"SchedulerConfig.predict_arrivals must be a bool, got {self.predict_arrivals!r}")
-        for name in (
-            "max_wait_ms",
-            "lockstep_timeout_ms",
-            "aging_ms",
-            "decode_base_wait_ms",
-            "prefill_base_wait_ms",
-            "finetune_base_wait_ms",
-            "wait_per_row_ms",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"SchedulerConfig.{name} must be a finite number >= 0, got {value!r}")
-        if not self.decode_base_wait_ms <= self.prefill_base_wait_ms <= self.finetune_base_wait_ms:
-            raise ValueError(
-                "SchedulerConfig base waits must satisfy decode <= prefill <= finetune (a small, urgent "
-                f"request should wait least), got decode={self.decode_base_wait_ms}, "
-                f"prefill={self.prefill_base_wait_ms}, finetune={self.finetune_base_wait_ms}"
-            )
-
-    @classmethod
-    def help_texts(cls) -> dict[str, str]:
-        """Field name -> help text, for a CLI that exposes these options."""
-        return {f.name: f.metadata["help"] for f in fields(cls)}
-
-    def base_wait_ms(self, latency_class: LatencyClass) -> float:
-        return {
-            LatencyClass.DECODE: self.decode_base_wait_ms,
-            LatencyClass.PREFILL: self.prefill_base_wait_ms,
-            LatencyClass.FINETUNE: self.finetune_base_wait_ms,
-        }[latency_class]
-
-    def wait_budget_s(self, rows: int, latency_class: LatencyClass) -> float:
-        """How long the opportunistic policy may hold a request back to grow its batch (seconds).
-
-        ``wait_ms = min(max_wait_ms, base_wait_ms[class] + wait_per_row_ms * rows)``
-
-        Why: a request's natural time in the system (client-side attention and adapters, the GEMM
-        itself, the network) grows with its rows and is longer for prefill and fine-tuning steps
-        than for one decode token. Waiting costs a small decode request a large fraction of its
-        latency and a large prefill or fine-tuning request a small one (paper §3.7), so the budget
-        grows with both; ``max_wait_ms`` is the provider's cap on the worst penalty per layer.
-        """
-        wait_ms = self.base_wait_ms(latency_class) + self.wait_per_row_ms * rows
-        return min(self.max_wait_ms, wait_ms) / 1000.0
+# What a slice costs in fair queueing besides its rows: a product's fixed part, so that a stream
+# of 1-row requests is not free next to a client that sends few large ones.
+REQUEST_CHARGE_ROWS = 8
+# A trial of a waiting rule lasts at least this many tokens of the slowest active decoder.
+EPOCH_TOKENS = 3
+# Head start of each class, as a fraction of ``decode_share_rows``.
+_HEAD_START = {LatencyClass.DECODE: 1.0, LatencyClass.PREFILL: 0.5, LatencyClass.FINETUNE: 0.0}
 
 
 class _Entry:
     """A pending request and how many of its rows have been handed out."""
 
-    __slots__ = ("request", "seq", "next_row", "split", "done")
+    __slots__ = ("request", "seq", "next_row", "done", "client", "group", "budget_deadline_s", "head_start")
 
-    def __init__(self, request: PendingRequest, seq: int) -> None:
+    def __init__(
+        self,
+        request: PendingRequest,
+        seq: int,
+        client: _Client,
+        group: _Group,
+        budget_deadline_s: float,
+        head_start: float,
+    ):
         self.request = request
         self.seq = seq  # insertion order: the tie-breaker that makes every decision deterministic
         self.next_row = 0
-        self.split = False  # some rows handed out, the rest still pending
         self.done = False
+        self.client = client
+        self.group = group
+        self.budget_deadline_s = budget_deadline_s  # arrival + its opportunistic wait budget
+        self.head_start = head_start
 
     @property
     def remaining(self) -> int:
         return self.request.rows - self.next_row
 
 
-class _Group:
-    """Pending requests for one ``(layer_id, op)``: one queue per latency class, sorted by arrival."""
+class _Client:
+    """A client's pending requests (in add order) and its virtual start tag (rows)."""
 
-    __slots__ = ("layer_id", "op", "queues", "deadlines", "client_counts", "pending_rows", "started")
+    __slots__ = ("client_id", "entries", "tag")
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self.entries: list[_Entry] = []
+        self.tag = 0.0
+
+
+class _Group:
+    """Pending requests for one ``(layer_id, op)``, in arrival order."""
+
+    __slots__ = ("layer_id", "op", "entries", "client_counts", "pending_rows", "started", "budget_deadline_s")
 
     def __init__(self, layer_id: str, op: Op) -> None:
         self.layer_id = layer_id
         self.op = op
-        self.queues: dict[LatencyClass, deque[_Entry]] = {c: deque() for c in _CLASS_ORDER}
-        # Min-heap of (ready_s, seq, entry); entries of finished or dropped requests are skipped lazily.
-        self.deadlines: list[tuple[float, int, _Entry]] = []
+        self.entries: list[_Entry] = []
         self.client_counts: dict[str, int] = {}
         self.pending_rows = 0
         self.started = 0  # pending requests with some rows already handed out
+        self.budget_deadline_s = math.inf
 
-    def insert(self, entry: _Entry, ready_s: float) -> None:
-        queue = self.queues[entry.request.latency_class]
-        position = len(queue)
+    @property
+    def key(self) -> tuple[str, Op]:
+        return (self.layer_id, self.op)
+
+    def insert(self, entry: _Entry) -> None:
+        position = len(self.entries)
         # Arrivals come almost always in order; walk back only for a late-added earlier arrival.
-        while position > 0 and queue[position - 1].request.arrival_s > entry.request.arrival_s:
+        while position > 0 and self.entries[position - 1].request.arrival_s > entry.request.arrival_s:
             position -= 1
-        queue.insert(position, entry)
-        heapq.heappush(self.deadlines, (ready_s, entry.seq, entry))
+        self.entries.insert(position, entry)
         client = entry.request.client_id
         self.client_counts[client] = self.client_counts.get(client, 0) + 1
         self.pending_rows += entry.request.rows
+        self.budget_deadline_s = min(self.budget_deadline_s, entry.budget_deadline_s)
 
-    def forget(self, entry: _Entry) -> None:
-        """Bookkeeping once ``entry`` left its queue (finished or dropped)."""
+    def remove(self, entry: _Entry) -> None:
+        """Bookkeeping once ``entry`` is finished or dropped."""
         entry.done = True
+        self.entries.remove(entry)
         self.pending_rows -= entry.remaining
-        if entry.split:
+        if entry.next_row > 0 and entry.remaining > 0:
             self.started -= 1
         client = entry.request.client_id
         left = self.client_counts[client] - 1
@@ -231,48 +161,65 @@ class _Group:
             self.client_counts[client] = left
         else:
             del self.client_counts[client]
+        if entry.budget_deadline_s <= self.budget_deadline_s:
+            self.budget_deadline_s = min((e.budget_deadline_s for e in self.entries), default=math.inf)
 
-    def earliest_ready_s(self) -> float:
-        while self.deadlines[0][2].done:
-            heapq.heappop(self.deadlines)
-        return self.deadlines[0][0]
-
-    def heads(self) -> list[_Entry]:
-        return [q[0] for q in self.queues.values() if q]
-
-    def is_empty(self) -> bool:
-        return not self.client_counts
+    def oldest_arrival_s(self) -> float:
+        return self.entries[0].request.arrival_s
 
 
 class Scheduler:
     """Decides which batch the base executor runs next; see the module docstring for the policy.
 
     The executor loop calls ``add`` for each arriving request, then ``next_batch(clock())`` until it
-    returns None, then sleeps until ``next_wakeup`` or a new arrival. Every request is completed by
-    handing out its rows ``[0, rows)`` in increasing, contiguous, non-overlapping slices; a request
-    with 0 rows is handed out once as the empty slice ``[0, 0)``.
+    returns None, then sleeps until ``next_wakeup`` or a new arrival; it reports each product's
+    duration with ``batch_done``. Every request is completed by handing out its rows ``[0, rows)``
+    in increasing, contiguous, non-overlapping slices; a request with 0 rows is handed out once as
+    the empty slice ``[0, 0)``.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._row_budget = config.row_budget
+        self._min_chunk_rows = min(config.min_chunk_rows, config.row_budget)
         self._aging_s = config.aging_ms / 1000.0
         self._lockstep_timeout_s = config.lockstep_timeout_ms / 1000.0
+        self._head_start = {c: f * config.decode_share_rows for c, f in _HEAD_START.items()}
         self._groups: dict[tuple[str, Op], _Group] = {}  # only groups with pending requests
         self._entries: dict[int, _Entry] = {}  # request_id -> pending entry
-        self._by_client: dict[str, dict[int, None]] = {}  # client -> its pending request ids, in add order
+        self._client_state: dict[str, _Client] = {}  # every client that sent a request and has not left
         self._clients: set[str] = set()  # joined clients, explicitly or by sending a request
+        self._virtual = 0.0  # fair queueing's virtual time: the start tag of the last lead served
         self._seq = 0
         self._pending_rows = 0
         self._batches = 0
         self._rows_served = 0
         self._completed = {c.value: 0 for c in _CLASS_ORDER}
         self._dropped = 0
+        self._chunks_cut = 0  # bulk slices cut short by the decoders' delay budget
         self._max_first_wait_s = {c.value: 0.0 for c in _CLASS_ORDER}
         self._sum_first_wait_s = {c.value: 0.0 for c in _CLASS_ORDER}
-        self._ready_reasons = {"deadline": 0, "started": 0, "full": 0, "all_clients": 0, "none_coming": 0, "overdue": 0}
-        self._predict = config.policy == "opportunistic" and config.predict_arrivals
-        self._arrivals = ArrivalPredictor()  # fed always; consulted by opportunistic with predictions
+        self._ready_reasons = {
+            "deadline": 0,
+            "started": 0,
+            "full": 0,
+            "all_clients": 0,
+            "none_coming": 0,
+            "overdue": 0,
+            "not_waiting": 0,
+        }
+        opportunistic = config.policy == "opportunistic"
+        self._tuner = (
+            WaitTuner(config.adapt_epoch_ms / 1000.0) if opportunistic and config.wait_rule == "adaptive" else None
+        )
+        self._fixed_rule = config.wait_rule if opportunistic else config.policy
+        self._arrivals = ArrivalPredictor()  # fed always; consulted by the opportunistic rules
+        self._cost = CostModel()
+        slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
+        self._guard = DecodeGuard(slo_s, config.decode_slowdown)
+        self._convoy_ready: set[_Group] = set()
+        self._bulk_ready_s = -math.inf  # with a target: fine-tuning may lead a batch from then on
+        self._last_bulk: tuple[tuple[str, Op], int] | None = None  # the last batch led by fine-tuning
 
     # ----------------------------------------------------------------------------- clients
 
@@ -283,16 +230,16 @@ class Scheduler:
         """Forget the client and drop its pending requests (partly served ones too); returns their ids."""
         self._clients.discard(client_id)
         self._arrivals.forget(client_id)
-        dropped = list(self._by_client.pop(client_id, {}))
+        self._guard.forget(client_id)
+        state = self._client_state.pop(client_id, None)
+        dropped = [] if state is None else [e.request.request_id for e in state.entries]
         for request_id in dropped:
             entry = self._entries.pop(request_id)
-            key = (entry.request.layer_id, entry.request.op)
-            group = self._groups[key]
-            group.queues[entry.request.latency_class].remove(entry)
+            group = entry.group
             self._pending_rows -= entry.remaining
-            group.forget(entry)
-            if group.is_empty():
-                del self._groups[key]
+            group.remove(entry)
+            if not group.entries:
+                del self._groups[group.key]
         self._dropped += len(dropped)
         return dropped
 
@@ -304,167 +251,261 @@ class Scheduler:
         if request.request_id in self._entries:
             raise ValueError(f"request id {request.request_id} is already pending; ids must be unique")
         self._clients.add(request.client_id)
-        entry = _Entry(request, self._seq)
-        self._seq += 1
+        client = self._client_state.get(request.client_id)
+        if client is None:
+            client = self._client_state[request.client_id] = _Client(request.client_id)
+        if not client.entries:  # busy again: it starts at the current virtual time, never earlier
+            client.tag = max(client.tag, self._virtual)
         key = (request.layer_id, request.op)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(request.layer_id, request.op)
-        group.insert(entry, self._ready_s(request))
-        self._arrivals.arrived(request)
+        budget_deadline_s = request.arrival_s + self.config.wait_budget_s(request.rows, request.latency_class)
+        entry = _Entry(request, self._seq, client, group, budget_deadline_s, self._head_start[request.latency_class])
+        self._seq += 1
+        group.insert(entry)
+        client.entries.append(entry)
         self._entries[request.request_id] = entry
-        self._by_client.setdefault(request.client_id, {})[request.request_id] = None
         self._pending_rows += request.rows
+        position = self._arrivals.arrived(request)
+        self._guard.arrived(
+            request.client_id, request.op, request.latency_class is LatencyClass.DECODE, position, request.arrival_s
+        )
 
-    def _ready_s(self, request: PendingRequest) -> float:
-        """When waiting for more rows stops being worth it for this request alone."""
-        policy = self.config.policy
-        if policy == "immediate":
-            return request.arrival_s
-        if policy == "lockstep":
-            return request.arrival_s + self._lockstep_timeout_s
-        return request.arrival_s + self.config.wait_budget_s(request.rows, request.latency_class)
+    def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
+        """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost."""
+        key = (batch.layer_id, batch.op)
+        self._cost.observe(key, batch.rows, duration_s)
+        if self._last_bulk is not None and self._last_bulk[0] == key:
+            self._bulk_ready_s = now_s + self._guard.bulk_pause_s(duration_s)
+            self._last_bulk = None
 
     # ----------------------------------------------------------------------------- readiness
 
-    def _ready_now_reason(self, group: _Group) -> str | None:
+    def _rule(self) -> str:
+        """The waiting rule in force: the policy's, or the opportunistic one tried or chosen now."""
+        return self._tuner.rule if self._tuner is not None else self._fixed_rule
+
+    def _ready_now_reason(self, group: _Group, rule: str) -> str | None:
         """Why ``group`` is ready regardless of the clock, or None."""
         if group.started:
             return "started"  # its service has begun; holding the rest back gains nothing
-        policy = self.config.policy
-        if policy != "immediate" and len(group.client_counts) >= len(self._clients):
+        if rule == "none":
+            return "not_waiting"
+        if rule != "immediate" and len(group.client_counts) >= len(self._clients):
             return "all_clients"  # no other joined client can add to this group
-        if policy == "opportunistic" and group.pending_rows >= self._row_budget:
+        if rule not in ("immediate", "lockstep") and group.pending_rows >= self._row_budget:
             return "full"
         return None
 
-    def _hold_until_s(self, group: _Group, now_s: float) -> tuple[float, str]:
+    def _hold_until_s(self, group: _Group, now_s: float, rule: str) -> tuple[float, str]:
         """Until when ``group`` may wait without new arrivals, and what ends the wait then."""
-        deadline_s = group.earliest_ready_s()
-        if not self._predict:
-            return deadline_s, "deadline"
+        if rule == "immediate":
+            return group.oldest_arrival_s(), "deadline"
+        if rule == "lockstep":
+            return group.oldest_arrival_s() + self._lockstep_timeout_s, "deadline"
+        if rule == "budget":
+            return group.budget_deadline_s, "deadline"
+        convoy = rule == "convoy"
+        deadline_s = group.oldest_arrival_s() + self._lockstep_timeout_s if convoy else group.budget_deadline_s
+        if self._guard.slo_s is not None:  # with a target, no hold may eat more than the decoders' slack
+            budget_s = self._delay_budget_s(now_s)
+            if budget_s is not None:
+                deadline_s = min(deadline_s, group.oldest_arrival_s() + budget_s)
+        if convoy:
+            if self._convoy_waits_for(group, now_s):
+                return deadline_s, "deadline"
+            return -math.inf, "none_coming"
         latest_s = -math.inf
-        for expected_s, gap_s in self._arrivals.expected(group.layer_id, group.op, group.client_counts, now_s):
-            give_up_s = expected_s + gap_s  # one hop of slack for jitter in its pace
+        for expected_s, gap_s in self._arrivals.expected(
+            group.layer_id, group.op, group.client_counts, now_s, wrap=True
+        ):
             if expected_s <= deadline_s:  # one that arrives later cannot be waited for anyway
-                latest_s = max(latest_s, give_up_s)
+                latest_s = max(latest_s, expected_s + gap_s)  # one gap of slack for jitter in its pace
         if latest_s == -math.inf:
             return -math.inf, "none_coming"
         if latest_s < deadline_s:
             return latest_s, "overdue"
         return deadline_s, "deadline"
 
-    def _ready_reason(self, group: _Group, now_s: float) -> str | None:
-        reason = self._ready_now_reason(group)
+    def _convoy_waits_for(self, group: _Group, now_s: float) -> bool:
+        """Convoy rule: whether a client on its way to ``group``'s layer can come: it is computing
+        its next layer's input (nothing pending), or its pending request is in a group that is
+        ready now. One pending in a group that is itself held cannot come before that group is
+        served, and waiting for it is how a ring of groups would wait for each other. So the
+        clients furthest behind are never held, the ones ahead wait, and the convoy closes up."""
+        for client_id in self._arrivals.walking(
+            group.layer_id, group.op, group.client_counts, now_s, self._lockstep_timeout_s
+        ):
+            client = self._client_state.get(client_id)
+            if client is None or not client.entries:
+                return True  # moving
+            if client.entries[0].group in self._convoy_ready:
+                return True  # will be served now
+        return False
+
+    def _ready_reason(self, group: _Group, now_s: float, rule: str) -> str | None:
+        reason = self._ready_now_reason(group, rule)
         if reason is None:
-            hold_until_s, why = self._hold_until_s(group, now_s)
+            hold_until_s, why = self._hold_until_s(group, now_s, rule)
             if hold_until_s <= now_s:
                 reason = why
         return reason
+
+    # ----------------------------------------------------------------------------- choosing
+
+    def _own_rank(self, entry: _Entry, aged_before_s: float) -> tuple:
+        """Order within one client's queue: aged requests oldest first, then by class, then arrival."""
+        request = entry.request
+        if request.arrival_s <= aged_before_s:
+            return (0, 0, request.arrival_s, entry.seq)
+        return (1, request.latency_class.priority, request.arrival_s, entry.seq)
+
+    def _plan(self, now_s: float) -> tuple[_Entry | None, str, float]:
+        """The request that leads the next batch (None: nothing now), why its group is ready, and
+        otherwise the earliest time something may become ready without new arrivals."""
+        if self._tuner is not None:
+            self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
+        rule = self._rule()
+        ready: dict[_Group, str] = {}
+        wakeup_s = math.inf
+        if rule == "convoy":  # groups served now whatever the convoy does (see _convoy_waits_for)
+            self._convoy_ready = {g for g in self._groups.values() if self._ready_now_reason(g, rule) is not None}
+        for group in self._groups.values():
+            reason = self._ready_now_reason(group, rule)
+            if reason is None:
+                hold_until_s, why = self._hold_until_s(group, now_s, rule)
+                if hold_until_s <= now_s:
+                    reason = why
+                else:
+                    wakeup_s = min(wakeup_s, hold_until_s)
+            if reason is not None:
+                ready[group] = reason
+        if not ready:
+            return None, "", wakeup_s
+        aged_before_s = now_s - self._aging_s
+        paced = now_s < self._bulk_ready_s
+        best: tuple | None = None
+        lead: _Entry | None = None
+        for client in self._client_state.values():
+            candidates = [e for e in client.entries if e.group in ready]
+            if not candidates:
+                continue
+            entry = min(candidates, key=lambda e: self._own_rank(e, aged_before_s))
+            if (
+                paced
+                and entry.request.latency_class is LatencyClass.FINETUNE
+                and self._decoders_active(now_s, client.client_id)
+            ):
+                wakeup_s = min(wakeup_s, self._bulk_ready_s)
+                continue
+            rank = (client.tag - entry.head_start, entry.request.arrival_s, entry.seq)
+            if best is None or rank < best:
+                best, lead = rank, entry
+        if lead is None:
+            return None, "", wakeup_s
+        return lead, ready[lead.group], now_s
+
+    def _decoders_active(self, now_s: float, other_than: str) -> bool:
+        return any(c != other_than for c in self._guard.active(now_s))
+
+    def _delay_budget_s(self, now_s: float, exclude: str | None = None) -> float | None:
+        calls = self._arrivals.pass_length(Op.FORWARD)
+        return self._guard.delay_budget_s(now_s, lambda c: self._arrivals.gap_s(c, Op.FORWARD), calls, exclude)
 
     def next_wakeup(self, now_s: float) -> float | None:
         """Earliest time (never before ``now_s``) at which ``next_batch`` may return a batch without
         new arrivals; None when nothing is pending."""
         if not self._groups:
             return None
-        wakeup = math.inf
-        for group in self._groups.values():
-            if self._ready_now_reason(group) is not None:
-                return now_s
-            wakeup = min(wakeup, self._hold_until_s(group, now_s)[0])
-        return max(now_s, wakeup)
+        lead, _, wakeup_s = self._plan(now_s)
+        return now_s if lead is not None else max(now_s, wakeup_s)
 
     # ----------------------------------------------------------------------------- batching
 
-    def _pick(self, group: _Group, aged_before_s: float) -> _Entry | None:
-        """The next request to serve in ``group``: aged ones oldest first, else by class, then arrival."""
-        oldest: _Entry | None = None
-        for entry in group.heads():
-            if entry.request.arrival_s <= aged_before_s and (
-                oldest is None or (entry.request.arrival_s, entry.seq) < (oldest.request.arrival_s, oldest.seq)
-            ):
-                oldest = entry
-        if oldest is not None:
-            return oldest
-        for queue in group.queues.values():  # in _CLASS_ORDER
-            if queue:
-                return queue[0]
-        return None
-
-    def _group_rank(self, group: _Group, aged_before_s: float) -> tuple:
-        heads = group.heads()
-        oldest = min(heads, key=lambda e: (e.request.arrival_s, e.seq))
-        if oldest.request.arrival_s <= aged_before_s:
-            return (0, 0, oldest.request.arrival_s, oldest.seq)
-        first = next(q[0] for q in group.queues.values() if q)  # highest class present
-        return (1, first.request.latency_class.priority, first.request.arrival_s, first.seq)
-
     def next_batch(self, now_s: float) -> Batch | None:
         """The batch to run now, or None if every group with pending work should keep waiting."""
-        aged_before_s = now_s - self._aging_s
-        best: tuple | None = None
-        best_key: tuple[str, Op] | None = None
-        best_reason = ""
-        for key, group in self._groups.items():
-            reason = self._ready_reason(group, now_s)
-            if reason is None:
-                continue
-            rank = self._group_rank(group, aged_before_s)
-            if best is None or rank < best:
-                best, best_key, best_reason = rank, key, reason
-        if best_key is None:
+        if not self._groups:
             return None
-        self._ready_reasons[best_reason] += 1
-        return self._fill(best_key, now_s, aged_before_s)
+        lead, reason, _ = self._plan(now_s)
+        if lead is None:
+            return None
+        self._ready_reasons[reason] += 1
+        return self._fill(lead, now_s)
 
-    def _fill(self, key: tuple[str, Op], now_s: float, aged_before_s: float) -> Batch:
-        group = self._groups[key]
+    def _is_small_decode(self, entry: _Entry) -> bool:
+        return entry.request.latency_class is LatencyClass.DECODE and entry.remaining <= self.config.decode_share_rows
+
+    def _fill(self, lead: _Entry, now_s: float) -> Batch:
+        group = lead.group
+        aged_before_s = now_s - self._aging_s
+        bulk_limit = self._row_budget
+        budget_s = self._delay_budget_s(now_s)
+        if budget_s is not None:
+            fits = self._cost.rows_within(group.key, budget_s)
+            if fits is not None:
+                bulk_limit = min(self._row_budget, max(self._min_chunk_rows, fits))
+        others = sorted(
+            (e for e in group.entries if e is not lead),
+            key=lambda e: (e.client.tag - e.head_start, self._own_rank(e, aged_before_s)),
+        )
+        self._virtual = max(self._virtual, lead.client.tag)
         slices: list[RowSlice] = []
         rows = 0
-        while True:
-            entry = self._pick(group, aged_before_s)
-            if entry is None:
-                break
+        for entry in [lead, *others]:
+            remaining = entry.remaining
             room = self._row_budget - rows
-            if room == 0 and entry.remaining > 0:
-                break
-            request = entry.request
-            take = min(entry.remaining, room)
-            if entry.next_row == 0:
-                waited = now_s - request.arrival_s
-                cls = request.latency_class.value
-                self._max_first_wait_s[cls] = max(self._max_first_wait_s[cls], waited)
-                self._sum_first_wait_s[cls] += waited
-            slices.append(RowSlice(request.request_id, entry.next_row, entry.next_row + take))
+            if self._is_small_decode(entry):
+                take = min(remaining, room)
+            else:
+                take = min(remaining, room, max(0, bulk_limit - rows))
+                if entry is lead:  # the lead always progresses
+                    take = max(take, min(remaining, room, self._min_chunk_rows))
+                if take < min(remaining, room):
+                    self._chunks_cut += 1 if take > 0 else 0
+            if take == 0 and remaining > 0:
+                continue
+            self._hand_out(entry, take, now_s)
+            slices.append(RowSlice(entry.request.request_id, entry.next_row - take, entry.next_row))
             rows += take
-            self._pending_rows -= take
-            if take == entry.remaining:
-                group.queues[request.latency_class].popleft()
-                entry.next_row += take
-                group.pending_rows -= take
-                self._finish(group, entry, now_s)
-            else:  # split: the rest is continued in a later batch
-                if not entry.split:
-                    entry.split = True
-                    group.started += 1
-                entry.next_row += take
-                group.pending_rows -= take
-                break
-        if group.is_empty():
-            del self._groups[key]
+        if not group.entries:
+            del self._groups[group.key]
+        if lead.request.latency_class is LatencyClass.FINETUNE:
+            self._last_bulk = (group.key, rows)
+            estimate_s = self._cost.duration_s(group.key, rows) or 0.0
+            self._bulk_ready_s = now_s + estimate_s + self._guard.bulk_pause_s(estimate_s)
         self._batches += 1
         self._rows_served += rows
         return Batch(layer_id=group.layer_id, op=group.op, slices=tuple(slices))
 
-    def _finish(self, group: _Group, entry: _Entry, now_s: float) -> None:
+    def _hand_out(self, entry: _Entry, take: int, now_s: float) -> None:
+        request = entry.request
+        group = entry.group
+        if entry.next_row == 0:
+            waited = now_s - request.arrival_s
+            cls = request.latency_class.value
+            self._max_first_wait_s[cls] = max(self._max_first_wait_s[cls], waited)
+            self._sum_first_wait_s[cls] += waited
+            if take < request.rows:
+                group.started += 1
+        entry.client.tag += take + REQUEST_CHARGE_ROWS
+        entry.next_row += take
+        group.pending_rows -= take
+        self._pending_rows -= take
+        if entry.remaining == 0:
+            if request.rows > 0 and entry.next_row > take:  # a split request's last slice
+                group.started -= 1
+            self._finish(entry, now_s)
+
+    def _finish(self, entry: _Entry, now_s: float) -> None:
         request = entry.request
         self._arrivals.handed_out(request, now_s)  # its client's pace is measured from here
-        group.forget(entry)
+        self._guard.handed_out(request.client_id, now_s)
+        if self._tuner is not None:
+            self._tuner.handed_out(request.client_id, 1, request.rows, now_s)
+        entry.group.remove(entry)
+        entry.client.entries.remove(entry)
         del self._entries[request.request_id]
-        client_requests = self._by_client[request.client_id]
-        del client_requests[request.request_id]
-        if not client_requests:
-            del self._by_client[request.client_id]
         self._completed[request.latency_class.value] += 1
 
     # ----------------------------------------------------------------------------- introspection
@@ -478,20 +519,29 @@ class Scheduler:
         ``client_id`` with anything, so the engine may serve it at once without queueing it."""
         return not self._entries and (not self._clients or self._clients == {client_id})
 
-    def served_alone(self, client_id: str, rows: int, latency_class: LatencyClass) -> None:
+    def served_alone(
+        self,
+        client_id: str,
+        rows: int,
+        latency_class: LatencyClass,
+        layer_id: str | None = None,
+        op: Op | None = None,
+        duration_s: float | None = None,
+    ) -> None:
         """Account for a request the engine served at once (see ``alone``) as a batch of its own."""
         self._clients.add(client_id)
         self._batches += 1
         self._rows_served += rows
         self._completed[latency_class.value] += 1
+        if layer_id is not None and op is not None and duration_s is not None:
+            self._cost.observe((layer_id, op), rows, duration_s)
 
     def stats(self) -> dict:
         pending_requests = {c.value: 0 for c in _CLASS_ORDER}
         pending_rows = {c.value: 0 for c in _CLASS_ORDER}
-        for group in self._groups.values():
-            for cls, queue in group.queues.items():
-                pending_requests[cls.value] += len(queue)
-                pending_rows[cls.value] += sum(e.remaining for e in queue)
+        for entry in self._entries.values():
+            pending_requests[entry.request.latency_class.value] += 1
+            pending_rows[entry.request.latency_class.value] += entry.remaining
         return {
             "policy": self.config.policy,
             "config": asdict(self.config),
@@ -506,7 +556,11 @@ class Scheduler:
             "mean_batch_rows": self._rows_served / self._batches if self._batches else 0.0,
             "max_first_wait_ms": {c: s * 1000.0 for c, s in self._max_first_wait_s.items()},
             "mean_first_wait_ms": {
-                c: 1000.0 * s / self._completed[c] if self._completed[c] else 0.0 for c, s in self._sum_first_wait_s.items()
+                c: 1000.0 * s / self._completed[c] if self._completed[c] else 0.0
+                for c, s in self._sum_first_wait_s.items()
             },
             "ready_reasons": dict(self._ready_reasons),
+            "wait_rule": self._tuner.stats() if self._tuner is not None else {"rule": self._fixed_rule},
+            "decode_guard": self._guard.stats(),
+            "chunks_cut_for_decode": self._chunks_cut,
         }

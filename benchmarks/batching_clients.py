@@ -1,0 +1,247 @@
+"""The clients of ``benchmarks.batching``, shared by its two modes (threads of one process, or processes).
+
+- ``InferenceClient``: greedy decoding with a KV cache and its own LoRA adapter; re-prefills a new
+  prompt after ``segment_tokens`` tokens. A decode step (one token per sequence) is what counts.
+- ``FinetuneClient``: LoRA training steps (AdamW) on one fixed batch.
+- ``FloodClient``: ``depth`` threads, each sending ``rows``-row requests for one base layer back to
+  back, labelled with the latency class of its choice: a client that floods the executor.
+
+``run_client`` is a client's whole measured life (warm-up, start together, run until the window's
+end, count what finished inside the window) for either mode; ``summarize_run`` turns the records
+of one run into the per-run figures both modes report.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import peft
+import torch
+
+from benchmarks import common
+from symbiosis.vocabulary import LatencyClass, Op
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ADAPTERS: dict[str, Callable[[], peft.LoraConfig]] = {
+    "lora_r8_q": lambda: peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj"]
+    ),
+    "lora_r64_qkvo": lambda: peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM, r=64, lora_alpha=128, lora_dropout=0.0, target_modules=ATTENTION
+    ),
+    "lora_r16_qkvo": lambda: peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=ATTENTION
+    ),
+}
+FLOOD_LAYER_SUFFIX = "layers.0.self_attn.q_proj"
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    kind: str  # "inference", "finetune" or "flood"
+    adapter: str = "lora_r8_q"
+    batch_size: int = 1  # sequences per step (flood: rows per request)
+    seq_len: int = 0  # fine-tuning tokens per sequence
+    depth: int = 0  # flood: requests kept outstanding
+    label: str = "finetune"  # flood: the latency class it claims
+
+
+@dataclass
+class ClientRecord:
+    spec: ClientSpec
+    step_s: list[float] = field(default_factory=list)  # steps that finished inside the window
+    tokens: int = 0  # tokens (flood: rows) of the steps that finished inside the window
+    error: BaseException | None = None
+
+
+class InferenceClient:
+    """Greedy decoding with a KV cache; re-prefills a new prompt after ``segment_tokens`` tokens."""
+
+    def __init__(self, model, spec: ClientSpec, prompt_len: int, segment_tokens: int, seed: int):
+        self.model, self.spec = model, spec
+        self.prompt_len, self.segment_tokens = prompt_len, segment_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self.vocab = model.config.vocab_size
+        self.generated = segment_tokens  # forces a prefill first
+
+    def step(self) -> bool:
+        """Advance one step; True when it was a decode step (one new token per sequence)."""
+        with torch.no_grad():
+            if self.generated >= self.segment_tokens:
+                prompt = torch.randint(0, self.vocab, (self.spec.batch_size, self.prompt_len), generator=self.generator)
+                out = self.model(input_ids=prompt, use_cache=True)
+                self.generated, decoded = 0, False
+            else:
+                out = self.model(input_ids=self.next_tokens, past_key_values=self.cache, use_cache=True)
+                self.generated, decoded = self.generated + 1, True
+        self.cache = out.past_key_values
+        self.next_tokens = out.logits[:, -1:].argmax(-1)
+        return decoded
+
+
+class FinetuneClient:
+    def __init__(self, model, spec: ClientSpec, seed: int):
+        self.model, self.spec = model, spec
+        generator = torch.Generator().manual_seed(seed)
+        self.batch = torch.randint(0, model.config.vocab_size, (spec.batch_size, spec.seq_len), generator=generator)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(self) -> bool:
+        loss = self.model(input_ids=self.batch, labels=self.batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+
+class FloodClient:
+    """``depth`` threads sending ``rows``-row forward requests for one base layer, back to back."""
+
+    def __init__(self, transport, spec: ClientSpec, seed: int):
+        self.transport, self.spec = transport, spec
+        specs = transport.layer_specs()
+        self.layer_id = next(layer for layer in specs if layer.endswith(FLOOD_LAYER_SUFFIX))
+        width = specs[self.layer_id].in_features
+        self.rows = torch.randn(spec.batch_size, width, generator=torch.Generator().manual_seed(seed))
+        self.latency_class = LatencyClass(spec.label)
+        self.stop = threading.Event()
+        self.end_s = float("inf")
+        self.done_rows = 0
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self.error: BaseException | None = None
+
+    def step(self) -> bool:  # warm-up: one request
+        self.transport.call(self.layer_id, Op.FORWARD, self.rows[:16], self.latency_class)
+        return True
+
+    def start(self, end_s: float) -> None:
+        self.end_s = end_s
+        self._threads = [
+            threading.Thread(target=self._send, name=f"flood-{i}", daemon=True) for i in range(self.spec.depth)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _send(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.transport.call(self.layer_id, Op.FORWARD, self.rows, self.latency_class)
+                if time.perf_counter() <= self.end_s:
+                    with self._lock:
+                        self.done_rows += self.rows.shape[0]
+        except BaseException as exc:  # reported by the caller
+            if not self.stop.is_set():
+                self.error = exc
+
+    def finish(self) -> int:
+        """Stop sending; the rows completed inside the window."""
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+        if self.error is not None:
+            raise self.error
+        return self.done_rows
+
+
+def make_client(path, target, spec: ClientSpec, seed: int, prompt_len: int, segment_tokens: int):
+    """A client of ``spec`` against ``target`` (an executor or an address); returns it and its closer."""
+    import symbiosis
+
+    base = symbiosis.load_client_model(path, executor=target)
+    transport = base.symbiosis_transport
+    if spec.kind == "flood":
+        return FloodClient(transport, spec, seed), transport.close
+    model = peft.get_peft_model(base, ADAPTERS[spec.adapter]())
+    if spec.kind == "inference":
+        model.eval()
+        return InferenceClient(model, spec, prompt_len, segment_tokens, seed=seed), transport.close
+    model.train()
+    return FinetuneClient(model, spec, seed=seed), transport.close
+
+
+def warm_up(client, spec: ClientSpec, seconds: float) -> None:
+    """A few steps (prefill and 2 decode steps, or 1 training step), then more until ``seconds``
+    have passed, so that the window measures a steady state: the executor has learned the
+    clients' order and pace, and an adaptive policy its rule (the same warm-up for every policy).
+    A flood sends one small request and starts flooding with the window."""
+    started = time.perf_counter()
+    for _ in range(3 if spec.kind == "inference" else 1):
+        client.step()
+    while spec.kind != "flood" and time.perf_counter() - started < seconds:
+        client.step()
+
+
+def run_measured(client, record: ClientRecord, end_s: float, stop: Callable[[], bool]) -> None:
+    """Step ``client`` until ``stop()``; count what finished by ``end_s`` into ``record``."""
+    if isinstance(client, FloodClient):
+        client.start(end_s)
+        while not stop():
+            time.sleep(0.01)
+        record.tokens = client.finish()
+        return
+    tokens_per_step = record.spec.batch_size * max(1, record.spec.seq_len)
+    while not stop():
+        started = time.perf_counter()
+        counted = client.step()
+        finished = time.perf_counter()
+        if counted and finished <= end_s:
+            record.step_s.append(finished - started)
+            record.tokens += tokens_per_step
+
+
+def counters_from_stats(stats: dict) -> dict:
+    """The scheduler counters a run reads at its window's start and end."""
+    return {
+        "batches": stats["batches"],
+        "rows": stats["rows_served"],
+        "mean_first_wait_ms": stats["mean_first_wait_ms"],
+        "ready_reasons": stats["ready_reasons"],
+        "wait_rule": stats.get("wait_rule"),
+        "decode_guard": stats.get("decode_guard"),
+        "chunks_cut_for_decode": stats.get("chunks_cut_for_decode"),
+    }
+
+
+def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: float, have_stats: bool) -> dict:
+    inference = [r for r in records if r.spec.kind == "inference"]
+    finetune = [r for r in records if r.spec.kind == "finetune"]
+    flood = [r for r in records if r.spec.kind == "flood"]
+    latencies = [s for r in inference for s in r.step_s]
+    batches = counters["end"]["batches"] - counters["start"]["batches"]
+    rows = counters["end"]["rows"] - counters["start"]["rows"]
+    end = counters["end"] if have_stats else {}
+    return {
+        "tokens_per_s": sum(r.tokens for r in inference) / window_s if inference else None,
+        "latency_ms_mean": 1e3 * statistics.fmean(latencies) if latencies else None,
+        "latency_ms_median": 1e3 * statistics.median(latencies) if latencies else None,
+        "latency_ms_p95": 1e3 * common.percentile(latencies, 95) if latencies else None,
+        "finetune_tokens_per_s": sum(r.tokens for r in finetune) / window_s if finetune else None,
+        "finetune_step_ms_median": 1e3 * statistics.median([s for r in finetune for s in r.step_s])
+        if any(r.step_s for r in finetune)
+        else None,
+        "flood_rows_per_s": sum(r.tokens for r in flood) / window_s if flood else None,
+        "mean_rows_per_batch": rows / batches if have_stats and batches else None,
+        "batches": batches if have_stats else None,
+        # Time from arrival to first rows handed out, per latency class (whole run, warm-up included).
+        "mean_first_wait_ms": end.get("mean_first_wait_ms"),
+        "ready_reasons": end.get("ready_reasons"),
+        "wait_rule": end.get("wait_rule"),
+        "decode_guard": end.get("decode_guard"),
+        "chunks_cut_for_decode": end.get("chunks_cut_for_decode"),
+        "per_client": [
+            {
+                "kind": r.spec.kind,
+                "adapter": r.spec.adapter,
+                "batch_size": r.spec.batch_size,
+                "steps": len(r.step_s),
+                "step_ms_mean": 1e3 * statistics.fmean(r.step_s) if r.step_s else None,
+                "step_ms_p95": 1e3 * common.percentile(r.step_s, 95) if r.step_s else None,
+            }
+            for r in records
+        ],
+    }

@@ -1,0 +1,216 @@
+"""How long products take, who is decoding, and how much a product may delay them (pure bookkeeping).
+
+Two pieces the scheduler asks before it cuts a chunk of bulk rows (fine-tuning, prefill, or a
+request labelled decode that is larger than a decode-sized share):
+
+- ``CostModel`` learns ``duration = fixed + per_row * rows`` for each ``(layer, op)`` from the
+  durations the engine reports (decayed least squares), and answers the inverse: how many rows
+  fit in a time budget. This is FlexLLM's latency estimate ``f(c, s)``, learned online instead of
+  profiled in advance, so it follows the machine's load.
+- ``DecodeGuard`` follows the clients that are decoding (their last request was a forward
+  request of class ``decode``): their pace per layer call (from ``ArrivalPredictor``), the time of
+  each token (arrival of one pass's first layer to the next), and from those the *delay budget*:
+  how long one product may delay one of their layer calls.
+
+  - With a per-token target (``decode_slo_ms``): a decoder walking ``n`` layer calls per token,
+    each taking ``gap`` of its own, meets the target if no call waits more than
+    ``slo / n - gap``; that is the budget (the smallest over active decoders). What the budget
+    cannot see (several decoders queueing at once, CPU shared with the fine-tuning clients'
+    own work) is closed by feedback on ``bulk_share``, the fraction of time fine-tuning may use
+    while decoders are active: every decoded token over the target multiplies it by
+    ``MISS_FACTOR``, every token within it by ``HIT_FACTOR``, chosen so that the share settles
+    where 1 token in 20 misses (the target is met at p95: ``HIT_FACTOR ** 19 * MISS_FACTOR == 1``).
+    It never goes below ``MIN_BULK_SHARE``, so fine-tuning always progresses.
+  - Without a target: ``decode_slowdown`` times the decoder's own time per call.
+
+  No active decoder: no budget (bulk rows go in chunks of ``row_budget``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from symbiosis.vocabulary import Op
+
+# Decay of the cost fit per observed product: the last ~20 products of a layer dominate.
+COST_DECAY = 0.95
+# A decoder counts as active while its last event is this recent, or two of its tokens' time.
+ACTIVE_HORIZON_S = 0.05
+TOKEN_EWMA_WEIGHT = 0.2
+MIN_BULK_SHARE = 0.05
+MISS_FACTOR = 0.8
+HIT_FACTOR = MISS_FACTOR ** (-1.0 / 19.0)  # 19 hits undo one miss: the share settles at 5% misses (p95)
+
+
+class _Fit:
+    """Exponentially weighted sums for a least-squares line ``duration = a + b * rows``."""
+
+    __slots__ = ("w", "x", "y", "xx", "xy")
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, rows: float, duration_s: float) -> None:
+        d = COST_DECAY
+        self.w = d * self.w + 1.0
+        self.x = d * self.x + rows
+        self.y = d * self.y + duration_s
+        self.xx = d * self.xx + rows * rows
+        self.xy = d * self.xy + rows * duration_s
+
+    def line(self) -> tuple[float, float]:
+        """``(fixed_s, per_row_s)``; through the origin when the rows seen do not vary enough."""
+        spread = self.w * self.xx - self.x * self.x
+        if spread > 1e-9 * max(1.0, self.w * self.xx):
+            per_row = (self.w * self.xy - self.x * self.y) / spread
+            fixed = (self.y - per_row * self.x) / self.w
+            if per_row > 0 and fixed >= 0:
+                return fixed, per_row
+        return 0.0, (self.y / self.x if self.x > 0 else 0.0)
+
+
+class CostModel:
+    """Learned product durations per ``(layer_id, op)``."""
+
+    def __init__(self) -> None:
+        self._fits: dict[tuple[str, Op], _Fit] = {}
+
+    def observe(self, key: tuple[str, Op], rows: int, duration_s: float) -> None:
+        if rows > 0 and duration_s >= 0 and math.isfinite(duration_s):
+            self._fits.setdefault(key, _Fit()).add(float(rows), duration_s)
+
+    def line(self, key: tuple[str, Op]) -> tuple[float, float] | None:
+        """``(fixed_s, per_row_s)`` of ``key``; for a layer never measured, the most expensive per-row
+        cost of those that were (a conservative guess); None before any measurement."""
+        fit = self._fits.get(key)
+        if fit is not None:
+            return fit.line()
+        if not self._fits:
+            return None
+        return max((f.line() for f in self._fits.values()), key=lambda line: line[1])
+
+    def rows_within(self, key: tuple[str, Op], budget_s: float) -> int | None:
+        """Most rows a product of ``key`` can take and still end within ``budget_s``; None if unknown."""
+        line = self.line(key)
+        if line is None or line[1] <= 0:
+            return None
+        fixed_s, per_row_s = line
+        return max(0, int((budget_s - fixed_s) / per_row_s))
+
+    def duration_s(self, key: tuple[str, Op], rows: int) -> float | None:
+        line = self.line(key)
+        return None if line is None else line[0] + line[1] * rows
+
+
+class _Decoder:
+    __slots__ = ("last_event_s", "pass_start_s", "pass_position", "token_s", "token_dev_s", "decoding")
+
+    def __init__(self) -> None:
+        self.last_event_s = -math.inf
+        self.pass_start_s: float | None = None
+        self.pass_position = -1
+        self.token_s: float | None = None
+        self.token_dev_s = 0.0
+        self.decoding = False  # its last forward request was class decode
+
+
+class DecodeGuard:
+    """Who is decoding now, at what pace, and how long a product may delay them (see module doc)."""
+
+    def __init__(self, slo_s: float | None, slowdown: float) -> None:
+        self.slo_s = slo_s
+        self.slowdown = slowdown
+        self.bulk_share = 1.0
+        self.tokens_seen = 0
+        self.slo_misses = 0  # token samples whose rough p95 was over the target
+        self._decoders: dict[str, _Decoder] = {}
+
+    # ---- events ---------------------------------------------------------------------------------
+
+    def arrived(self, client_id: str, op: Op, is_decode: bool, position: int, arrival_s: float) -> None:
+        decoder = self._decoders.get(client_id)
+        if op is not Op.FORWARD:
+            if decoder is not None:
+                decoder.decoding = False  # in backward: a fine-tuning client, not a decoder
+            return
+        if decoder is None:
+            if not is_decode:
+                return
+            decoder = self._decoders[client_id] = _Decoder()
+        decoder.last_event_s = arrival_s
+        if position <= decoder.pass_position or decoder.pass_start_s is None:  # a new pass (token) starts
+            if is_decode and decoder.decoding and decoder.pass_start_s is not None:
+                self._token(decoder, arrival_s - decoder.pass_start_s)
+            decoder.pass_start_s = arrival_s
+        decoder.pass_position = position
+        decoder.decoding = is_decode
+
+    def handed_out(self, client_id: str, now_s: float) -> None:
+        decoder = self._decoders.get(client_id)
+        if decoder is not None:
+            decoder.last_event_s = now_s
+
+    def forget(self, client_id: str) -> None:
+        self._decoders.pop(client_id, None)
+
+    def _token(self, decoder: _Decoder, token_s: float) -> None:
+        if decoder.token_s is None:
+            decoder.token_s = token_s
+        else:
+            deviation = abs(token_s - decoder.token_s)
+            decoder.token_s += TOKEN_EWMA_WEIGHT * (token_s - decoder.token_s)
+            decoder.token_dev_s += TOKEN_EWMA_WEIGHT * (deviation - decoder.token_dev_s)
+        self.tokens_seen += 1
+        if self.slo_s is None:
+            return
+        if token_s > self.slo_s:
+            self.slo_misses += 1
+            self.bulk_share = max(MIN_BULK_SHARE, self.bulk_share * MISS_FACTOR)
+        else:
+            self.bulk_share = min(1.0, self.bulk_share * HIT_FACTOR)
+
+    # ---- questions ------------------------------------------------------------------------------
+
+    def active(self, now_s: float) -> list[str]:
+        """Clients decoding now (their last forward request was decode, and recent)."""
+        return [
+            client_id
+            for client_id, d in self._decoders.items()
+            if d.decoding and now_s - d.last_event_s <= max(ACTIVE_HORIZON_S, 2.0 * (d.token_s or 0.0))
+        ]
+
+    def longest_token_s(self, now_s: float) -> float:
+        """The longest token time (EWMA) among active decoders; 0 if none is known."""
+        return max((self._decoders[c].token_s or 0.0 for c in self.active(now_s)), default=0.0)
+
+    def delay_budget_s(self, now_s: float, gap_of, calls_per_token: int, exclude: str | None = None) -> float | None:
+        """How long one product may delay an active decoder's layer call (seconds); None when no
+        decoder (other than ``exclude``) is active or none has a measured pace yet.
+        ``gap_of(client_id)``: the client's own time per layer call (or None)."""
+        budget = math.inf
+        for client_id in self.active(now_s):
+            if client_id == exclude:
+                continue
+            gap_s = gap_of(client_id)
+            if gap_s is None:
+                continue
+            if self.slo_s is None:
+                budget = min(budget, self.slowdown * gap_s)
+            else:
+                budget = min(budget, self.slo_s / max(1, calls_per_token) - gap_s)
+        return None if budget == math.inf else max(0.0, budget)
+
+    def bulk_pause_s(self, bulk_duration_s: float) -> float:
+        """After ``bulk_duration_s`` of fine-tuning work, how long fine-tuning waits (decoders active)."""
+        return bulk_duration_s * (1.0 - self.bulk_share) / self.bulk_share
+
+    def stats(self) -> dict:
+        tokens = [d.token_s for d in self._decoders.values() if d.token_s is not None]
+        return {
+            "decode_slo_ms": None if self.slo_s is None else 1e3 * self.slo_s,
+            "decoders_tracked": len(self._decoders),
+            "bulk_share": self.bulk_share,
+            "token_samples": self.tokens_seen,
+            "token_samples_over_slo": self.slo_misses,
+            "token_ms_ewma_max": 1e3 * max(tokens) if tokens else None,
+        }

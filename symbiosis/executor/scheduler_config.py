@@ -1,0 +1,193 @@
+"""``SchedulerConfig``: every knob of the batching scheduler, validated, with the help text the CLI shows.
+
+The scheduler itself is in ``scheduler.py`` (which re-exports these names); this file only says
+what each knob means and which values are allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from symbiosis.vocabulary import LatencyClass
+
+Policy = Literal["immediate", "lockstep", "opportunistic"]
+POLICIES: tuple[str, ...] = ("immediate", "lockstep", "opportunistic")
+WaitRule = Literal["adaptive", "none", "predicted", "convoy", "budget"]
+WAIT_RULES: tuple[str, ...] = ("adaptive", "none", "predicted", "convoy", "budget")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the base executor batches and shares its products. Each field's ``metadata["help"]`` is the CLI help text."""
+
+    policy: Policy = field(
+        default="opportunistic",
+        metadata=_help(
+            "Batching policy: 'immediate' (serve at once, no lockstep), 'lockstep' (wait for every "
+            "joined client at each layer) or 'opportunistic' (wait only where waiting pays; see --wait-rule)."
+        ),
+    )
+    max_wait_ms: float = field(
+        default=5.0,
+        metadata=_help(
+            "Opportunistic: cap on how long a request may be held back to grow a batch (ms), except by the "
+            "'convoy' rule (see --lockstep-timeout-ms)."
+        ),
+    )
+    row_budget: int = field(
+        default=4096,
+        metadata=_help("Most rows in one batch; larger requests are split into row chunks across batches."),
+    )
+    lockstep_timeout_ms: float = field(
+        default=50.0,
+        metadata=_help(
+            "Lockstep: serve a layer anyway once its oldest request waited this long (ms). Also the cap of "
+            "the opportunistic 'convoy' trial (wait for every client on its way to the layer)."
+        ),
+    )
+    aging_ms: float = field(
+        default=20.0,
+        metadata=_help(
+            "Within one client's own queue, a request that waited this long goes before the client's "
+            "more urgent classes (ms), so a client's fine-tuning is not starved by its own decode stream. "
+            "Between clients, fair sharing decides (see --decode-share-rows)."
+        ),
+    )
+    decode_base_wait_ms: float = field(
+        default=3.0,
+        metadata=_help("Opportunistic: wait budget of a decode request before its per-row growth (ms)."),
+    )
+    prefill_base_wait_ms: float = field(
+        default=4.0,
+        metadata=_help("Opportunistic: wait budget of a prefill request before its per-row growth (ms)."),
+    )
+    finetune_base_wait_ms: float = field(
+        default=5.0,
+        metadata=_help("Opportunistic: wait budget of a fine-tuning request before its per-row growth (ms)."),
+    )
+    wait_per_row_ms: float = field(
+        default=0.002,
+        metadata=_help(
+            "Opportunistic: how much the wait budget grows per row of the request (ms/row); "
+            "0.002 adds 0.5 ms for 256 rows, 4 ms for 2048 rows."
+        ),
+    )
+    wait_rule: WaitRule = field(
+        default="adaptive",
+        metadata=_help(
+            "Opportunistic: which waiting for other clients' rows pays. 'adaptive' (default) keeps trying "
+            "'none', 'predicted' and 'convoy', measuring requests and rows served per second under each, and "
+            "uses the best (re-tried periodically); or one of them fixed: 'none' (serve at once), 'predicted' "
+            "(hold for clients predicted to arrive within the wait budget, learned from each client's order "
+            "and pace), 'convoy' (hold for every client on its way to the layer, up to --lockstep-timeout-ms), "
+            "'budget' (hold for the whole wait budget: the paper's rule)."
+        ),
+    )
+    adapt_epoch_ms: float = field(
+        default=200.0,
+        metadata=_help(
+            "Opportunistic with --wait-rule adaptive: how long one trial of a waiting rule lasts at least (ms)."
+        ),
+    )
+    decode_slo_ms: float | None = field(
+        default=None,
+        metadata=_help(
+            "Per-token latency target of decode clients (ms), FlexLLM-style co-serving: fine-tuning and other "
+            "bulk rows are cut into chunks short enough, and paced, so that active decode clients meet it; "
+            "bulk work gets every moment the target leaves free. Unset: no target (see --decode-slowdown)."
+        ),
+    )
+    decode_slowdown: float = field(
+        default=1.0,
+        metadata=_help(
+            "Without --decode-slo-ms: the longest one product may delay an active decode client's layer call, "
+            "as a multiple of that client's own time per call (learned); bulk rows are cut into chunks that "
+            "fit. 1.0 bounds a decode step at about twice its time alone in the worst case."
+        ),
+    )
+    decode_share_rows: int = field(
+        default=256,
+        metadata=_help(
+            "Fair sharing between clients is by rows served (start-time fair queueing); a decode request gets "
+            "this many rows of head start over other clients, a prefill request half of it. A client that "
+            "labels large or endless work 'decode' spends its head start at once and is served as bulk."
+        ),
+    )
+    min_chunk_rows: int = field(
+        default=16,
+        metadata=_help(
+            "Smallest row chunk bulk work is cut to, however tight the decode latency target; it is how "
+            "fine-tuning keeps progressing when the target leaves almost nothing (capped by --row-budget)."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        for name, least in (("row_budget", 1), ("decode_share_rows", 0), ("min_chunk_rows", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"SchedulerConfig.{name} must be an integer >= {least}, got {value!r}")
+        if self.wait_rule not in WAIT_RULES:
+            raise ValueError(f"SchedulerConfig.wait_rule must be one of {WAIT_RULES}, got {self.wait_rule!r}")
+        for name in (
+            "max_wait_ms",
+            "lockstep_timeout_ms",
+            "aging_ms",
+            "decode_base_wait_ms",
+            "prefill_base_wait_ms",
+            "finetune_base_wait_ms",
+            "wait_per_row_ms",
+            "decode_slowdown",
+        ):
+            _check_non_negative(name, getattr(self, name))
+        _check_non_negative("adapt_epoch_ms", self.adapt_epoch_ms)
+        if self.adapt_epoch_ms == 0:
+            raise ValueError("SchedulerConfig.adapt_epoch_ms must be > 0")
+        if self.decode_slo_ms is not None:
+            _check_non_negative("decode_slo_ms", self.decode_slo_ms)
+            if self.decode_slo_ms == 0:
+                raise ValueError("SchedulerConfig.decode_slo_ms must be > 0 (or None for no target)")
+        if not self.decode_base_wait_ms <= self.prefill_base_wait_ms <= self.finetune_base_wait_ms:
+            raise ValueError(
+                "SchedulerConfig base waits must satisfy decode <= prefill <= finetune (a small, urgent "
+                f"request should wait least), got decode={self.decode_base_wait_ms}, "
+                f"prefill={self.prefill_base_wait_ms}, finetune={self.finetune_base_wait_ms}"
+            )
+
+    @classmethod
+    def help_texts(cls) -> dict[str, str]:
+        """Field name -> help text, for a CLI that exposes these options."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
+
+    def base_wait_ms(self, latency_class: LatencyClass) -> float:
+        return {
+            LatencyClass.DECODE: self.decode_base_wait_ms,
+            LatencyClass.PREFILL: self.prefill_base_wait_ms,
+            LatencyClass.FINETUNE: self.finetune_base_wait_ms,
+        }[latency_class]
+
+    def wait_budget_s(self, rows: int, latency_class: LatencyClass) -> float:
+        """How long the opportunistic policy may hold a request back to grow its batch (seconds).
+
+        ``wait_ms = min(max_wait_ms, base_wait_ms[class] + wait_per_row_ms * rows)``
+
+        Why: a request's natural time in the system (client-side attention and adapters, the GEMM
+        itself, the network) grows with its rows and is longer for prefill and fine-tuning steps
+        than for one decode token. Waiting costs a small decode request a large fraction of its
+        latency and a large prefill or fine-tuning request a small one (paper §3.7), so the budget
+        grows with both; ``max_wait_ms`` is the provider's cap on the worst penalty per layer.
+        """
+        wait_ms = self.base_wait_ms(latency_class) + self.wait_per_row_ms * rows
+        return min(self.max_wait_ms, wait_ms) / 1000.0
+
+
+def _check_non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"SchedulerConfig.{name} must be a finite number >= 0, got {value!r}")

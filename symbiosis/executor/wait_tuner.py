@@ -1,0 +1,144 @@
+"""Which waiting pays here: a small online experiment the opportunistic scheduler runs all the time.
+
+Holding a layer's requests back to batch them with a client that is on its way saves a product;
+it pays when the executor (or the CPU it shares with its clients) is the bottleneck, and costs
+latency when it is not. Which one holds depends on where the clients run (see README): client
+threads in one process take turns on one interpreter lock, client processes on one host share
+the cores, remote clients share nothing but the executor. So instead of guessing, the scheduler
+tries three waiting *rules* in turn and keeps the one that serves most:
+
+- ``none``: serve at once (the immediate policy);
+- ``predicted``: hold only for clients predicted to arrive within the request's wait budget;
+- ``convoy``: hold for every client on its way to the layer (the lockstep idea, for clients that
+  walk the same op and can come), up to ``lockstep_timeout_ms``.
+
+A trial (*epoch*) lasts ``adapt_epoch_ms``, or three of the slowest active decoder's tokens if
+that is longer (a rule needs a few passes to show: a convoy forms over one). Its score is
+``log(requests/s)`` over the epoch after its first quarter (the settling of the previous rule's
+convoys): for a closed loop of clients, requests per second is the inverse of their mean step
+time, and in a steady state proportional to their rows (tokens) per second too. (Rows per second
+is not scored: it swings five-fold between a prefill phase and decoding, which would credit
+whichever rule ran during a prefill.) An epoch counts only if two clients or more were served in
+it (alone, nothing can be batched) and it did not overrun (an idle executor says nothing about a rule).
+
+Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
+throughput by tens of percent within seconds, more than the rules differ, so a rule's average
+over time says more about when it ran than about the rule. Each counted epoch that follows an
+epoch of another rule moves the two rules' ratings apart by ``PAIR_WEIGHT`` of the surprise
+(observed score difference minus rated difference; an Elo rating), so slow drifts cancel.
+
+The first three epochs try each rule once; after that the rule in use changes only when another
+is rated better by ``SWITCH_MARGIN`` (x1.08: a difference smaller than that is the noise of a
+shared machine, and every switch costs a settling), and every ``EXPLORE_EVERY``-th epoch tries
+the one least recently tried, so the choice follows a change of load or clients. A rule rated
+clearly worse than the best (by more than ``CLEARLY_WORSE``, about x0.8 in requests per second)
+is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs every
+client a slow epoch, which is what a p95 latency sees first.
+"""
+
+from __future__ import annotations
+
+import math
+
+RULES: tuple[str, ...] = ("none", "predicted", "convoy")
+FIRST_TRIALS: tuple[str, ...] = ("convoy", "none", "predicted")
+EXPLORE_EVERY = 5
+RARE_FACTOR = 4
+CLEARLY_WORSE = math.log(1.25)
+SWITCH_MARGIN = math.log(1.08)
+PAIR_WEIGHT = 0.4
+SETTLE_FRACTION = 0.25
+MIN_REQUESTS = 8
+HISTORY = 40
+
+
+class WaitTuner:
+    """Runs the trials and says which waiting rule is in force (see module doc)."""
+
+    def __init__(self, epoch_s: float, start_s: float | None = None) -> None:
+        self.epoch_s = epoch_s
+        self.rule = FIRST_TRIALS[0]
+        self.ratings: dict[str, float] = {}  # relative, from adjacent epochs; only rules tried
+        self.chosen: str | None = None  # the rule used between trials
+        self.epochs = 0  # epochs that counted
+        self.trials = {rule: 0 for rule in RULES}
+        self.history: list[tuple[str, int, int]] = []  # the last epochs: (rule, requests/s, rows/s)
+        self._last_tried = {rule: -1 for rule in RULES}
+        self._previous: tuple[str, float] | None = None  # (rule, score) of the last counted epoch
+        self._start_s = start_s
+        self._epoch_s = epoch_s
+        self._requests = 0
+        self._rows = 0
+        self._clients: set[str] = set()
+
+    def handed_out(self, client_id: str, requests: int, rows: int, now_s: float) -> None:
+        """``requests`` requests (``rows`` rows) of ``client_id`` were completed at ``now_s``."""
+        if self._start_s is None:
+            self._start_s = now_s
+        if now_s >= self._start_s + SETTLE_FRACTION * self._epoch_s:
+            self._requests += requests
+            self._rows += rows
+            self._clients.add(client_id)
+
+    def tick(self, now_s: float, min_epoch_s: float = 0.0) -> None:
+        """End the epoch if it is due, score it, and pick the next rule. ``min_epoch_s``: the epoch
+        lasts at least this long (a few of the clients' steps, so a rule has time to show)."""
+        if self._start_s is None:
+            self._start_s = now_s
+            return
+        self._epoch_s = max(self.epoch_s, min_epoch_s)
+        elapsed_s = now_s - self._start_s
+        if elapsed_s < self._epoch_s:
+            return
+        scored_s = elapsed_s - SETTLE_FRACTION * self._epoch_s
+        if elapsed_s <= 2.0 * self._epoch_s and len(self._clients) >= 2 and self._requests >= MIN_REQUESTS:
+            score = math.log(self._requests / scored_s)
+            self._rate(score)
+            self.history.append((self.rule, round(self._requests / scored_s), round(self._rows / scored_s)))
+            del self.history[:-HISTORY]
+            self.trials[self.rule] += 1
+            self._last_tried[self.rule] = self.epochs
+            self.epochs += 1
+            self.rule = self._next_rule()
+        else:
+            self._previous = None  # what follows an epoch that said nothing is not compared with it
+        self._start_s, self._requests, self._rows = now_s, 0, 0
+        self._clients.clear()
+
+    def _rate(self, score: float) -> None:
+        rule = self.rule
+        self.ratings.setdefault(rule, 0.0 if not self.ratings else max(self.ratings.values()))
+        if self._previous is not None and self._previous[0] != rule:
+            other, other_score = self._previous
+            surprise = (score - other_score) - (self.ratings[rule] - self.ratings[other])
+            self.ratings[rule] += PAIR_WEIGHT * surprise / 2
+            self.ratings[other] -= PAIR_WEIGHT * surprise / 2
+        self._previous = (rule, score)
+
+    def _next_rule(self) -> str:
+        if self.epochs < len(FIRST_TRIALS):
+            return FIRST_TRIALS[self.epochs]
+        top = max(self.ratings, key=self.ratings.__getitem__)
+        if self.chosen is None or self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
+            self.chosen = top
+        best = self.chosen
+        if self.epochs % EXPLORE_EVERY == 0:
+            rare = self.epochs % (EXPLORE_EVERY * RARE_FACTOR) == 0
+            others = [
+                rule
+                for rule in RULES
+                if rule != best and (rare or self.ratings.get(rule, math.inf) >= self.ratings[best] - CLEARLY_WORSE)
+            ]
+            if others:
+                return min(others, key=self._last_tried.__getitem__)
+        return best
+
+    def stats(self) -> dict:
+        return {
+            "rule": self.rule,
+            "chosen": self.chosen,
+            "epochs": self.epochs,
+            "trials": dict(self.trials),
+            "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
+            "history": [list(entry) for entry in self.history],
+        }

@@ -1,0 +1,44 @@
+"""Smoke test of ``benchmarks.batching --quick``: it runs every scenario and writes the documented JSON.
+
+Numbers are not checked (timings on a shared machine); the shape of the result is, since the
+report (``benchmarks/report.py``) and the plot read these keys.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import batching, report
+
+SUMMARY_KEYS = {"inference", "mixed", "flood", "targets", "load_average_1min_start_end", "clients_as", "wall_s"}
+
+
+@pytest.mark.slow
+def test_batching_quick_writes_documented_json(tmp_path):
+    out = tmp_path / "batching" / "threads"
+    batching.main(["--quick", "--output", str(out), "--cache", str(tmp_path / "cache"), "--window-s", "0.3"])
+
+    written = json.loads((out / "batching.json").read_text())
+    assert (out / "batching.png").stat().st_size > 0
+    assert {"benchmark", "command", "machine", "config", "runs_by_scenario", "summary", "wall_s"} <= written.keys()
+    summary = written["summary"]
+    assert SUMMARY_KEYS <= summary.keys()
+    runs = written["runs_by_scenario"]
+    assert set(runs) == set(batching.SCENARIOS)
+    for scenario, by_variant in runs.items():
+        assert set(by_variant) == {v for v in batching.VARIANTS if batching.runs_in(v, scenario)}, scenario
+    inference = runs["inference"]["opportunistic"][0]
+    assert [c["batch_size"] for c in inference["per_client"]] == list(batching.INFERENCE_BATCH_SIZES)
+    assert inference["batches"] is not None and inference["wait_rule"]["rule"] in ("none", "predicted", "convoy")
+    mixed = runs["inference_with_finetune"][batching.SLO_VARIANT][0]
+    assert mixed["config"]["decode_slo_ms"] > 0  # derived from opportunistic's inference-alone p95
+    assert runs["flood_decode"]["opportunistic"][0]["flood_rows_per_s"] is not None
+    assert {t["name"] for t in summary["targets"]} >= {
+        "heterogeneous: opportunistic tokens/s / immediate >= 1",
+        "heterogeneous: opportunistic mean per-token latency / lockstep <= 1",
+    }
+    # The README's results block renders from this file.
+    lines = report.batching_section(tmp_path, tmp_path)
+    assert any("Batching" in line for line in lines) and any("PASS" in line or "MISS" in line for line in lines)
