@@ -222,6 +222,14 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
         f"{tps['hf_peft_mixed']:.0f}, api embedded {tps['api_embedded']:.0f} (x{r['api_embedded_vs_hf']:.2f}), api over shm "
         f"{tps['api_shm']:.0f} (x{r['api_shm_vs_hf']:.2f})."
     )
+    per_cpu, cpu_ratios = summary.get("tokens_per_cpu_s"), summary.get("cpu_ratios")
+    if per_cpu and cpu_ratios:
+        lines.append(
+            f"- Same rounds, tokens per CPU-second of everything that served them (HF: its process; api: server, executor "
+            f"process, load generator), steadier than wall time on a busy host: HF PEFT {per_cpu['hf_peft_mixed']:.0f}, "
+            f"api embedded {per_cpu['api_embedded']:.0f} (x{cpu_ratios['api_embedded_vs_hf']:.2f}), api over shm "
+            f"{per_cpu['api_shm']:.0f} (x{cpu_ratios['api_shm_vs_hf']:.2f})."
+        )
     lines.append(
         f"- 1,000 adapters behind --adapter-dir: warm x{r['many_warm_vs_four']:.2f} and cold (16 never-used adapters per round) "
         f"x{r['many_cold_vs_four']:.2f} of the 4-adapter figure; reading an adapter from disk (cold load) takes {summary['cold_load_ms_per_adapter']:.1f} ms in the engine thread."

@@ -136,6 +136,28 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300.0) 
     raise RuntimeError(f"{url} did not become healthy")
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured_load(url: str, pids: Sequence[int], *args, **kwargs) -> dict:
+    """``run_load`` plus the CPU seconds it cost: the serving processes ``pids`` and this process
+    (the load generator). CPU per token is steadier than wall time on a busy host."""
+    before, client_before = sum(process_cpu_s(p) for p in pids), time.process_time()
+    figures = run_load(url, *args, **kwargs)
+    cpu = sum(process_cpu_s(p) for p in pids) - before + time.process_time() - client_before
+    tokens = figures["tokens_per_s"] * figures["wall_s"]
+    return {
+        **figures,
+        "cpu_s": cpu,
+        "client_cpu_s": time.process_time() - client_before,
+        "tokens_per_cpu_s": tokens / cpu,
+    }
+
+
 def health(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=30) as response:
         return json.loads(response.read())
@@ -294,7 +316,7 @@ class HfMixedBatch:
 
     def run(self, jobs: Sequence[tuple[str, list[int]]], new_tokens: int) -> dict:
         ids = torch.tensor([prompt for _, prompt in jobs])  # equal lengths: no padding needed
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         with torch.no_grad():
             output = self.model.generate(
                 ids,
@@ -304,9 +326,9 @@ class HfMixedBatch:
                 do_sample=False,
                 pad_token_id=0,
             )
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         tokens = (output.shape[1] - ids.shape[1]) * len(jobs)
-        return {"tokens_per_s": tokens / wall, "wall_s": wall}
+        return {"tokens_per_s": tokens / wall, "wall_s": wall, "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu}
 
 
 # ---- fine-tuning workers (co-serving) -------------------------------------------------------------------
@@ -417,9 +439,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 if system == "hf_peft_mixed":
                     rounds[system].append(hf.run(jobs4, args.new_tokens))
                 elif system in ("api_embedded", "api_shm"):
+                    pids = [servers[system].process.pid] + ([executor.pid] if system == "api_shm" else [])
                     rounds[system].append(
-                        run_load(
-                            servers[system].url, jobs4, args.new_tokens, None, seed=round_index, client=args.load_client
+                        measured_load(
+                            servers[system].url,
+                            pids,
+                            jobs4,
+                            args.new_tokens,
+                            None,
+                            seed=round_index,
+                            client=args.load_client,
                         )
                     )
                 else:
@@ -430,8 +459,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     jobs = make_jobs(names, args.requests, args.prompt_len, seed=1)
                     before = health(servers["api_many"].url)
-                    figures = run_load(
-                        servers["api_many"].url, jobs, args.new_tokens, None, seed=round_index, client=args.load_client
+                    figures = measured_load(
+                        servers["api_many"].url,
+                        [servers["api_many"].process.pid],
+                        jobs,
+                        args.new_tokens,
+                        None,
+                        seed=round_index,
+                        client=args.load_client,
                     )
                     after = health(servers["api_many"].url)
                     figures["adapter_loads"] = after["adapter_loads"] - before["adapter_loads"]
@@ -522,9 +557,17 @@ def summarize(measured: dict) -> dict:
         return values[len(values) // 2]
 
     tps = {system: median(system, "tokens_per_s") for system in measured["rounds"]}
+    per_cpu = {system: median(system, "tokens_per_cpu_s") for system in measured["rounds"]}
     co = measured["coserve"]
     summary = {
         "tokens_per_s": tps,
+        # tokens per CPU-second of everything that served them (HF: its process; api: the server, the
+        # executor process if any, and the load generator): steadier than wall time on a busy host
+        "tokens_per_cpu_s": per_cpu,
+        "cpu_ratios": {
+            "api_embedded_vs_hf": ratio(per_cpu["api_embedded"], per_cpu["hf_peft_mixed"]),
+            "api_shm_vs_hf": ratio(per_cpu["api_shm"], per_cpu["hf_peft_mixed"]),
+        },
         "ratios": {
             "api_embedded_vs_hf": ratio(tps["api_embedded"], tps["hf_peft_mixed"]),
             "api_shm_vs_hf": ratio(tps["api_shm"], tps["hf_peft_mixed"]),
