@@ -248,7 +248,10 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
     else:
         lines.append(f"- vLLM: {vllm}")
     missed = [name for name, met in summary["targets"].items() if not met]
-    if missed:
+    if not summary.get("targets_judged", True):
+        lines.append(f"- **Targets not judged in this run** ({summary['targets_not_judged_because']}); "
+                     "the tokens-per-CPU-second line is the steadier comparison.")
+    elif missed:
         lines.append("- **Where we lose (target missed):** " + "; ".join(missed) + ".")
     plot = results_dir / "serving" / "serving.png"
     if plot.is_file():
