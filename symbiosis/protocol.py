@@ -111,6 +111,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     dist_prefix: str = ""  # this session's secret key prefix in that store
     quantization: str = ""  # how the executor stores the base: "" (full precision), "int8", "fp8-rowwise"
     routes: list[Route] = []  # a sharded executor's other ranks (clients that ignore it are relayed)
+    lane_port: int = 0  # where a tcp client may open a lane (``transport/lane.py``) on the same host; 0: none
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):

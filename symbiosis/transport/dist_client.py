@@ -149,8 +149,6 @@ class DistTransport(ZmqTransport):
         """Where payloads leave from and results land: gloo moves CPU memory, NCCL device memory."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    _lanes_supported = False  # payloads take the pair group or ZeroMQ frames, never a lane
-
     def _stage(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.detach().contiguous()  # moved where it leaves from once ``_encode`` chose the way
 

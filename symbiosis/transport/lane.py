@@ -1,4 +1,4 @@
-"""Lanes: a private Unix socket per session, beside ZeroMQ, for the calls of a same-host client.
+"""Lanes: a private socket per session, beside ZeroMQ, for the calls of one client thread at a time.
 
 Why. A ZeroMQ message passes through an I/O thread on each side (the caller's thread hands it
 to libzmq's I/O thread, which writes the socket; the peer's I/O thread reads it and signals the
@@ -8,28 +8,37 @@ Measured on this project's 2-core machine: a bare pyzmq DEALER/ROUTER echo over 
 call per base-layer group (4 per llama layer + 1), each waiting for the last, so that difference
 is paid ~25-50 times per token.
 
-What a lane is. The executor makes a ``socketpair(AF_UNIX, SOCK_SEQPACKET)`` for one session when
-its client asks the executor's broker (``shm_broker``: the Unix socket next to the ipc socket,
-the session's secret token, ``SO_PEERCRED``; the same way shared-memory segments are handed
-out), keeps one end and hands the other over ``SCM_RIGHTS``. Nothing has a name, only the two
-processes hold it, and it dies with the session. The executor's socket thread polls its ends next
-to the ZeroMQ socket; what arrives on a lane is served exactly like a request from ZeroMQ (same
-validation, bounds, batching with other clients), and its reply goes back on the lane.
+Two kinds, one wire format:
 
-Wire. One datagram per message: a 4-byte little-endian header length, the msgpack header
-(``protocol.Request`` one way, ``protocol.Reply`` the other), zeros up to the next multiple of
-``ALIGNMENT`` bytes, then the payload bytes (the rows or the result; none for shared-memory
-requests, whose payload lies in a segment). Both sides receive into 64-byte aligned memory, so a
-payload lands aligned like any torch allocation: it is used where it lies (no copy) and the same
-kernels run on it as on a tensor made in-process. A datagram holds at most ``max_message_bytes``
-(what both ends' send buffers allow, at most ``MAX_MESSAGE_BYTES``).
+- **Same host** (``ipc://``, ``shm+ipc://``): the executor makes a ``socketpair(AF_UNIX,
+  SOCK_SEQPACKET)`` for a session when its client asks the executor's broker (``shm_broker``: the
+  Unix socket next to the ipc socket, the session's secret token, ``SO_PEERCRED``; the way
+  shared-memory segments are handed out), keeps one end and hands the other over ``SCM_RIGHTS``.
+  Nothing has a name and only the two processes hold it. One datagram per message.
+- **tcp** (``tcp://``, ``dist+tcp://``; not offered with CURVE, whose encryption a lane would
+  bypass): the executor listens on a second port of the same host (``Welcome.lane_port``); the
+  client connects and says ``LaneAsk(token)``, the executor answers ``LaneGiven`` or
+  ``LaneRefused`` (``lane_listener.py``). A byte stream: messages carry their length.
+
+Either way the executor's socket thread polls its end next to the ZeroMQ socket; what arrives on
+a lane is served exactly like a request from ZeroMQ (same validation, bounds, batching with other
+clients), and its reply goes back on the lane.
+
+Wire. A message: a 4-byte little-endian length of what follows, a 4-byte header length, the
+msgpack header (``protocol.Request`` one way, ``protocol.Reply`` the other), zeros up to the next
+multiple of ``ALIGNMENT`` bytes from the message's start, then the payload bytes (the rows or the
+result; none for shared-memory requests, whose payload lies in a segment). Both sides receive a
+message at the start of 64-byte aligned memory, so a payload lands aligned like any torch
+allocation: it is used where it lies (no copy) and the same kernels run on it as on a tensor made
+in-process. A message holds at most ``max_message_bytes`` (what the executor's empty send buffer
+takes at once, at most ``MAX_MESSAGE_BYTES``).
 
 Who uses it. One calling thread at a time per client (``ClientLane.lock``; a thread that finds
-it taken uses ZeroMQ), and only for calls whose rows and result fit a datagram; everything else
-— the handshake, heartbeats, concurrent calls, large payloads, tcp clients — goes over ZeroMQ.
-A lane's end is closed by either side at will: a client closes it after a timeout (a late reply
-must not answer its next call), the executor when the session ends; the client then takes its
-calls to ZeroMQ, where a lost session is noticed and re-established.
+it taken uses ZeroMQ), and only for calls whose rows and result fit a message; everything else
+— the handshake, heartbeats, concurrent calls, large payloads — goes over ZeroMQ. A lane is
+closed by either side at will: a client closes it after a timeout (a late reply must not answer
+its next call), the executor when the session ends or the client sends what is not a message;
+the client then takes its calls to ZeroMQ, where a lost session is noticed and re-established.
 """
 
 from __future__ import annotations
@@ -38,30 +47,57 @@ import socket
 import struct
 import threading
 
+import msgspec
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError
+from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, error_from_code
 
-#: Largest datagram a lane carries (header and payload): calls whose rows or result need more go
+#: Largest message a lane carries (header and payload): calls whose rows or result need more go
 #: over ZeroMQ, whose zero-copy frames suit large payloads better anyway.
 MAX_MESSAGE_BYTES = (1 << 20) + 4096
-#: Header room kept in every datagram: a ``Request``/``Reply`` header is ~100-300 bytes.
+#: Header room kept in every message: a ``Request``/``Reply`` header is ~100-300 bytes.
 HEADER_ROOM_BYTES = 4096
 #: What the kernel needs beside the data in a send buffer (``unix_dgram_sendmsg`` refuses a
 #: datagram longer than ``SO_SNDBUF - 32``); generous, so a full buffer never surprises.
 _KERNEL_SLACK_BYTES = 1024
-#: Payloads start at a multiple of this in every datagram (torch's own allocation alignment).
+#: Payloads start at a multiple of this in every message (torch's own allocation alignment).
 ALIGNMENT = 64
+_LENGTHS = struct.Struct("<II")  # message length (after this field), header length
 _LENGTH = struct.Struct("<I")
 _PADDING = bytes(ALIGNMENT)
 _MSG_TRUNC = socket.MSG_TRUNC
 
 
+class LaneAsk(msgspec.Struct, tag="lane", frozen=True):
+    """Client -> executor (broker, or a tcp lane's first message): a lane for the session
+    holding ``token``."""
+
+    token: str
+
+
+class LaneGiven(msgspec.Struct, tag="lane_given", frozen=True):
+    """Executor -> client: the lane is yours; messages of at most ``max_message_bytes``."""
+
+    max_message_bytes: int
+
+
+class LaneRefused(msgspec.Struct, tag="lane_refused", frozen=True):
+    """Executor -> client on a tcp lane: no lane; ``code`` is a ``symbiosis.errors`` code."""
+
+    code: str
+    message: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_answer_decoder = msgspec.msgpack.Decoder(LaneGiven | LaneRefused)
+
+
 def make_pair() -> tuple[socket.socket, socket.socket, int]:
-    """A new lane: ``(executor_end, client_end, max_message_bytes)``; the executor's end does not
-    block. The send buffers are raised as far as the system allows (``net.core.wmem_max``), which
-    sets the largest datagram: ~200 KiB with Linux's default limit, ``MAX_MESSAGE_BYTES`` here."""
+    """A new same-host lane: ``(executor_end, client_end, max_message_bytes)``; the executor's
+    end does not block. Send buffers are raised as far as the system allows
+    (``net.core.wmem_max``), which sets the largest datagram: ~200 KiB with Linux's default
+    limit, ``MAX_MESSAGE_BYTES`` where it allows more."""
     executor_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     for end in (executor_end, client_end):
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_MESSAGE_BYTES + _KERNEL_SLACK_BYTES)
@@ -70,21 +106,34 @@ def make_pair() -> tuple[socket.socket, socket.socket, int]:
     return executor_end, client_end, min(MAX_MESSAGE_BYTES, allowed - _KERNEL_SLACK_BYTES)
 
 
-def _frame(header: bytes, payload: memoryview | None) -> list:
-    head = _LENGTH.pack(len(header)) + header
-    head += _PADDING[: -len(head) % ALIGNMENT]
-    return [head] if payload is None or not payload.nbytes else [head, payload]
+def prepare_stream(sock: socket.socket) -> int:
+    """Set up one end of a tcp lane (no Nagle delay, a send buffer that takes a whole message);
+    returns the largest message this end can send at once into its empty send buffer."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
+    # The kernel reports twice what it grants and charges tcp buffers with their overhead.
+    return min(MAX_MESSAGE_BYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 - _KERNEL_SLACK_BYTES)
 
 
-def _split(buffer: memoryview) -> tuple[memoryview, memoryview]:
-    """(header, payload) of one received datagram; ``ProtocolError`` if it is not one."""
-    if buffer.nbytes < _LENGTH.size:
-        raise ProtocolError(f"lane message of {buffer.nbytes} bytes has no header length")
-    header_end = _LENGTH.size + _LENGTH.unpack_from(buffer)[0]
+def frame(header: bytes, payload: memoryview | None = None) -> list:
+    """The buffers of one message (send them with one ``sendmsg``)."""
+    payload_nbytes = 0 if payload is None else payload.nbytes
+    head_nbytes = _LENGTHS.size + len(header)
+    pad = -head_nbytes % ALIGNMENT
+    head = _LENGTHS.pack(head_nbytes + pad + payload_nbytes - _LENGTH.size, len(header)) + header + _PADDING[:pad]
+    return [head] if not payload_nbytes else [head, payload]
+
+
+def split(message: memoryview) -> tuple[memoryview, memoryview]:
+    """(header, payload) of one whole received message; ``ProtocolError`` if it is not one."""
+    if message.nbytes < _LENGTHS.size:
+        raise ProtocolError(f"lane message of {message.nbytes} bytes has no lengths")
+    length, header_nbytes = _LENGTHS.unpack_from(message)
+    header_end = _LENGTHS.size + header_nbytes
     payload_start = -(-header_end // ALIGNMENT) * ALIGNMENT
-    if payload_start > buffer.nbytes or header_end - _LENGTH.size > P.MAX_HEADER_BYTES:
-        raise ProtocolError("lane message header does not fit the message")
-    return buffer[_LENGTH.size : header_end], buffer[payload_start:]
+    if length != message.nbytes - _LENGTH.size or payload_start > message.nbytes or header_nbytes > P.MAX_HEADER_BYTES:
+        raise ProtocolError("lane message lengths do not match the message")
+    return message[_LENGTHS.size : header_end], message[payload_start:]
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -93,27 +142,36 @@ def aligned_buffer(nbytes: int) -> memoryview:
 
 
 class LaneClosed(Exception):
-    """The other side closed the lane."""
+    """The other side closed the lane, or sent what leaves the stream unreadable."""
 
 
 class ExecutorLane:
     """The executor's end of one session's lane (used by the server's socket thread only).
 
-    ``receive`` reads into a buffer the caller owns (the server has one for all lanes: it reads
-    and serves one message at a time), so a payload is valid until the next ``receive``."""
+    A same-host lane reads each datagram into a buffer the caller owns (the server has one for all
+    lanes: it reads and serves one message at a time); a tcp lane keeps a buffer of its own,
+    because a message may arrive in pieces. Either way a payload is valid until the next
+    ``receive``. ``session`` is None while a tcp lane has not said whose it is."""
 
-    __slots__ = ("fd", "max_message_bytes", "session", "sock")
+    __slots__ = ("_have", "_inbox", "_taken", "fd", "max_message_bytes", "session", "sock", "stream")
 
-    def __init__(self, sock: socket.socket, session: object, max_message_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, session: object, max_message_bytes: int, stream: bool = False) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.session = session
         self.max_message_bytes = max_message_bytes
+        self.stream = stream
+        self._inbox: memoryview | None = None  # tcp: bytes received, from the next message's start
+        self._have = 0
+        self._taken = 0  # tcp: bytes of the message handed out last (dropped at the next receive)
 
     def receive(self, buffer: memoryview) -> tuple[memoryview, memoryview] | None:
-        """The next message's (header, payload), both views into ``buffer`` (``aligned_buffer``);
-        None when nothing is waiting. ``LaneClosed`` when the client closed its end;
-        ``ProtocolError`` for a message that is not one (too long, no header)."""
+        """The next message's (header, payload); None when no whole message is waiting.
+        ``LaneClosed`` when the client closed its end (or sent a tcp message longer than a lane
+        carries: the stream cannot be read further); ``ProtocolError`` for a datagram that is not
+        a message."""
+        if self.stream:
+            return self._receive_stream()
         try:
             nbytes = self.sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)  # MSG_TRUNC: the real length
         except BlockingIOError:
@@ -124,12 +182,52 @@ class ExecutorLane:
             raise LaneClosed("the client closed its end")
         if nbytes > buffer.nbytes:
             raise ProtocolError(f"lane message of {nbytes} bytes exceeds {buffer.nbytes}")
-        return _split(buffer[:nbytes])
+        return split(buffer[:nbytes])
+
+    def _receive_stream(self) -> tuple[memoryview, memoryview] | None:
+        if self._inbox is None:
+            self._inbox = aligned_buffer(self.max_message_bytes)
+        inbox = self._inbox
+        if self._taken:  # the last message was served: later bytes move to the front (aligned)
+            rest = self._have - self._taken
+            if rest:
+                inbox[:rest] = bytes(inbox[self._taken : self._have])
+            self._have, self._taken = rest, 0
+        message = self._whole_message()
+        if message is None:
+            try:
+                nbytes = self.sock.recv_into(inbox[self._have :], inbox.nbytes - self._have)
+            except BlockingIOError:
+                return None
+            except OSError as exc:
+                raise LaneClosed(str(exc)) from None
+            if nbytes == 0:
+                raise LaneClosed("the client closed its end")
+            self._have += nbytes
+            message = self._whole_message()
+            if message is None:
+                return None
+        self._taken = message.nbytes
+        return split(message)
+
+    def _whole_message(self) -> memoryview | None:
+        if self._have < _LENGTH.size:
+            return None
+        assert self._inbox is not None
+        nbytes = _LENGTH.size + _LENGTH.unpack_from(self._inbox)[0]
+        if nbytes > self._inbox.nbytes:
+            raise LaneClosed(f"a lane message of {nbytes} bytes exceeds {self._inbox.nbytes}")
+        return self._inbox[:nbytes] if self._have >= nbytes else None
 
     def send(self, header: bytes, payload: memoryview | None = None) -> None:
-        """Send one reply without blocking. ``BlockingIOError``: the client's queue is full (it
+        """Send one message without blocking. ``BlockingIOError``: the client's queue is full (it
         stopped reading); other ``OSError``: the lane is gone."""
-        self.sock.sendmsg(_frame(header, payload))
+        buffers = frame(header, payload)
+        sent = self.sock.sendmsg(buffers)
+        if self.stream and sent != sum(memoryview(b).nbytes for b in buffers):
+            # Part of a message is out: the stream cannot carry another one. Only a client that
+            # stopped reading leaves its lane's send buffer too full for one whole reply.
+            raise BlockingIOError("the client does not read its lane")
 
     def close(self) -> None:
         self.sock.close()
@@ -138,12 +236,14 @@ class ExecutorLane:
 class ClientLane:
     """The client's end of its session's lane; ``exchange`` under ``lock`` (one call at a time)."""
 
-    def __init__(self, sock: socket.socket, max_message_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, max_message_bytes: int, stream: bool = False) -> None:
         self.sock = sock
+        self.stream = stream
         self.max_message_bytes = max_message_bytes
         self.max_payload_bytes = max_message_bytes - HEADER_ROOM_BYTES
         self.lock = threading.Lock()
         self._header_only = aligned_buffer(HEADER_ROOM_BYTES)  # replies without payload land here
+        self._lengths = bytearray(_LENGTH.size)
         self.closed = False
         self.calls = 0  # exchanges made (observability: how many calls took the lane)
 
@@ -156,31 +256,49 @@ class ClientLane:
 
         A timeout closes the lane (a late reply must not answer the next call) and raises
         ``ExecutorTimeoutError``; a lane the executor closed raises ``ExecutorUnavailableError``."""
-        sock = self.sock
         self.calls += 1
-        buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else self._header_only
         try:
-            sock.settimeout(max(timeout_s, 1e-3))
-            sock.sendmsg(_frame(header, payload))
-            nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
+            self.sock.settimeout(max(timeout_s, 1e-3))
+            message = self._send_and_receive(frame(header, payload), reply_nbytes)
         except TimeoutError:
             self.close()
             raise ExecutorTimeoutError("no reply on the lane in time") from None
         except OSError as exc:
             self.close()
             raise ExecutorUnavailableError(f"the executor closed the lane: {exc}") from None
-        if nbytes == 0:
+        except BaseException:
             self.close()
-            raise ExecutorUnavailableError("the executor closed the lane")
-        if nbytes > buffer.nbytes:
-            self.close()
-            raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
-        header_view, payload_view = _split(buffer[:nbytes])
+            raise
+        header_view, payload_view = split(message)
         reply = P.decode(header_view)
         if not isinstance(reply, P.Reply) or reply.request_id != request_id:
             self.close()
             raise ProtocolError(f"the executor answered request {request_id} on the lane with {type(reply).__name__}")
         return reply, payload_view
+
+    def _send_and_receive(self, buffers: list, reply_nbytes: int) -> memoryview:
+        """One message out, the reply's whole message back (``OSError`` for a closed lane)."""
+        sock = self.sock
+        if not self.stream:
+            sock.sendmsg(buffers)
+            buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else self._header_only
+            nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
+            if nbytes == 0:
+                raise ConnectionResetError("the executor closed the lane")
+            if nbytes > buffer.nbytes:
+                raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
+            return buffer[:nbytes]
+        _send_all(sock, buffers)
+        _receive_exactly(sock, memoryview(self._lengths))
+        nbytes = _LENGTH.size + _LENGTH.unpack(self._lengths)[0]
+        if nbytes > HEADER_ROOM_BYTES + max(reply_nbytes, 0) + ALIGNMENT:
+            raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {HEADER_ROOM_BYTES + reply_nbytes} expected")
+        if nbytes > HEADER_ROOM_BYTES and not reply_nbytes:
+            raise ProtocolError(f"lane reply of {nbytes} bytes where a header alone was expected")
+        buffer = aligned_buffer(nbytes) if reply_nbytes else self._header_only  # a result keeps its memory
+        buffer[: _LENGTH.size] = self._lengths
+        _receive_exactly(sock, buffer[_LENGTH.size : nbytes])
+        return buffer[:nbytes]
 
     def close(self) -> None:
         """Close this end for good (idempotent). Safe while another thread is inside
@@ -196,3 +314,54 @@ class ClientLane:
         """Free the descriptor, once no thread uses the lane any more."""
         self.close()
         self.sock.close()
+
+
+def connect_tcp(host: str, port: int, token: str, timeout_s: float) -> ClientLane:
+    """The client's end of a tcp lane to the executor at ``host:port`` for the session holding
+    ``token``. Refusals raise their typed error; an unreachable listener ``ExecutorUnavailableError``."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise ExecutorUnavailableError(f"no lane at {host}:{port}: {exc}") from None
+    try:
+        prepare_stream(sock)
+        _send_all(sock, frame(_encoder.encode(LaneAsk(token))))
+        lengths = bytearray(_LENGTH.size)
+        _receive_exactly(sock, memoryview(lengths))
+        nbytes = _LENGTH.size + _LENGTH.unpack(lengths)[0]
+        if nbytes > HEADER_ROOM_BYTES:
+            raise ProtocolError(f"a lane answer of {nbytes} bytes")
+        message = bytearray(nbytes)
+        message[: _LENGTH.size] = lengths
+        _receive_exactly(sock, memoryview(message)[_LENGTH.size :])
+        answer = _answer_decoder.decode(split(memoryview(message))[0])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        sock.close()
+        raise ExecutorUnavailableError(f"the lane at {host}:{port} failed: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+    if isinstance(answer, LaneRefused):
+        sock.close()
+        raise error_from_code(answer.code, answer.message)
+    return ClientLane(sock, answer.max_message_bytes, stream=True)
+
+
+def _send_all(sock: socket.socket, buffers: list) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        nbytes = sock.recv_into(view[got:], view.nbytes - got)
+        if nbytes == 0:
+            raise ConnectionResetError("the executor closed the lane")
+        got += nbytes

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from symbiosis.errors import ExecutorUnavailableError, ProtocolError, SymbiosisError, error_from_code
+from symbiosis.transport.lane import LaneAsk, LaneGiven  # lanes are handed out here too (lane.py)
 from symbiosis.transport.waker import Waker
 
 log = logging.getLogger(__name__)
@@ -80,19 +81,6 @@ class SegmentRefused(msgspec.Struct, tag="refused", frozen=True):
 
     code: str
     message: str
-
-
-class LaneAsk(msgspec.Struct, tag="lane", frozen=True):
-    """Client -> broker: a lane (``lane.py``) for the session holding ``token``."""
-
-    token: str
-
-
-class LaneGiven(msgspec.Struct, tag="lane_given", frozen=True):
-    """Broker -> client: the client's end of a lane rides along; datagrams of at most
-    ``max_message_bytes``."""
-
-    max_message_bytes: int
 
 
 _encoder = msgspec.msgpack.Encoder()

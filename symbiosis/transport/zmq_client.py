@@ -47,7 +47,7 @@ from symbiosis.errors import (
     SymbiosisError,
     error_from_code,
 )
-from symbiosis.transport.lane import ClientLane
+from symbiosis.transport.lane import ClientLane, connect_tcp
 from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
 from symbiosis.vocabulary import OPS_BY_VALUE, LatencyClass, LayerSpec, Op, spec_of
@@ -535,7 +535,7 @@ class ZmqTransport:
             self._specs = {w.layer_id: w.to_spec() for w in msg.layers}
             self._spec_cache = {}
             self._on_session(msg, conn)
-            if self.use_lane and msg.shm_socket:
+            if self.use_lane and (msg.shm_socket or msg.lane_port):
                 conn.lane = self._open_lane(msg, deadline)
         except BaseException:
             conn.close(goodbye=None)
@@ -543,16 +543,22 @@ class ZmqTransport:
         return conn
 
     def _open_lane(self, welcome: P.Welcome, deadline: float) -> ClientLane | None:
-        """A lane for this session from the executor's broker; None if it offers none (calls
-        then all go over ZeroMQ, as they would without lanes)."""
-        from symbiosis.transport.shm_broker import ask_lane  # same-host only: not for tcp clients
-
+        """A lane for this session (``lane.py``): from the executor's broker on the same host, or
+        a connection to its lane port over tcp; None if it offers none or it fails (calls then
+        all go over ZeroMQ, as they would without lanes)."""
+        timeout_s = max(0.1, deadline - time.monotonic())
         try:
-            fd, max_message_bytes = ask_lane(welcome.shm_socket, welcome.session_token, max(0.1, deadline - time.monotonic()))
+            if welcome.shm_socket:
+                from symbiosis.transport.shm_broker import ask_lane
+
+                fd, max_message_bytes = ask_lane(welcome.shm_socket, welcome.session_token, timeout_s)
+                return ClientLane(socket.socket(fileno=fd), max_message_bytes)
+            if self._endpoint.startswith("tcp://"):
+                host = self._endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+                return connect_tcp(host, welcome.lane_port, welcome.session_token, timeout_s)
         except (SymbiosisError, OSError) as exc:
             log.info("no lane from the executor at %s (%s); calls go over ZeroMQ", self.address, exc)
-            return None
-        return ClientLane(socket.socket(fileno=fd), max_message_bytes)
+        return None
 
     def _spec(self, layer_id: str) -> LayerSpec | None:
         """The spec of a layer or sibling group id (cached: group ids are parsed once)."""

@@ -76,6 +76,7 @@ from symbiosis.errors import (
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, MAX_MESSAGE_BYTES, ExecutorLane, LaneClosed, aligned_buffer
+from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
@@ -237,6 +238,8 @@ class ZmqServer:
         self._identities_by_client: dict[str, set[bytes]] = {}
         self._inflight: dict[RequestKey, _InFlight] = {}
         self._lanes: dict[int, ExecutorLane] = {}  # by file descriptor
+        self._lane_listener: LaneListener | None = None  # tcp lanes (lane_listener.py)
+        self._sessions_by_token: dict[str, Session] = {}
         self._lane_buffer: memoryview | None = None  # where every lane message is read (socket thread)
         self._poller: zmq.Poller | None = None
         self._backlogged: set[bytes] = set()  # identities whose session has a backlog
@@ -281,6 +284,7 @@ class ZmqServer:
             self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._socket_file = _socket_file(self._address)
             self._channels = self._make_channels()  # after bind: shared memory lives next to the ipc socket
+            self._lane_listener = self._make_lane_listener()
         except BaseException:
             self._router.close(0)
             self._stop_authenticator()
@@ -337,6 +341,17 @@ class ZmqServer:
                 setup_timeout_s=self._dist_setup_timeout_s, max_pending_setups=self._max_pending_dist_setups,
             )
         return channels
+
+    def _make_lane_listener(self) -> LaneListener | None:
+        """tcp lanes next to a tcp bind, unless CURVE encrypts the calls (a lane would not)."""
+        if not self._address.startswith("tcp://") or self._curve is not None:
+            return None
+        host = self._address[len("tcp://") :].rpartition(":")[0].strip("[]")
+        try:
+            return LaneListener(host, self._sessions_by_token.get)
+        except OSError as exc:
+            log.warning("not offering tcp lanes at %s: %s", self._address, exc)
+            return None
 
     def _make_shm_channel(self) -> PayloadChannel | None:
         """The shared-memory channel, where it can be offered: ipc binds only (see ``shm_broker``)."""
@@ -439,6 +454,26 @@ class ZmqServer:
                 self._lane_send(lane, P.error_reply(rid, SymbiosisError.code, f"{type(exc).__name__}: {exc}"))
             if self._lanes.get(lane.fd) is not lane:
                 return  # dropped meanwhile (its session ended)
+
+    def _serve_lanes(self, events: dict[Any, int], now: float) -> None:
+        """Serve the lanes (and tcp lane connections still asking) that ``poll`` found readable."""
+        listener, poller = self._lane_listener, self._poller
+        assert poller is not None
+        for key in list(events):
+            if type(key) is not int:
+                continue
+            lane = self._lanes.get(key)
+            if lane is not None:
+                self._read_lane(lane)
+            elif listener is not None and key == listener.fd:
+                for fd in listener.accept(now):
+                    poller.register(fd, zmq.POLLIN)
+            elif listener is not None and listener.is_pending(key):
+                asked = listener.read_ask(key)
+                if asked is not None or not listener.is_pending(key):
+                    poller.unregister(key)
+                if asked is not None:
+                    self.attach_lane(asked)
 
     def _on_lane_message(self, lane: ExecutorLane, header: memoryview, payload: memoryview) -> None:
         session = lane.session
@@ -549,6 +584,8 @@ class ZmqServer:
     def _serve(self) -> None:
         poller = self._poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        if self._lane_listener is not None:
+            poller.register(self._lane_listener.fd, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
         probes: list[float] = []
@@ -572,10 +609,8 @@ class ZmqServer:
                         break
                     frames = self._router.recv_multipart(_NOBLOCK, copy=False)
                     self._guarded(lambda f=frames: self._on_message(f), frames)
-            if self._lanes:
-                for ready in [self._lanes.get(key) for key in events]:  # type: ignore[call-overload]
-                    if ready is not None:
-                        self._read_lane(ready)
+            if self._lanes or self._lane_listener is not None:
+                self._serve_lanes(events, now)
             self._run_tasks()
             if self._driving and (self._submitted or woken or (wakeup is not None and now >= wakeup)):
                 self._submitted = False
@@ -592,6 +627,9 @@ class ZmqServer:
                     if now - session.last_seen > self._client_timeout_s:
                         log.warning("client %s silent for %.1fs; ending its session", session.client_id, now - session.last_seen)
                         self._end_session(identity)
+                if self._lane_listener is not None:
+                    for fd in self._lane_listener.expire(now):
+                        poller.unregister(fd)
                 if self._trims and self._trims[0] <= now:
                     self._trims[:] = [t for t in self._trims if t > now]
                     _trim_heap()
@@ -698,6 +736,7 @@ class ZmqServer:
             identities.add(identity)
             session = Session(identity, hello.client_id, secrets.token_hex(16), time.monotonic())
             self._sessions[identity] = session
+            self._sessions_by_token[session.token] = session
             if shm is not None:
                 shm.open_session(session)
         store = prefix = ""
@@ -712,6 +751,7 @@ class ZmqServer:
             P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
             shm is not None, shm_socket=shm.broker.path if shm is not None else "",
             dist_store=store, dist_prefix=prefix, quantization=self._quantization, routes=self._routes,
+            lane_port=self._lane_listener.port if self._lane_listener is not None else 0,
         )
         self.send(identity, welcome)
 
@@ -854,6 +894,7 @@ class ZmqServer:
         session = self._sessions.pop(identity, None)
         if session is None:
             return
+        self._sessions_by_token.pop(session.token, None)
         for key in [k for k in self._inflight if k[0] == identity]:
             self._forget(key)
         session.backlog.clear()  # the results it holds go now
@@ -882,6 +923,8 @@ class ZmqServer:
             self._end_session(identity)
         for channel in self._channels.values():
             channel.close()
+        if self._lane_listener is not None:
+            self._lane_listener.close()
         self._router.disable_monitor()
         self._monitor.close(0)
         self._router.close()

@@ -1,7 +1,7 @@
 """One conformance suite for every ZeroMQ-based transport: tcp, ipc, shared memory (shm), and
-torch.distributed payloads over gloo (dist). ipc and shm clients send their calls over a lane
-(``lane.py``) when they can; ``shm-zmq`` is shm with lanes off, so the ZeroMQ way of the same
-requests is held to the same suite (tcp does that for inline payloads).
+torch.distributed payloads over gloo (dist). tcp, ipc and shm clients send their calls over a
+lane (``lane.py``) when they can; ``tcp-zmq`` and ``shm-zmq`` have lanes off, so the ZeroMQ way
+of the same requests (inline and shared-memory payloads) is held to the same suite.
 
 Each test runs against a ``ZmqServer`` serving a ``FakeExecutorService`` (real torch math), in a
 thread of this process unless it says otherwise, and compares results with the fake's own math
@@ -51,12 +51,12 @@ from .fakes import (
     serve_in_process,
 )
 
-KINDS = ["tcp", "ipc", "shm", "dist", "shm-zmq"]
+KINDS = ["tcp", "ipc", "shm", "dist", "tcp-zmq", "shm-zmq"]
 SPAWN = multiprocessing.get_context("spawn")
 
 
 def bind_address(kind: str, sock_dir: str) -> str:
-    return "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/executor.sock"
+    return "tcp://127.0.0.1:0" if kind.startswith("tcp") else f"ipc://{sock_dir}/executor.sock"
 
 
 def client_address(kind: str, server_address: str) -> str:
@@ -321,7 +321,7 @@ def test_fingerprint_mismatch_at_connect(open_client, fake: FakeExecutorService)
 
 
 def test_no_executor_raises_unavailable(kind: str, sock_dir: str) -> None:
-    address = "tcp://127.0.0.1:1" if kind == "tcp" else f"ipc://{sock_dir}/nobody.sock"
+    address = "tcp://127.0.0.1:1" if kind.startswith("tcp") else f"ipc://{sock_dir}/nobody.sock"
     start = time.monotonic()
     with pytest.raises(ExecutorUnavailableError):
         open_transport(client_address(kind, address), connect_timeout_s=0.5)
@@ -431,7 +431,7 @@ def remote_server() -> Iterator[dict[str, str]]:
     child.start()
     try:
         tcp, ipc = ready.get(timeout=60)
-        yield {"tcp": tcp, "ipc": ipc, "shm": ipc, "dist": tcp, "shm-zmq": ipc}
+        yield {"tcp": tcp, "ipc": ipc, "shm": ipc, "dist": tcp, "tcp-zmq": tcp, "shm-zmq": ipc}
     finally:
         stop.set()
         child.join(timeout=20)

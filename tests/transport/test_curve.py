@@ -215,7 +215,10 @@ def test_traffic_is_encrypted(fake: FakeExecutorService, keys: Path, use_curve: 
     relay = Recorder(server.address)
     try:
         curve = client_keys(keys) if use_curve else None
-        with open_transport(relay.address, client_id=MARKER, curve=curve, connect_timeout_s=5) as transport:
+        # lane=False: without CURVE a call would otherwise take a tcp lane (lane.py), a connection
+        # of its own that the relay does not see; with CURVE no lane is offered at all.
+        with open_transport(relay.address, client_id=MARKER, curve=curve, connect_timeout_s=5, lane=use_curve) as transport:
+            assert (transport._welcome.lane_port == 0) is use_curve and transport._conn.lane is None
             assert_same_product(call_q(transport, PATTERN), fake.compute("q", Op.FORWARD, PATTERN))
     finally:
         relay.close()

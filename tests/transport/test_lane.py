@@ -1,14 +1,18 @@
-"""Lanes (``symbiosis/transport/lane.py``): a private Unix socket per session for same-host calls.
+"""Lanes (``symbiosis/transport/lane.py``): a private socket per session beside ZeroMQ, made over
+the segment broker on the same host (ipc, shm) or at the executor's lane port over tcp.
 
 What a well-behaved client gets (calls over the lane give the same results as over ZeroMQ;
 concurrent calls, large payloads and timeouts fall back to ZeroMQ; a restarted executor gives a
 new lane) and what a hostile one cannot do with its lane (typed errors for garbage, a session
-that never reads its lane is ended, a lane only for the session whose token one holds).
+that never reads its lane is ended, a lane only for the session whose token one holds, tcp
+connections that never ask are closed).
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +24,7 @@ import zmq
 from symbiosis import protocol as P
 from symbiosis.errors import ERRORS_BY_CODE, ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
 from symbiosis.transport import lane as L
+from symbiosis.transport import lane_listener
 from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.shm_broker import ask_lane
 from symbiosis.transport.zmq import ZmqServer
@@ -27,7 +32,8 @@ from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 from .fakes import DEFAULT_SPECS, FakeExecutorService, assert_same_product
 
-FAN = LayerSpec("fan", in_features=16, out_features=20000, has_bias=False)  # results larger than a lane datagram
+FAN = LayerSpec("fan", in_features=16, out_features=20000, has_bias=False)  # results larger than a lane message
+KINDS = ["ipc", "shm", "tcp"]
 
 
 @pytest.fixture
@@ -38,45 +44,54 @@ def fake() -> Iterator[FakeExecutorService]:
 
 
 @pytest.fixture
-def server(fake: FakeExecutorService, sock_dir: str) -> Iterator[ZmqServer]:
-    srv = ZmqServer(fake, f"ipc://{sock_dir}/executor.sock").start()
-    yield srv
-    srv.close(drain=False)
+def serve(fake: FakeExecutorService, sock_dir: str) -> Iterator:
+    """kind -> (server, client address); servers closed afterwards."""
+    servers: list[ZmqServer] = []
+
+    def _serve(kind: str) -> tuple[ZmqServer, str]:
+        bind = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/executor-{len(servers)}.sock"
+        servers.append(ZmqServer(fake, bind).start())
+        address = servers[-1].address
+        return servers[-1], f"shm+{address}" if kind == "shm" else address
+
+    yield _serve
+    for server in servers:
+        server.close(drain=False)
 
 
-@pytest.mark.parametrize("scheme", ["", "shm+"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_calls_take_the_lane_and_match_the_math(
-    server: ZmqServer, fake: FakeExecutorService, scheme: str, dtype: torch.dtype
+    serve, fake: FakeExecutorService, kind: str, dtype: torch.dtype
 ) -> None:
-    with open_transport(scheme + server.address) as transport:
+    _, address = serve(kind)
+    with open_transport(address) as transport:
         lane = transport._conn.lane
-        assert lane is not None and lane.max_payload_bytes > 64 * 1024
+        assert lane is not None and lane.stream is (kind == "tcp") and lane.max_payload_bytes > 64 * 1024
         for op in Op:
             for n in (0, 1, 5):
                 rows = torch.randn(n, op.input_width(fake.layer_specs()["q"])).to(dtype)
                 got = transport.call("q", op, rows, LatencyClass.DECODE)
                 assert_same_product(got, fake.compute("q", op, rows))
                 got.add_(1)  # a tensor of its own, writable
-        assert lane.calls == 3 * len(Op)
+        rows = torch.randn(2, 16)
+        first = transport.call("fan", Op.FORWARD, rows, LatencyClass.DECODE)  # results in fresh memory each:
+        second = transport.call("fan", Op.FORWARD, torch.zeros(2, 16), LatencyClass.DECODE)  # the next call
+        assert_same_product(first, fake.compute("fan", Op.FORWARD, rows))  # does not overwrite the last
+        assert_same_product(second, fake.compute("fan", Op.FORWARD, torch.zeros(2, 16)))
+        assert lane.calls == 3 * len(Op) + 2
 
 
-def test_tcp_and_lane_false_use_zeromq_only(fake: FakeExecutorService, server: ZmqServer) -> None:
-    tcp = ZmqServer(fake, "tcp://127.0.0.1:0").start()
-    try:
-        for address, options in (
-            (tcp.address, {}),
-            (server.address, {"lane": False}),
-            ("shm+" + server.address, {"lane": False}),
-        ):
-            with open_transport(address, **options) as transport:
-                assert transport._conn.lane is None
-                rows = torch.randn(3, 16)
-                assert_same_product(
-                    transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
-                )
-    finally:
-        tcp.close(drain=False)
+def test_lane_false_and_curve_use_zeromq_only(serve, fake: FakeExecutorService) -> None:
+    for kind in KINDS:
+        _, address = serve(kind)
+        with open_transport(address, lane=False) as transport:
+            assert transport._conn.lane is None
+            rows = torch.randn(3, 16)
+            assert_same_product(
+                transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
+            )
+    # CURVE: no lane is offered (tests/transport/test_curve.py checks the Welcome and the wire).
 
 
 def test_no_lane_where_shared_memory_is_not_offered(fake: FakeExecutorService, sock_dir: str) -> None:
@@ -92,20 +107,17 @@ def test_no_lane_where_shared_memory_is_not_offered(fake: FakeExecutorService, s
         server.close(drain=False)
 
 
-def test_large_rows_or_results_go_over_zeromq(server: ZmqServer, fake: FakeExecutorService) -> None:
-    with open_transport(server.address) as transport:
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_large_rows_or_results_go_over_zeromq(serve, fake: FakeExecutorService, kind: str) -> None:
+    _, address = serve(kind)
+    with open_transport(address) as transport:
         lane = transport._conn.lane
-        assert lane is not None
         big_rows = torch.randn(lane.max_payload_bytes // (4 * 256) + 1, 256)
-        assert_same_product(
-            transport.call("wide", Op.FORWARD, big_rows, LatencyClass.PREFILL),
-            fake.compute("wide", Op.FORWARD, big_rows),
-        )
+        got = transport.call("wide", Op.FORWARD, big_rows, LatencyClass.PREFILL)
+        assert_same_product(got, fake.compute("wide", Op.FORWARD, big_rows))
         big_result = torch.randn(lane.max_payload_bytes // (4 * FAN.out_features) + 1, 16)
-        assert_same_product(
-            transport.call("fan", Op.FORWARD, big_result, LatencyClass.PREFILL),
-            fake.compute("fan", Op.FORWARD, big_result),
-        )
+        got = transport.call("fan", Op.FORWARD, big_result, LatencyClass.PREFILL)
+        assert_same_product(got, fake.compute("fan", Op.FORWARD, big_result))
         assert lane.calls == 0
         small = torch.randn(2, 16)
         assert_same_product(
@@ -114,8 +126,10 @@ def test_large_rows_or_results_go_over_zeromq(server: ZmqServer, fake: FakeExecu
         assert lane.calls == 1
 
 
-def test_concurrent_threads_share_the_lane_and_zeromq(server: ZmqServer, fake: FakeExecutorService) -> None:
-    transport = open_transport(server.address)
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_concurrent_threads_share_the_lane_and_zeromq(serve, fake: FakeExecutorService, kind: str) -> None:
+    _, address = serve(kind)
+    transport = open_transport(address)
     failures: list[str] = []
 
     def work(seed: int) -> None:
@@ -138,12 +152,15 @@ def test_concurrent_threads_share_the_lane_and_zeromq(server: ZmqServer, fake: F
     transport.close()
 
 
-def test_a_timeout_closes_the_lane_and_calls_go_on(server: ZmqServer, fake: FakeExecutorService) -> None:
-    with open_transport(server.address, timeout_s=0.5) as transport:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_timeout_closes_the_lane_and_calls_go_on(serve, fake: FakeExecutorService, kind: str) -> None:
+    _, address = serve(kind)
+    with open_transport(address, timeout_s=0.5) as transport:
         lane = transport._conn.lane
         with pytest.raises(ExecutorTimeoutError):
             transport.call("slow", Op.FORWARD, torch.randn(2, 16), LatencyClass.DECODE)
         assert lane.closed  # a late reply must never answer the next call
+        transport.timeout_s = 30.0  # the next call over ZeroMQ must not meet the short timeout on a loaded host
         rows = torch.randn(3, 16)
         assert_same_product(
             transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
@@ -151,8 +168,10 @@ def test_a_timeout_closes_the_lane_and_calls_go_on(server: ZmqServer, fake: Fake
         assert lane.calls == 1
 
 
-def test_a_restarted_executor_gives_a_new_lane(server: ZmqServer, fake: FakeExecutorService) -> None:
-    with open_transport("shm+" + server.address, connect_timeout_s=5) as transport:
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_restarted_executor_gives_a_new_lane(serve, fake: FakeExecutorService, kind: str) -> None:
+    server, address = serve(kind)
+    with open_transport(address, connect_timeout_s=5) as transport:
         rows = torch.randn(2, 16)
         transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE)
         first = transport._conn.lane
@@ -171,7 +190,8 @@ def test_a_restarted_executor_gives_a_new_lane(server: ZmqServer, fake: FakeExec
 
 
 class LanePeer:
-    """A raw session (a DEALER that said Hello) and the lane its token gets from the broker."""
+    """A raw session (a DEALER that said Hello) and the lane its token gets: from the broker
+    (ipc) or by a raw connection to the lane port (tcp)."""
 
     def __init__(self, address: str, client_id: str = "lane-peer") -> None:
         self.client_id = client_id
@@ -183,12 +203,33 @@ class LanePeer:
         assert self.dealer.poll(5000)
         self.welcome = P.decode(self.dealer.recv_multipart()[0])
         assert isinstance(self.welcome, P.Welcome)
-        fd, self.max_message_bytes = ask_lane(self.welcome.shm_socket, self.welcome.session_token, 5.0)
-        self.lane = socket.socket(fileno=fd)
+        self.stream = address.startswith("tcp://")
+        self._unread = b""  # tcp: bytes of the next message already received
+        if self.stream:
+            self.lane = socket.create_connection(("127.0.0.1", self.welcome.lane_port), timeout=5.0)
+            self.send(b"".join(L.frame(L._encoder.encode(L.LaneAsk(self.welcome.session_token)))))
+            assert isinstance(L._answer_decoder.decode(L.split(memoryview(self.receive()))[0]), L.LaneGiven)
+        else:
+            fd, _ = ask_lane(self.welcome.shm_socket, self.welcome.session_token, 5.0)
+            self.lane = socket.socket(fileno=fd)
         self.lane.settimeout(5.0)
 
-    def send(self, datagram: bytes) -> None:
-        self.lane.send(datagram)
+    def send(self, message: bytes) -> None:
+        self.lane.sendall(message) if self.stream else self.lane.send(message)
+
+    def receive(self) -> bytes:
+        """One whole message ('' when the executor closed the lane)."""
+        if not self.stream:
+            return self.lane.recv(1 << 22)
+        data = self._unread
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
+            chunk = self.lane.recv(1 << 22)
+            if not chunk:
+                return b""
+            data += chunk
+        nbytes = 4 + int.from_bytes(data[:4], "little")
+        self._unread = data[nbytes:]
+        return data[:nbytes]
 
     def request(
         self, rid: int, layer_id: str, shape: list[int], payload: bytes | None = None, **fields: object
@@ -209,12 +250,12 @@ class LanePeer:
         )
         if payload is None and not fields:
             payload = bytes(4 * shape[0] * shape[1])
-        return b"".join(bytes(part) for part in L._frame(header, None if payload is None else memoryview(payload)))
+        return b"".join(bytes(part) for part in L.frame(header, None if payload is None else memoryview(payload)))
 
     def reply(self) -> tuple[P.Reply, bytes]:
-        data = self.lane.recv(1 << 22)
+        data = self.receive()
         assert data, "the executor closed the lane"
-        header, payload = L._split(memoryview(data))
+        header, payload = L.split(memoryview(data))
         reply = P.decode(header)
         assert isinstance(reply, P.Reply)
         return reply, bytes(payload)
@@ -225,58 +266,109 @@ class LanePeer:
         self.ctx.term()
 
 
+def garbage(peer: LanePeer) -> list[tuple[bytes, int]]:
+    """Messages no client should send, each with the request id its error reply must carry."""
+
+    def framed(header: bytes) -> bytes:
+        return b"".join(bytes(p) for p in L.frame(header))
+
+    attacks = [
+        (framed(b"\xc1 not msgpack"), 0),
+        (framed(P.encode(P.Hello(P.PROTOCOL_VERSION, "x", 7))), 7),
+        (peer.request(11, "q", [2, 16], client_id="somebody-else"), 11),
+        (peer.request(12, "nope", [2, 16]), 12),
+        (peer.request(13, "q", [2, 16], payload=bytes(5)), 13),  # payload does not match the shape
+        (peer.request(14, "q", [2, 16], shm_name="1"), 14),  # no such segment in this session
+        (peer.request(15, "fan", [100, 16]), 15),  # its result would not fit a lane message
+        (peer.request(16, "q", [2, 16], dist_tag=3, dist_nbytes=128), 16),  # no dist session
+        ((96).to_bytes(4, "little") + (200).to_bytes(4, "little") + bytes(92), 0),  # a header longer than the message
+    ]
+    if not peer.stream:  # a datagram's length is the kernel's: these only exist there
+        attacks += [(b"\x01\x02", 0), (framed(b"\x80")[:-3], 0)]
+    return attacks
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
 def test_garbage_on_a_lane_gets_typed_errors_and_the_lane_keeps_serving(
-    server: ZmqServer, fake: FakeExecutorService
+    serve, fake: FakeExecutorService, kind: str
 ) -> None:
-    peer = LanePeer(server.address)
+    _, address = serve(kind)
+    peer = LanePeer(address)
     try:
-        attacks = [
-            (b"\x01\x02", 0),  # no header length
-            (b"\xff\xff\x00\x00" + b"x" * 60, 0),  # a header longer than the datagram
-            (b"".join(bytes(p) for p in L._frame(b"\xc1 not msgpack", None)), 0),
-            (b"".join(bytes(p) for p in L._frame(P.encode(P.Hello(P.PROTOCOL_VERSION, "x", 7)), None)), 7),
-            (peer.request(11, "q", [2, 16], client_id="somebody-else"), 11),
-            (peer.request(12, "nope", [2, 16]), 12),
-            (peer.request(13, "q", [2, 16], payload=bytes(5)), 13),  # payload does not match the shape
-            (peer.request(14, "q", [2, 16], shm_name="1"), 14),  # no such segment in this session
-            (peer.request(15, "fan", [100, 16]), 15),  # its result would not fit a lane datagram
-            (peer.request(16, "q", [2, 16], dist_tag=3, dist_nbytes=128), 16),  # no dist session
-        ]
-        for datagram, rid in attacks:
-            peer.send(datagram)
+        for message, rid in garbage(peer):
+            peer.send(message)
             reply, payload = peer.reply()
             assert not reply.ok and reply.request_id == rid and payload == b""
             assert reply.error_code in ERRORS_BY_CODE and reply.error_code != SymbiosisError.code, reply
-        if (
-            peer.lane.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > L.MAX_MESSAGE_BYTES + 4096
-        ):  # we can send more than it reads
-            peer.send(b"\0" * (L.MAX_MESSAGE_BYTES + 64))
+        if not peer.stream and peer.lane.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > L.MAX_MESSAGE_BYTES + 4096:
+            peer.send(b"\0" * (L.MAX_MESSAGE_BYTES + 64))  # longer than the executor reads: truncated
             reply, _ = peer.reply()
             assert not reply.ok and "exceeds" in reply.error_message
         rows = torch.randn(2, 16)
-        peer.send(peer.request(20, "q", [2, 16], payload=P.tensor_payload(rows).tobytes()))
+        message = peer.request(20, "q", [2, 16], payload=P.tensor_payload(rows).tobytes())
+        if peer.stream:  # a message may arrive in pieces
+            for i in range(0, len(message), 50):
+                peer.send(message[i : i + 50])
+                time.sleep(0.002)
+        else:
+            peer.send(message)
         reply, payload = peer.reply()
         assert reply.ok and reply.request_id == 20
         got = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(2, 24)
         assert_same_product(got, fake.compute("q", Op.FORWARD, rows))
+        if peer.stream:  # a message longer than a lane carries: the stream cannot be read on
+            peer.send((1 << 30).to_bytes(4, "little") + bytes(60))
+            assert peer.receive() == b""
     finally:
         peer.close()
 
 
-def test_a_lane_only_for_the_token_of_a_live_session(server: ZmqServer) -> None:
+def test_a_lane_only_for_the_token_of_a_live_session(serve) -> None:
+    server, address = serve("ipc")
     with pytest.raises(ExecutorUnavailableError):
         ask_lane(server.address.removeprefix("ipc://") + ".shm", "0" * 32, 5.0)
-    peer = LanePeer(server.address)
-    peer.dealer.send(P.encode(P.Goodbye(peer.client_id)))  # the session ends: its lane closes, no new one
-    peer.lane.settimeout(5.0)
-    assert peer.lane.recv(64) == b""
+    tcp, _ = serve("tcp")
+    port = tcp._lane_listener.port
     with pytest.raises(ExecutorUnavailableError):
-        ask_lane(peer.welcome.shm_socket, peer.welcome.session_token, 5.0)
-    peer.close()
+        L.connect_tcp("127.0.0.1", port, "0" * 32, 5.0)
+    for address in (server.address, tcp.address):
+        peer = LanePeer(address)
+        peer.dealer.send(P.encode(P.Goodbye(peer.client_id)))  # the session ends: its lane closes, no new one
+        assert peer.receive() == b""
+        with pytest.raises(ExecutorUnavailableError):
+            if peer.stream:
+                L.connect_tcp("127.0.0.1", port, peer.welcome.session_token, 5.0)
+            else:
+                ask_lane(peer.welcome.shm_socket, peer.welcome.session_token, 5.0)
+        peer.close()
 
 
-def test_a_peer_that_never_reads_its_lane_loses_its_session(server: ZmqServer, fake: FakeExecutorService) -> None:
-    peer = LanePeer(server.address, client_id="deaf")
+def test_tcp_connections_that_never_ask_are_closed(
+    serve, fake: FakeExecutorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lane_listener, "ASK_TIMEOUT_S", 0.3)
+    server, address = serve("tcp")
+    port = server._lane_listener.port
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5.0) for _ in range(lane_listener.MAX_PENDING + 4)]
+    try:
+        for conn in idle:  # the ones past MAX_PENDING at once, the others after ASK_TIMEOUT_S
+            assert conn.recv(64) == b""
+        with open_transport(address) as transport:  # lanes still open for those who ask
+            assert transport._conn.lane is not None
+            rows = torch.randn(2, 16)
+            assert_same_product(
+                transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
+            )
+            assert transport._conn.lane.calls == 1
+    finally:
+        for conn in idle:
+            conn.close()
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_a_peer_that_never_reads_its_lane_loses_its_session(serve, fake: FakeExecutorService, kind: str) -> None:
+    _, address = serve(kind)
+    peer = LanePeer(address, client_id="deaf")
     try:
         deadline = time.monotonic() + 10
         peer.lane.setblocking(False)
@@ -288,7 +380,7 @@ def test_a_peer_that_never_reads_its_lane_loses_its_session(server: ZmqServer, f
                 peer.send(peer.request(rid, "wide", [200, 256]))  # 200 KB of results each, never read
             except (BlockingIOError, BrokenPipeError, ConnectionResetError):
                 time.sleep(0.01)
-        with open_transport(server.address) as other:  # everyone else is served as before
+        with open_transport(address) as other:  # everyone else is served as before
             rows = torch.randn(2, 16)
             assert_same_product(
                 other.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
@@ -300,14 +392,12 @@ def test_a_peer_that_never_reads_its_lane_loses_its_session(server: ZmqServer, f
 # ---- fuzzing the lane ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fuzz_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LanePeer]:
-    import shutil
-    import tempfile
-
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def fuzz_peer(request: pytest.FixtureRequest) -> Iterator[LanePeer]:
     folder = tempfile.mkdtemp(prefix="symb-lf-", dir="/tmp")
     service = FakeExecutorService(threaded=True)
-    server = ZmqServer(service, f"ipc://{folder}/fuzz.sock").start()
+    bind = "tcp://127.0.0.1:0" if request.param == "tcp" else f"ipc://{folder}/fuzz.sock"
+    server = ZmqServer(service, bind).start()
     peer = LanePeer(server.address, client_id="fuzz")
     yield peer
     peer.close()
@@ -316,29 +406,34 @@ def fuzz_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LanePeer]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _lane_datagrams():
+def _lane_messages():
     from hypothesis import strategies as st
 
     from .test_fuzz_protocol import headers, requests
 
-    framed = st.tuples(st.one_of(headers, requests.map(P.encode)), st.binary(max_size=256)).map(
-        lambda parts: b"".join(bytes(p) for p in L._frame(parts[0], memoryview(parts[1])))
+    return st.tuples(st.one_of(headers, requests.map(P.encode)), st.binary(max_size=256)).map(
+        lambda parts: b"".join(bytes(p) for p in L.frame(parts[0], memoryview(parts[1])))
     )
-    return st.one_of(st.binary(min_size=1, max_size=300), framed)  # an empty datagram reads as "closed"
 
 
-def test_any_lane_datagram_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_peer: LanePeer) -> None:
+def test_any_lane_message_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_peer: LanePeer) -> None:
     from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     barriers = iter(range(2**62, 2**63))
+    # Raw bytes only where each send is a message of its own (a datagram); on tcp they would
+    # desynchronize the stream, which the executor answers by closing the lane (tested above).
+    messages = (
+        st.one_of(st.binary(min_size=1, max_size=300), _lane_messages()) if not fuzz_peer.stream else _lane_messages()
+    )
 
     @settings(
-        max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+        max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
     )
-    @given(_lane_datagrams())
-    def fuzz(datagram: bytes) -> None:
+    @given(messages)
+    def fuzz(message: bytes) -> None:
         barrier = next(barriers)
-        fuzz_peer.send(datagram)
+        fuzz_peer.send(message)
         fuzz_peer.send(fuzz_peer.request(barrier, "q", [1, 16]))
         while True:
             reply, _ = fuzz_peer.reply()
