@@ -23,7 +23,7 @@ Measured, side by side in one run:
 Threads: the N=1 executor gets one torch thread per core (its default); each rank of N ranks gets
 cores/N (at least 1), as ``--shards`` gives them; clients get one each.
 
-    python -m benchmarks.sharded --output docs/benchmarks/sharded          # ~105M model, ~10 min
+    python -m benchmarks.sharded --output docs/benchmarks/sharded          # ~105M model, ~25 min
     python -m benchmarks.sharded --quick --output /tmp/sharded              # tiny model, N <= 2
 """
 
@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,13 @@ def systems(quick: bool) -> list[dict[str, Any]]:
     return found
 
 
-def start_system(path: Path, system: dict[str, Any], address: str):
+def start_system(path: Path, system: dict[str, Any], address: str, serve_args: Sequence[str] = ()):
     from symbiosis.executor.process import ExecutorProcess
 
     cores = len(os.sched_getaffinity(0))
-    extra: list[str] = []
+    extra: list[str] = list(serve_args)
     if system["ranks"] > 1:
-        extra = ["--shards", str(system["ranks"]), "--shard-strategy", system["strategy"], "--max-restarts", "0"]
+        extra += ["--shards", str(system["ranks"]), "--shard-strategy", system["strategy"], "--max-restarts", "0"]
     threads = max(1, cores // system["ranks"])
     return ExecutorProcess(
         path, [address], extra_args=extra, threads=threads, metrics=True, timeout_s=600, wait=False
@@ -149,28 +150,37 @@ def _client(path: str, address: str, seed: int) -> _Client:
 
 
 def call_costs(path: Path, addresses: dict[str, str], repeats: int) -> dict[str, Any]:
-    """Median µs of a 1-row forward to a layer rank 0 runs and to one the last rank owns."""
+    """Median µs of a 1-row forward, per system: to a layer rank 0 runs, and to one the last rank
+    owns, sent the way a client of the address does (``routed``: straight to that rank) and over a
+    plain connection to rank 0 (``relayed``: rank 0 passes it on). Under ``fsdp`` both gather."""
     from symbiosis.checkpoint import Checkpoint, build_skeleton, discover_base_layers
     from symbiosis.sharding.placement import Layout, place_units
+    from symbiosis.transport.schemes import open_transport
     from symbiosis.transport.zmq_client import ZmqTransport
 
     specs = discover_base_layers(build_skeleton(Checkpoint(path).config))
     layout = Layout(specs)
-    first, last = layout.units[0].layer_ids[0], layout.units[-1].layer_ids[0]
     owners = place_units([u.numel for u in layout.units], 2)
     assert owners[0] == 0 and owners[-1] != 0, "rank 0 owns the first unit, another rank the last"
-    transports = {name: ZmqTransport(address) for name, address in addresses.items()}
+    first, last = layout.units[0].layer_ids[0], layout.units[-1].layer_ids[0]
+    transports = []
     candidates = {}
-    for name, transport in transports.items():
-        for where, layer in (("rank 0's layer", first), ("another rank's layer", last)):
+    for name, address in addresses.items():
+        routed, plain = open_transport(address), ZmqTransport(address)
+        transports += [routed, plain]
+        for label, transport, layer in (
+            ("rank 0's layer", routed, first),
+            ("another rank's layer, routed", routed, last),
+            ("another rank's layer, relayed", plain, last),
+        ):
             rows = torch.randn(1, specs[layer].in_features)
-            candidates[f"{name} | {where}"] = lambda t=transport, layer=layer, rows=rows: t.call(
+            candidates[f"{name} | {label}"] = lambda t=transport, layer=layer, rows=rows: t.call(
                 layer, "forward", rows, "decode"
             )
     try:
         samples = common.time_interleaved(candidates, warmup=3, repeats=repeats)
     finally:
-        for transport in transports.values():
+        for transport in transports:
             transport.close()
     return {
         "layers": {"rank 0's layer": first, "another rank's layer": last},
@@ -196,8 +206,17 @@ def throughput(workers, names: list[str], rounds: int) -> dict[str, Any]:
                     f"  round {round_index + 1}/{rounds} {mode:6s} {name:10s} {samples[mode][name][-1]:8.1f} tokens/s",
                     flush=True,
                 )
+    # Ratios to N=1 round by round (the systems of a round ran minutes apart at most, under similar
+    # load), then their median: steadier than a ratio of medians on a machine whose load swings.
     return {
-        mode: {name: {"median_tokens_per_s": statistics.median(v), "samples": v} for name, v in by_name.items()}
+        mode: {
+            name: {
+                "median_tokens_per_s": statistics.median(v),
+                "ratio_to_n1": statistics.median(x / b for x, b in zip(v, by_name["N=1"])),
+                "samples": v,
+            }
+            for name, v in by_name.items()
+        }
         for mode, by_name in samples.items()
     }
 
@@ -271,22 +290,20 @@ def summarize(result: dict[str, Any]) -> list[str]:
     lines = []
     tp = result["throughput"]
     for mode in MODES:
-        base = tp[mode]["N=1"]["median_tokens_per_s"]
-        parts = [
-            f"{name} {v['median_tokens_per_s']:.1f} (x{v['median_tokens_per_s'] / base:.2f})"
-            for name, v in tp[mode].items()
-        ]
-        lines.append(f"{mode}, 4 clients (tokens/s, ratio to N=1): " + ", ".join(parts))
+        parts = [f"{name} {v['median_tokens_per_s']:.1f} (x{v['ratio_to_n1']:.2f})" for name, v in tp[mode].items()]
+        lines.append(f"{mode}, 4 clients (tokens/s; median of per-round ratios to N=1): " + ", ".join(parts))
     winners = {
         mode: max((n for n in tp[mode] if n != "N=1"), key=lambda n: tp[mode][n]["median_tokens_per_s"])
         for mode in MODES
     }
+    machine = result["machine"]
+    lines.append(f"Load average at the start: {machine['load_average_1_5_15min']} on {machine['usable_cpus']} CPUs.")
     lines.append(
         f"Fastest sharded system: decode {winners['decode']}, train {winners['train']}; "
         f"default strategy: {DEFAULT_STRATEGY}."
     )
     key = f"N=2 {DEFAULT_STRATEGY}"
-    ratio = tp["decode"][key]["median_tokens_per_s"] / tp["decode"]["N=1"]["median_tokens_per_s"]
+    ratio = tp["decode"][key]["ratio_to_n1"]
     lines.append(
         f"Target: default strategy's decode at N=2 >= 0.7x N=1: {'PASS' if ratio >= 0.7 else 'MISS'} (x{ratio:.2f})."
     )
@@ -354,9 +371,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    common.add_common_arguments(parser, default_repeats=3, quick_repeats=1)
+    common.add_common_arguments(parser, default_repeats=5, quick_repeats=1)
     parser.add_argument(
-        "--window-s", type=float, default=None, help="Seconds each measurement runs (default 10, 1.5 with --quick)."
+        "--window-s", type=float, default=None, help="Seconds each measurement runs (default 15, 1.5 with --quick)."
+    )
+    parser.add_argument(
+        "--serve-args", default="", help="More `symbiosis serve` flags for every system, e.g. '--policy immediate'."
     )
     parser.add_argument(
         "--large",
@@ -367,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.preset is None and not args.quick:
         args.preset = "base"
     args = common.resolve_common(args)
-    window_s = args.window_s or (1.5 if args.quick else 10.0)
+    window_s = args.window_s or (1.5 if args.quick else 15.0)
     started = time.monotonic()
     machine = common.machine_info()
     path = common.checkpoint_path(args)
@@ -379,8 +399,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workers = []
     try:
         for system in chosen:  # loaded one after another: each reads the checkpoint
+            socket_name = system["name"].replace(" ", "-").replace("=", "")
             executor, threads[system["name"]] = start_system(
-                path, system, f"ipc://{folder}/{system['name'].replace(' ', '-').replace('=', '')}.sock"
+                path, system, f"ipc://{folder}/{socket_name}.sock", args.serve_args.split()
             )
             executor.wait_ready()
             executors[system["name"]] = executor

@@ -126,6 +126,25 @@ def test_sharded_executor_matches_monolithic(arch, world_size, strategy, tiny_ch
         assert len({s["gathers"]["gathers"] for s in shards}) == 1 and shards[0]["gathers"]["gathers"] > 0
 
 
+@pytest.mark.parametrize("scheme", ["ipc", "shm+ipc", "dist+tcp"])
+def test_routes_keep_the_clients_transport(scheme, tiny_checkpoint, tmp_path):
+    """A client of ``shm+ipc://`` or ``dist+tcp://`` reaches the other ranks the same way."""
+    path = tiny_checkpoint("llama")
+    bind = f"ipc://{tmp_path}/entry.sock" if "ipc" in scheme else "tcp://127.0.0.1:0"
+    with ranks_in_threads(path, 2, "layers") as ranks:
+        address = serve_all(ranks, bind)
+        address = scheme + address[address.index("://") :]
+        reference, split = make_pair(path, address, "lora", "llama")
+        try:
+            connections = split.get_base_model().symbiosis_transport.connections()
+            assert len(connections) == 2 and type(connections[0]) is type(connections[1])  # same scheme to rank 1
+            ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids), **TOL)
+        finally:
+            close_client(split)
+        assert ranks[0].local_stats()["shard"]["relayed_requests"] == 0
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_client_that_ignores_routes_is_relayed(world_size, tiny_checkpoint):
     """A plain connection to rank 0 (no routing, as an older client would be): rank 0 relays the

@@ -71,36 +71,33 @@ def load_row_shards(
     skeleton = build_skeleton(checkpoint.config)
     conv1d_layers = {name for name, module in skeleton.named_modules() if isinstance(module, Conv1D)}
     sources = locate_tensors(checkpoint, skeleton, base_layer_tensor_names(layout.specs))
-    handles: dict[Path, Any] = {}
-    try:
 
-        def read(name: str, start: int, stop: int, columns: bool) -> torch.Tensor:
-            source = sources[name]
-            if source.file not in handles:
-                handles[source.file] = safe_open(source.file, framework="pt").__enter__()
-            sliced = handles[source.file].get_slice(source.key)
-            return sliced[:, start:stop].t() if columns else sliced[start:stop]
+    def read(name: str, start: int, stop: int, columns: bool) -> torch.Tensor:
+        # Opened per read: a file stays mapped only while its rows are copied out, so the pages
+        # of the whole checkpoint never count in this rank's RSS at once (measured, ~1B Llama at
+        # N=2: peak RSS 4.0 GiB with the files kept open, for 1.8 GiB of shards).
+        source = sources[name]
+        with safe_open(source.file, framework="pt") as handle:
+            sliced = handle.get_slice(source.key)
+            return (sliced[:, start:stop].t() if columns else sliced[start:stop]).clone()
 
-        shards = []
-        for unit in layout.units:
-            first, stop, rows_per_rank = row_range(unit.out_features, world_size, rank)
-            weight = torch.zeros(rows_per_rank, unit.in_features, device=device, dtype=dtype)
-            bias = torch.zeros(rows_per_rank, device=device, dtype=dtype) if unit.has_bias else None
-            member_start = 0
-            for member in unit.layer_ids:
-                member_stop = member_start + layout.specs[member].out_features
-                lo, hi = max(first, member_start), min(stop, member_stop)
-                if lo < hi:
-                    a, b = lo - member_start, hi - member_start
-                    weight[lo - first : hi - first] = read(f"{member}.weight", a, b, columns=member in conv1d_layers)
-                    if bias is not None:
-                        bias[lo - first : hi - first] = read(f"{member}.bias", a, b, columns=False)
-                member_start = member_stop
-            shards.append(UnitShard(weight, bias))
-        return shards
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+    shards = []
+    for unit in layout.units:
+        first, stop, rows_per_rank = row_range(unit.out_features, world_size, rank)
+        weight = torch.zeros(rows_per_rank, unit.in_features, device=device, dtype=dtype)
+        bias = torch.zeros(rows_per_rank, device=device, dtype=dtype) if unit.has_bias else None
+        member_start = 0
+        for member in unit.layer_ids:
+            member_stop = member_start + layout.specs[member].out_features
+            lo, hi = max(first, member_start), min(stop, member_stop)
+            if lo < hi:
+                a, b = lo - member_start, hi - member_start
+                weight[lo - first : hi - first] = read(f"{member}.weight", a, b, columns=member in conv1d_layers)
+                if bias is not None:
+                    bias[lo - first : hi - first] = read(f"{member}.bias", a, b, columns=False)
+            member_start = member_stop
+        shards.append(UnitShard(weight, bias))
+    return shards
 
 
 @dataclass

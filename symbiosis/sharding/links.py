@@ -368,7 +368,7 @@ class PeerLinks:
         for state in self._peers.values():
             state.dealer.disable_monitor()
             state.monitor.close(0)
-            state.dealer.close(0)
+            state.dealer.close(linger=200)  # a Bye still queued goes out (else the peer sees a failure)
         self._router.close(0)
         self._ctx.term()
         self._waker.close()

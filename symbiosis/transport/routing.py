@@ -34,6 +34,10 @@ from symbiosis.vocabulary import GROUP_SEPARATOR, LatencyClass, LayerSpec, Op
 
 log = logging.getLogger(__name__)
 
+#: How long a call on a rank's connection retries a lost connection before the entry takes the call
+#: over (the entry keeps its own, longer, window). Short: a rank that restarted may listen elsewhere.
+ROUTE_CONNECT_TIMEOUT_S = 2.0
+
 
 class RoutingTransport:
     """``Transport`` over a sharded executor's entry and the ranks its Welcome routes to."""
@@ -112,12 +116,15 @@ class RoutingTransport:
 
     @connect_timeout_s.setter
     def connect_timeout_s(self, value: float) -> None:
-        for transport in self._transports():
-            transport.connect_timeout_s = value
+        self._entry.connect_timeout_s = value  # a route fails fast (ROUTE_CONNECT_TIMEOUT_S): the entry takes over
 
     def routed_addresses(self) -> list[str]:
         """The ranks this client sends to directly (besides the entry)."""
         return list(self._by_address)
+
+    def connections(self) -> list[Any]:
+        """Every connection this client holds, the entry first."""
+        return self._transports()
 
     # ---- routes ---------------------------------------------------------------------------
 

@@ -44,10 +44,11 @@ def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwar
     transport = cls(address, **kwargs)
     if not transport.welcome.routes:  # every scheme here is the ZeroMQ family; only a sharded executor routes
         return transport
-    from symbiosis.transport.routing import RoutingTransport
+    from symbiosis.transport.routing import ROUTE_CONNECT_TIMEOUT_S, RoutingTransport
 
     scheme = address[: address.index("://")].rpartition("+")[0]  # "shm", "dist" or ""
-    kwargs["client_id"] = transport.client_id  # one client, several connections
+    # one client (one id) over several connections; each route gives up quickly (the entry takes over)
+    kwargs.update(client_id=transport.client_id, connect_timeout_s=ROUTE_CONNECT_TIMEOUT_S)
 
     def open_route(route: str) -> Any:
         return cls(f"{scheme}+{route}" if scheme else route, **kwargs)
