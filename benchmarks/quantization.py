@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -252,8 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from symbiosis.modelzoo import make_model
 
     tiny = make_model("llama", "tiny", Path(args.cache) / "llama-tiny-seed0", seed=0)
-    workdir = Path(args.output) / "work"
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="symbiosis-quantization-"))  # adapters, sockets: not results
     quick = args.quick
     results: dict[str, Any] = {}
     sections = [s for s in args.sections if not (quick and s == "jobs")]
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             raise SystemExit(f"unknown section {section!r}")
         print(f"[quantization] {section} done in {time.perf_counter() - t0:.0f} s", flush=True)
+        common.write_json(Path(args.output) / "quantization.partial.json", results)  # a long run's sections so far
     summary = {
         "benchmark": "quantization",
         "command": common.command_line(argv, "benchmarks.quantization"),
@@ -290,8 +292,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": results,
         "headline": headline(results),
     }
+    shutil.rmtree(workdir, ignore_errors=True)
     out = Path(args.output)
     common.write_json(out / "quantization.json", summary)
+    (out / "quantization.partial.json").unlink(missing_ok=True)
     plot(out / "quantization.png", results, args.preset)
     for line in summary["headline"]:
         print(line)

@@ -323,7 +323,7 @@ def test_finetuning_a_demo_task_on_an_int8_base_matches_fp32_and_loads_with_plai
     import peft
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.quantization import finetune_task
+    from benchmarks.quantization_quality import finetune_task
     from symbiosis.jobs.client import load_tokenizer
     from symbiosis.jobs.tasks import exact_match_accuracy
 
