@@ -62,6 +62,7 @@ from benchmarks.common import (
     stop_process,
     write_json,
 )
+from symbiosis.executor.process import ExecutorProcess
 
 MODULE = "benchmarks.serving"
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -389,12 +390,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     four_args = [a for name, folder in four.items() for a in ("--adapter", f"{name}={folder}")]
     work = Path(tempfile.mkdtemp(prefix="symbiosis-serving-"))
     address = f"ipc://{work}/executor.sock"
-    executor = subprocess.Popen(
-        [sys.executable, "-m", "symbiosis", "serve", str(model_dir), "--bind", address, *args.serve_arg],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        env=process_env(args.threads),
-    )
+    executor = ExecutorProcess(model_dir, [address], extra_args=args.serve_arg, threads=args.threads, wait=False)
     servers: dict[str, Server] = {}
     workers: list[Worker] = []
     try:
@@ -405,7 +401,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ["--adapter-dir", str(many_root), "--max-loaded-adapters", str(args.many_adapters)],
             args.threads,
         )
-        time.sleep(3)  # let the executor bind before its client connects
+        executor.wait_ready()  # its client must find it bound
         servers["api_shm"] = Server(model_dir, remote_address(args, address), four_args, args.threads)
         for server in servers.values():
             server.wait()
@@ -480,7 +476,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             worker.close()
         for server in servers.values():
             server.close()
-        stop_process(executor)
+        executor.close()
     return {"model": {"dir": str(model_dir), **shape}, "rounds": rounds, "coserve": coserve, "vllm": vllm}
 
 
