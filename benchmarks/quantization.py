@@ -414,7 +414,8 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
                 {"jobs": [results["jobs"][v]["jobs_in_budget"] for v in VARIANTS]},
             )
         )
-    common.plot_panels(path, f"Quantized base ({preset} preset) vs fp32", panels)
+    if panels:  # a run of sections that were all skipped has nothing to draw
+        common.plot_panels(path, f"Quantized base ({preset} preset) vs fp32", panels)
 
 
 if __name__ == "__main__":
