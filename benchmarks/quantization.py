@@ -18,8 +18,9 @@ Sections (each writes its part of ``quantization.json``; the PNG shows the headl
   client peak <= 24 GiB``, from the peaks of a ``symbiosis serve --quantization`` process and a
   client process doing one training step, as ``benchmarks/scenarios/multi_job_finetune.py`` does.
 
-``python -m benchmarks.quantization --output docs/benchmarks/quantization`` (about 15 minutes on
-2 cores); ``--quick`` runs the tiny preset in about a minute.
+``python -m benchmarks.quantization --output docs/benchmarks/quantization`` (75 minutes on 2 shared
+cores, most of it the quality section's 12 fine-tuning runs); ``--quick`` runs the tiny preset in
+about a minute.
 """
 
 from __future__ import annotations

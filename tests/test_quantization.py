@@ -316,6 +316,7 @@ def test_quantized_executor_over_ipc_equals_in_process(tiny_checkpoint, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two 150-step runs; about 2 minutes on a quiet 2-core machine
 def test_finetuning_a_demo_task_on_an_int8_base_matches_fp32_and_loads_with_plain_peft(tiny_checkpoint, tmp_path):
     """The demo's LoRA task ("reverse") trained against an int8 base reaches the accuracy the fp32
     base reaches (within 10 points on 48 held-out inputs, i.e. 5 answers), and the adapter it
