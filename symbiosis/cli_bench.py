@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from symbiosis.errors import ConfigurationError, MissingFileError
+
 SCENARIOS = ("multi_job_finetune", "executor_memory", "multi_adapter_inference", "split_overhead", "executor_efficiency")
 
 
@@ -22,7 +24,7 @@ def _import_suite():
     try:
         from benchmarks import suite
     except ModuleNotFoundError as exc:
-        raise FileNotFoundError(f"the benchmark suite needs a source checkout with benchmarks/suite.py next to symbiosis/ ({exc})") from None
+        raise MissingFileError(f"the benchmark suite needs a source checkout with benchmarks/suite.py next to symbiosis/ ({exc})") from None
     return suite
 
 
@@ -44,7 +46,7 @@ def bench(
     names = list(scenarios or SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+        raise ConfigurationError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     suite = _import_suite()
     command = "symbiosis bench " + " ".join([*(scenarios or []), *(["--quick"] if quick else []), "--output", str(output)])
     suite.run(names, quick=quick, output=output, cache=cache, threads=threads, budget_gib=budget_gib, command=command,

@@ -96,6 +96,25 @@ def error_from_code(code: str, message: str) -> SymbiosisError:
 # callers caught before these types existed.
 
 
+class ConfigurationError(SymbiosisError, ValueError):
+    """A setting the user gave is invalid: an unknown name or choice, a value out of range, an
+    address of a kind that is not served. The message names what is accepted."""
+
+    code = "configuration"
+
+
+class MissingFileError(SymbiosisError, FileNotFoundError):
+    """A file or folder the user named does not exist."""
+
+    code = "missing_file"
+
+
+class OutputExistsError(SymbiosisError, FileExistsError):
+    """An output the user named already exists and is not ours to replace."""
+
+    code = "output_exists"
+
+
 class CurveKeyError(SymbiosisError, ValueError):
     """A CURVE key file is malformed (not 40 Z85 characters), lacks a key, or is readable by others."""
 

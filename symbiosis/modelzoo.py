@@ -42,6 +42,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
+from symbiosis.errors import ConfigurationError, OutputExistsError
+
 __all__ = [
     "ARCHS",
     "PRESETS",
@@ -211,7 +213,7 @@ PRESETS: tuple[str, ...] = tuple(_SHAPES)
 
 def _check_choice(kind: str, value: str, supported: tuple[str, ...]) -> None:
     if value not in supported:
-        raise ValueError(f"unknown {kind} {value!r}; supported: {', '.join(supported)}")
+        raise ConfigurationError(f"unknown {kind} {value!r}; supported: {', '.join(supported)}")
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -362,7 +364,7 @@ def _is_complete(folder: pathlib.Path, recipe: dict[str, Any]) -> bool:
 def _check_replaceable(output: pathlib.Path) -> None:
     """Only an empty folder or one made by `make_model` may be replaced."""
     if output.is_dir() and _read_recipe(output) is None and any(output.iterdir()):
-        raise FileExistsError(f"{output} is not empty and was not made by make_model; refusing to overwrite")
+        raise OutputExistsError(f"{output} is not empty and was not made by make_model; refusing to overwrite")
 
 
 def _replace_folder(built: pathlib.Path, output: pathlib.Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from symbiosis.errors import ConfigurationError
 from symbiosis.executor.engine import ExecutionEngine
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights
@@ -27,7 +28,7 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
         return dtype
     name = dtype.removeprefix("torch.")
     if name not in DTYPES_BY_NAME:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES_BY_NAME)}")
+        raise ConfigurationError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES_BY_NAME)}")
     return DTYPES_BY_NAME[name]
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from symbiosis.errors import ConfigurationError
 from symbiosis.jobs.data import Record
 
 ALPHABET = "ABCDEF"
@@ -67,7 +68,7 @@ TASKS: dict[str, Task] = {
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; available: {', '.join(TASKS)}")
+        raise ConfigurationError(f"unknown task {name!r}; available: {', '.join(TASKS)}")
     return TASKS[name]
 
 
