@@ -26,8 +26,16 @@ backward + AdamW step of a LoRA adapter (r=8 on q/k/v/o) on 8 sequences x 128 to
 **Systems**: ``monolithic`` (``peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path))``,
 the baseline) and the split client ``peft.get_peft_model(symbiosis.load_client_model(path, ...))``
 over ``inproc`` (a ``BaseExecutor`` in the client's process), ``shm+ipc``, ``ipc``, ``tcp`` and
-``dist+tcp`` (to one ``symbiosis serve`` child per model, serving tcp + ipc). All systems carry
-the same LoRA weights (drawn from one seed), checked by their loss on the training batch.
+``dist+tcp`` (each to a ``symbiosis serve`` child of its own per model, serving tcp + ipc). All
+systems carry the same LoRA weights (drawn from one seed), checked by their loss on the training
+batch.
+
+**One executor per remote system**, because the question is what splitting costs *one* client:
+an executor that has other clients connected, even idle ones, cannot know that nothing will come
+to batch with, so it queues every request through its scheduler instead of serving it at once
+(``Scheduler.alone``); with the four remote systems on one executor each of them paid that (decode
+about +0.2 in the ratio, measured). ``--shared-executor`` measures that setup: one executor per
+model serving every remote system.
 
 **How it is timed, and why that way.** Each system lives in its own process
 (``python -m benchmarks.split_overhead worker SPEC``; the remote ones get the executors'
@@ -408,10 +416,13 @@ def measure(
     threads: int = 1,
     policy: str = "opportunistic",
     seed: int = 0,
+    shared_executor: bool = False,
     while_loading: Callable[[], Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Time every system on every model, one process per system, round-robin (see the docstring).
+    Remote systems get an executor process each (per model), or share one per model with
+    ``shared_executor``.
 
     Returns ``samples[system][model][step]`` (seconds), ``info[system]`` (losses, calls),
     ``processes``, ``unavailable``, ``dist`` and, when given, ``while_loading``'s return value
@@ -425,26 +436,34 @@ def measure(
             "seq_len": seq_len, "prompt_len": prompt_len, "decode_steps": decode_steps, "train_steps": train_steps}
     unavailable: dict[str, str] = {}
     dist = dist_status()
-    servers: dict[str, common.ServerProcess] = {}
+    servers: dict[tuple[str, str], common.ServerProcess] = {}  # (group of remote systems, model) -> serve child
+    groups = {"shared": remote} if shared_executor else {system: [system] for system in remote}
     workers: dict[str, common.Worker] = {}
 
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="symbiosis-split-") as folder:
         try:
-            for index, (key, path) in enumerate(models.items() if remote else ()):
-                (Path(folder) / str(index)).mkdir()
-                servers[key] = common.executor_process(path, common.loopback_binds(Path(folder) / str(index)), threads=threads, extra=["--policy", policy], wait=False)
+            for group_index, group in enumerate(groups if remote else ()):
+                for index, (key, path) in enumerate(models.items()):
+                    sub = Path(folder) / f"{group_index}-{index}"
+                    sub.mkdir()
+                    binds = common.loopback_binds(sub)
+                    servers[group, key] = common.executor_process(path, binds, threads=threads, extra=["--policy", policy], wait=False)
             for system in systems:  # all load at once; the remote ones wait for their addresses (below)
                 entries = [{"key": key, "path": str(path)} for key, path in models.items()]
                 # Clients of an executor in another process run with the setting the project documents
                 # for them (symbiosis/threads.py); `symbiosis serve` applies it to the executor itself.
                 env = {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)} if system in remote else None
                 workers[system] = common.Worker(MODULE, dict(spec, role=system, system=system, models=entries), threads=threads, env=env)
-            targets: dict[str, dict[str, str]] = {}
-            for key, server in servers.items():
-                targets[key], dist = open_transports(split_addresses(server), include_dist="dist+tcp" in remote)
+            targets: dict[str, dict[str, dict[str, str]]] = {}  # group -> model -> system -> address
+            for (group, key), server in servers.items():
+                server.wait_ready(600.0)  # several executors load at once next to the workers: give them time
+                include_dist = "dist+tcp" in groups[group]
+                targets.setdefault(group, {})[key], found = open_transports(split_addresses(server), include_dist=include_dist)
+                dist = found if include_dist else dist
             for system in remote:
-                addresses = {key: t[system] for key, t in targets.items() if system in t}
+                group = "shared" if shared_executor else system
+                addresses = {key: t[system] for key, t in targets[group].items() if system in t}
                 if len(addresses) < len(models):
                     addresses = None
                     unavailable[system] = dist["reason"] if system.startswith("dist") else f"the executor serves no {system} address"
@@ -597,6 +616,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=None, help="Timed decode steps per batch size, system and round (default 8; 2 with --quick).")
     parser.add_argument("--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s).")
     parser.add_argument("--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint).")
+    parser.add_argument(
+        "--shared-executor", action="store_true",
+        help="One executor process per model for every remote system (default: one each, so each client is its executor's only one).",
+    )
     args = parser.parse_args(argv)
     args.threads = 1 if args.threads is None else args.threads
     if args.preset is None and not args.quick:
@@ -645,6 +668,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         {key: entry["path"] for key, entry in models.items()}, systems=args.systems, decode_batches=args.decode_batches,
         train_batch=args.train_batch, seq_len=args.seq_len, prompt_len=args.prompt_len, rounds=args.repeats,
         decode_steps=args.decode_steps, train_steps=args.train_steps, threads=args.threads, policy=args.policy,
+        shared_executor=args.shared_executor,
         while_loading=lambda: arch_calls_per_token(args.cache),  # untimed, while the children load
     )
     summary = summarize(measured, args.decode_batches)
@@ -664,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "prompt_len": args.prompt_len,
             "threads_per_process": args.threads,
             "policy": args.policy,
+            "executors": "one per model, shared by the remote systems" if args.shared_executor else "one per remote system and model",
             "quick": args.quick,
             "preset": args.preset,
             "adapter": f"LoRA r=8 alpha=16 on {LORA_TARGETS}, same weights in every system",
