@@ -319,6 +319,7 @@ class _Connection:
                     self._wake_waiters()
             with self._lock:
                 waiting = bool(self._pending)
+            waiting = waiting or (self.lane is not None and self.lane.lock.locked())  # a call on the lane waits too
             if waiting and now - self._last_heard > max(5.0, 5 * self.heartbeat_s):
                 self.fail(f"executor silent for {now - self._last_heard:.1f}s")
             elif not waiting:

@@ -186,6 +186,42 @@ def test_a_restarted_executor_gives_a_new_lane(serve, fake: FakeExecutorService,
             restarted.close(drain=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_stopped_executor_fails_a_lane_call(kind: str, sock_dir: str) -> None:
+    """A call waiting on the lane is failed like one waiting on ZeroMQ once the executor stops
+    answering heartbeats (here: SIGSTOP), instead of waiting out its whole timeout."""
+    import multiprocessing
+    import os
+    import signal
+
+    from .fakes import serve_in_process
+
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Queue(), spawn.Event()
+    bind = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/stopped.sock"
+    child = spawn.Process(target=serve_in_process, args=([bind], 0, ready, stop), daemon=True)
+    child.start()
+    try:
+        (address,) = ready.get(timeout=60)
+        transport = open_transport(f"shm+{address}" if kind == "shm" else address, timeout_s=120, connect_timeout_s=1)
+        transport.call("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.DECODE)
+        assert transport._conn.lane.calls == 1
+        os.kill(child.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ExecutorUnavailableError):
+            transport.call("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.DECODE)
+        assert time.monotonic() - started < 20  # ~5 s of silence, then a second to reconnect: not 120 s
+        os.kill(child.pid, signal.SIGCONT)
+        transport.close()
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        stop.set()
+        child.join(timeout=20)
+        if child.is_alive():
+            child.kill()
+
+
 # ---- a hostile lane peer ---------------------------------------------------------------------------
 
 
