@@ -33,7 +33,7 @@ GAP_EWMA_WEIGHT = 0.25
 class _Track:
     """One client's last request (op, learned position, hand-out time) and its pace per op."""
 
-    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s", "repeats", "walks")
+    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s", "repeats", "walks", "latency")
 
     def __init__(self) -> None:
         self.op: Op | None = None
@@ -43,6 +43,7 @@ class _Track:
         self.gap_s: dict[Op, float] = {}
         self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
         self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
+        self.latency = True  # its last request was latency work (decode, prefill), not bulk
 
 
 class ArrivalPredictor:
@@ -52,8 +53,9 @@ class ArrivalPredictor:
         self.positions: dict[Op, dict[str, int]] = {op: {} for op in Op}
         self.tracks: dict[str, _Track] = {}
 
-    def arrived(self, request: PendingRequest) -> int:
-        """Learn from an arrival; returns the request's position in its op's pass."""
+    def arrived(self, request: PendingRequest, latency: bool = True) -> int:
+        """Learn from an arrival (``latency``: it is latency work, not bulk); returns the request's
+        position in its op's pass."""
         track = self.tracks.get(request.client_id)
         if track is None:
             track = self.tracks[request.client_id] = _Track()
@@ -71,6 +73,7 @@ class ArrivalPredictor:
         elif not same_op and track.op is not None:
             track.repeats.discard(track.op)  # it left that op for another one
         track.walks = not same_op or position != track.position
+        track.latency = latency
         track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
         return position
 
@@ -107,10 +110,13 @@ class ArrivalPredictor:
             return None
         return hops if not wrap or 2 * hops <= length else None
 
-    def walking(self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, idle_s: float) -> list[str]:
+    def walking(
+        self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, idle_s: float, latency_only: bool = False
+    ) -> list[str]:
         """The clients not in ``skip`` on their way to the layer in their walk of ``op`` (see
-        ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``). No pace is
-        needed: the convoy rule waits for them however slow they are."""
+        ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``); with
+        ``latency_only``, only those whose last request was latency work. No pace is needed: the
+        convoy rule waits for them however slow they are."""
         target = self.positions[op].get(layer_id)
         if target is None:
             return []
@@ -121,18 +127,21 @@ class ArrivalPredictor:
                 continue
             if track.handed_out_s is not None and now_s - track.handed_out_s > idle_s:
                 continue
+            if latency_only and not track.latency:
+                continue
             if self._hops(track, target, length, wrap=True) is not None:
                 found.append(client_id)
         return found
 
     def expected(
-        self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, wrap: bool = False
+        self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, wrap: bool = False, latency_only: bool = False
     ) -> list[tuple[float, float]]:
         """``(expected arrival, gap)`` of every client not in ``skip`` that is on its way to the layer.
 
         Not on its way: a client in another op (a fine-tuning client in backward while the layer is
         wanted for forward), at or past the layer (also one idle after its pass) unless ``wrap`` and
-        it repeats the op, or whose pace is not known yet.
+        it repeats the op, whose pace is not known yet, or (``latency_only``) whose last request
+        was bulk work.
         """
         target = self.positions[op].get(layer_id)
         if target is None:
@@ -140,7 +149,7 @@ class ArrivalPredictor:
         length = len(self.positions[op])
         coming = []
         for client_id, track in self.tracks.items():
-            if track.op is not op or client_id in skip:
+            if track.op is not op or client_id in skip or (latency_only and not track.latency):
                 continue
             hops = self._hops(track, target, length, wrap)
             if hops is None:

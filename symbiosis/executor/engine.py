@@ -11,7 +11,10 @@ finds it ready first:
   scheduler for a ready batch and runs it *in the caller's own thread* — its own rows and any
   rows other clients queued meanwhile. While the caller's request is held back (the policy waits
   for more rows) or another thread is computing, the caller waits and then tries again. A lone
-  client therefore pays no thread hand-off, and concurrent clients still share one product.
+  client therefore pays no thread hand-off, and concurrent clients still share one product. A
+  finished product wakes only the callers whose requests it finished and one more waiting caller
+  (to run the next batch), not every waiting thread: under a flood of small chunks, waking all of
+  them made each chunk a fight for the interpreter lock that a decoding bystander lost.
 - A transport server's socket thread is a *driver* (``attach_driver``): after reading a burst of
   requests it calls ``run_ready``, which runs every batch that is ready now in that thread, and
   it polls its sockets no longer than until the scheduler's next wake-up; ``wake`` callbacks tell
@@ -115,6 +118,10 @@ class ExecutionEngine:
         self._running = True
         self._computing = False  # some thread is running a batch (at most one at a time)
         self._callers_waiting = 0  # threads inside ``call``: while any waits, they run the batches
+        # Each waiting caller's own condition (on the same lock), by its request id, oldest first: a
+        # finished product wakes only the callers it finished and one caller to run the next batch,
+        # not every waiting thread (each needless wake-up is a GIL hand-over and a re-plan).
+        self._caller_cvs: dict[int, threading.Condition] = {}
         self._drivers: list[Callable[[], None]] = []  # wake callbacks of attached drivers
         # Which threads ran products (observability; in-process and driven servers should leave
         # the compute thread idle, see the module doc). "alone": the lone-client fast path.
@@ -185,15 +192,28 @@ class ExecutionEngine:
             return None
 
     def _wake_others(self) -> None:
-        """Work arrived or is left (holding ``_cond``): wake whoever runs batches now — the waiting
-        callers if any, else the drivers if any, else the compute thread."""
+        """Work arrived or is left (holding ``_cond``): wake whoever runs batches now — one waiting
+        caller if any, else the drivers if any, else the compute thread."""
         if self._callers_waiting:
-            self._cond.notify_all()
+            self._wake_a_runner()
         elif self._drivers:
             for wake in self._drivers:
                 wake()
         else:
             self._compute_cv.notify()
+
+    def _wake_a_runner(self) -> None:
+        """Wake one waiting caller whose own request is still pending (holding ``_cond``): it runs
+        the next ready batch, or sleeps until the scheduler's next wake-up. The one with the most
+        rows left: a client sending bulk work runs the products, and a decoding client is woken
+        for its own result rather than to compute someone else's chunk first."""
+        best, best_rows = None, -1
+        for request_id, cv in self._caller_cvs.items():
+            inflight = self._inflight.get(request_id)
+            if inflight is not None and inflight.rows.shape[0] - inflight.rows_done > best_rows:
+                best, best_rows = cv, inflight.rows.shape[0] - inflight.rows_done
+        if best is not None:
+            best.notify()
 
     def call(
         self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, timeout_s: float
@@ -208,8 +228,10 @@ class ExecutionEngine:
         local = rows.to(device=self.device, dtype=self.dtype)
         future: Future = Future()
         deadline = self._clock() + timeout_s
+        cv = threading.Condition(self._lock)
         with self._cond:
             request_id = self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
+            self._caller_cvs[request_id] = cv
             self._callers_waiting += 1
             try:
                 while not future.done():
@@ -223,11 +245,14 @@ class ExecutionEngine:
                         self._run_locked(batch, "caller")
                         continue
                     wakeup = None if self._computing else self.scheduler.next_wakeup(now)
-                    self._cond.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
+                    cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
             finally:
                 self._callers_waiting -= 1
+                del self._caller_cvs[request_id]
                 if self._callers_waiting == 0 and self._inflight:
                     self._wake_others()  # what is left is the drivers' or the compute thread's again
+                elif self._inflight and not self._computing:
+                    self._wake_a_runner()  # this caller may have been the one woken to run the next batch
         return future.result()
 
     def try_alone(
@@ -340,6 +365,8 @@ class ExecutionEngine:
     def _notify_everyone(self) -> None:
         """Membership or lifecycle changed (holding ``_cond``): everyone re-checks."""
         self._cond.notify_all()
+        for cv in self._caller_cvs.values():
+            cv.notify()
         self._compute_cv.notify()
         for wake in self._drivers:
             wake()
@@ -393,50 +420,60 @@ class ExecutionEngine:
         self._computing = True
         self._batches_run_by[runner] += 1
         self._cond.release()
-        duration = None
+        duration, finished = None, []
         try:
-            duration = self._compute(batch, parts)
+            duration, finished = self._compute(batch, parts)
         finally:
             self._cond.acquire()
             if duration is not None:
                 self.scheduler.batch_done(batch, duration, self._clock())  # the cost model learns from it
-            self._computing_done()
+            self._computing_done(finished, runner == "caller")
 
-    def _computing_done(self) -> None:
-        """A product finished (holding ``_cond``): waiting callers learn their results or get their
-        turn to compute; without callers, whoever runs what is left is woken."""
+    def _computing_done(self, finished: list[int] = (), by_caller: bool = False) -> None:
+        """A product finished (holding ``_cond``): the callers of the requests it ``finished`` learn
+        their results; unless a caller ran it (it goes on running batches, or wakes a runner as it
+        leaves), one waiting caller gets its turn to compute; without callers, whoever runs what
+        is left is woken."""
         self._computing = False
+        for request_id in finished:
+            cv = self._caller_cvs.get(request_id)
+            if cv is not None:
+                cv.notify()
+        if by_caller:
+            return
         if self._callers_waiting:
-            self._cond.notify_all()
+            self._wake_a_runner()
         elif self._inflight:
             self._wake_others()
 
-    def _compute(self, batch: Batch, parts) -> float | None:
-        """The product and completing its requests' futures (called without ``_cond`` held); the
-        product's duration in seconds, None if it failed."""
+    def _compute(self, batch: Batch, parts) -> tuple[float | None, list[int]]:
+        """The product and completing its requests' futures (called without ``_cond`` held): the
+        product's duration in seconds (None if it failed), and the ids of the requests it ended."""
         layer = self.weights.layers[batch.layer_id]
         started = self._clock()
         try:
             outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
         except Exception as exc:  # a failed product fails its batch, never the executor
-            self._fail_batch(batch.layer_id, parts, exc)
-            return None
+            return None, self._fail_batch(batch.layer_id, parts, exc)
         duration = self._clock() - started
-        self._complete(batch, parts, outputs)
-        return duration
+        return duration, self._complete(batch, parts, outputs)
 
-    def _fail_batch(self, layer_id: str, parts, exc: Exception) -> None:
+    def _fail_batch(self, layer_id: str, parts, exc: Exception) -> list[int]:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")
+        failed = []
         with self._cond:
             self._per_layer[layer_id].errors += 1
             for s, inflight in parts:
                 if self._inflight.pop(s.request_id, None) is not None:
                     self._owner.pop(s.request_id, None)
+                    failed.append(s.request_id)
                     if not inflight.future.done():
                         inflight.future.set_exception(error)
+        return failed
 
-    def _complete(self, batch: Batch, parts, outputs: list[torch.Tensor]) -> None:
+    def _complete(self, batch: Batch, parts, outputs: list[torch.Tensor]) -> list[int]:
         finished: list[tuple[_Admitted, torch.Tensor]] = []
+        finished_ids: list[int] = []
         now = self._clock()
         with self._cond:
             counters = self._per_layer[batch.layer_id]
@@ -460,6 +497,8 @@ class ExecutionEngine:
                 self._owner.pop(s.request_id, None)
                 counters.latency_s += now - inflight.submitted_s
                 finished.append((inflight, result))
+                finished_ids.append(s.request_id)
         for inflight, result in finished:
             if not inflight.future.done():  # a caller that timed out has its error already
                 inflight.future.set_result(result.to(device=inflight.out_device, dtype=inflight.out_dtype))
+        return finished_ids

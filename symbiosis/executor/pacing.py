@@ -102,8 +102,34 @@ class CostModel:
         return None if line is None else line[0] + line[1] * rows
 
 
+class TimeCredit:
+    """A token bucket of executor time (seconds): it fills at some rate (a share of the wall clock)
+    while ``refill`` is told to, up to ``cap_s``, and products spend it; it may go below zero by
+    at most ``cap_s`` (a product longer than the credit it started with)."""
+
+    def __init__(self, cap_s: float, start_s: float = 0.0) -> None:
+        self.cap_s = cap_s
+        self.credit_s = start_s
+        self._last_s: float | None = None
+
+    def refill(self, now_s: float, rate: float, filling: bool = True) -> None:
+        if self._last_s is not None and filling and now_s > self._last_s:
+            self.credit_s = min(self.cap_s, self.credit_s + rate * (now_s - self._last_s))
+        self._last_s = now_s
+
+    def spend(self, seconds: float) -> None:
+        """Spend ``seconds`` (negative: a refund, when a product took less than estimated)."""
+        self.credit_s = min(self.cap_s, max(-self.cap_s, self.credit_s - seconds))
+
+    def positive_at_s(self, now_s: float, rate: float) -> float:
+        """When the credit will be above zero again, filling at ``rate``."""
+        if self.credit_s > 0:
+            return now_s
+        return now_s + (1e-9 - self.credit_s) / rate if rate > 0 else math.inf
+
+
 class _Decoder:
-    __slots__ = ("last_event_s", "pass_start_s", "pass_position", "token_s", "token_dev_s", "decoding")
+    __slots__ = ("last_event_s", "pass_start_s", "pass_position", "token_s", "token_dev_s", "decoding", "pending")
 
     def __init__(self) -> None:
         self.last_event_s = -math.inf
@@ -112,6 +138,7 @@ class _Decoder:
         self.token_s: float | None = None
         self.token_dev_s = 0.0
         self.decoding = False  # its last forward request was class decode
+        self.pending = False  # that request waits in the queue (then it is active however long it waits)
 
 
 class DecodeGuard:
@@ -144,11 +171,13 @@ class DecodeGuard:
             decoder.pass_start_s = arrival_s
         decoder.pass_position = position
         decoder.decoding = is_decode
+        decoder.pending = True
 
     def handed_out(self, client_id: str, now_s: float) -> None:
         decoder = self._decoders.get(client_id)
         if decoder is not None:
             decoder.last_event_s = now_s
+            decoder.pending = False
 
     def forget(self, client_id: str) -> None:
         self._decoders.pop(client_id, None)
@@ -172,11 +201,12 @@ class DecodeGuard:
     # ---- questions ------------------------------------------------------------------------------
 
     def active(self, now_s: float) -> list[str]:
-        """Clients decoding now (their last forward request was decode, and recent)."""
+        """Clients decoding now: their last forward request was decode, and it is still waiting, or
+        it was served recently (within ``ACTIVE_HORIZON_S`` or two of their tokens)."""
         return [
             client_id
             for client_id, d in self._decoders.items()
-            if d.decoding and now_s - d.last_event_s <= max(ACTIVE_HORIZON_S, 2.0 * (d.token_s or 0.0))
+            if d.decoding and (d.pending or now_s - d.last_event_s <= max(ACTIVE_HORIZON_S, 2.0 * (d.token_s or 0.0)))
         ]
 
     def longest_token_s(self, now_s: float) -> float:
@@ -199,10 +229,6 @@ class DecodeGuard:
             else:
                 budget = min(budget, self.slo_s / max(1, calls_per_token) - gap_s)
         return None if budget == math.inf else max(0.0, budget)
-
-    def bulk_pause_s(self, bulk_duration_s: float) -> float:
-        """After ``bulk_duration_s`` of fine-tuning work, how long fine-tuning waits (decoders active)."""
-        return bulk_duration_s * (1.0 - self.bulk_share) / self.bulk_share
 
     def stats(self) -> dict:
         tokens = [d.token_s for d in self._decoders.values() if d.token_s is not None]

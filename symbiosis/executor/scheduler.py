@@ -30,27 +30,30 @@ that is not idle, however far: every group waits for the same clients, so they m
 walk together, as in lockstep. Neither waits for clients in another op (fine-tuning in backward
 while the group is forward).
 
-**Fair sharing between clients.** Among ready groups, the batch is led by the client with the
-smallest virtual start tag (start-time fair queueing on rows): each slice handed out charges its
-client ``rows + REQUEST_CHARGE_ROWS``; a client that becomes busy again starts at the scheduler's
-virtual time, so a client's own backlog only ever delays the client itself: another client's
-request waits for at most the product running when it arrives. A decode request gets
-``decode_share_rows`` of head start (a prefill request half), so decode goes before bulk work -
-but only for a decode-sized share: a client that labels big or endless work ``decode`` spends
-its head start at once and is then served like bulk. Within one client's own queue, its most
-urgent class goes first, except that a request that waited ``aging_ms`` goes first (oldest
-first), so a client's own decode stream cannot starve its own fine-tuning.
+**Sharing between clients: two lanes.** A decode or prefill request of at most
+``decode_share_rows`` rows is *latency* work; fine-tuning, and anything larger (a long prompt, or
+a client that labels big work ``decode``), is *bulk* work. Latency work goes first. Within a lane,
+the batch is led by the client with the smallest virtual start tag (start-time fair queueing on
+rows): each slice handed out charges its client ``rows + REQUEST_CHARGE_ROWS``, and a client that
+becomes busy again starts at the lane's virtual time, so a client's own backlog only ever delays
+the client itself: another client's request waits for at most the product running when it
+arrives. Bulk work is not starved behind a stream of latency work: it is owed its fair share of
+executor time (bulk clients / active clients), kept in a credit of time that fills while bulk
+work waits, and leads a batch ahead of latency work while that credit is positive. Within one
+client's own queue, its most urgent class goes first, except that a request that waited
+``aging_ms`` goes first (oldest first), so a client's own decode stream cannot starve its own
+fine-tuning.
 
-**Chunks.** A batch holds at most ``row_budget`` rows; while a client is decoding, the bulk rows
-of a batch (anything but decode requests of a decode-sized share) are further cut to what the
-learned cost model says fits in the decoders' delay budget (``pacing.py``: a multiple
-``decode_slowdown`` of their own time per call, or with ``decode_slo_ms`` the per-call slack of the
-target), never below ``min_chunk_rows``. The rest of a cut request is continued in a later batch.
-This is FlexLLM's token-level fine-tuning (a fine-tuning sequence cut into windows that ride
-along with inference) done at the executor, where it is free: base layers are row-independent, so
-any row chunking gives the same result. With a target, fine-tuning is also paced: while decoders
-are active it may use only ``bulk_share`` of the time, a share that feedback from the decoders'
-measured token times against the target keeps as large as the target allows.
+**Chunks and a decode target.** A batch holds at most ``row_budget`` rows; while a client is
+decoding, the bulk rows of a batch are further cut to what the learned cost model says fits in
+the decoders' delay budget (``pacing.py``: ``decode_slowdown`` times their own time per call, or
+with ``decode_slo_ms`` the per-call slack of the target), never below ``min_chunk_rows``. The
+rest of a cut request is continued in a later batch. This is FlexLLM's token-level fine-tuning (a
+fine-tuning sequence cut into windows that ride along with inference) done at the executor, where
+it is free: base layers are row-independent, so any row chunking gives the same result. With a
+target, bulk work is owed only ``MIN_BULK_SHARE`` of the time, and while decoders are active it
+may use at most ``bulk_share`` of it (a second credit): a share that feedback from the decoders'
+measured token times keeps as large as the target allows, so fine-tuning gets the rest.
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
 """
@@ -61,7 +64,7 @@ import math
 from dataclasses import asdict
 
 from symbiosis.executor.arrivals import ArrivalPredictor
-from symbiosis.executor.pacing import CostModel, DecodeGuard
+from symbiosis.executor.pacing import MIN_BULK_SHARE, CostModel, DecodeGuard, TimeCredit
 from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.scheduler_config import POLICIES, Policy, SchedulerConfig
 from symbiosis.executor.wait_tuner import WaitTuner
@@ -76,14 +79,19 @@ _CLASS_ORDER: tuple[LatencyClass, ...] = tuple(sorted(LatencyClass, key=lambda c
 REQUEST_CHARGE_ROWS = 8
 # A trial of a waiting rule lasts at least this many tokens of the slowest active decoder.
 EPOCH_TOKENS = 3
-# Head start of each class, as a fraction of ``decode_share_rows``.
-_HEAD_START = {LatencyClass.DECODE: 1.0, LatencyClass.PREFILL: 0.5, LatencyClass.FINETUNE: 0.0}
+# Most executor time bulk work may take in one go on credit (its guarantee or its allowance).
+CREDIT_CAP_S = 0.002
+# What a product is taken to last before any has been measured (sharing time needs some unit).
+NOMINAL_PRODUCT_S = 1e-4
+# A client counts as active (for the bulk lane's fair share) this long after its last request.
+ACTIVE_CLIENT_S = 1.0
+LATENCY, BULK = 0, 1  # the lanes, in the order they are served
 
 
 class _Entry:
     """A pending request and how many of its rows have been handed out."""
 
-    __slots__ = ("request", "seq", "next_row", "done", "client", "group", "budget_deadline_s", "head_start")
+    __slots__ = ("request", "seq", "next_row", "done", "client", "group", "budget_deadline_s")
 
     def __init__(
         self,
@@ -92,7 +100,6 @@ class _Entry:
         client: _Client,
         group: _Group,
         budget_deadline_s: float,
-        head_start: float,
     ):
         self.request = request
         self.seq = seq  # insertion order: the tie-breaker that makes every decision deterministic
@@ -101,7 +108,6 @@ class _Entry:
         self.client = client
         self.group = group
         self.budget_deadline_s = budget_deadline_s  # arrival + its opportunistic wait budget
-        self.head_start = head_start
 
     @property
     def remaining(self) -> int:
@@ -109,14 +115,15 @@ class _Entry:
 
 
 class _Client:
-    """A client's pending requests (in add order) and its virtual start tag (rows)."""
+    """A client's pending requests (in add order), its virtual start tag (rows), its last arrival."""
 
-    __slots__ = ("client_id", "entries", "tag")
+    __slots__ = ("client_id", "entries", "tag", "last_arrival_s")
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
         self.entries: list[_Entry] = []
         self.tag = 0.0
+        self.last_arrival_s = -math.inf
 
 
 class _Group:
@@ -184,12 +191,11 @@ class Scheduler:
         self._min_chunk_rows = min(config.min_chunk_rows, config.row_budget)
         self._aging_s = config.aging_ms / 1000.0
         self._lockstep_timeout_s = config.lockstep_timeout_ms / 1000.0
-        self._head_start = {c: f * config.decode_share_rows for c, f in _HEAD_START.items()}
         self._groups: dict[tuple[str, Op], _Group] = {}  # only groups with pending requests
         self._entries: dict[int, _Entry] = {}  # request_id -> pending entry
         self._client_state: dict[str, _Client] = {}  # every client that sent a request and has not left
         self._clients: set[str] = set()  # joined clients, explicitly or by sending a request
-        self._virtual = 0.0  # fair queueing's virtual time: the start tag of the last lead served
+        self._virtual = [0.0, 0.0]  # per lane, fair queueing's virtual time: the start tag of its last lead
         self._seq = 0
         self._pending_rows = 0
         self._batches = 0
@@ -218,8 +224,14 @@ class Scheduler:
         slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
         self._guard = DecodeGuard(slo_s, config.decode_slowdown)
         self._convoy_ready: set[_Group] = set()
-        self._bulk_ready_s = -math.inf  # with a target: fine-tuning may lead a batch from then on
-        self._last_bulk: tuple[tuple[str, Op], int] | None = None  # the last batch led by fine-tuning
+        # Bulk's guaranteed share: executor time it is owed (seconds, within +-CREDIT_CAP_S); each
+        # product led by latency work adds share / (1 - share) of its duration, each led by bulk
+        # work subtracts its duration. Bulk leads ahead of waiting latency work while it is owed.
+        self._owed_s = 0.0
+        self._allowed = TimeCredit(CREDIT_CAP_S, start_s=CREDIT_CAP_S)  # with a target: bulk's most
+        self._last_fill: tuple[tuple[str, Op], int, float] | None = None  # (key, lane, estimated duration)
+        self._lane_batches = [0, 0]
+        self._owed_share = 0.5
 
     # ----------------------------------------------------------------------------- clients
 
@@ -254,31 +266,52 @@ class Scheduler:
         client = self._client_state.get(request.client_id)
         if client is None:
             client = self._client_state[request.client_id] = _Client(request.client_id)
-        if not client.entries:  # busy again: it starts at the current virtual time, never earlier
-            client.tag = max(client.tag, self._virtual)
+        if not client.entries:  # busy again: it starts at its lane's virtual time, never earlier
+            client.tag = max(client.tag, self._virtual[self._lane_of(request.latency_class, request.rows)])
+        client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
         key = (request.layer_id, request.op)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(request.layer_id, request.op)
         budget_deadline_s = request.arrival_s + self.config.wait_budget_s(request.rows, request.latency_class)
-        entry = _Entry(request, self._seq, client, group, budget_deadline_s, self._head_start[request.latency_class])
+        entry = _Entry(request, self._seq, client, group, budget_deadline_s)
         self._seq += 1
         group.insert(entry)
         client.entries.append(entry)
         self._entries[request.request_id] = entry
         self._pending_rows += request.rows
-        position = self._arrivals.arrived(request)
+        position = self._arrivals.arrived(request, self._lane_of(request.latency_class, request.rows) == LATENCY)
         self._guard.arrived(
             request.client_id, request.op, request.latency_class is LatencyClass.DECODE, position, request.arrival_s
         )
 
     def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
-        """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost."""
+        """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,
+        and if bulk work led it, charge the bulk lane's credits (the estimate was charged already)."""
         key = (batch.layer_id, batch.op)
         self._cost.observe(key, batch.rows, duration_s)
-        if self._last_bulk is not None and self._last_bulk[0] == key:
-            self._bulk_ready_s = now_s + self._guard.bulk_pause_s(duration_s)
-            self._last_bulk = None
+        if self._last_fill is not None and self._last_fill[0] == key:
+            _, lane, estimate_s = self._last_fill
+            self._charge(lane, duration_s - estimate_s)
+            self._last_fill = None
+
+    def _charge(self, lane: int, duration_s: float) -> None:
+        """Account ``duration_s`` of executor time to a batch led by ``lane`` (see ``_owed_s``)."""
+        if lane == BULK:
+            self._owed_s -= duration_s
+            self._allowed.spend(duration_s)
+        else:
+            self._owed_s += duration_s * self._owed_share / (1.0 - self._owed_share)
+        self._owed_s = min(CREDIT_CAP_S, max(-CREDIT_CAP_S, self._owed_s))
+
+    def _lane_of(self, latency_class: LatencyClass, rows: int) -> int:
+        """Latency work: a decode or prefill request of a decode-sized share; everything else is
+        bulk. By the request's whole size: the end of a large request is bulk too."""
+        small = rows <= self.config.decode_share_rows
+        return LATENCY if small and latency_class is not LatencyClass.FINETUNE else BULK
+
+    def _lane(self, entry: _Entry) -> int:
+        return self._lane_of(entry.request.latency_class, entry.request.rows)
 
     # ----------------------------------------------------------------------------- readiness
 
@@ -312,14 +345,14 @@ class Scheduler:
             budget_s = self._delay_budget_s(now_s)
             if budget_s is not None:
                 deadline_s = min(deadline_s, group.oldest_arrival_s() + budget_s)
+        latency_only = self._has_latency_work(group)  # latency work never waits for bulk work
         if convoy:
-            if self._convoy_waits_for(group, now_s):
+            if self._convoy_waits_for(group, now_s, latency_only):
                 return deadline_s, "deadline"
             return -math.inf, "none_coming"
         latest_s = -math.inf
-        for expected_s, gap_s in self._arrivals.expected(
-            group.layer_id, group.op, group.client_counts, now_s, wrap=True
-        ):
+        coming = self._arrivals.expected(group.layer_id, group.op, group.client_counts, now_s, True, latency_only)
+        for expected_s, gap_s in coming:
             if expected_s <= deadline_s:  # one that arrives later cannot be waited for anyway
                 latest_s = max(latest_s, expected_s + gap_s)  # one gap of slack for jitter in its pace
         if latest_s == -math.inf:
@@ -328,14 +361,18 @@ class Scheduler:
             return latest_s, "overdue"
         return deadline_s, "deadline"
 
-    def _convoy_waits_for(self, group: _Group, now_s: float) -> bool:
+    def _has_latency_work(self, group: _Group) -> bool:
+        return any(self._lane(e) == LATENCY for e in group.entries)
+
+    def _convoy_waits_for(self, group: _Group, now_s: float, latency_only: bool) -> bool:
         """Convoy rule: whether a client on its way to ``group``'s layer can come: it is computing
         its next layer's input (nothing pending), or its pending request is in a group that is
         ready now. One pending in a group that is itself held cannot come before that group is
         served, and waiting for it is how a ring of groups would wait for each other. So the
         clients furthest behind are never held, the ones ahead wait, and the convoy closes up."""
+        idle_s = self._lockstep_timeout_s
         for client_id in self._arrivals.walking(
-            group.layer_id, group.op, group.client_counts, now_s, self._lockstep_timeout_s
+            group.layer_id, group.op, group.client_counts, now_s, idle_s, latency_only
         ):
             client = self._client_state.get(client_id)
             if client is None or not client.entries:
@@ -384,27 +421,41 @@ class Scheduler:
         if not ready:
             return None, "", wakeup_s
         aged_before_s = now_s - self._aging_s
-        paced = now_s < self._bulk_ready_s
-        best: tuple | None = None
-        lead: _Entry | None = None
+        best: list[tuple | None] = [None, None]  # per lane: (rank, lead entry)
         for client in self._client_state.values():
             candidates = [e for e in client.entries if e.group in ready]
             if not candidates:
                 continue
             entry = min(candidates, key=lambda e: self._own_rank(e, aged_before_s))
-            if (
-                paced
-                and entry.request.latency_class is LatencyClass.FINETUNE
-                and self._decoders_active(now_s, client.client_id)
-            ):
-                wakeup_s = min(wakeup_s, self._bulk_ready_s)
-                continue
-            rank = (client.tag - entry.head_start, entry.request.arrival_s, entry.seq)
-            if best is None or rank < best:
-                best, lead = rank, entry
+            lane = self._lane(entry)
+            rank = (client.tag, entry.request.arrival_s, entry.seq)
+            if best[lane] is None or rank < best[lane][0]:
+                best[lane] = (rank, entry)
+        latency, bulk = (b[1] if b else None for b in best)
+        if bulk is not None:
+            bulk, allowed_at_s = self._bulk_may_lead(bulk, now_s, latency is not None)
+            wakeup_s = min(wakeup_s, allowed_at_s)
+        lead = bulk if bulk is not None else latency
         if lead is None:
             return None, "", wakeup_s
         return lead, ready[lead.group], now_s
+
+    def _bulk_may_lead(self, entry: _Entry, now_s: float, latency_waiting: bool) -> tuple[_Entry | None, float]:
+        """Whether bulk work (``entry``) leads the next batch: ahead of waiting latency work only
+        while owed its share; with a target and decoders active, only within its allowance. Also
+        when it may (if not now)."""
+        active = [c for c in self._client_state.values() if c.entries or now_s - c.last_arrival_s <= ACTIVE_CLIENT_S]
+        bulk_clients = sum(1 for c in active if any(self._lane(e) == BULK for e in c.entries))
+        targeted = self._guard.slo_s is not None
+        self._owed_share = min(0.95, MIN_BULK_SHARE if targeted else bulk_clients / max(1, len(active)))
+        decoding = self._decoders_active(now_s, entry.client.client_id)
+        allowed_rate = self._guard.bulk_share
+        self._allowed.refill(now_s, allowed_rate, filling=decoding)
+        if targeted and decoding and self._allowed.credit_s <= 0:
+            return None, self._allowed.positive_at_s(now_s, allowed_rate)
+        if latency_waiting and self._owed_s <= 0:
+            return None, math.inf  # latency work leads; its completion re-plans
+        return entry, now_s
 
     def _decoders_active(self, now_s: float, other_than: str) -> bool:
         return any(c != other_than for c in self._guard.active(now_s))
@@ -433,9 +484,6 @@ class Scheduler:
         self._ready_reasons[reason] += 1
         return self._fill(lead, now_s)
 
-    def _is_small_decode(self, entry: _Entry) -> bool:
-        return entry.request.latency_class is LatencyClass.DECODE and entry.remaining <= self.config.decode_share_rows
-
     def _fill(self, lead: _Entry, now_s: float) -> Batch:
         group = lead.group
         aged_before_s = now_s - self._aging_s
@@ -447,15 +495,21 @@ class Scheduler:
                 bulk_limit = min(self._row_budget, max(self._min_chunk_rows, fits))
         others = sorted(
             (e for e in group.entries if e is not lead),
-            key=lambda e: (e.client.tag - e.head_start, self._own_rank(e, aged_before_s)),
+            key=lambda e: (
+                self._lane(e),
+                e.client.tag,
+                self._own_rank(e, aged_before_s),
+            ),
         )
-        self._virtual = max(self._virtual, lead.client.tag)
+        lane = self._lane(lead)
+        self._virtual[lane] = max(self._virtual[lane], lead.client.tag)
+        self._lane_batches[lane] += 1
         slices: list[RowSlice] = []
         rows = 0
         for entry in [lead, *others]:
             remaining = entry.remaining
             room = self._row_budget - rows
-            if self._is_small_decode(entry):
+            if self._lane(entry) == LATENCY:
                 take = min(remaining, room)
             else:
                 take = min(remaining, room, max(0, bulk_limit - rows))
@@ -470,10 +524,11 @@ class Scheduler:
             rows += take
         if not group.entries:
             del self._groups[group.key]
-        if lead.request.latency_class is LatencyClass.FINETUNE:
-            self._last_bulk = (group.key, rows)
-            estimate_s = self._cost.duration_s(group.key, rows) or 0.0
-            self._bulk_ready_s = now_s + estimate_s + self._guard.bulk_pause_s(estimate_s)
+        estimate_s = self._cost.duration_s(group.key, rows)
+        if estimate_s is None:
+            estimate_s = NOMINAL_PRODUCT_S
+        self._charge(lane, estimate_s)  # now with an estimate, corrected by batch_done
+        self._last_fill = (group.key, lane, estimate_s)
         self._batches += 1
         self._rows_served += rows
         return Batch(layer_id=group.layer_id, op=group.op, slices=tuple(slices))
@@ -563,4 +618,5 @@ class Scheduler:
             "wait_rule": self._tuner.stats() if self._tuner is not None else {"rule": self._fixed_rule},
             "decode_guard": self._guard.stats(),
             "chunks_cut_for_decode": self._chunks_cut,
+            "batches_led_by_lane": {"latency": self._lane_batches[LATENCY], "bulk": self._lane_batches[BULK]},
         }

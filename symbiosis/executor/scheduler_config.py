@@ -98,9 +98,10 @@ class SchedulerConfig:
     decode_slo_ms: float | None = field(
         default=None,
         metadata=_help(
-            "Per-token latency target of decode clients (ms), FlexLLM-style co-serving: fine-tuning and other "
-            "bulk rows are cut into chunks short enough, and paced, so that active decode clients meet it; "
-            "bulk work gets every moment the target leaves free. Unset: no target (see --decode-slowdown)."
+            "Per-token latency target of decode clients (ms; met at p95), FlexLLM-style co-serving: bulk rows "
+            "(fine-tuning, long prompts) are cut into chunks short enough, and bulk work is paced to the share of "
+            "time the target leaves (learned from the decoders' token times; never below 5%). Unset: no target, "
+            "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows)."
         ),
     )
     decode_slowdown: float = field(
@@ -114,9 +115,11 @@ class SchedulerConfig:
     decode_share_rows: int = field(
         default=256,
         metadata=_help(
-            "Fair sharing between clients is by rows served (start-time fair queueing); a decode request gets "
-            "this many rows of head start over other clients, a prefill request half of it. A client that "
-            "labels large or endless work 'decode' spends its head start at once and is served as bulk."
+            "A decode or prefill request of at most this many rows is latency work, served before bulk work "
+            "(fine-tuning, and anything larger: a client that labels big work 'decode' gets no priority for it). "
+            "Within each, clients share by rows (fair queueing: one client's backlog delays only itself); bulk "
+            "work is still owed its fair share of time (bulk clients / active clients) and is served first "
+            "while it is owed."
         ),
     )
     min_chunk_rows: int = field(
