@@ -480,3 +480,48 @@ def test_any_lane_message_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_pe
                 assert reply.error_code in ERRORS_BY_CODE and reply.error_code != SymbiosisError.code, reply
 
     fuzz()
+
+
+# ---- batching ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_clients_on_lanes_are_still_batched_together(tiny_checkpoint, sock_dir: str, kind: str) -> None:
+    """Lanes change how a request reaches the executor, not what it does with it: requests of
+    several clients for one layer still meet in one product (lockstep waits for all of them)."""
+    import symbiosis
+
+    executor = symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama"), policy="lockstep")
+    server = executor.serve("tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/batch.sock")
+    transports = [open_transport(server.address, client_id=f"batched-{i}") for i in range(3)]
+    try:
+        spec = next(iter(executor.layer_specs().values()))
+        barrier = threading.Barrier(len(transports))
+        outcomes: list[bool] = []
+
+        def work(transport, seed: int) -> None:
+            generator = torch.Generator().manual_seed(seed)
+            barrier.wait()
+            for _ in range(5):
+                rows = torch.randn(2, spec.in_features, generator=generator)
+                got = transport.call(spec.layer_id, Op.FORWARD, rows, LatencyClass.DECODE)
+                expected = rows @ executor.weights.layers[spec.layer_id].weight.T
+                bias = executor.weights.layers[spec.layer_id].bias
+                outcomes.append(
+                    torch.allclose(got, expected if bias is None else expected + bias, rtol=1e-5, atol=1e-5)
+                )
+
+        threads = [threading.Thread(target=work, args=(t, i)) for i, t in enumerate(transports)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert outcomes == [True] * 15
+        assert all(t._conn.lane.calls == 5 for t in transports)  # every call took its client's lane
+        assert (
+            executor.stats()["layers"][spec.layer_id]["mean_rows_per_batch"] > 2
+        )  # rows of several clients per product
+    finally:
+        for transport in transports:
+            transport.close()
+        executor.close(drain=False)
