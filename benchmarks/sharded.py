@@ -189,19 +189,27 @@ def call_costs(path: Path, addresses: dict[str, str], repeats: int) -> dict[str,
     }
 
 
+def _run_window(workers, name: str, mode: str) -> float:
+    """All workers run ``mode`` against system ``name`` for a window at once: aggregate tokens/s."""
+    for worker in workers:
+        worker.process.stdin.write(json.dumps({"system": name, "mode": mode}) + "\n")
+        worker.process.stdin.flush()
+    done = [worker.wait_done(timeout_s=900) for worker in workers]
+    return sum(d["tokens"] for d in done) / max(d["elapsed_s"] for d in done)
+
+
 def throughput(workers, names: list[str], rounds: int) -> dict[str, Any]:
-    """Aggregate tokens/s of all workers per (mode, system), rotating the system order each round."""
+    """Aggregate tokens/s of all workers per (mode, system), rotating the system order each round,
+    after one untimed window of each (first gathers, allocator growth, the schedulers' learning)."""
+    for mode in MODES:
+        for name in names:
+            _run_window(workers, name, mode)
     samples: dict[str, dict[str, list[float]]] = {mode: {name: [] for name in names} for mode in MODES}
     for round_index in range(rounds):
         shift = round_index % len(names)
         for mode in MODES:
             for name in names[shift:] + names[:shift]:
-                for worker in workers:
-                    worker.process.stdin.write(json.dumps({"system": name, "mode": mode}) + "\n")
-                    worker.process.stdin.flush()
-                done = [worker.wait_done(timeout_s=900) for worker in workers]
-                tokens = sum(d["tokens"] for d in done)
-                samples[mode][name].append(tokens / max(d["elapsed_s"] for d in done))
+                samples[mode][name].append(_run_window(workers, name, mode))
                 print(
                     f"  round {round_index + 1}/{rounds} {mode:6s} {name:10s} {samples[mode][name][-1]:8.1f} tokens/s",
                     flush=True,

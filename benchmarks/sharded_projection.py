@@ -64,48 +64,52 @@ MODELS = {
 
 
 def project(shape: Shape, ranks: int, decode_batch: int, train_tokens: int) -> dict:
-    """Bytes per step, per rank, under each strategy (see module doc)."""
+    """Bytes per step under each way of running (see module doc): ``client`` is what clients and
+    executor exchange whatever the sharding (as with one executor); the rest is what sharding adds."""
     weights = shape.base_params() * BF16
     remote = (ranks - 1) / ranks
     per_token = shape.activation_elements_per_token() * BF16
     return {
         "weights_per_rank_bytes": weights / ranks,
-        "layers": {
+        "client": {"decode_bytes": decode_batch * per_token, "train_bytes": train_tokens * 2 * per_token},
+        "routed": {"decode_bytes": 0.0, "train_bytes": 0.0},  # each call goes to its owner directly
+        "relayed": {
             "decode_bytes": remote * decode_batch * per_token,
-            "decode_relayed_calls": remote * shape.calls_per_token(),
+            "decode_calls": remote * shape.calls_per_token(),
             "train_bytes": remote * train_tokens * 2 * per_token,
-            "train_relayed_calls": remote * 2 * shape.calls_per_token(),
+            "train_calls": remote * 2 * shape.calls_per_token(),
         },
         "fsdp": {"decode_bytes": remote * weights, "train_bytes": 2 * remote * weights},
     }
 
 
 def table(args: argparse.Namespace) -> str:
-    relay_us = _measured_relay_us(args.measured)
-    link, pcie = args.link_gbps * 1e9, args.pcie_gbps * 1e9
+    relay_us = _measured_relay_us(args.measured) or 0.0
+    link, hbm = args.link_gbps * 1e9, args.hbm_gbps * 1e9
     rows = [
-        f"Decode step: {args.decode_batch} sequences, one token each. Training step: {args.train_tokens} tokens "
-        f"(batch 2 x 512, as Figures 15-16). bf16. Times: bytes / {args.link_gbps:g} GB/s (NVLink-class) and / "
-        f"{args.pcie_gbps:g} GB/s (PCIe-class)"
-        + (f"; relayed calls x {relay_us:.0f} µs (the relay cost measured here, CPU, ZeroMQ)." if relay_us else "."),
+        f"Decode step: {args.decode_batch} sequences, one token each; training step: {args.train_tokens} tokens "
+        f"(batch 2 x 512, as Figures 15-16); bf16. Added time = bytes / {args.link_gbps:g} GB/s (NVLink-class), "
+        f"plus, for relayed calls, {relay_us:.0f} µs each (the relay cost measured here: CPU, ZeroMQ). "
+        f"For scale, a rank streams its weights from HBM once per decode step: weights / {args.hbm_gbps:g} GB/s.",
         "",
-        "| model | N | weights/rank | layers: decode bytes (relayed calls) | fsdp: decode bytes/rank | "
-        "layers: train bytes | fsdp: train bytes/rank | decode time layers / fsdp (NVLink) | "
-        "train time layers / fsdp (NVLink; PCIe) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | N | weights/rank (HBM read per decode step) | client<->executor per decode step | "
+        "added per decode step: layers routed / relayed / fsdp | "
+        "added per training step: layers routed / relayed / fsdp |",
+        "|---|---|---|---|---|---|",
     ]
     for name in ("Llama-2-13B", "Llama-2-70B"):
         for ranks in (2, 4, 8):
             p = project(MODELS[name], ranks, args.decode_batch, args.train_tokens)
-            lay, fs = p["layers"], p["fsdp"]
-            lay_decode_s = lay["decode_bytes"] / link + lay["decode_relayed_calls"] * (relay_us or 0) * 1e-6
-            lay_train_s = lay["train_bytes"] / link + lay["train_relayed_calls"] * (relay_us or 0) * 1e-6
+            rel, fs = p["relayed"], p["fsdp"]
+            rel_decode_s = rel["decode_bytes"] / link + rel["decode_calls"] * relay_us * 1e-6
+            rel_train_s = rel["train_bytes"] / link + rel["train_calls"] * relay_us * 1e-6
             rows.append(
-                f"| {name} | {ranks} | {_gb(p['weights_per_rank_bytes'])} | {_mb(lay['decode_bytes'])} "
-                f"({lay['decode_relayed_calls']:.0f}) | {_gb(fs['decode_bytes'])} | {_gb(lay['train_bytes'])} | "
-                f"{_gb(fs['train_bytes'])} | {_ms(lay_decode_s)} / {_ms(fs['decode_bytes'] / link)} | "
-                f"{_ms(lay_train_s)} / {_ms(fs['train_bytes'] / link)}; {_ms(lay['train_bytes'] / pcie)} / "
-                f"{_ms(fs['train_bytes'] / pcie)} |"
+                f"| {name} | {ranks} | {_gb(p['weights_per_rank_bytes'])} ({_ms(p['weights_per_rank_bytes'] / hbm)}) "
+                f"| {_mb(p['client']['decode_bytes'])} "
+                f"| 0 / {_mb(rel['decode_bytes'])} in {rel['decode_calls']:.0f} calls, {_ms(rel_decode_s)} "
+                f"/ {_gb(fs['decode_bytes'])}, {_ms(fs['decode_bytes'] / link)} "
+                f"| 0 / {_gb(rel['train_bytes'])}, {_ms(rel_train_s)} / {_gb(fs['train_bytes'])}, "
+                f"{_ms(fs['train_bytes'] / link)} |"
             )
     gemma = project(MODELS["Gemma2-27B"], 8, 1, 128)
     rows += [
@@ -118,11 +122,11 @@ def table(args: argparse.Namespace) -> str:
 
 
 def _measured_relay_us(path: Path | None) -> float | None:
-    """Extra µs of a call relayed to another rank (``layers``, N=2) over one rank 0 runs itself."""
+    """Extra µs of a call relayed to another rank (``layers``, N=2) over one sent to it directly."""
     if path is None or not path.is_file():
         return None
     costs = json.loads(path.read_text())["call_costs"]["median_us"]
-    return costs["N=2 layers | another rank's layer"] - costs["N=2 layers | rank 0's layer"]
+    return costs["N=2 layers | another rank's layer, relayed"] - costs["N=2 layers | another rank's layer, routed"]
 
 
 def _gb(nbytes: float) -> str:
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> str:
         "--train-tokens", type=int, default=1024, help="Tokens of one training step (default: 2 x 512)."
     )
     parser.add_argument("--link-gbps", type=float, default=200.0, help="NVLink-class bandwidth, GB/s.")
-    parser.add_argument("--pcie-gbps", type=float, default=20.0, help="PCIe-class bandwidth, GB/s.")
+    parser.add_argument("--hbm-gbps", type=float, default=2000.0, help="GPU memory bandwidth, GB/s (A100-80GB class).")
     text = table(parser.parse_args(argv))
     print(text)
     return text

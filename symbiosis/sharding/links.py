@@ -19,7 +19,9 @@ used wakes the link thread rather than reading it itself.
 
 Failures: a peer is *down* when its DEALER connection drops after it was up (a killed process's
 sockets are closed by its kernel at once), or when nothing came from it for ``peer_timeout_s``
-(pings go out every ``heartbeat_s``; a hung host). ``on_peer_down`` is called once per peer, on
+(pings go out every ``heartbeat_s``; a hung host; the link thread of a rank that runs a long
+relayed product answers no ping meanwhile, so the timeout must exceed the longest product: 60 s
+by default, ``ShardOptions``). ``on_peer_down`` is called once per peer, on
 the link thread, with ``clean=True`` when the peer had said ``Bye`` (a deliberate stop).
 Sending to a down peer raises ``ExecutorUnavailableError`` naming the shard.
 """

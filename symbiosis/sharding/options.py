@@ -32,7 +32,7 @@ class ShardOptions:
     strategy: str = DEFAULT_STRATEGY
     link_host: str = "127.0.0.1"
     collective_timeout_s: float = 120.0
-    peer_timeout_s: float = 10.0
+    peer_timeout_s: float = 60.0  # a hung or cut-off peer; a dead process is noticed at once (links.py)
     heartbeat_s: float = 1.0
     start_timeout_s: float = 600.0
     failure_linger_s: float = 12.0
