@@ -368,6 +368,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "or each client and the executor as its own process, connected over ipc:// (benchmarks/batching_processes.py).",
     )
     parser.add_argument(
+        "--scheme",
+        choices=("ipc", "tcp"),
+        default="ipc",
+        help="With --clients-as processes: how clients reach the executor process: ipc:// (default) or tcp:// "
+        "on loopback (what remote clients would use, minus the network).",
+    )
+    parser.add_argument(
         "--max-wait-ms", type=float, default=None, help="Executor max_wait_ms (default: SchedulerConfig's)."
     )
     parser.add_argument(
@@ -492,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "benchmark": NAME,
             "preset": args.preset,
             "clients_as": args.clients_as,
-            "transport": args.executor or ("ipc" if pool else "inproc"),
+            "transport": args.executor or (args.scheme if pool else "inproc"),
             "window_s": args.window_s,
             "repeats": args.repeats,
             "load_average_1min_start_end": [load_start[0], _load()[0]],
@@ -509,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "quick": args.quick,
             "transport": args.executor
             or (
-                "ipc (executor and each client in its own process)"
+                f"{args.scheme} (executor and each client in its own process)"
                 if pool
                 else "inproc (client threads in this process)"
             ),

@@ -3,7 +3,8 @@
 In thread mode every client and the executor share one interpreter, so the GIL serializes their
 Python and a policy's waits are stretched by GIL hand-offs (``sys.getswitchinterval()``, 5 ms). Here
 each client is a process with its own interpreter (one torch thread each), talking to an executor
-process over ``ipc://`` through the ZeroMQ transport, as ``symbiosis serve`` clients do, with
+process over ``ipc://`` (or ``tcp://`` loopback with ``--scheme tcp``, the nearest this one host
+comes to remote clients) through the ZeroMQ transport, as ``symbiosis serve`` clients do, with
 ``OMP_WAIT_POLICY=PASSIVE`` as ``serve`` sets it (unless the environment sets another).
 
 Processes are started once (spawn) and reused for every run: the executor process loads the
@@ -46,8 +47,8 @@ def _executor_main(conn, path: str, threads: int | None) -> None:
         if command == "start":
             config, address = payload
             executor = symbiosis.BaseExecutor(weights, SchedulerConfig(**config))
-            executor.serve(address)
-            conn.send(("ok", None))
+            server = executor.serve(address)
+            conn.send(("ok", server.address))  # a tcp port 0 resolved
         elif command == "stats":
             from benchmarks.batching_clients import counters_from_stats
 
@@ -135,8 +136,11 @@ class ProcessPool:
 
         self._runs += 1
         if config is not None:
-            address = f"ipc:///tmp/symbiosis-batching-{os.getpid()}-{self._runs}.sock"
-            self._executor_call("start", (dataclasses.asdict(config), address))
+            if self.args.scheme == "tcp":
+                address = "tcp://127.0.0.1:0"
+            else:
+                address = f"ipc:///tmp/symbiosis-batching-{os.getpid()}-{self._runs}.sock"
+            address = self._executor_call("start", (dataclasses.asdict(config), address))
         else:
             address = self.args.executor
         used = self._clients[: len(specs)]
@@ -173,12 +177,13 @@ class ProcessPool:
         finally:
             if config is not None:
                 self._executor_call("stop")
-                Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+                if address.startswith("ipc://"):
+                    Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
         return summarize_run(records, counters, self.args.window_s, config is not None)
 
     def close(self) -> None:
         processes = self._clients + ([self._executor] if self._executor else [])
-        for process, conn in processes:
+        for _, conn in processes:
             try:
                 conn.send(("exit", None))
             except (BrokenPipeError, OSError):

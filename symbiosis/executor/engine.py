@@ -127,6 +127,11 @@ class ExecutionEngine:
         # the compute thread idle, see the module doc). "alone": the lone-client fast path.
         self._batches_run_by = {"alone": 0, "caller": 0, "driver": 0, "compute_thread": 0}
         self.device, self.dtype = weights.device, weights.dtype
+        # What a product costs, for the scheduler's cost model: on a CPU, the computing thread's CPU
+        # time, so that waiting for the interpreter lock or for a core (other clients' work on the
+        # same cores) is not taken for the product's cost; elsewhere, the clock.
+        cpu = self.device.type == "cpu" and clock is time.monotonic
+        self._product_clock = time.thread_time if cpu else clock
         self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
         self._thread.start()
 
@@ -285,18 +290,19 @@ class ExecutionEngine:
         round, no future — the product (into ``out`` when given and suitable, see ``apply_op``),
         the counters, and the result in the caller's dtype."""
         started = self._clock()
+        cpu_started = self._product_clock()
         try:
             result = apply_op(self.weights.layers[layer_id], op, local, out)
         finally:
+            cost = self._product_clock() - cpu_started
             with self._cond:
                 counters = self._per_layer[layer_id]
                 counters.requests += 1
                 counters.rows += local.shape[0]
                 counters.batches += 1
                 counters.batch_rows += local.shape[0]
-                duration = self._clock() - started
-                counters.latency_s += duration
-                self.scheduler.served_alone(client_id, local.shape[0], latency_class, layer_id, op, duration)
+                counters.latency_s += self._clock() - started
+                self.scheduler.served_alone(client_id, local.shape[0], latency_class, layer_id, op, cost)
                 self._batches_run_by["alone"] += 1
                 self._computing_done()
         return result.to(device=rows.device, dtype=rows.dtype)
@@ -450,12 +456,12 @@ class ExecutionEngine:
         """The product and completing its requests' futures (called without ``_cond`` held): the
         product's duration in seconds (None if it failed), and the ids of the requests it ended."""
         layer = self.weights.layers[batch.layer_id]
-        started = self._clock()
+        started = self._product_clock()
         try:
             outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
         except Exception as exc:  # a failed product fails its batch, never the executor
             return None, self._fail_batch(batch.layer_id, parts, exc)
-        duration = self._clock() - started
+        duration = self._product_clock() - started
         return duration, self._complete(batch, parts, outputs)
 
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> list[int]:

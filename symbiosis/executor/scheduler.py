@@ -38,8 +38,9 @@ rows): each slice handed out charges its client ``rows + REQUEST_CHARGE_ROWS``, 
 becomes busy again starts at the lane's virtual time, so a client's own backlog only ever delays
 the client itself: another client's request waits for at most the product running when it
 arrives. Bulk work is not starved behind a stream of latency work: it is owed its fair share of
-executor time (bulk clients / active clients), kept in a credit of time that fills while bulk
-work waits, and leads a batch ahead of latency work while that credit is positive. Within one
+executor time (bulk clients / active clients): each product led by latency work adds
+``share / (1 - share)`` of its duration to what bulk is owed, each product led by bulk work takes
+its own duration off, and bulk leads ahead of waiting latency work while it is owed. Within one
 client's own queue, its most urgent class goes first, except that a request that waited
 ``aging_ms`` goes first (oldest first), so a client's own decode stream cannot starve its own
 fine-tuning.
@@ -51,9 +52,10 @@ with ``decode_slo_ms`` the per-call slack of the target), never below ``min_chun
 rest of a cut request is continued in a later batch. This is FlexLLM's token-level fine-tuning (a
 fine-tuning sequence cut into windows that ride along with inference) done at the executor, where
 it is free: base layers are row-independent, so any row chunking gives the same result. With a
-target, bulk work is owed only ``MIN_BULK_SHARE`` of the time, and while decoders are active it
-may use at most ``bulk_share`` of it (a second credit): a share that feedback from the decoders'
-measured token times keeps as large as the target allows, so fine-tuning gets the rest.
+target, the share bulk work is owed, and the most of the wall clock it may use while decoders are
+active (a second credit), are ``bulk_share``: a share that feedback from the decoders' measured
+token times keeps as large as the target allows (never below ``MIN_BULK_SHARE``), so fine-tuning
+gets everything the target leaves.
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
 """
@@ -81,6 +83,8 @@ REQUEST_CHARGE_ROWS = 8
 EPOCH_TOKENS = 3
 # Most executor time bulk work may take in one go on credit (its guarantee or its allowance).
 CREDIT_CAP_S = 0.002
+# Bulk work is never owed more than this share of the time while latency work waits.
+MAX_OWED_SHARE = 0.95
 # What a product is taken to last before any has been measured (sharing time needs some unit).
 NOMINAL_PRODUCT_S = 1e-4
 # A client counts as active (for the bulk lane's fair share) this long after its last request.
@@ -117,13 +121,14 @@ class _Entry:
 class _Client:
     """A client's pending requests (in add order), its virtual start tag (rows), its last arrival."""
 
-    __slots__ = ("client_id", "entries", "tag", "last_arrival_s")
+    __slots__ = ("client_id", "entries", "tag", "last_arrival_s", "last_lane")
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
         self.entries: list[_Entry] = []
         self.tag = 0.0
         self.last_arrival_s = -math.inf
+        self.last_lane = LATENCY  # the lane of its last request: a bulk client stays one between requests
 
 
 class _Group:
@@ -224,6 +229,7 @@ class Scheduler:
         slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
         self._guard = DecodeGuard(slo_s, config.decode_slowdown)
         self._convoy_ready: set[_Group] = set()
+        self._convoy_walkers: dict[_Group, list[str]] = {}
         # Bulk's guaranteed share: executor time it is owed (seconds, within +-CREDIT_CAP_S); each
         # product led by latency work adds share / (1 - share) of its duration, each led by bulk
         # work subtracts its duration. Bulk leads ahead of waiting latency work while it is owed.
@@ -269,6 +275,7 @@ class Scheduler:
         if not client.entries:  # busy again: it starts at its lane's virtual time, never earlier
             client.tag = max(client.tag, self._virtual[self._lane_of(request.latency_class, request.rows)])
         client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
+        client.last_lane = self._lane_of(request.latency_class, request.rows)
         key = (request.layer_id, request.op)
         group = self._groups.get(key)
         if group is None:
@@ -345,12 +352,12 @@ class Scheduler:
             budget_s = self._delay_budget_s(now_s)
             if budget_s is not None:
                 deadline_s = min(deadline_s, group.oldest_arrival_s() + budget_s)
-        latency_only = self._has_latency_work(group)  # latency work never waits for bulk work
-        if convoy:
-            if self._convoy_waits_for(group, now_s, latency_only):
+        if convoy:  # (its walkers were found by _plan; latency work never waits for bulk work)
+            if self._convoy_waits_for(group):
                 return deadline_s, "deadline"
             return -math.inf, "none_coming"
         latest_s = -math.inf
+        latency_only = self._has_latency_work(group)  # latency work never waits for bulk work
         coming = self._arrivals.expected(group.layer_id, group.op, group.client_counts, now_s, True, latency_only)
         for expected_s, gap_s in coming:
             if expected_s <= deadline_s:  # one that arrives later cannot be waited for anyway
@@ -364,32 +371,20 @@ class Scheduler:
     def _has_latency_work(self, group: _Group) -> bool:
         return any(self._lane(e) == LATENCY for e in group.entries)
 
-    def _convoy_waits_for(self, group: _Group, now_s: float, latency_only: bool) -> bool:
+    def _convoy_waits_for(self, group: _Group) -> bool:
         """Convoy rule: whether a client on its way to ``group``'s layer can come: it is computing
         its next layer's input (nothing pending), or its pending request is in a group that is
-        ready now. One pending in a group that is itself held cannot come before that group is
-        served, and waiting for it is how a ring of groups would wait for each other. So the
-        clients furthest behind are never held, the ones ahead wait, and the convoy closes up."""
-        idle_s = self._lockstep_timeout_s
-        for client_id in self._arrivals.walking(
-            group.layer_id, group.op, group.client_counts, now_s, idle_s, latency_only
-        ):
+        served now (ready whatever the rule, or with nobody to wait for: the convoy behind). One
+        pending in a group that is itself held cannot come before that group is served, and
+        waiting for it is how a ring of groups would wait for each other. So the clients furthest
+        behind are never held, the ones ahead wait, and the convoy closes up."""
+        for client_id in self._convoy_walkers.get(group, ()):
             client = self._client_state.get(client_id)
             if client is None or not client.entries:
                 return True  # moving
             if client.entries[0].group in self._convoy_ready:
                 return True  # will be served now
         return False
-
-    def _ready_reason(self, group: _Group, now_s: float, rule: str) -> str | None:
-        reason = self._ready_now_reason(group, rule)
-        if reason is None:
-            hold_until_s, why = self._hold_until_s(group, now_s, rule)
-            if hold_until_s <= now_s:
-                reason = why
-        return reason
-
-    # ----------------------------------------------------------------------------- choosing
 
     def _own_rank(self, entry: _Entry, aged_before_s: float) -> tuple:
         """Order within one client's queue: aged requests oldest first, then by class, then arrival."""
@@ -407,7 +402,16 @@ class Scheduler:
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
         if rule == "convoy":  # groups served now whatever the convoy does (see _convoy_waits_for)
-            self._convoy_ready = {g for g in self._groups.values() if self._ready_now_reason(g, rule) is not None}
+            idle_s = self._lockstep_timeout_s
+            self._convoy_walkers = {
+                g: self._arrivals.walking(g.layer_id, g.op, g.client_counts, now_s, idle_s, self._has_latency_work(g))
+                for g in self._groups.values()
+            }
+            self._convoy_ready = {
+                g
+                for g, walkers in self._convoy_walkers.items()
+                if not walkers or self._ready_now_reason(g, rule) is not None
+            }
         for group in self._groups.values():
             reason = self._ready_now_reason(group, rule)
             if reason is None:
@@ -445,9 +449,10 @@ class Scheduler:
         while owed its share; with a target and decoders active, only within its allowance. Also
         when it may (if not now)."""
         active = [c for c in self._client_state.values() if c.entries or now_s - c.last_arrival_s <= ACTIVE_CLIENT_S]
-        bulk_clients = sum(1 for c in active if any(self._lane(e) == BULK for e in c.entries))
+        bulk_clients = sum(1 for c in active if c.last_lane == BULK)
         targeted = self._guard.slo_s is not None
-        self._owed_share = min(0.95, MIN_BULK_SHARE if targeted else bulk_clients / max(1, len(active)))
+        share = self._guard.bulk_share if targeted else bulk_clients / max(1, len(active))
+        self._owed_share = min(MAX_OWED_SHARE, max(MIN_BULK_SHARE, share))
         decoding = self._decoders_active(now_s, entry.client.client_id)
         allowed_rate = self._guard.bulk_share
         self._allowed.refill(now_s, allowed_rate, filling=decoding)
