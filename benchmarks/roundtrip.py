@@ -7,6 +7,11 @@ fixed cost per call, not bandwidth, sets the speed. This script times exactly th
 process**; a client child process calls ``forward`` on 1 and 16 rows over ``inproc`` (its own
 in-process ``BaseExecutor`` on the same weights: the floor), ``ipc``, ``tcp`` and ``shm+ipc``.
 
+The measured client is its executor's only one: the client child keeps one remote transport open
+at a time (closing it before opening another), because an executor with other clients connected,
+even idle ones, queues every request through its scheduler instead of serving it at once
+(``Scheduler.alone``; that path costs ~150 µs more per call here).
+
 A/B in one run: ``--baseline DIR`` names a folder holding another copy of the ``symbiosis``
 package (e.g. the code before a change, copied with ``cp -r symbiosis DIR/``). Each variant gets
 its own server and client processes, importing ``symbiosis`` from its own folder; the parent
@@ -96,11 +101,21 @@ def _client(addresses: list[str]) -> None:
     _, LatencyClass, Op = _vocabulary()
 
     ipc, tcp = addresses
-    transports: dict[str, Any] = {"inproc": InProcTransport(_make_executor(0)), "ipc": open_transport(ipc), "tcp": open_transport(tcp), "shm+ipc": open_transport("shm+" + ipc)}
+    remote = {"ipc": ipc, "tcp": tcp, "shm+ipc": "shm+" + ipc}
+    inproc = InProcTransport(_make_executor(0))
+    opened: dict[str, Any] = {}  # at most one remote transport at a time: see the module doc
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
-        transport = transports[command["transport"]]
+        name = command["transport"]
+        if name == "inproc":
+            transport = inproc
+        else:
+            for other in [n for n in opened if n != name]:
+                opened.pop(other).close()  # its Goodbye ends its session: the next one is alone again
+            if name not in opened:
+                opened[name] = open_transport(remote[name])
+            transport = opened[name]
         rows = torch.randn(command["rows"], command["hidden"])
         layer = f"h{command['hidden']}"
         for _ in range(command["warmup"]):
@@ -111,9 +126,10 @@ def _client(addresses: list[str]) -> None:
             transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
             samples.append(time.perf_counter_ns() - start)
         print(MARK + json.dumps({"samples_ns": samples}), flush=True)
-    for transport in transports.values():
+    for transport in opened.values():
         transport.close()
-    transports["inproc"].service.close()
+    inproc.close()
+    inproc.service.close()
 
 
 def child_main() -> None:
