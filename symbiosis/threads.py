@@ -30,6 +30,18 @@ both processes, 59 and 63 with libgomp's default (two runs each, alternated). Th
 (``benchmarks/split_overhead.py``, the suite's client processes) run clients of a separate
 executor with this setting; an ``OMP_WAIT_POLICY`` in their environment overrides it (an empty
 value gives libgomp's default), which is how to compare the two.
+
+Measured again once calls took lanes (issue 15; h512 llama, decode steps of 1 and 16 sequences,
+one client process and one ``serve`` process, this 2-core machine under other jobs' load, our
+processes' autogroup at nice -19): a spin before sleeping (``GOMP_SPINCOUNT`` 3,000-50,000,
+~0.1-2 ms here) in the executor, the client or both never beat PASSIVE beyond the noise (±10%);
+one intra-op thread in the executor or the client was within the noise for one sequence, and for
+16 sequences one thread on *both* sides did best (decode x1.8-1.9 of monolithic against x2.2-2.3
+with two each: waking a sleeping worker costs more here than half of a 16-row product saves).
+Products alone (no other process computing) still gain from the second thread from 16 x 512 x
+4096 up (x0.86 of one thread, x0.53 at 1024 rows), and training steps need it, so torch's default
+stays; a client that only decodes small batches on a small host may set
+``torch.set_num_threads(1)`` itself.
 """
 
 from __future__ import annotations
