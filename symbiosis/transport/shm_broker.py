@@ -25,6 +25,10 @@ with the descriptor attached, or ``SegmentRefused``, and closes. Clients make se
 times, so a connection each costs nothing that matters. The broker's one thread never blocks:
 connections are non-blocking, at most ``MAX_PENDING`` wait at once (``MAX_PENDING_PER_USER``
 from one Unix user, ``SO_PEERCRED``) and each gets ``READ_TIMEOUT_S`` to say what it wants.
+
+The broker hands out a session's *lane* the same way (``LaneAsk`` -> ``LaneGiven`` with the
+client's end of a socket pair attached; ``lane.py``): the session's token and Unix user decide,
+as for segments, and ipc clients without shared memory ask too.
 """
 
 from __future__ import annotations
