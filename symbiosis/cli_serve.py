@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from symbiosis.cli_scheduler import with_scheduler_options
-from symbiosis.executor.quantized import QUANTIZATION_CHOICES, QUANTIZATION_HELP
+from symbiosis.executor.quantization_options import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.sharding.options import DEFAULT_STRATEGY, SHARD_HELP, ShardOptions
 from symbiosis.transport.security import CurveServerKeys, check_abstract_ipc

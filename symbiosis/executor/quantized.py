@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from symbiosis.errors import CheckpointError, UnsupportedQuantizationError
+from symbiosis.executor.quantization_options import FORMAT_NAMES, QUANTIZATION_CHOICES
 from symbiosis.vocabulary import Op
 
 log = logging.getLogger(__name__)
@@ -56,14 +57,7 @@ class QuantFormat:
 FORMATS: dict[str, QuantFormat] = {
     f.name: f for f in (QuantFormat("int8", torch.int8, 127.0), QuantFormat("fp8-rowwise", torch.float8_e4m3fn, 448.0))
 }
-#: What ``--quantization`` accepts ("none" is full precision).
-QUANTIZATION_CHOICES: tuple[str, ...] = ("none", *FORMATS)
-QUANTIZATION_HELP = (
-    "Store the base weights quantized, with one scale per output row: int8 (fbgemm int8 kernel on CPU) or "
-    "fp8-rowwise (float8_e4m3fn; hardware fp8 matmul on GPUs that have it, dequantize-then-matmul elsewhere). "
-    "none: the full-precision --dtype. Clients need no change."
-)
-
+assert tuple(FORMATS) == FORMAT_NAMES, "quantization_options.FORMAT_NAMES lists the formats defined here"
 #: Row counts up to this use fbgemm for int8 forward/noise on CPU; above it, dequantize + BLAS. The
 #: crossover measured with ``python -m benchmarks.quantization --kernels`` (fbgemm's cost grows
 #: with rows at about twice BLAS's because of the two digits; unpacking costs a fixed ~4 ns/weight).
