@@ -80,7 +80,7 @@ _CLASS_ORDER: tuple[LatencyClass, ...] = tuple(sorted(LatencyClass, key=lambda c
 # of 1-row requests is not free next to a client that sends few large ones.
 REQUEST_CHARGE_ROWS = 8
 # A trial of a waiting rule lasts at least this many tokens of the slowest active decoder.
-EPOCH_TOKENS = 3
+EPOCH_TOKENS = 5
 # Most executor time bulk work may take in one go on credit (its guarantee or its allowance).
 CREDIT_CAP_S = 0.002
 # Bulk work is never owed more than this share of the time while latency work waits.

@@ -12,7 +12,7 @@ tries three waiting *rules* in turn and keeps the one that serves most:
 - ``convoy``: hold for every client on its way to the layer (the lockstep idea, for clients that
   walk the same op and can come), up to ``lockstep_timeout_ms``.
 
-A trial (*epoch*) lasts ``adapt_epoch_ms``, or three of the slowest active decoder's tokens if
+A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if
 that is longer (a rule needs a few passes to show: a convoy forms over one). Its score is
 ``log(requests/s)`` over the epoch after its first quarter (the settling of the previous rule's
 convoys): for a closed loop of clients, requests per second is the inverse of their mean step
@@ -27,13 +27,15 @@ over time says more about when it ran than about the rule. Each counted epoch th
 epoch of another rule moves the two rules' ratings apart by ``PAIR_WEIGHT`` of the surprise
 (observed score difference minus rated difference; an Elo rating), so slow drifts cancel.
 
-The first three epochs try each rule once; after that the rule in use changes only when another
-is rated better by ``SWITCH_MARGIN`` (x1.08: a difference smaller than that is the noise of a
-shared machine, and every switch costs a settling), and every ``EXPLORE_EVERY``-th epoch tries
-the one least recently tried, so the choice follows a change of load or clients. A rule rated
-clearly worse than the best (by more than ``CLEARLY_WORSE``, about x0.8 in requests per second)
-is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs every
-client a slow epoch, which is what a p95 latency sees first.
+The first three epochs try each rule once. The rule in use starts as ``START_RULE`` (convoy:
+on the host this was measured on, clients as threads and as processes both gain from convoys, see
+README) and changes only when another is rated better by ``SWITCH_MARGIN`` (x1.15: on a shared
+machine adjacent epochs differ by up to x2, and a switch needs two or more comparisons pointing
+the same way at ``PAIR_WEIGHT`` 0.25); every ``EXPLORE_EVERY``-th epoch tries the rule least
+recently tried, so the choice follows a change of load or clients. A rule rated clearly worse than
+the one in use (by more than ``CLEARLY_WORSE``, x1.25) is tried only every
+``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs every client a slow epoch,
+which is what a p95 latency sees first.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ FIRST_TRIALS: tuple[str, ...] = ("convoy", "none", "predicted")
 EXPLORE_EVERY = 5
 RARE_FACTOR = 4
 CLEARLY_WORSE = math.log(1.25)
-SWITCH_MARGIN = math.log(1.08)
-PAIR_WEIGHT = 0.4
+SWITCH_MARGIN = math.log(1.15)
+PAIR_WEIGHT = 0.25
+START_RULE = "convoy"
 SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
 HISTORY = 40
@@ -119,7 +122,9 @@ class WaitTuner:
         if self.epochs < len(FIRST_TRIALS):
             return FIRST_TRIALS[self.epochs]
         top = max(self.ratings, key=self.ratings.__getitem__)
-        if self.chosen is None or self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
+        if self.chosen is None:
+            self.chosen = START_RULE if START_RULE in self.ratings else top
+        if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
             self.chosen = top
         best = self.chosen
         if self.epochs % EXPLORE_EVERY == 0:
