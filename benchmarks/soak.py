@@ -100,7 +100,9 @@ class ClientSpec:
     lr: float = 1e-3
 
 
-def client_specs(n: int, *, steps: int, seq_len: int, max_new_tokens: int, transports: Sequence[str] = TRANSPORTS) -> list[ClientSpec]:
+def client_specs(
+    n: int, *, steps: int, seq_len: int, max_new_tokens: int, transports: Sequence[str] = TRANSPORTS
+) -> list[ClientSpec]:
     """``n`` clients: even ones fine-tune, odd ones decode; methods and transports rotate so that
     every method meets several transports."""
     specs = []
@@ -110,13 +112,29 @@ def client_specs(n: int, *, steps: int, seq_len: int, max_new_tokens: int, trans
         method = (FINETUNE_METHODS if role == "finetune" else DECODE_METHODS)[k % len(FINETUNE_METHODS)]
         transport = transports[(k + i % 2) % len(transports)]
         name = f"{role[:2]}{i:02d}-{method}-{transport.replace('+', '_')}"
-        specs.append(ClientSpec(name, role, method, transport, seed=1000 + i, steps=steps, seq_len=seq_len, max_new_tokens=max_new_tokens))
+        specs.append(
+            ClientSpec(
+                name,
+                role,
+                method,
+                transport,
+                seed=1000 + i,
+                steps=steps,
+                seq_len=seq_len,
+                max_new_tokens=max_new_tokens,
+            )
+        )
     return specs
 
 
 def client_address(transport: str, binds: dict[str, str]) -> str:
     """The address a client of ``transport`` uses, from the executor's ipc and tcp binds."""
-    return {"ipc": binds["ipc"], "tcp": binds["tcp"], "shm+ipc": "shm+" + binds["ipc"], "dist+tcp": "dist+" + binds["tcp"]}[transport]
+    return {
+        "ipc": binds["ipc"],
+        "tcp": binds["tcp"],
+        "shm+ipc": "shm+" + binds["ipc"],
+        "dist+tcp": "dist+" + binds["tcp"],
+    }[transport]
 
 
 def build_client(spec: ClientSpec, path: str, address: str, *, timeout_s: float, connect_timeout_s: float):
@@ -135,7 +153,9 @@ def build_client(spec: ClientSpec, path: str, address: str, *, timeout_s: float,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = symbiosis.load_client_model(path, executor=transport, client_id=spec.name, timeout_s=timeout_s)
-            config = build_peft_config(spec.method, model, MethodOptions(rank=4, alpha=8, num_virtual_tokens=4, total_steps=spec.steps))
+            config = build_peft_config(
+                spec.method, model, MethodOptions(rank=4, alpha=8, num_virtual_tokens=4, total_steps=spec.steps)
+            )
             torch.manual_seed(spec.seed)  # peft draws the adapter's initial values from the global generator
             model = peft.get_peft_model(model, config)
         if spec.role == "decode":  # a trained-looking adapter, so that it changes the tokens
@@ -195,12 +215,17 @@ def decode_episode(model, spec: ClientSpec) -> dict[str, Any]:
     prompts = decode_prompts(spec, model.config.vocab_size)
     with torch.no_grad():
         out = model.generate(
-            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=spec.max_new_tokens,
-            min_new_tokens=spec.max_new_tokens, do_sample=False, pad_token_id=0,
-            return_dict_in_generate=True, output_scores=True,
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=spec.max_new_tokens,
+            min_new_tokens=spec.max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_scores=True,
         )
     margin = min(float((s.topk(2, dim=-1).values[:, 0] - s.topk(2, dim=-1).values[:, 1]).min()) for s in out.scores)
-    return {"tokens": out.sequences[:, prompts.shape[1]:].clone(), "margin": margin}
+    return {"tokens": out.sequences[:, prompts.shape[1] :].clone(), "margin": margin}
 
 
 def compare(spec: ClientSpec, result: dict, reference: dict, rtol: float, atol: float) -> dict[str, Any]:
@@ -248,7 +273,11 @@ def process_facts(pid: int) -> dict[str, Any] | None:
             names[name] = names.get(name, 0) + 1
         kinds: dict[str, int] = {}
         for link in links:
-            kind = link.split(":", 1)[0] if ":" in link and not link.startswith("/") else ("memfd" if link.startswith("/memfd:") else "file")
+            kind = (
+                link.split(":", 1)[0]
+                if ":" in link and not link.startswith("/")
+                else ("memfd" if link.startswith("/memfd:") else "file")
+            )
             kinds[kind] = kinds.get(kind, 0) + 1
         return {
             "rss_bytes": proc.memory_info().rss,
@@ -295,8 +324,11 @@ def _save_reference(path: Path, spec: ClientSpec, result: dict) -> dict[str, Any
     summary: dict[str, Any] = {"name": spec.name}
     if spec.role == "finetune":
         torch.save({"adapter": result["adapter"], "losses": result["losses"]}, path)
-        summary.update(min_step_update=min(result["updates"]), final_loss=result["losses"][-1],
-                       adapter_values=sum(t.numel() for t in result["adapter"].values()))
+        summary.update(
+            min_step_update=min(result["updates"]),
+            final_loss=result["losses"][-1],
+            adapter_values=sum(t.numel() for t in result["adapter"].values()),
+        )
     else:
         torch.save({"tokens": result["tokens"]}, path)
         summary.update(margin=result["margin"], tokens=result["tokens"].tolist())
@@ -330,8 +362,13 @@ def solo_main(job: dict) -> None:
             for raw in job["specs"]:
                 spec = ClientSpec(**raw)
                 started = time.perf_counter()
-                model, initial, transport = build_client(spec, job["path"], client_address(spec.transport, job["binds"]),
-                                                         timeout_s=job["timeout_s"], connect_timeout_s=job["connect_timeout_s"])
+                model, initial, transport = build_client(
+                    spec,
+                    job["path"],
+                    client_address(spec.transport, job["binds"]),
+                    timeout_s=job["timeout_s"],
+                    connect_timeout_s=job["connect_timeout_s"],
+                )
                 try:
                     if spec.role == "finetune":
                         result = finetune_episode(model, initial, spec, record_updates=True)
@@ -351,9 +388,16 @@ def solo_main(job: dict) -> None:
             warmed = []
             for transport in dict.fromkeys(ClientSpec(**raw).transport for raw in job["specs"]):
                 raw = next(r for r in job["specs"] if r["transport"] == transport)
-                spec = dataclasses.replace(ClientSpec(**raw), name=f"warmup-{transport.replace('+', '_')}", steps=1, max_new_tokens=2)
-                model, initial, transport_ = build_client(spec, job["path"], client_address(transport, job["warm_binds"]),
-                                                          timeout_s=job["timeout_s"], connect_timeout_s=job["connect_timeout_s"])
+                spec = dataclasses.replace(
+                    ClientSpec(**raw), name=f"warmup-{transport.replace('+', '_')}", steps=1, max_new_tokens=2
+                )
+                model, initial, transport_ = build_client(
+                    spec,
+                    job["path"],
+                    client_address(transport, job["warm_binds"]),
+                    timeout_s=job["timeout_s"],
+                    connect_timeout_s=job["connect_timeout_s"],
+                )
                 try:
                     finetune_episode(model, initial, spec) if spec.role == "finetune" else decode_episode(model, spec)
                 finally:
@@ -388,7 +432,9 @@ def client_main(job: dict) -> None:
             return
     # Connect only now: the executor's idle counts are taken before the go.
     try:
-        model, initial, transport = build_client(spec, job["path"], job["address"], timeout_s=job["timeout_s"], connect_timeout_s=job["connect_timeout_s"])
+        model, initial, transport = build_client(
+            spec, job["path"], job["address"], timeout_s=job["timeout_s"], connect_timeout_s=job["connect_timeout_s"]
+        )
     except Exception:  # noqa: BLE001 - reported to the orchestrator, whatever it was
         common.emit_event("error", error=traceback.format_exc()[-3000:])
         raise SystemExit(1) from None
@@ -437,7 +483,13 @@ def client_main(job: dict) -> None:
         if verdict["max_abs_diff"] is not None:
             max_abs = max(max_abs, verdict["max_abs_diff"])
         if not verdict["ok"] and len(mismatches) < 5:
-            mismatches.append({"episode": episodes, **verdict, **({"tokens": result["tokens"].tolist()} if spec.role == "decode" else {})})
+            mismatches.append(
+                {
+                    "episode": episodes,
+                    **verdict,
+                    **({"tokens": result["tokens"].tolist()} if spec.role == "decode" else {}),
+                }
+            )
         tokens_or_steps += spec.steps if spec.role == "finetune" else spec.max_new_tokens * spec.batch
         record = {"t0": t0, "t1": time.time(), "sessions_before": sessions_before, "sessions": handshakes[0], **verdict}
         progress.write(json.dumps(record) + "\n")
@@ -452,9 +504,21 @@ def client_main(job: dict) -> None:
     gc.collect()
     time.sleep(0.5)
     common.emit_event(
-        "done", name=spec.name, episodes=episodes, ok=ok, bit_identical=identical, max_abs_diff=max_abs,
-        errors=len(errors), error_samples=errors[:3], mismatches=mismatches, sessions=handshakes[0],
-        work_units=tokens_or_steps, seconds=seconds, warm_facts=warm_facts, facts=end_facts, closed_facts=own_facts(),
+        "done",
+        name=spec.name,
+        episodes=episodes,
+        ok=ok,
+        bit_identical=identical,
+        max_abs_diff=max_abs,
+        errors=len(errors),
+        error_samples=errors[:3],
+        mismatches=mismatches,
+        sessions=handshakes[0],
+        work_units=tokens_or_steps,
+        seconds=seconds,
+        warm_facts=warm_facts,
+        facts=end_facts,
+        closed_facts=own_facts(),
     )
     for line in sys.stdin:  # until exit (or EOF)
         if line.strip() == "exit":
@@ -486,7 +550,9 @@ class Executor(ExecutorProcess):
         self.log = log
         self.started = time.time()
         extra = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
-        super().__init__(path, [binds["tcp"], binds["ipc"]], extra_args=extra, threads=threads, log_path=log, wait=False)
+        super().__init__(
+            path, [binds["tcp"], binds["ipc"]], extra_args=extra, threads=threads, log_path=log, wait=False
+        )
         self.ready_at: float | None = None
 
     def wait_ready(self, timeout_s: float = 180.0) -> float:
@@ -546,7 +612,9 @@ def settled_facts(pid: int, baseline: dict[str, Any] | None = None, timeout_s: f
         if facts is None or previous is None:
             return facts
         reference = baseline or previous
-        if all(facts[k] <= reference[k] for k in COUNTED) and (baseline is not None or all(facts[k] == previous[k] for k in COUNTED)):
+        if all(facts[k] <= reference[k] for k in COUNTED) and (
+            baseline is not None or all(facts[k] == previous[k] for k in COUNTED)
+        ):
             return facts
         previous = facts
     return process_facts(pid)
@@ -555,8 +623,14 @@ def settled_facts(pid: int, baseline: dict[str, Any] | None = None, timeout_s: f
 def scan_log(text: str) -> dict[str, Any]:
     """Lines of an executor log that say something went wrong (tracebacks) or was noticed (warnings)."""
     lines = text.splitlines()
-    errors = [line for line in lines if "Traceback" in line or re.search(r"\b(ERROR|CRITICAL|Fatal|Segmentation)\b", line)]
-    notices = [line for line in lines if line.strip() and not line.startswith(("serving", "draining", "stopped")) and line not in errors]
+    errors = [
+        line for line in lines if "Traceback" in line or re.search(r"\b(ERROR|CRITICAL|Fatal|Segmentation)\b", line)
+    ]
+    notices = [
+        line
+        for line in lines
+        if line.strip() and not line.startswith(("serving", "draining", "stopped")) and line not in errors
+    ]
     return {"error_lines": errors[:20], "errors": len(errors), "notice_lines": notices[:20], "notices": len(notices)}
 
 
@@ -568,7 +642,10 @@ class Sampler:
         self.origin = origin
         self.executor_pid: int | None = None
         self.client_pids: set[int] = set()
-        self.series: dict[str, list] = {k: [] for k in ("t", "executor_pid", "rss_mib", "threads", "fds", "memfd_mappings", "clients", "clients_rss_mib")}
+        self.series: dict[str, list] = {
+            k: []
+            for k in ("t", "executor_pid", "rss_mib", "threads", "fds", "memfd_mappings", "clients", "clients_rss_mib")
+        }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -610,7 +687,11 @@ class Sampler:
 def rss_growth(series: dict[str, list], pid: int, start: float, end: float) -> dict[str, Any]:
     """RSS growth of executor ``pid`` over [start, end] (seconds since the go): median of the last
     tenth of the window over the median of its first tenth (at least 3 samples each)."""
-    points = [(t, r) for t, p, r in zip(series["t"], series["executor_pid"], series["rss_mib"]) if p == pid and r is not None and start <= t <= end]
+    points = [
+        (t, r)
+        for t, p, r in zip(series["t"], series["executor_pid"], series["rss_mib"])
+        if p == pid and r is not None and start <= t <= end
+    ]
     if len(points) < 6:
         return {"window_s": [start, end], "samples": len(points), "growth_pct": None}
     k = max(3, len(points) // 10)
@@ -621,8 +702,13 @@ def rss_growth(series: dict[str, list], pid: int, start: float, end: float) -> d
     tm, rm = statistics.fmean(ts), statistics.fmean(rs)
     slope = sum((t - tm) * (r - rm) for t, r in points) / max(1e-9, sum((t - tm) ** 2 for t in ts))
     return {
-        "window_s": [start, end], "samples": len(points), "first_mib": first, "last_mib": last, "peak_mib": peak,
-        "growth_pct": 100.0 * (last / first - 1.0), "peak_over_first_pct": 100.0 * (peak / first - 1.0),
+        "window_s": [start, end],
+        "samples": len(points),
+        "first_mib": first,
+        "last_mib": last,
+        "peak_mib": peak,
+        "growth_pct": 100.0 * (last / first - 1.0),
+        "peak_over_first_pct": 100.0 * (peak / first - 1.0),
         "slope_mib_per_min": 60.0 * slope,
     }
 
@@ -639,7 +725,9 @@ def _read_progress(path: Path) -> list[dict]:
     return records
 
 
-def chaos_schedule(rng: random.Random, specs: Sequence[ClientSpec], seconds: float, kills: int, restarts: int) -> list[tuple[float, str, Any]]:
+def chaos_schedule(
+    rng: random.Random, specs: Sequence[ClientSpec], seconds: float, kills: int, restarts: int
+) -> list[tuple[float, str, Any]]:
     """(time since go, kind, target): executor restarts at k/(restarts+1) of the run (the first a
     ``kill -9``, the others SIGTERM), ``kills`` clients killed at random times, chosen in turn from
     the fine-tuning and the decoding clients so that both keep survivors."""
@@ -668,18 +756,36 @@ class SoakRun:
         self.log = log
         self.name = "chaos" if args.chaos else "soak"
         self.path = checkpoint(args)
-        self.specs = client_specs(args.clients, steps=args.steps, seq_len=args.seq_len, max_new_tokens=args.max_new_tokens, transports=args.transports)
-        self.workdir = Path(tempfile.mkdtemp(prefix="symb-soak-", dir="/tmp"))  # short: ipc paths are limited to ~100 chars
+        self.specs = client_specs(
+            args.clients,
+            steps=args.steps,
+            seq_len=args.seq_len,
+            max_new_tokens=args.max_new_tokens,
+            transports=args.transports,
+        )
+        self.workdir = Path(
+            tempfile.mkdtemp(prefix="symb-soak-", dir="/tmp")
+        )  # short: ipc paths are limited to ~100 chars
         (self.workdir / "reference").mkdir()
         (self.workdir / "progress").mkdir()
         self.binds = {"ipc": f"ipc://{self.workdir}/executor.sock", "tcp": f"tcp://127.0.0.1:{free_port()}"}
         self.solo_binds = {"ipc": f"ipc://{self.workdir}/solo.sock", "tcp": f"tcp://127.0.0.1:{free_port()}"}
         self.metrics_port = free_port()
         self.executor_log = self.workdir / "executor.log"
-        self.job = {"path": str(self.path), "reference_dir": str(self.workdir / "reference"), "timeout_s": args.call_timeout_s,
-                    "connect_timeout_s": args.connect_timeout_s, "rtol": args.rtol, "atol": args.atol}
+        self.job = {
+            "path": str(self.path),
+            "reference_dir": str(self.workdir / "reference"),
+            "timeout_s": args.call_timeout_s,
+            "connect_timeout_s": args.connect_timeout_s,
+            "rtol": args.rtol,
+            "atol": args.atol,
+        }
         self.client_env = {"OMP_WAIT_POLICY": "PASSIVE"}
-        self.events = chaos_schedule(random.Random(args.seed), self.specs, args.seconds, args.kill_clients, args.restarts) if args.chaos else []
+        self.events = (
+            chaos_schedule(random.Random(args.seed), self.specs, args.seconds, args.kill_clients, args.restarts)
+            if args.chaos
+            else []
+        )
         self.executors: list[Executor] = []
         self.incarnations: list[dict[str, Any]] = []
         self.workers: dict[str, common.Worker] = {}
@@ -695,7 +801,9 @@ class SoakRun:
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
         self.host_before = host_facts(self.workdir)
-        self.log(f"{self.name}: {len(self.specs)} clients for {self.args.seconds:.0f} s on {self.path.name}; work in {self.workdir}")
+        self.log(
+            f"{self.name}: {len(self.specs)} clients for {self.args.seconds:.0f} s on {self.path.name}; work in {self.workdir}"
+        )
         try:
             self._start()
             self._soak()
@@ -710,18 +818,34 @@ class SoakRun:
         return result
 
     def _new_executor(self) -> Executor:
-        executor = Executor(self.path, self.binds, self.executor_log, threads=self.args.executor_threads, metrics_port=self.metrics_port)
+        executor = Executor(
+            self.path, self.binds, self.executor_log, threads=self.args.executor_threads, metrics_port=self.metrics_port
+        )
         self.executors.append(executor)
         return executor
 
     def _start(self) -> None:
         """The executor, the solo references and a warm-up, the clients loaded; idle counts."""
         executor = self._new_executor()
-        self.solo = common.Worker(MODULE, {"role": "solo", "specs": [dataclasses.asdict(s) for s in self.specs], "binds": self.solo_binds,
-                                           "warm_binds": self.binds, **self.job}, env=self.client_env)
+        self.solo = common.Worker(
+            MODULE,
+            {
+                "role": "solo",
+                "specs": [dataclasses.asdict(s) for s in self.specs],
+                "binds": self.solo_binds,
+                "warm_binds": self.binds,
+                **self.job,
+            },
+            env=self.client_env,
+        )
         for spec in self.specs:  # they import meanwhile, and connect at the go
-            job = {"role": "client", "spec": dataclasses.asdict(spec), "address": client_address(spec.transport, self.binds),
-                   "progress": str(self.workdir / "progress" / f"{spec.name}.jsonl"), **self.job}
+            job = {
+                "role": "client",
+                "spec": dataclasses.asdict(spec),
+                "address": client_address(spec.transport, self.binds),
+                "progress": str(self.workdir / "progress" / f"{spec.name}.jsonl"),
+                **self.job,
+            }
             self.workers[spec.name] = common.Worker(MODULE, job, env=self.client_env)
         executor.wait_ready()
         self.solo.wait_ready()
@@ -731,12 +855,16 @@ class SoakRun:
         self.references = {r["name"]: r for r in solo_done["references"]}
         self.solo_s = time.perf_counter() - solo_started
         self.solo.close()
-        self.log(f"solo references: {len(self.references)} in {self.solo_s:.0f} s; executor warmed up over {', '.join(solo_done['warmed_up'])}")
+        self.log(
+            f"solo references: {len(self.references)} in {self.solo_s:.0f} s; executor warmed up over {', '.join(solo_done['warmed_up'])}"
+        )
         self.metrics_before = wait_for_no_clients(self.metrics_port)
         self.executor_before = settled_facts(executor.pid)
         for worker in self.workers.values():
             worker.wait_ready(timeout_s=600)
-        self.log(f"{len(self.workers)} clients ready (executor RSS {self.executor_before['rss_bytes'] / MIB:.0f} MiB idle)")
+        self.log(
+            f"{len(self.workers)} clients ready (executor RSS {self.executor_before['rss_bytes'] / MIB:.0f} MiB idle)"
+        )
 
     def _soak(self) -> None:
         """All clients go at once; chaos events as scheduled until ``--seconds`` have passed."""
@@ -781,15 +909,29 @@ class SoakRun:
         new = self._new_executor()
         new.wait_ready()
         self.sampler.executor_pid = new.pid
-        self.incarnations[-1].update(end_s=stopped_at - self.origin, stop=how, exit_code=code, facts_at_stop=facts,
-                                     metrics_at_stop=metrics, socket_files_after_exit=left)
-        self.incarnations.append({"pid": new.pid, "start_s": new.started - self.origin, "ready_s": new.ready_at - self.origin,
-                                  "downtime_s": new.ready_at - stopped_at})
+        self.incarnations[-1].update(
+            end_s=stopped_at - self.origin,
+            stop=how,
+            exit_code=code,
+            facts_at_stop=facts,
+            metrics_at_stop=metrics,
+            socket_files_after_exit=left,
+        )
+        self.incarnations.append(
+            {
+                "pid": new.pid,
+                "start_s": new.started - self.origin,
+                "ready_s": new.ready_at - self.origin,
+                "downtime_s": new.ready_at - stopped_at,
+            }
+        )
         expected = -signal.SIGKILL if how == "kill" else 0
         if code != expected:
             self.notes.append(f"executor pid {old.pid} exited {code} after {how}, expected {expected}")
-        self.log(f"  t={stopped_at - self.origin:6.1f} s  executor {'kill -9' if how == 'kill' else 'SIGTERM'} (exit {code}); "
-                 f"back after {new.ready_at - stopped_at:.1f} s")
+        self.log(
+            f"  t={stopped_at - self.origin:6.1f} s  executor {'kill -9' if how == 'kill' else 'SIGTERM'} (exit {code}); "
+            f"back after {new.ready_at - stopped_at:.1f} s"
+        )
 
     def _finish(self) -> None:
         """Survivors stop after their episode and report; then the executor must be back at its
@@ -818,14 +960,22 @@ class SoakRun:
             code = worker.process.poll()
             worker.close()
             if name not in self.killed and code != 0:
-                self.notes.append(f"client {name} exited {worker.process.returncode}" + (" (did not exit when asked)" if code is None else ""))
+                self.notes.append(
+                    f"client {name} exited {worker.process.returncode}"
+                    + (" (did not exit when asked)" if code is None else "")
+                )
         final = self.executors[-1]
         self.metrics_after = wait_for_no_clients(self.metrics_port)
         self.executor_after = settled_facts(final.pid, self.executor_before)
         self.sampler.stop()
         code = final.stop(signal.SIGTERM)
-        self.incarnations[-1].update(end_s=time.time() - self.origin, stop="term", exit_code=code,
-                                     facts_at_stop=self.executor_after, metrics_at_stop=self.metrics_after)
+        self.incarnations[-1].update(
+            end_s=time.time() - self.origin,
+            stop="term",
+            exit_code=code,
+            facts_at_stop=self.executor_after,
+            metrics_at_stop=self.metrics_after,
+        )
         if code != 0:
             self.notes.append(f"final executor exited {code} on SIGTERM")
         self.host_after = host_facts(self.workdir)
@@ -838,7 +988,11 @@ class SoakRun:
                 worker.close()
         for executor in self.executors:
             executor.stop(signal.SIGKILL, timeout_s=10)
-        pids = [*(w.pid for w in self.workers.values()), *(e.pid for e in self.executors), *([self.solo.pid] if self.solo else [])]
+        pids = [
+            *(w.pid for w in self.workers.values()),
+            *(e.pid for e in self.executors),
+            *([self.solo.pid] if self.solo else []),
+        ]
         self.leftover_processes = [pid for pid in pids if _running(pid)]
 
     # ---- the report ----
@@ -860,8 +1014,11 @@ class SoakRun:
         min_update = min((c["reference"]["min_step_update"] for c in ft if c["reference"]), default=None)
         margins = [c["reference"]["margin"] for c in clients if c["role"] == "decode" and c["reference"]]
         correctness = {
-            "survivors": len(survivors), "survivors_finetune": len(ft), "survivors_decode": len(survivors) - len(ft),
-            "compared_episodes": compared, "matching_episodes": matching,
+            "survivors": len(survivors),
+            "survivors_finetune": len(ft),
+            "survivors_decode": len(survivors) - len(ft),
+            "compared_episodes": compared,
+            "matching_episodes": matching,
             "bit_identical_episodes": sum(c["bit_identical"] or 0 for c in survivors),
             "finetune_episodes": sum(c["episodes"] or 0 for c in ft),
             "finetune_bit_identical_episodes": sum(c["bit_identical"] or 0 for c in ft),
@@ -874,33 +1031,55 @@ class SoakRun:
         }
 
         growth = [self._growth(k, inc, progress) for k, inc in enumerate(self.incarnations)]
-        rss_ok = growth[0]["growth_pct"] is not None and growth[0]["growth_pct"] < args.rss_target_pct and all(
-            g["growth_pct"] is None or g["growth_pct"] < args.rss_target_pct for g in growth[1:])
+        rss_ok = (
+            growth[0]["growth_pct"] is not None
+            and growth[0]["growth_pct"] < args.rss_target_pct
+            and all(g["growth_pct"] is None or g["growth_pct"] < args.rss_target_pct for g in growth[1:])
+        )
 
         before, after = self.executor_before, self.executor_after
         executor_delta = {k: after[k] - before[k] for k in COUNTED} if after else None
         after_close = {
-            c["name"]: {"memfd_mappings": c["facts_closed"]["memfd_mappings"], "memfd_fds": c["facts_closed"]["memfd_fds"],
-                        "threads_over_warm": c["facts_closed"]["threads"] - c["facts_warm"]["threads"],
-                        "sockets_over_warm": c["facts_closed"]["sockets"] - c["facts_warm"]["sockets"]}
-            for c in survivors if c["facts_closed"] and c["facts_warm"]
+            c["name"]: {
+                "memfd_mappings": c["facts_closed"]["memfd_mappings"],
+                "memfd_fds": c["facts_closed"]["memfd_fds"],
+                "threads_over_warm": c["facts_closed"]["threads"] - c["facts_warm"]["threads"],
+                "sockets_over_warm": c["facts_closed"]["sockets"] - c["facts_warm"]["sockets"],
+            }
+            for c in survivors
+            if c["facts_closed"] and c["facts_warm"]
         }
-        worst_client = {k: max((d[k] for d in after_close.values()), default=0) for k in ("memfd_mappings", "memfd_fds", "threads_over_warm", "sockets_over_warm")}
+        worst_client = {
+            k: max((d[k] for d in after_close.values()), default=0)
+            for k in ("memfd_mappings", "memfd_fds", "threads_over_warm", "sockets_over_warm")
+        }
         leftovers = {
-            "executor_before": before, "executor_after": after, "executor_delta": executor_delta,
-            "metrics_before": self.metrics_before, "metrics_after": self.metrics_after,
-            "host_before": self.host_before, "host_after": self.host_after, "leftover_processes": self.leftover_processes,
+            "executor_before": before,
+            "executor_after": after,
+            "executor_delta": executor_delta,
+            "metrics_before": self.metrics_before,
+            "metrics_after": self.metrics_after,
+            "host_before": self.host_before,
+            "host_after": self.host_after,
+            "leftover_processes": self.leftover_processes,
             # Per surviving client, once it disconnected: memfd mappings/descriptors left (every
             # segment of every session it had must be unmapped), and threads/sockets beyond those
             # it had while connected after its first episode (the connection's own must be gone).
-            "clients_after_close": after_close, "clients_worst_after_close": worst_client,
+            "clients_after_close": after_close,
+            "clients_worst_after_close": worst_client,
         }
         nothing_left = bool(
-            executor_delta is not None and all(executor_delta[k] <= 0 for k in COUNTED)
-            and self.metrics_after is not None and self.metrics_after["joined_clients"] == 0 and self.metrics_after["inflight_requests"] == 0
-            and self.host_after["socket_files"] == [] and self.host_after["dev_shm_entries"] <= self.host_before["dev_shm_entries"]
-            and not self.host_after["dev_shm_symbiosis"] and not self.leftover_processes
-            and len(after_close) == len(survivors) and all(v <= 0 for v in worst_client.values())
+            executor_delta is not None
+            and all(executor_delta[k] <= 0 for k in COUNTED)
+            and self.metrics_after is not None
+            and self.metrics_after["joined_clients"] == 0
+            and self.metrics_after["inflight_requests"] == 0
+            and self.host_after["socket_files"] == []
+            and self.host_after["dev_shm_entries"] <= self.host_before["dev_shm_entries"]
+            and not self.host_after["dev_shm_symbiosis"]
+            and not self.leftover_processes
+            and len(after_close) == len(survivors)
+            and all(v <= 0 for v in worst_client.values())
         )
 
         restarts = [self._restart_report(k, progress) for k in range(1, len(self.incarnations))]
@@ -914,31 +1093,59 @@ class SoakRun:
         }
         if args.chaos:
             verdicts["finetune_jobs_across_every_restart_match"] = bool(restarts) and all(
-                r["finetune_episodes_across"] > 0 and r["finetune_episodes_across_matching"] == r["finetune_episodes_across"] for r in restarts)
+                r["finetune_episodes_across"] > 0
+                and r["finetune_episodes_across_matching"] == r["finetune_episodes_across"]
+                for r in restarts
+            )
         result = {
             "benchmark": self.name,
             "command": args.command,
             "machine": common.machine_info(),
             "config": {
-                "clients": len(self.specs), "seconds": args.seconds, "chaos": args.chaos, "kill_clients": args.kill_clients if args.chaos else 0,
-                "restarts": args.restarts if args.chaos else 0, "steps": args.steps, "seq_len": args.seq_len, "max_new_tokens": args.max_new_tokens,
-                "warmup_s": args.warmup_s, "sample_interval_s": args.sample_interval_s, "executor_threads": args.executor_threads,
-                "client_threads": 1, "checkpoint": str(self.path), "arch": args.arch, "preset": args.preset, "seed": args.seed,
-                "connect_timeout_s": args.connect_timeout_s, "call_timeout_s": args.call_timeout_s, "binds": self.binds,
+                "clients": len(self.specs),
+                "seconds": args.seconds,
+                "chaos": args.chaos,
+                "kill_clients": args.kill_clients if args.chaos else 0,
+                "restarts": args.restarts if args.chaos else 0,
+                "steps": args.steps,
+                "seq_len": args.seq_len,
+                "max_new_tokens": args.max_new_tokens,
+                "warmup_s": args.warmup_s,
+                "sample_interval_s": args.sample_interval_s,
+                "executor_threads": args.executor_threads,
+                "client_threads": 1,
+                "checkpoint": str(self.path),
+                "arch": args.arch,
+                "preset": args.preset,
+                "seed": args.seed,
+                "connect_timeout_s": args.connect_timeout_s,
+                "call_timeout_s": args.call_timeout_s,
+                "binds": self.binds,
                 "rss_target_pct": args.rss_target_pct,
             },
             "verdicts": verdicts,
             "headline": [],
-            "errors": {"total": errors_total, "client_calls": client_errors, "executor_batches": batch_errors,
-                       "executor_log": log_scan, "other": self.notes},
+            "errors": {
+                "total": errors_total,
+                "client_calls": client_errors,
+                "executor_batches": batch_errors,
+                "executor_log": log_scan,
+                "other": self.notes,
+            },
             "correctness": correctness,
             "rss_growth": growth,
             "leftovers": leftovers,
-            "chaos": {"schedule": [{"at_s": at, "kind": kind, "target": target} for at, kind, target in self.events],
-                      "killed": self.killed, "restarts": restarts},
+            "chaos": {
+                "schedule": [{"at_s": at, "kind": kind, "target": target} for at, kind, target in self.events],
+                "killed": self.killed,
+                "restarts": restarts,
+            },
             "incarnations": self.incarnations,
-            "throughput": {"finetune_steps_per_s": ft_steps / max(1e-9, self.stopped_s), "decode_tokens_per_s": dec_tokens / max(1e-9, self.stopped_s),
-                           "episodes": sum(c["episodes"] or 0 for c in clients)},
+            "throughput": {
+                "finetune_steps_per_s": ft_steps / max(1e-9, self.stopped_s),
+                "decode_tokens_per_s": dec_tokens / max(1e-9, self.stopped_s),
+                "episodes": sum(c["episodes"] or 0 for c in clients),
+            },
             "solo": {"seconds": self.solo_s},
             "clients": clients,
             "series": self.sampler.series,
@@ -958,14 +1165,24 @@ class SoakRun:
         report = self.done.get(spec.name, {})
         ready = self.workers[spec.name].ready or {}
         return {
-            **dataclasses.asdict(spec), "address": client_address(spec.transport, self.binds), "killed_at_s": self.killed.get(spec.name),
-            "episodes": report.get("episodes", sum("ok" in r for r in records)), "ok": report.get("ok"),
-            "bit_identical": report.get("bit_identical"), "max_abs_diff": report.get("max_abs_diff"),
-            "errors": report.get("errors", sum("error" in r for r in records)), "error_samples": report.get("error_samples", []),
-            "mismatches": report.get("mismatches", []), "sessions": report.get("sessions"),
-            "work_units": report.get("work_units"), "seconds": report.get("seconds"),
-            "facts_ready": ready.get("facts"), "facts_warm": report.get("warm_facts"), "facts_end": report.get("facts"),
-            "facts_closed": report.get("closed_facts"), "reference": self.references.get(spec.name),
+            **dataclasses.asdict(spec),
+            "address": client_address(spec.transport, self.binds),
+            "killed_at_s": self.killed.get(spec.name),
+            "episodes": report.get("episodes", sum("ok" in r for r in records)),
+            "ok": report.get("ok"),
+            "bit_identical": report.get("bit_identical"),
+            "max_abs_diff": report.get("max_abs_diff"),
+            "errors": report.get("errors", sum("error" in r for r in records)),
+            "error_samples": report.get("error_samples", []),
+            "mismatches": report.get("mismatches", []),
+            "sessions": report.get("sessions"),
+            "work_units": report.get("work_units"),
+            "seconds": report.get("seconds"),
+            "facts_ready": ready.get("facts"),
+            "facts_warm": report.get("warm_facts"),
+            "facts_end": report.get("facts"),
+            "facts_closed": report.get("closed_facts"),
+            "reference": self.references.get(spec.name),
         }
 
     def _growth(self, k: int, incarnation: dict, progress: dict[str, list[dict]]) -> dict[str, Any]:
@@ -979,7 +1196,12 @@ class SoakRun:
             after = [r["t1"] - self.origin for r in records if "ok" in r and r["t1"] - self.origin >= start]
             first_done.append(after[0] if after else end)
         warm_end = max(start + self.args.warmup_s, max(first_done, default=start))
-        return {"incarnation": k, "pid": incarnation["pid"], "warmup_end_s": warm_end, **rss_growth(self.sampler.series, incarnation["pid"], warm_end, end)}
+        return {
+            "incarnation": k,
+            "pid": incarnation["pid"],
+            "warmup_end_s": warm_end,
+            **rss_growth(self.sampler.series, incarnation["pid"], warm_end, end),
+        }
 
     def _restart_report(self, k: int, progress: dict[str, list[dict]]) -> dict[str, Any]:
         """Restart ``k`` (incarnation ``k`` replaced ``k - 1``): downtime, how long until every
@@ -1002,10 +1224,14 @@ class SoakRun:
                     across[roles[name]][0] += 1
                     across[roles[name]][1] += bool(r["ok"])
         return {
-            "how": self.incarnations[k - 1]["stop"], "at_s": stopped, "downtime_s": self.incarnations[k]["downtime_s"],
+            "how": self.incarnations[k - 1]["stop"],
+            "at_s": stopped,
+            "downtime_s": self.incarnations[k]["downtime_s"],
             "all_clients_finished_an_episode_after_s": None if None in back else max(back, default=None),
-            "finetune_episodes_across": across["finetune"][0], "finetune_episodes_across_matching": across["finetune"][1],
-            "decode_episodes_across": across["decode"][0], "decode_episodes_across_matching": across["decode"][1],
+            "finetune_episodes_across": across["finetune"][0],
+            "finetune_episodes_across_matching": across["finetune"][1],
+            "decode_episodes_across": across["decode"][0],
+            "decode_episodes_across_matching": across["decode"][1],
             "socket_files_after_exit": self.incarnations[k - 1].get("socket_files_after_exit"),
         }
 
@@ -1019,30 +1245,55 @@ def headline(result: dict[str, Any]) -> list[str]:
     lines = [
         f"{len(clients)} clients ({roles['finetune']} fine-tuning, {roles['decode']} decoding; methods {', '.join(sorted({x['method'] for x in clients}))}; "
         f"transports {', '.join(sorted({x['transport'] for x in clients}))}) against one executor for {result['soak_s']:.0f} s"
-        + (f"; {len(result['chaos']['killed'])} clients killed (kill -9), the executor restarted {len(result['incarnations']) - 1} times" if config["chaos"] else "") + ".",
+        + (
+            f"; {len(result['chaos']['killed'])} clients killed (kill -9), the executor restarted {len(result['incarnations']) - 1} times"
+            if config["chaos"]
+            else ""
+        )
+        + ".",
         f"Errors: {e['total']} (client calls {e['client_calls']}, executor batches {e['executor_batches']}, executor log {e['executor_log']['errors']}, other {len(e['other'])}).",
-        (f"Results vs solo runs: {c['matching_episodes']}/{c['compared_episodes']} episodes of {c['survivors']} surviving clients match "
-        f"({c['finetune_bit_identical_episodes']}/{c['finetune_episodes']} fine-tuning episodes bit-identical, max |Δ adapter| "
-        f"{c['max_abs_diff_finetune'] or 0:.2g} vs smallest whole-step update {c['min_step_update'] or math.nan:.2g}; greedy tokens equal in "
-        f"{c['compared_episodes'] - c['finetune_episodes']} decoding episodes)."),
+        (
+            f"Results vs solo runs: {c['matching_episodes']}/{c['compared_episodes']} episodes of {c['survivors']} surviving clients match "
+            f"({c['finetune_bit_identical_episodes']}/{c['finetune_episodes']} fine-tuning episodes bit-identical, max |Δ adapter| "
+            f"{c['max_abs_diff_finetune'] or 0:.2g} vs smallest whole-step update {c['min_step_update'] or math.nan:.2g}; greedy tokens equal in "
+            f"{c['compared_episodes'] - c['finetune_episodes']} decoding episodes)."
+        ),
         f"Executor RSS after warm-up: {g0.get('first_mib') or math.nan:.0f} -> {g0.get('last_mib') or math.nan:.0f} MiB "
         f"({g0['growth_pct'] if g0['growth_pct'] is not None else math.nan:+.2f}% over {g0['window_s'][1] - g0['window_s'][0]:.0f} s, "
         f"target < {config['rss_target_pct']:g}%)"
-        + ("" if len(result["rss_growth"]) == 1 else "; later incarnations "
-           + ", ".join(f"{g['growth_pct']:+.2f}%" if g["growth_pct"] is not None else "too short to tell" for g in result["rss_growth"][1:])) + ".",
-        (f"Left behind vs the idle executor: threads {_signed(delta, 'threads')}, descriptors {_signed(delta, 'fds')}, memfd mappings "
-        f"{_signed(delta, 'memfd_mappings')}, listening sockets {_signed(delta, 'listening_tcp')}; clients still registered "
-        f"{int((leftovers['metrics_after'] or {}).get('joined_clients', -1))}; socket files {len(leftovers['host_after']['socket_files'])}; "
-        f"/dev/shm entries {leftovers['host_before']['dev_shm_entries']} -> {leftovers['host_after']['dev_shm_entries']}; processes "
-        f"{len(leftovers['leftover_processes'])}; segments still mapped by disconnected clients {leftovers['clients_worst_after_close']['memfd_mappings']}."),
+        + (
+            ""
+            if len(result["rss_growth"]) == 1
+            else "; later incarnations "
+            + ", ".join(
+                f"{g['growth_pct']:+.2f}%" if g["growth_pct"] is not None else "too short to tell"
+                for g in result["rss_growth"][1:]
+            )
+        )
+        + ".",
+        (
+            f"Left behind vs the idle executor: threads {_signed(delta, 'threads')}, descriptors {_signed(delta, 'fds')}, memfd mappings "
+            f"{_signed(delta, 'memfd_mappings')}, listening sockets {_signed(delta, 'listening_tcp')}; clients still registered "
+            f"{int((leftovers['metrics_after'] or {}).get('joined_clients', -1))}; socket files {len(leftovers['host_after']['socket_files'])}; "
+            f"/dev/shm entries {leftovers['host_before']['dev_shm_entries']} -> {leftovers['host_after']['dev_shm_entries']}; processes "
+            f"{len(leftovers['leftover_processes'])}; segments still mapped by disconnected clients {leftovers['clients_worst_after_close']['memfd_mappings']}."
+        ),
     ]
     if config["chaos"]:
-        lines.append("Restarts: " + "; ".join(
-            f"{'kill -9' if r['how'] == 'kill' else 'SIGTERM'} at {r['at_s']:.0f} s, down {r['downtime_s']:.1f} s, "
-            + (f"every surviving client finished an episode {r['all_clients_finished_an_episode_after_s']:.1f} s after it was back"
-               if r["all_clients_finished_an_episode_after_s"] is not None else "not every client finished an episode after it")
-            + f", {r['finetune_episodes_across_matching']}/{r['finetune_episodes_across']} fine-tuning episodes across it match"
-            for r in result["chaos"]["restarts"]) + ".")
+        lines.append(
+            "Restarts: "
+            + "; ".join(
+                f"{'kill -9' if r['how'] == 'kill' else 'SIGTERM'} at {r['at_s']:.0f} s, down {r['downtime_s']:.1f} s, "
+                + (
+                    f"every surviving client finished an episode {r['all_clients_finished_an_episode_after_s']:.1f} s after it was back"
+                    if r["all_clients_finished_an_episode_after_s"] is not None
+                    else "not every client finished an episode after it"
+                )
+                + f", {r['finetune_episodes_across_matching']}/{r['finetune_episodes_across']} fine-tuning episodes across it match"
+                for r in result["chaos"]["restarts"]
+            )
+            + "."
+        )
     return lines
 
 
@@ -1089,10 +1340,28 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
     t = s["t"]
     top.plot(t, [math.nan if v is None else v for v in s["rss_mib"]], color="tab:blue", label="executor RSS")
     for g in result["rss_growth"]:
-        top.axvspan(g["window_s"][0] - (g["window_s"][0] - result["incarnations"][g["incarnation"]]["ready_s"]), g["window_s"][0], color="grey", alpha=0.12)
+        top.axvspan(
+            g["window_s"][0] - (g["window_s"][0] - result["incarnations"][g["incarnation"]]["ready_s"]),
+            g["window_s"][0],
+            color="grey",
+            alpha=0.12,
+        )
         if g["growth_pct"] is not None:
-            top.hlines([g["first_mib"], g["last_mib"]], g["window_s"][0], g["window_s"][1], colors=["tab:green", "tab:red"], linestyles=":", linewidth=1)
-            top.annotate(f"{g['growth_pct']:+.2f}%", ((g["window_s"][0] + g["window_s"][1]) / 2, g["last_mib"]), fontsize=8, ha="center", va="bottom")
+            top.hlines(
+                [g["first_mib"], g["last_mib"]],
+                g["window_s"][0],
+                g["window_s"][1],
+                colors=["tab:green", "tab:red"],
+                linestyles=":",
+                linewidth=1,
+            )
+            top.annotate(
+                f"{g['growth_pct']:+.2f}%",
+                ((g["window_s"][0] + g["window_s"][1]) / 2, g["last_mib"]),
+                fontsize=8,
+                ha="center",
+                va="bottom",
+            )
     top.set_ylabel("MiB")
     top.set_title(result["headline"][0], fontsize=8, wrap=True)
     bottom.plot(t, [math.nan if v is None else v for v in s["threads"]], label="executor threads")
@@ -1109,8 +1378,11 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
         axis.axvline(result["soak_s"], color="black", linestyle="-.", linewidth=1)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8, loc="center right")
-    figure.suptitle(f"{result['benchmark']}: executor over time (grey: warm-up; red dashes: executor killed/stopped, red: no executor; "
-                    "grey dots: kill -9 of a client; dash-dot: clients told to stop)", fontsize=8)
+    figure.suptitle(
+        f"{result['benchmark']}: executor over time (grey: warm-up; red dashes: executor killed/stopped, red: no executor; "
+        "grey dots: kill -9 of a client; dash-dot: clients told to stop)",
+        fontsize=8,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -1119,32 +1391,117 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
-                                     epilog="Writes <output>/soak.json + soak.png, or chaos.json + chaos.png with --chaos.")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__.split("\n\n")[0],
+        epilog="Writes <output>/soak.json + soak.png, or chaos.json + chaos.png with --chaos.",
+    )
     parser.add_argument("--seconds", type=float, default=600.0, help="How long the clients run (default: %(default)s).")
-    parser.add_argument("--clients", type=int, default=32, help="Client processes, half fine-tuning and half decoding (default: %(default)s).")
-    parser.add_argument("--chaos", action="store_true", help="Kill random clients (kill -9) and restart the executor twice during the run.")
-    parser.add_argument("--kill-clients", type=int, default=None, help="With --chaos: clients to kill (default: clients // 8, at least 1).")
-    parser.add_argument("--restarts", type=int, default=2, help="With --chaos: executor restarts, the first by kill -9, the others by SIGTERM (default: %(default)s).")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=32,
+        help="Client processes, half fine-tuning and half decoding (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="Kill random clients (kill -9) and restart the executor twice during the run.",
+    )
+    parser.add_argument(
+        "--kill-clients",
+        type=int,
+        default=None,
+        help="With --chaos: clients to kill (default: clients // 8, at least 1).",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=2,
+        help="With --chaos: executor restarts, the first by kill -9, the others by SIGTERM (default: %(default)s).",
+    )
     parser.add_argument("--steps", type=int, default=6, help="Fine-tuning steps per episode (default: %(default)s).")
-    parser.add_argument("--seq-len", type=int, default=16, help="Tokens per fine-tuning sequence and per decoding prompt (default: %(default)s).")
-    parser.add_argument("--max-new-tokens", type=int, default=12, help="Greedy tokens per decoding episode (default: %(default)s).")
-    parser.add_argument("--warmup-s", type=float, default=None, help="Seconds after which RSS growth is measured, at least until every client finished an episode (default: 10%% of --seconds, at least 10).")
-    parser.add_argument("--sample-interval-s", type=float, default=1.0, help="Executor sampling period (default: %(default)s).")
-    parser.add_argument("--rss-target-pct", type=float, default=5.0, help="Largest acceptable RSS growth after warm-up, %% (default: %(default)s).")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="Relative tolerance of adapter values vs the solo run (default: %(default)s).")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="Absolute tolerance of adapter values vs the solo run (default: %(default)s).")
-    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS), help="Transports the clients rotate through (default: all).")
-    parser.add_argument("--executor-threads", type=int, default=2, help="torch threads of the executor (clients run 1 each; default: %(default)s).")
-    parser.add_argument("--connect-timeout-s", type=float, default=60.0, help="How long a client call may spend reconnecting (default: %(default)s).")
-    parser.add_argument("--call-timeout-s", type=float, default=120.0, help="How long one executor call may take (default: %(default)s).")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=16,
+        help="Tokens per fine-tuning sequence and per decoding prompt (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=12, help="Greedy tokens per decoding episode (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="Seconds after which RSS growth is measured, at least until every client finished an episode (default: 10%% of --seconds, at least 10).",
+    )
+    parser.add_argument(
+        "--sample-interval-s", type=float, default=1.0, help="Executor sampling period (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--rss-target-pct",
+        type=float,
+        default=5.0,
+        help="Largest acceptable RSS growth after warm-up, %% (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=DEFAULT_RTOL,
+        help="Relative tolerance of adapter values vs the solo run (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=DEFAULT_ATOL,
+        help="Absolute tolerance of adapter values vs the solo run (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        choices=TRANSPORTS,
+        default=list(TRANSPORTS),
+        help="Transports the clients rotate through (default: all).",
+    )
+    parser.add_argument(
+        "--executor-threads",
+        type=int,
+        default=2,
+        help="torch threads of the executor (clients run 1 each; default: %(default)s).",
+    )
+    parser.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=60.0,
+        help="How long a client call may spend reconnecting (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--call-timeout-s",
+        type=float,
+        default=120.0,
+        help="How long one executor call may take (default: %(default)s).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the chaos schedule (default: %(default)s).")
-    parser.add_argument("--output", type=Path, default=Path("bench-results"), help="Folder for the JSON result and the PNG plot.")
-    parser.add_argument("--cache", type=Path, default=None, help="Where the checkpoint is made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench).")
+    parser.add_argument(
+        "--output", type=Path, default=Path("bench-results"), help="Folder for the JSON result and the PNG plot."
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="Where the checkpoint is made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench).",
+    )
     parser.add_argument("--model", type=Path, default=None, help="Use this checkpoint folder instead of making one.")
-    parser.add_argument("--arch", default="llama", help="Architecture of the random-weight checkpoint (default: %(default)s).")
-    parser.add_argument("--preset", choices=("tiny", "small", "base"), default="tiny", help="Model size (default: %(default)s).")
-    parser.add_argument("--keep-workdir", action="store_true", help="Keep the run's folder (logs, references, per-episode progress).")
+    parser.add_argument(
+        "--arch", default="llama", help="Architecture of the random-weight checkpoint (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--preset", choices=("tiny", "small", "base"), default="tiny", help="Model size (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--keep-workdir", action="store_true", help="Keep the run's folder (logs, references, per-episode progress)."
+    )
     args = parser.parse_args(argv)
     if args.clients < 2:
         parser.error("--clients must be >= 2")

@@ -143,14 +143,20 @@ BLOCK_INDEX = re.compile(r"\.(\d+)\.")  # a base layer inside decoder block N: "
 
 
 def lora_config() -> peft.LoraConfig:
-    return peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    return peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS
+    )
 
 
 def adapter_model(path: Path, executor: Any = None, seed: int = 0):
     """PEFT LoRA model on ``path``: monolithic when ``executor`` is None, else split (``executor``:
     a ``BaseExecutor`` or an address). Its LoRA weights depend on ``seed`` only, never on the
     process or the system, and B is non-zero so the adapter really takes part in every step."""
-    base = AutoModelForCausalLM.from_pretrained(path) if executor is None else symbiosis.load_client_model(path, executor=executor)
+    base = (
+        AutoModelForCausalLM.from_pretrained(path)
+        if executor is None
+        else symbiosis.load_client_model(path, executor=executor)
+    )
     model = peft.get_peft_model(base, lora_config())
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -208,15 +214,30 @@ def make_llama(folder: Path, *, hidden: int, layers: int, vocab: int, seed: int 
     from symbiosis.modelzoo import SPECIAL_TOKEN_ID, make_tokenizer
 
     folder = Path(folder)
-    recipe = {"arch": "llama", "hidden": hidden, "layers": layers, "vocab": vocab, "seed": seed, "maker": f"{MODULE}.make_llama v1"}
+    recipe = {
+        "arch": "llama",
+        "hidden": hidden,
+        "layers": layers,
+        "vocab": vocab,
+        "seed": seed,
+        "maker": f"{MODULE}.make_llama v1",
+    }
     marker = folder / "split_overhead_model.json"
     if marker.is_file() and json.loads(marker.read_text()) == recipe and (folder / "model.safetensors").is_file():
         return folder
     heads = max(2, min(8, hidden // 32))
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=heads // 2, max_position_embeddings=1024, tie_word_embeddings=False,
-        bos_token_id=SPECIAL_TOKEN_ID, eos_token_id=SPECIAL_TOKEN_ID, pad_token_id=SPECIAL_TOKEN_ID,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKEN_ID,
+        eos_token_id=SPECIAL_TOKEN_ID,
+        pad_token_id=SPECIAL_TOKEN_ID,
     )
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -251,7 +272,10 @@ def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens
     inside = sum(n for layer, n in calls.items() if BLOCK_INDEX.search(layer))
     total = sum(calls.values())
     by_kind: dict[str, float] = {}
-    for layer, n in calls.items():  # "model.layers.3.mlp.gate_proj+model.layers.3.mlp.up_proj" -> "mlp.gate_proj+mlp.up_proj"
+    for (
+        layer,
+        n,
+    ) in calls.items():  # "model.layers.3.mlp.gate_proj+model.layers.3.mlp.up_proj" -> "mlp.gate_proj+mlp.up_proj"
         kind = "+".join(BLOCK_INDEX.split(member, maxsplit=1)[-1] for member in layer.split(GROUP_SEPARATOR))
         by_kind[kind] = by_kind.get(kind, 0) + n
     return {
@@ -264,8 +288,10 @@ def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens
 
 
 def calls_line(name: str, breakdown: Mapping[str, Any]) -> str:
-    return (f"{name}: {breakdown['calls_per_token']:g} calls/token ({breakdown['layers']} layers → "
-            f"{breakdown['per_layer']:.2f}/layer + {breakdown['outside_layers']:g})")
+    return (
+        f"{name}: {breakdown['calls_per_token']:g} calls/token ({breakdown['layers']} layers → "
+        f"{breakdown['per_layer']:.2f}/layer + {breakdown['outside_layers']:g})"
+    )
 
 
 def requests_since(executor: symbiosis.BaseExecutor, before: Mapping[str, int], steps: int = 1) -> dict[str, float]:
@@ -274,7 +300,9 @@ def requests_since(executor: symbiosis.BaseExecutor, before: Mapping[str, int], 
     return {layer: (n - before.get(layer, 0)) / steps for layer, n in after.items() if n - before.get(layer, 0)}
 
 
-def arch_calls_per_token(cache: Path, archs: Sequence[str] | None = None, *, prompt_len: int = 8) -> dict[str, dict[str, Any]]:
+def arch_calls_per_token(
+    cache: Path, archs: Sequence[str] | None = None, *, prompt_len: int = 8
+) -> dict[str, dict[str, Any]]:
     """Calls per decoded token of every ``symbiosis.modelzoo`` architecture at ``tiny``, in-process."""
     from symbiosis.modelzoo import ARCHS, make_model
 
@@ -285,7 +313,9 @@ def arch_calls_per_token(cache: Path, archs: Sequence[str] | None = None, *, pro
         try:
             # fused as a client of a remote executor is (in-process the default is unfused)
             model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
-            prompt = torch.randint(1, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+            prompt = torch.randint(
+                1, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0)
+            )
             decoder = Decoder(model, prompt)
             for _ in range(WARM_DECODE_STEPS):  # let the client settle (sibling fusion learns from repeated passes)
                 decoder.step()
@@ -310,7 +340,9 @@ class _ModelRunner:
         self.key = entry["key"]
         self.executor = None
         if system == "inproc":
-            self.executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32, policy=spec["policy"])
+            self.executor = symbiosis.BaseExecutor.from_pretrained(
+                path, device="cpu", dtype=torch.float32, policy=spec["policy"]
+            )
         target = None if system == MONOLITHIC else self.executor if self.executor is not None else entry["address"]
         self.model = adapter_model(path, target, seed=spec["seed"])
         self.transport = getattr(self.model.base_model.model, "symbiosis_transport", None)
@@ -358,7 +390,11 @@ class _ModelRunner:
             per_layer = requests_since(self.executor, executor_before, repeats)
             calls["executor_calls_per_step"] = sum(per_layer.values())
             if key.startswith("decode_b"):
-                calls.update(calls_breakdown(per_layer, list(self.executor.layer_specs()), tokens=int(key.removeprefix("decode_b"))))
+                calls.update(
+                    calls_breakdown(
+                        per_layer, list(self.executor.layer_specs()), tokens=int(key.removeprefix("decode_b"))
+                    )
+                )
         self.calls[key] = calls
         return samples
 
@@ -394,7 +430,11 @@ def worker_main(spec: Mapping[str, Any]) -> None:
             entries = [dict(entry, address=addresses[entry["key"]]) for entry in entries]
         runners = [_ModelRunner(spec, entry) for entry in entries]
         losses = {r.key: r.loss for r in runners}
-        return lambda: {"samples": {r.key: r.block() for r in runners}, "loss": losses, "calls": {r.key: r.calls for r in runners}}
+        return lambda: {
+            "samples": {r.key: r.block() for r in runners},
+            "loss": losses,
+            "calls": {r.key: r.calls for r in runners},
+        }
 
     common.serve_worker(setup)
 
@@ -432,8 +472,17 @@ def measure(
 
     systems = [MONOLITHIC] + [s for s in systems if s != MONOLITHIC]
     remote = [s for s in systems if s not in (MONOLITHIC, "inproc")]
-    spec = {"threads": threads, "policy": policy, "seed": seed, "decode_batches": list(decode_batches), "train_batch": train_batch,
-            "seq_len": seq_len, "prompt_len": prompt_len, "decode_steps": decode_steps, "train_steps": train_steps}
+    spec = {
+        "threads": threads,
+        "policy": policy,
+        "seed": seed,
+        "decode_batches": list(decode_batches),
+        "train_batch": train_batch,
+        "seq_len": seq_len,
+        "prompt_len": prompt_len,
+        "decode_steps": decode_steps,
+        "train_steps": train_steps,
+    }
     unavailable: dict[str, str] = {}
     dist = dist_status()
     servers: dict[tuple[str, str], common.ServerProcess] = {}  # (group of remote systems, model) -> serve child
@@ -448,25 +497,37 @@ def measure(
                     sub = Path(folder) / f"{group_index}-{index}"
                     sub.mkdir()
                     binds = common.loopback_binds(sub)
-                    servers[group, key] = common.executor_process(path, binds, threads=threads, extra=["--policy", policy], wait=False)
+                    servers[group, key] = common.executor_process(
+                        path, binds, threads=threads, extra=["--policy", policy], wait=False
+                    )
             for system in systems:  # all load at once; the remote ones wait for their addresses (below)
                 entries = [{"key": key, "path": str(path)} for key, path in models.items()]
                 # Clients of an executor in another process run with the setting the project documents
                 # for them (symbiosis/threads.py); `symbiosis serve` applies it to the executor itself.
-                env = {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)} if system in remote else None
-                workers[system] = common.Worker(MODULE, dict(spec, role=system, system=system, models=entries), threads=threads, env=env)
+                env = (
+                    {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)}
+                    if system in remote
+                    else None
+                )
+                workers[system] = common.Worker(
+                    MODULE, dict(spec, role=system, system=system, models=entries), threads=threads, env=env
+                )
             targets: dict[str, dict[str, dict[str, str]]] = {}  # group -> model -> system -> address
             for (group, key), server in servers.items():
                 server.wait_ready(600.0)  # several executors load at once next to the workers: give them time
                 include_dist = "dist+tcp" in groups[group]
-                targets.setdefault(group, {})[key], found = open_transports(split_addresses(server), include_dist=include_dist)
+                targets.setdefault(group, {})[key], found = open_transports(
+                    split_addresses(server), include_dist=include_dist
+                )
                 dist = found if include_dist else dist
             for system in remote:
                 group = "shared" if shared_executor else system
                 addresses = {key: t[system] for key, t in targets[group].items() if system in t}
                 if len(addresses) < len(models):
                     addresses = None
-                    unavailable[system] = dist["reason"] if system.startswith("dist") else f"the executor serves no {system} address"
+                    unavailable[system] = (
+                        dist["reason"] if system.startswith("dist") else f"the executor serves no {system} address"
+                    )
                 workers[system].process.stdin.write(json.dumps(addresses) + "\n")
                 workers[system].process.stdin.flush()
                 if addresses is None:
@@ -484,7 +545,9 @@ def measure(
                     unavailable[system] = _last_error_line(str(exc))
                     workers.pop(system).close()
             names = list(workers)
-            log(f"  [{time.perf_counter() - began:.0f} s] {len(names)} processes ready ({', '.join(names)}); {rounds} rounds")
+            log(
+                f"  [{time.perf_counter() - began:.0f} s] {len(names)} processes ready ({', '.join(names)}); {rounds} rounds"
+            )
             samples: dict[str, dict[str, dict[str, list[float]]]] = {s: {} for s in names}
             info: dict[str, dict[str, Any]] = {}
             for round_index in range(rounds):
@@ -519,7 +582,14 @@ def measure(
                 worker.close()
             for server in servers.values():
                 server.close()
-    return {"samples": samples, "info": info, "processes": processes, "unavailable": unavailable, "dist": dist, "while_loading": extra}
+    return {
+        "samples": samples,
+        "info": info,
+        "processes": processes,
+        "unavailable": unavailable,
+        "dist": dist,
+        "while_loading": extra,
+    }
 
 
 def _last_error_line(text: str) -> str:
@@ -555,16 +625,30 @@ def summarize(measured: Mapping[str, Any], decode_batches: Sequence[int]) -> dic
                         timing["calls_per_token"] = timing["calls_per_step"] / int(step.removeprefix("decode_b"))
                 row[system] = timing
                 if target is not None:
-                    verdicts.append({"model": model, "step": step, "system": system, "ratio": ratio, "target": target, "verdict": verdict})
+                    verdicts.append(
+                        {
+                            "model": model,
+                            "step": step,
+                            "system": system,
+                            "ratio": ratio,
+                            "target": target,
+                            "verdict": verdict,
+                        }
+                    )
             results[model][step] = row
     check = {}
     for model in results:
         losses = {system: info[system]["loss"][model] for system in samples}
-        check[model] = {"loss": losses, "max_abs_diff_vs_monolithic": max(abs(v - losses[MONOLITHIC]) for v in losses.values())}
+        check[model] = {
+            "loss": losses,
+            "max_abs_diff_vs_monolithic": max(abs(v - losses[MONOLITHIC]) for v in losses.values()),
+        }
     model_calls = {}
     if "inproc" in info:
         breakdown = ("calls_per_token", "layers", "per_layer", "outside_layers", "by_layer_kind")
-        model_calls = {m: {k: info["inproc"]["calls"][m][f"decode_b{min(decode_batches)}"][k] for k in breakdown} for m in results}
+        model_calls = {
+            m: {k: info["inproc"]["calls"][m][f"decode_b{min(decode_batches)}"][k] for k in breakdown} for m in results
+        }
     return {"results": results, "verdicts": verdicts, "check": check, "model_calls": model_calls}
 
 
@@ -591,9 +675,16 @@ def plot(path: Path, results: Mapping[str, Any], title: str) -> None:
     for model, steps in results.items():
         systems = [s for s in next(iter(steps.values())) if s != MONOLITHIC]
         ratio = {step: [row[s]["ratio_over_monolithic"] for s in systems] for step, row in steps.items()}
-        over_target = {step: [common.ratio(row[s]["ratio_over_monolithic"], row[s]["target"]) for s in systems] for step, row in steps.items()}
+        over_target = {
+            step: [common.ratio(row[s]["ratio_over_monolithic"], row[s]["target"]) for s in systems]
+            for step, row in steps.items()
+        }
         panels.append(common.Panel(f"{model}: split / monolithic (medians, 1 = free)", "ratio", systems, ratio))
-        panels.append(common.Panel(f"{model}: (split / monolithic) / target (<= 1 passes)", "ratio / target", systems, over_target))
+        panels.append(
+            common.Panel(
+                f"{model}: (split / monolithic) / target (<= 1 passes)", "ratio / target", systems, over_target
+            )
+        )
     common.plot_panels(path, title, panels, columns=2)
 
 
@@ -603,21 +694,56 @@ def plot(path: Path, results: Mapping[str, Any], title: str) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_repeats=10, quick_repeats=2)
-    for flag, text in (("--preset", "Size of the modelzoo model (default 'base', or 'tiny' with --quick)."),
-                       ("--repeats", "Rounds: each system runs one block of steps per round (default 10, 2 with --quick)."),
-                       ("--threads", "torch threads in every process, workers and executors (default 1).")):
+    for flag, text in (
+        ("--preset", "Size of the modelzoo model (default 'base', or 'tiny' with --quick)."),
+        ("--repeats", "Rounds: each system runs one block of steps per round (default 10, 2 with --quick)."),
+        ("--threads", "torch threads in every process, workers and executors (default 1)."),
+    ):
         parser._option_string_actions[flag].help = text  # this script's defaults differ from the common ones
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="Systems to time (monolithic always runs; default: all).")
-    parser.add_argument("--policy", default="opportunistic", choices=("immediate", "lockstep", "opportunistic"), help="Executor batching policy (default: %(default)s).")
-    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16], help="Sequences per decode step, one step kind each (default: %(default)s).")
-    parser.add_argument("--train-batch", type=int, default=None, help="Sequences per training step (default 8; 2 with --quick).")
-    parser.add_argument("--seq-len", type=int, default=None, help="Tokens per training sequence (default 128; 32 with --quick).")
-    parser.add_argument("--prompt-len", type=int, default=None, help="Prefill length before decoding (default 16; 8 with --quick).")
-    parser.add_argument("--decode-steps", type=int, default=None, help="Timed decode steps per batch size, system and round (default 8; 2 with --quick).")
-    parser.add_argument("--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s).")
-    parser.add_argument("--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint).")
     parser.add_argument(
-        "--shared-executor", action="store_true",
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="Systems to time (monolithic always runs; default: all).",
+    )
+    parser.add_argument(
+        "--policy",
+        default="opportunistic",
+        choices=("immediate", "lockstep", "opportunistic"),
+        help="Executor batching policy (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--decode-batches",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="Sequences per decode step, one step kind each (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--train-batch", type=int, default=None, help="Sequences per training step (default 8; 2 with --quick)."
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="Tokens per training sequence (default 128; 32 with --quick)."
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="Prefill length before decoding (default 16; 8 with --quick)."
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="Timed decode steps per batch size, system and round (default 8; 2 with --quick).",
+    )
+    parser.add_argument(
+        "--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint)."
+    )
+    parser.add_argument(
+        "--shared-executor",
+        action="store_true",
         help="One executor process per model for every remote system (default: one each, so each client is its executor's only one).",
     )
     args = parser.parse_args(argv)
@@ -648,7 +774,9 @@ def checkpoints(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         with torch.device("meta"):
             params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         entry["params"] = params
-        entry["describe"] = f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}, {params / 1e6:.1f}M params"
+        entry["describe"] = (
+            f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}, {params / 1e6:.1f}M params"
+        )
     return models
 
 
@@ -660,14 +788,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
     args = parse_args(argv)
     models = checkpoints(args)
-    steps = {f"decode_b{b}": {"kind": "decode", "batch": b, "tokens_per_sequence": 1, "prompt_len": args.prompt_len} for b in args.decode_batches}
+    steps = {
+        f"decode_b{b}": {"kind": "decode", "batch": b, "tokens_per_sequence": 1, "prompt_len": args.prompt_len}
+        for b in args.decode_batches
+    }
     steps["train"] = {"kind": "train", "batch": args.train_batch, "seq_len": args.seq_len}
-    print(f"{NAME}: {', '.join(models)}; systems {', '.join(args.systems)}; {args.threads} torch thread(s) per process", flush=True)
+    print(
+        f"{NAME}: {', '.join(models)}; systems {', '.join(args.systems)}; {args.threads} torch thread(s) per process",
+        flush=True,
+    )
 
     measured = measure(
-        {key: entry["path"] for key, entry in models.items()}, systems=args.systems, decode_batches=args.decode_batches,
-        train_batch=args.train_batch, seq_len=args.seq_len, prompt_len=args.prompt_len, rounds=args.repeats,
-        decode_steps=args.decode_steps, train_steps=args.train_steps, threads=args.threads, policy=args.policy,
+        {key: entry["path"] for key, entry in models.items()},
+        systems=args.systems,
+        decode_batches=args.decode_batches,
+        train_batch=args.train_batch,
+        seq_len=args.seq_len,
+        prompt_len=args.prompt_len,
+        rounds=args.repeats,
+        decode_steps=args.decode_steps,
+        train_steps=args.train_steps,
+        threads=args.threads,
+        policy=args.policy,
         shared_executor=args.shared_executor,
         while_loading=lambda: arch_calls_per_token(args.cache),  # untimed, while the children load
     )
@@ -688,7 +830,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "prompt_len": args.prompt_len,
             "threads_per_process": args.threads,
             "policy": args.policy,
-            "executors": "one per model, shared by the remote systems" if args.shared_executor else "one per remote system and model",
+            "executors": "one per model, shared by the remote systems"
+            if args.shared_executor
+            else "one per remote system and model",
             "quick": args.quick,
             "preset": args.preset,
             "adapter": f"LoRA r=8 alpha=16 on {LORA_TARGETS}, same weights in every system",
@@ -707,7 +851,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     output = Path(args.output)
     common.write_json(output / f"{NAME}.json", result)
-    plot(output / f"{NAME}.png", results, f"Split vs monolithic, one process per system ({args.threads} thread(s) each, medians of {args.repeats} rounds)")
+    plot(
+        output / f"{NAME}.png",
+        results,
+        f"Split vs monolithic, one process per system ({args.threads} thread(s) each, medians of {args.repeats} rounds)",
+    )
 
     print(tables(results, models), flush=True)
     print("\ncalls per decoded token (one sequence, in-process executor's requests):")
@@ -715,15 +863,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print("  " + calls_line(name, breakdown))
     for system, reason in measured["unavailable"].items():
         print(f"\nnot measured: {system}: {reason}")
-    missed = [f"{v['model']} {v['step']} {v['system']} x{v['ratio']:.2f} > {v['target']:g}" for v in summary["verdicts"] if v["verdict"] == "MISS"]
-    common.print_summary({
-        "benchmark": NAME,
-        "pass": sum(v["verdict"] == "PASS" for v in summary["verdicts"]),
-        "miss": missed,
-        "loss_max_abs_diff": max(c["max_abs_diff_vs_monolithic"] for c in summary["check"].values()),
-        "wall_s": result["wall_s"],
-        "output": str(output / f"{NAME}.json"),
-    })
+    missed = [
+        f"{v['model']} {v['step']} {v['system']} x{v['ratio']:.2f} > {v['target']:g}"
+        for v in summary["verdicts"]
+        if v["verdict"] == "MISS"
+    ]
+    common.print_summary(
+        {
+            "benchmark": NAME,
+            "pass": sum(v["verdict"] == "PASS" for v in summary["verdicts"]),
+            "miss": missed,
+            "loss_max_abs_diff": max(c["max_abs_diff_vs_monolithic"] for c in summary["check"].values()),
+            "wall_s": result["wall_s"],
+            "output": str(output / f"{NAME}.json"),
+        }
+    )
     return result
 
 

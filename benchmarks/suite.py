@@ -47,12 +47,23 @@ from benchmarks.scenarios.processes import WORKER_MODULE, worker_main
 
 __all__ = ["FULL", "MODULE", "QUICK", "SCENARIOS", "Context", "Profile", "main", "run"]
 
-MODULE = WORKER_MODULE  # "benchmarks.suite": this command line, and the workers' (``main`` hands them to ``worker_main``)
+MODULE = (
+    WORKER_MODULE  # "benchmarks.suite": this command line, and the workers' (``main`` hands them to ``worker_main``)
+)
 
 
-def run(scenarios: Sequence[str] = SCENARIOS, *, quick: bool = False, output: Path = Path("bench-results"), cache: Path | None = None,
-        threads: int = 1, budget_gib: float = 24.0, command: str | None = None, log: Callable[[str], None] = print,
-        profile: Profile | None = None) -> dict[str, dict]:
+def run(
+    scenarios: Sequence[str] = SCENARIOS,
+    *,
+    quick: bool = False,
+    output: Path = Path("bench-results"),
+    cache: Path | None = None,
+    threads: int = 1,
+    budget_gib: float = 24.0,
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+    profile: Profile | None = None,
+) -> dict[str, dict]:
     """Run ``scenarios`` in order; each writes ``<output>/<scenario>/result.json``, ``plot.png``, ``table.md``.
 
     ``profile`` overrides the sizes (``QUICK`` with ``quick``, else ``FULL``); tests pass smaller ones.
@@ -61,8 +72,17 @@ def run(scenarios: Sequence[str] = SCENARIOS, *, quick: bool = False, output: Pa
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
     common.quiet_libraries()
-    ctx = Context(Path(output), Path(cache) if cache else common.default_cache_dir(), profile or (QUICK if quick else FULL), quick, threads, budget_gib,
-                  command or "symbiosis bench " + " ".join([*scenarios, *(["--quick"] if quick else []), "--output", str(output)]), log)
+    ctx = Context(
+        Path(output),
+        Path(cache) if cache else common.default_cache_dir(),
+        profile or (QUICK if quick else FULL),
+        quick,
+        threads,
+        budget_gib,
+        command
+        or "symbiosis bench " + " ".join([*scenarios, *(["--quick"] if quick else []), "--output", str(output)]),
+        log,
+    )
     ctx.cache.mkdir(parents=True, exist_ok=True)
     results = {}
     for index, name in enumerate(scenarios, 1):
@@ -84,15 +104,37 @@ def main(argv: Sequence[str] | None = None) -> None:
         worker_main(json.loads(argv[1]))
         return
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("scenarios", nargs="*", default=list(SCENARIOS), help=f"Scenarios to run (default: all): {', '.join(SCENARIOS)}.")
+    parser.add_argument(
+        "scenarios",
+        nargs="*",
+        default=list(SCENARIOS),
+        help=f"Scenarios to run (default: all): {', '.join(SCENARIOS)}.",
+    )
     parser.add_argument("--quick", action="store_true", help="Small model and runs (about 2 minutes in all).")
-    parser.add_argument("--output", type=Path, default=Path("bench-results"), help="Folder for <scenario>/result.json, plot.png, table.md.")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("bench-results"),
+        help="Folder for <scenario>/result.json, plot.png, table.md.",
+    )
     parser.add_argument("--cache", type=Path, default=None, help="Where benchmark checkpoints are made once and kept.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process (default: %(default)s).")
-    parser.add_argument("--budget-gib", type=float, default=24.0, help="Memory budget for the jobs-that-fit count (default: %(default)s).")
+    parser.add_argument(
+        "--budget-gib",
+        type=float,
+        default=24.0,
+        help="Memory budget for the jobs-that-fit count (default: %(default)s).",
+    )
     args = parser.parse_args(argv)
-    run(args.scenarios or SCENARIOS, quick=args.quick, output=args.output, cache=args.cache, threads=args.threads, budget_gib=args.budget_gib,
-        command=common.command_line(argv, MODULE))
+    run(
+        args.scenarios or SCENARIOS,
+        quick=args.quick,
+        output=args.output,
+        cache=args.cache,
+        threads=args.threads,
+        budget_gib=args.budget_gib,
+        command=common.command_line(argv, MODULE),
+    )
 
 
 if __name__ == "__main__":

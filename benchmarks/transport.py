@@ -97,7 +97,14 @@ class EchoService:
         pass
 
     def submit(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, *, wake: bool = True
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        *,
+        wake: bool = True,
     ) -> Future[torch.Tensor]:
         future: Future[torch.Tensor] = Future()
         future.set_result(rows.clone())
@@ -115,7 +122,13 @@ class EchoService:
         return None
 
     def try_alone(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, out: torch.Tensor | None = None
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         if out is None or out.shape != rows.shape or out.dtype != rows.dtype:
             return None
@@ -141,11 +154,16 @@ def serve_echo(binds: Sequence[str], width: int) -> None:
 def dist_status() -> dict[str, Any]:
     """Whether the ``dist+`` (torch.distributed) transport exists in this checkout."""
     if importlib.util.find_spec("symbiosis.transport.dist_client") is None:
-        return {"available": False, "reason": "symbiosis.transport.dist_client is not in this checkout yet (open_transport() names dist+ but the module is missing)"}
+        return {
+            "available": False,
+            "reason": "symbiosis.transport.dist_client is not in this checkout yet (open_transport() names dist+ but the module is missing)",
+        }
     return {"available": True, "reason": "symbiosis.transport.dist_client found"}
 
 
-def open_transports(addresses: Mapping[str, str], include_dist: bool, **kwargs: Any) -> tuple[dict[str, str], dict[str, Any]]:
+def open_transports(
+    addresses: Mapping[str, str], include_dist: bool, **kwargs: Any
+) -> tuple[dict[str, str], dict[str, Any]]:
     """Client addresses per transport name from the server's ``{"tcp": …, "ipc": …}``; dist status."""
     targets = {"shm+ipc": "shm+" + addresses["ipc"], "ipc": addresses["ipc"], "tcp": addresses["tcp"]}
     dist = dist_status()
@@ -167,7 +185,9 @@ def split_addresses(server: common.ServerProcess) -> dict[str, str]:
 # ---- round trips ---------------------------------------------------------------------------------
 
 
-def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[int], repeats: Mapping[int, int], warmup: int) -> dict[str, Any]:
+def round_trips(
+    targets: Mapping[str, str], *, width: int, row_counts: Sequence[int], repeats: Mapping[int, int], warmup: int
+) -> dict[str, Any]:
     """Median round trip per transport and row count, interleaved with the memcpy ceiling."""
     from symbiosis.transport.inproc import InProcTransport
     from symbiosis.transport.schemes import open_transport
@@ -184,15 +204,20 @@ def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[
         for rows in row_counts:
             x = torch.randn(rows, width)
             for name, transport in transports.items():  # exactness first: an echo must come back equal
-                torch.testing.assert_close(transport.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL), x, rtol=0, atol=0, msg=name)
+                torch.testing.assert_close(
+                    transport.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL), x, rtol=0, atol=0, msg=name
+                )
             there, back = torch.empty_like(x), torch.empty_like(x)
             candidates: dict[str, Callable[[], Any]] = {
-                name: (lambda t=transport: t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL)) for name, transport in transports.items()
+                name: (lambda t=transport: t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL))
+                for name, transport in transports.items()
             }
             if "shm+ipc kept" in transports:
                 kept.clear()
                 keeper = transports["shm+ipc kept"]
-                candidates["shm+ipc kept"] = lambda t=keeper, x=x: kept.append(t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL))
+                candidates["shm+ipc kept"] = lambda t=keeper, x=x: kept.append(
+                    t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL)
+                )
             candidates["memcpy"] = lambda: back.copy_(there.copy_(x))
             samples = common.time_interleaved(candidates, warmup=warmup, repeats=repeats[rows])
             nbytes = x.numel() * x.element_size()
@@ -204,11 +229,16 @@ def round_trips(targets: Mapping[str, str], *, width: int, row_counts: Sequence[
                 if name != "memcpy":
                     timing["over_memcpy"] = common.ratio(timing["median_ms"], memcpy_ms)
                 entry[name] = timing
-            gemm = common.time_interleaved({"gemm": lambda: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4)))["gemm"]
+            gemm = common.time_interleaved(
+                {"gemm": lambda: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4))
+            )["gemm"]
             entry["gemm_ms"] = common.summarize(gemm)["median_ms"]
             results[str(rows)] = entry
             kept.clear()
-            print(f"  round trip {rows:>5} rows: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in samples), flush=True)
+            print(
+                f"  round trip {rows:>5} rows: " + ", ".join(f"{k} {entry[k]['median_ms']:.3f} ms" for k in samples),
+                flush=True,
+            )
         return results
     finally:
         for transport in transports.values():
@@ -238,9 +268,14 @@ def step_ratios(
     """
     max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 1024)
     decode_repeats = max(1, min(4 * repeats, max_positions - prompt_len - warmup - 2))
-    with tempfile.TemporaryDirectory(prefix="symbiosis-bench-") as folder, common.executor_process(path, common.loopback_binds(Path(folder)), threads=threads) as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="symbiosis-bench-") as folder,
+        common.executor_process(path, common.loopback_binds(Path(folder)), threads=threads) as server,
+    ):
         targets, dist = open_transports(split_addresses(server), include_dist)
-        wanted = [t for t in transports if t == "inproc" or t in targets] + [t for t in targets if t.startswith("dist") and t not in transports]
+        wanted = [t for t in transports if t == "inproc" or t in targets] + [
+            t for t in targets if t.startswith("dist") and t not in transports
+        ]
         executor = symbiosis.BaseExecutor.from_pretrained(path, device="cpu", dtype=torch.float32)
         models: dict[str, Any] = {}
         try:
@@ -262,11 +297,15 @@ def step_ratios(
                 model.train()
             with torch.no_grad():
                 check = {name: float(model(input_ids=batch, labels=batch).loss) for name, model in models.items()}
-            train = common.time_interleaved({n: train_step_fn(m, batch) for n, m in models.items()}, warmup=warmup, repeats=repeats)
+            train = common.time_interleaved(
+                {n: train_step_fn(m, batch) for n, m in models.items()}, warmup=warmup, repeats=repeats
+            )
             for model in models.values():
                 model.eval()
             decoders = {name: Decoder(model, prompt) for name, model in models.items()}
-            decode = common.time_interleaved({n: d.step for n, d in decoders.items()}, warmup=warmup, repeats=decode_repeats)
+            decode = common.time_interleaved(
+                {n: d.step for n, d in decoders.items()}, warmup=warmup, repeats=decode_repeats
+            )
         finally:
             for name, model in models.items():
                 if name != "monolithic":
@@ -276,13 +315,18 @@ def step_ratios(
     def summarize_step(samples: Mapping[str, list[float]]) -> dict[str, Any]:
         step = {name: common.summarize(values) for name, values in samples.items()}
         base = step["monolithic"]["median_ms"]
-        step["ratio_over_monolithic"] = {n: common.ratio(step[n]["median_ms"], base) for n in samples if n != "monolithic"}
+        step["ratio_over_monolithic"] = {
+            n: common.ratio(step[n]["median_ms"], base) for n in samples if n != "monolithic"
+        }
         return step
 
     return {
         "train_step": summarize_step(train),
         "decode_step": summarize_step(decode),
-        "check": {"loss": check, "max_abs_diff_vs_monolithic": max(abs(v - check["monolithic"]) for v in check.values())},
+        "check": {
+            "loss": check,
+            "max_abs_diff_vs_monolithic": max(abs(v - check["monolithic"]) for v in check.values()),
+        },
         "dist": dist,
         "config": {
             "model": str(path),
@@ -306,9 +350,19 @@ def step_ratios(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_repeats=20, quick_repeats=3)
-    parser.add_argument("--width", type=int, default=HIDDEN, help="Hidden size of the echo layer (default: %(default)s).")
-    parser.add_argument("--rows", type=int, nargs="+", default=list(ROW_COUNTS), help="Row counts of the round trips (default: %(default)s).")
-    parser.add_argument("--no-steps", action="store_true", help="Only the round trips (skip the split-vs-monolithic steps).")
+    parser.add_argument(
+        "--width", type=int, default=HIDDEN, help="Hidden size of the echo layer (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=list(ROW_COUNTS),
+        help="Row counts of the round trips (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--no-steps", action="store_true", help="Only the round trips (skip the split-vs-monolithic steps)."
+    )
     args = parser.parse_args(argv)
     args.threads = 1 if args.threads is None else args.threads
     return common.resolve_common(args)
@@ -318,8 +372,21 @@ def plot(output: Path, result: dict[str, Any]) -> None:
     rows = list(result["round_trip"])
     names = [n for n in result["round_trip"][rows[0]] if isinstance(result["round_trip"][rows[0]][n], dict)]
     panels = [
-        common.Panel("round trip (median), log scale", "ms", rows, {n: [result["round_trip"][r][n]["median_ms"] for r in rows] for n in names}, kind="line", log_y=True),
-        common.Panel("throughput 2 x bytes / round trip", "GB/s", rows, {n: [result["round_trip"][r][n]["gbytes_per_s"] for r in rows] for n in names}, kind="line"),
+        common.Panel(
+            "round trip (median), log scale",
+            "ms",
+            rows,
+            {n: [result["round_trip"][r][n]["median_ms"] for r in rows] for n in names},
+            kind="line",
+            log_y=True,
+        ),
+        common.Panel(
+            "throughput 2 x bytes / round trip",
+            "GB/s",
+            rows,
+            {n: [result["round_trip"][r][n]["gbytes_per_s"] for r in rows] for n in names},
+            kind="line",
+        ),
     ]
     if result.get("steps"):
         steps = result["steps"]
@@ -332,7 +399,9 @@ def plot(output: Path, result: dict[str, Any]) -> None:
                 {k: [steps[k]["ratio_over_monolithic"][c] for c in candidates] for k in ("train_step", "decode_step")},
             )
         )
-    common.plot_panels(output / f"{NAME}.png", f"Transports at hidden {result['config']['width']} (rows on x axis)", panels, columns=3)
+    common.plot_panels(
+        output / f"{NAME}.png", f"Transports at hidden {result['config']['width']} (rows on x axis)", panels, columns=3
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -346,7 +415,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     repeats = {rows: (QUICK_REPEATS if args.quick else FULL_REPEATS).get(rows, args.repeats) for rows in args.rows}
     warmup = 1 if args.quick else 3
     with tempfile.TemporaryDirectory(prefix="symbiosis-echo-") as folder:
-        command = [sys.executable, "-m", f"benchmarks.{NAME}", "serve-echo", str(args.width), *common.loopback_binds(Path(folder))]
+        command = [
+            sys.executable,
+            "-m",
+            f"benchmarks.{NAME}",
+            "serve-echo",
+            str(args.width),
+            *common.loopback_binds(Path(folder)),
+        ]
         with common.ServerProcess(command, threads=args.threads) as server:
             targets, dist = open_transports(split_addresses(server), include_dist=True)
             round_trip = round_trips(targets, width=args.width, row_counts=args.rows, repeats=repeats, warmup=warmup)
@@ -388,7 +464,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     output = Path(args.output)
     common.write_json(output / f"{NAME}.json", result)
     plot(output, result)
-    summary = {"benchmark": NAME, "round_trip_median_ms": {r: {n: v["median_ms"] for n, v in e.items() if isinstance(v, dict)} for r, e in round_trip.items()}}
+    summary = {
+        "benchmark": NAME,
+        "round_trip_median_ms": {
+            r: {n: v["median_ms"] for n, v in e.items() if isinstance(v, dict)} for r, e in round_trip.items()
+        },
+    }
     if steps:
         summary["train_ratio_over_monolithic"] = steps["train_step"]["ratio_over_monolithic"]
         summary["decode_ratio_over_monolithic"] = steps["decode_step"]["ratio_over_monolithic"]

@@ -57,15 +57,23 @@ from pathlib import Path
 
 ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV_REPORTED = [
-    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS",
-    "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "OMP_NUM_THREADS",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "LD_PRELOAD",
 ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, type=Path, help="HF checkpoint folder (config.json, model.safetensors, tokenizer).")
-    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR", help="peft LoRA folder (repeatable).")
+    parser.add_argument(
+        "--model", required=True, type=Path, help="HF checkpoint folder (config.json, model.safetensors, tokenizer)."
+    )
+    parser.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=DIR", help="peft LoRA folder (repeatable)."
+    )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -73,7 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-lora-rank", type=int, default=8)
     parser.add_argument("--dtype", default="float32", help="model dtype (vLLM CPU: float32, bfloat16, float16).")
-    parser.add_argument("--threads", type=int, default=0, help="OpenMP threads: sets VLLM_CPU_OMP_THREADS_BIND=0-(N-1); 0 = vLLM's auto binding.")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="OpenMP threads: sets VLLM_CPU_OMP_THREADS_BIND=0-(N-1); 0 = vLLM's auto binding.",
+    )
     parser.add_argument("--prefix-caching", action="store_true", help="leave vLLM's prefix caching on.")
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write (also printed).")
     args = parser.parse_args(argv)
@@ -120,8 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
     sampling = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
 
     llm_kwargs = dict(
-        model=str(args.model), enable_lora=True, max_loras=len(lora_requests), max_lora_rank=args.max_lora_rank,
-        enforce_eager=True, dtype=args.dtype, seed=args.seed, enable_prefix_caching=args.prefix_caching,
+        model=str(args.model),
+        enable_lora=True,
+        max_loras=len(lora_requests),
+        max_lora_rank=args.max_lora_rank,
+        enforce_eager=True,
+        dtype=args.dtype,
+        seed=args.seed,
+        enable_prefix_caching=args.prefix_caching,
     )
     started = time.perf_counter()
     llm = LLM(**llm_kwargs)
@@ -159,8 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {
             "model": str(args.model),
             "adapters": {name: str(path) for name, path in args.adapters},
-            "requests": args.requests, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-            "repeats": args.repeats, "seed": args.seed, "max_lora_rank": args.max_lora_rank, "threads": args.threads,
+            "requests": args.requests,
+            "new_tokens": args.new_tokens,
+            "prompt_len": args.prompt_len,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "max_lora_rank": args.max_lora_rank,
+            "threads": args.threads,
             "prompt_ids": "torch.Generator().manual_seed(seed); randint(3, 1000, (prompt_len,)) per request",
             "adapter_of_request": "i % K",
             "llm_kwargs": llm_kwargs,

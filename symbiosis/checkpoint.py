@@ -214,7 +214,11 @@ def locate_tensors(
             converted[model_key] = ckpt_key
         else:
             model_key_to_source[model_key] = TensorSource(file, ckpt_key)
-    tied = model.get_expanded_tied_weights_keys(all_submodels=True) if hasattr(model, "get_expanded_tied_weights_keys") else {}
+    tied = (
+        model.get_expanded_tied_weights_keys(all_submodels=True)
+        if hasattr(model, "get_expanded_tied_weights_keys")
+        else {}
+    )
 
     optional = set(optional)
     sources: dict[str, TensorSource] = {}

@@ -30,7 +30,12 @@ def root() -> None:
 @app.command("make-model")
 def make_model_command(
     output: Annotated[Path, typer.Option(help="Folder to write the checkpoint into (created if missing).")],
-    arch: Annotated[str, typer.Option(help="transformers architecture: llama, mistral, qwen2, gemma2, gpt2, gpt_bigcode, opt, phi3, falcon.")] = "llama",
+    arch: Annotated[
+        str,
+        typer.Option(
+            help="transformers architecture: llama, mistral, qwen2, gemma2, gpt2, gpt_bigcode, opt, phi3, falcon."
+        ),
+    ] = "llama",
     preset: Annotated[str, typer.Option(help="Size: tiny (tests), small (~15M params), base (~120M params).")] = "tiny",
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
 ) -> None:
@@ -45,7 +50,13 @@ def _register_optional_commands() -> None:
     """Verbs that live in their own modules register themselves here."""
     import importlib
 
-    for module in ("symbiosis.cli_serve", "symbiosis.cli_jobs", "symbiosis.cli_api", "symbiosis.cli_bench", "symbiosis.cli_keys"):
+    for module in (
+        "symbiosis.cli_serve",
+        "symbiosis.cli_jobs",
+        "symbiosis.cli_api",
+        "symbiosis.cli_bench",
+        "symbiosis.cli_keys",
+    ):
         try:
             importlib.import_module(module).register(app)
         except ModuleNotFoundError as exc:

@@ -14,7 +14,13 @@ import typer
 
 from symbiosis.errors import ConfigurationError, MissingFileError
 
-SCENARIOS = ("multi_job_finetune", "executor_memory", "multi_adapter_inference", "split_overhead", "executor_efficiency")
+SCENARIOS = (
+    "multi_job_finetune",
+    "executor_memory",
+    "multi_adapter_inference",
+    "split_overhead",
+    "executor_efficiency",
+)
 
 
 def _import_suite():
@@ -24,7 +30,9 @@ def _import_suite():
     try:
         from benchmarks import suite
     except ModuleNotFoundError as exc:
-        raise MissingFileError(f"the benchmark suite needs a source checkout with benchmarks/suite.py next to symbiosis/ ({exc})") from None
+        raise MissingFileError(
+            f"the benchmark suite needs a source checkout with benchmarks/suite.py next to symbiosis/ ({exc})"
+        ) from None
     return suite
 
 
@@ -33,11 +41,25 @@ def bench(
         list[str] | None,
         typer.Argument(help=f"Scenarios to run, in order (default: all): {', '.join(SCENARIOS)}.", show_default=False),
     ] = None,
-    quick: Annotated[bool, typer.Option(help="Small model (tiny preset) and short runs: about 2 minutes for everything. Numbers are for smoke tests.")] = False,
-    output: Annotated[Path, typer.Option(help="Folder for <scenario>/result.json, plot.png and table.md (created if missing).")] = Path("bench-results"),
-    cache: Annotated[Path | None, typer.Option(help="Folder where the random-weight benchmark checkpoints are made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench).")] = None,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            help="Small model (tiny preset) and short runs: about 2 minutes for everything. Numbers are for smoke tests."
+        ),
+    ] = False,
+    output: Annotated[
+        Path, typer.Option(help="Folder for <scenario>/result.json, plot.png and table.md (created if missing).")
+    ] = Path("bench-results"),
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder where the random-weight benchmark checkpoints are made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench)."
+        ),
+    ] = None,
     threads: Annotated[int, typer.Option(help="torch threads of every process (executor, clients, baselines).")] = 1,
-    budget_gib: Annotated[float, typer.Option(help="Memory budget (GiB) for counting how many fine-tuning jobs fit.")] = 24.0,
+    budget_gib: Annotated[
+        float, typer.Option(help="Memory budget (GiB) for counting how many fine-tuning jobs fit.")
+    ] = 24.0,
 ) -> None:
     """Benchmark Symbiosis against HF PEFT baselines: multi-job fine-tuning, executor memory, multi-adapter inference, split overhead per transport, executor GEMM efficiency.
 
@@ -48,9 +70,19 @@ def bench(
     if unknown:
         raise ConfigurationError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     suite = _import_suite()
-    command = "symbiosis bench " + " ".join([*(scenarios or []), *(["--quick"] if quick else []), "--output", str(output)])
-    suite.run(names, quick=quick, output=output, cache=cache, threads=threads, budget_gib=budget_gib, command=command,
-              log=lambda line: typer.echo(line))
+    command = "symbiosis bench " + " ".join(
+        [*(scenarios or []), *(["--quick"] if quick else []), "--output", str(output)]
+    )
+    suite.run(
+        names,
+        quick=quick,
+        output=output,
+        cache=cache,
+        threads=threads,
+        budget_gib=budget_gib,
+        command=command,
+        log=lambda line: typer.echo(line),
+    )
     typer.echo(f"results in {output}")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,58 +27,129 @@ def _help_of(options: type, name: str) -> str:
 def _default_of(options: type, name: str):
     return {f.name: f for f in dataclasses.fields(options)}[name].default
 
+
 _METHOD_HELP = "PEFT method: " + ", ".join(f"{name} ({m.summary})" for name, m in METHODS.items()) + "."
 
 # Shared client flags.
-ExecutorOpt = Annotated[Optional[str], typer.Option("--executor", help=_help_of(ClientOptions, "executor"))]
+ExecutorOpt = Annotated[str | None, typer.Option("--executor", help=_help_of(ClientOptions, "executor"))]
 EmbeddedOpt = Annotated[bool, typer.Option("--embedded", help=_help_of(ClientOptions, "embedded"))]
 DeviceOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "device"))]
 DtypeOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "dtype"))]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help=_help_of(ClientOptions, "timeout_s"))]
-ConnectTimeoutOpt = Annotated[float, typer.Option("--connect-timeout", help=_help_of(ClientOptions, "connect_timeout_s"))]
-QuantizationOpt = Annotated[Optional[str], typer.Option(help=_help_of(ClientOptions, "quantization"))]
-ModelOpt = Annotated[Path, typer.Option("--model", help="Checkpoint folder of the base model (config.json, *.safetensors, tokenizer).")]
+ConnectTimeoutOpt = Annotated[
+    float, typer.Option("--connect-timeout", help=_help_of(ClientOptions, "connect_timeout_s"))
+]
+QuantizationOpt = Annotated[str | None, typer.Option(help=_help_of(ClientOptions, "quantization"))]
+ModelOpt = Annotated[
+    Path, typer.Option("--model", help="Checkpoint folder of the base model (config.json, *.safetensors, tokenizer).")
+]
 
 
 def finetune_command(
     model: ModelOpt,
-    data: Annotated[Path, typer.Option(help="JSONL training data: {\"text\": …} per line, or {\"prompt\": …, \"completion\": …} (only the completion is trained on).")],
-    output: Annotated[Path, typer.Option(help="Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go to OUTPUT.run/. An existing folder is replaced only if empty or written by a previous run; nothing else is ever deleted.")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            help='JSONL training data: {"text": …} per line, or {"prompt": …, "completion": …} (only the completion is trained on).'
+        ),
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            help="Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go to OUTPUT.run/. An existing folder is replaced only if empty or written by a previous run; nothing else is ever deleted."
+        ),
+    ],
     executor: ExecutorOpt = None,
     embedded: EmbeddedOpt = False,
     method: Annotated[str, typer.Option(help=_METHOD_HELP)] = "lora",
-    rank: Annotated[int, typer.Option("--rank", "-r", help=_help_of(MethodOptions, "rank"))] = _default_of(MethodOptions, "rank"),
+    rank: Annotated[int, typer.Option("--rank", "-r", help=_help_of(MethodOptions, "rank"))] = _default_of(
+        MethodOptions, "rank"
+    ),
     alpha: Annotated[float, typer.Option(help=_help_of(MethodOptions, "alpha"))] = _default_of(MethodOptions, "alpha"),
-    dropout: Annotated[float, typer.Option(help=_help_of(MethodOptions, "dropout"))] = _default_of(MethodOptions, "dropout"),
-    target_modules: Annotated[Optional[list[str]], typer.Option("--target-modules", help=_help_of(MethodOptions, "target_modules"))] = None,
-    num_virtual_tokens: Annotated[int, typer.Option(help=_help_of(MethodOptions, "num_virtual_tokens"))] = _default_of(MethodOptions, "num_virtual_tokens"),
-    peft_config: Annotated[Optional[Path], typer.Option(help="JSON object of extra keyword arguments for the method's peft config class (override the flags above).")] = None,
+    dropout: Annotated[float, typer.Option(help=_help_of(MethodOptions, "dropout"))] = _default_of(
+        MethodOptions, "dropout"
+    ),
+    target_modules: Annotated[
+        list[str] | None, typer.Option("--target-modules", help=_help_of(MethodOptions, "target_modules"))
+    ] = None,
+    num_virtual_tokens: Annotated[int, typer.Option(help=_help_of(MethodOptions, "num_virtual_tokens"))] = _default_of(
+        MethodOptions, "num_virtual_tokens"
+    ),
+    peft_config: Annotated[
+        Path | None,
+        typer.Option(
+            help="JSON object of extra keyword arguments for the method's peft config class (override the flags above)."
+        ),
+    ] = None,
     steps: Annotated[int, typer.Option(help=_help_of(TrainOptions, "steps"))] = _default_of(TrainOptions, "steps"),
     epochs: Annotated[float, typer.Option(help=_help_of(TrainOptions, "epochs"))] = _default_of(TrainOptions, "epochs"),
     lr: Annotated[float, typer.Option(help=_help_of(TrainOptions, "lr"))] = _default_of(TrainOptions, "lr"),
-    lr_schedule: Annotated[str, typer.Option(help=_help_of(TrainOptions, "lr_schedule"))] = _default_of(TrainOptions, "lr_schedule"),
-    warmup_steps: Annotated[int, typer.Option(help=_help_of(TrainOptions, "warmup_steps"))] = _default_of(TrainOptions, "warmup_steps"),
-    weight_decay: Annotated[float, typer.Option(help=_help_of(TrainOptions, "weight_decay"))] = _default_of(TrainOptions, "weight_decay"),
-    batch_size: Annotated[int, typer.Option(help=_help_of(TrainOptions, "batch_size"))] = _default_of(TrainOptions, "batch_size"),
-    grad_accum: Annotated[int, typer.Option(help=_help_of(TrainOptions, "grad_accum"))] = _default_of(TrainOptions, "grad_accum"),
-    seq_len: Annotated[int, typer.Option(help=_help_of(TrainOptions, "seq_len"))] = _default_of(TrainOptions, "seq_len"),
-    max_grad_norm: Annotated[float, typer.Option(help=_help_of(TrainOptions, "max_grad_norm"))] = _default_of(TrainOptions, "max_grad_norm"),
-    eval_fraction: Annotated[float, typer.Option(help=_help_of(TrainOptions, "eval_fraction"))] = _default_of(TrainOptions, "eval_fraction"),
-    eval_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "eval_every"))] = _default_of(TrainOptions, "eval_every"),
-    save_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "save_every"))] = _default_of(TrainOptions, "save_every"),
-    keep_checkpoints: Annotated[int, typer.Option(help=_help_of(TrainOptions, "keep_checkpoints"))] = _default_of(TrainOptions, "keep_checkpoints"),
+    lr_schedule: Annotated[str, typer.Option(help=_help_of(TrainOptions, "lr_schedule"))] = _default_of(
+        TrainOptions, "lr_schedule"
+    ),
+    warmup_steps: Annotated[int, typer.Option(help=_help_of(TrainOptions, "warmup_steps"))] = _default_of(
+        TrainOptions, "warmup_steps"
+    ),
+    weight_decay: Annotated[float, typer.Option(help=_help_of(TrainOptions, "weight_decay"))] = _default_of(
+        TrainOptions, "weight_decay"
+    ),
+    batch_size: Annotated[int, typer.Option(help=_help_of(TrainOptions, "batch_size"))] = _default_of(
+        TrainOptions, "batch_size"
+    ),
+    grad_accum: Annotated[int, typer.Option(help=_help_of(TrainOptions, "grad_accum"))] = _default_of(
+        TrainOptions, "grad_accum"
+    ),
+    seq_len: Annotated[int, typer.Option(help=_help_of(TrainOptions, "seq_len"))] = _default_of(
+        TrainOptions, "seq_len"
+    ),
+    max_grad_norm: Annotated[float, typer.Option(help=_help_of(TrainOptions, "max_grad_norm"))] = _default_of(
+        TrainOptions, "max_grad_norm"
+    ),
+    eval_fraction: Annotated[float, typer.Option(help=_help_of(TrainOptions, "eval_fraction"))] = _default_of(
+        TrainOptions, "eval_fraction"
+    ),
+    eval_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "eval_every"))] = _default_of(
+        TrainOptions, "eval_every"
+    ),
+    save_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "save_every"))] = _default_of(
+        TrainOptions, "save_every"
+    ),
+    keep_checkpoints: Annotated[int, typer.Option(help=_help_of(TrainOptions, "keep_checkpoints"))] = _default_of(
+        TrainOptions, "keep_checkpoints"
+    ),
     seed: Annotated[int, typer.Option(help=_help_of(TrainOptions, "seed"))] = _default_of(TrainOptions, "seed"),
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in OUTPUT.run/ (same options); the loss curve continues exactly.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue from the newest checkpoint in OUTPUT.run/ (same options); the loss curve continues exactly.",
+        ),
+    ] = False,
     device: DeviceOpt = _default_of(ClientOptions, "device"),
     dtype: DtypeOpt = _default_of(ClientOptions, "dtype"),
     timeout: TimeoutOpt = _default_of(ClientOptions, "timeout_s"),
     connect_timeout: ConnectTimeoutOpt = _default_of(ClientOptions, "connect_timeout_s"),
     quantization: QuantizationOpt = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar (stderr) with loss and tokens/s.")] = True,
-    publish_to: Annotated[Optional[str], typer.Option(help="URL of a running `symbiosis api` (started with --allow-adapter-updates, same host): publish the LoRA adapter there while training, so new requests use the newest weights.")] = None,
-    publish_name: Annotated[Optional[str], typer.Option(help="Adapter name to publish under (default: the --output folder's name).")] = None,
+    progress: Annotated[
+        bool, typer.Option("--progress/--no-progress", help="Show a progress bar (stderr) with loss and tokens/s.")
+    ] = True,
+    publish_to: Annotated[
+        str | None,
+        typer.Option(
+            help="URL of a running `symbiosis api` (started with --allow-adapter-updates, same host): publish the LoRA adapter there while training, so new requests use the newest weights."
+        ),
+    ] = None,
+    publish_name: Annotated[
+        str | None, typer.Option(help="Adapter name to publish under (default: the --output folder's name).")
+    ] = None,
     publish_every: Annotated[int, typer.Option(help="Publish every N optimizer steps (and after the last).")] = 50,
-    publish_key: Annotated[Optional[str], typer.Option(envvar="SYMBIOSIS_API_KEY", help="API key of the server (an unrestricted one); also read from SYMBIOSIS_API_KEY.")] = None,
+    publish_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SYMBIOSIS_API_KEY",
+            help="API key of the server (an unrestricted one); also read from SYMBIOSIS_API_KEY.",
+        ),
+    ] = None,
 ) -> None:
     """Fine-tune a PEFT adapter on a split client of the base executor; writes a standard PEFT adapter folder."""
     from symbiosis.jobs.finetune import FinetuneOptions, finetune
@@ -92,12 +163,27 @@ def finetune_command(
         method_options=MethodOptions(rank, alpha, dropout, tuple(target_modules or ()), num_virtual_tokens),
         peft_config=peft_config,
         train=TrainOptions(
-            steps, epochs, lr, lr_schedule, warmup_steps, weight_decay, batch_size, grad_accum, seq_len,
-            max_grad_norm, eval_fraction, eval_every, save_every, keep_checkpoints, seed,
+            steps,
+            epochs,
+            lr,
+            lr_schedule,
+            warmup_steps,
+            weight_decay,
+            batch_size,
+            grad_accum,
+            seq_len,
+            max_grad_norm,
+            eval_fraction,
+            eval_every,
+            save_every,
+            keep_checkpoints,
+            seed,
         ),
         resume=resume,
         progress=progress,
-        publish=PublishOptions(publish_to, publish_name or output.name, publish_every, publish_key) if publish_to else None,
+        publish=PublishOptions(publish_to, publish_name or output.name, publish_every, publish_key)
+        if publish_to
+        else None,
     )
     from symbiosis.jobs.methods import get_method
 
@@ -112,14 +198,27 @@ def finetune_command(
 
 def generate_command(
     model: ModelOpt,
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="Prompt text (repeat for several).")] = None,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="File of prompts: one per line, or JSONL with 'prompt' (and optionally 'adapter').")] = None,
-    adapter: Annotated[Optional[list[Path]], typer.Option("--adapter", help="PEFT adapter folder (repeat to load several, each named after its folder); each prompt runs with each adapter.")] = None,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="Prompt text (repeat for several).")] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts", help="File of prompts: one per line, or JSONL with 'prompt' (and optionally 'adapter')."
+        ),
+    ] = None,
+    adapter: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--adapter",
+            help="PEFT adapter folder (repeat to load several, each named after its folder); each prompt runs with each adapter.",
+        ),
+    ] = None,
     executor: ExecutorOpt = None,
     embedded: EmbeddedOpt = False,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 means greedy decoding.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the smallest token set with this total probability (1: off).")] = 1.0,
+    top_p: Annotated[
+        float, typer.Option(help="Nucleus sampling: keep the smallest token set with this total probability (1: off).")
+    ] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample only among the k most likely tokens (0: off).")] = 0,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
     device: DeviceOpt = _default_of(ClientOptions, "device"),
@@ -144,13 +243,32 @@ def generate_command(
 
 def demo_command(
     quick: Annotated[bool, typer.Option("--quick", help="A few steps on the tiny model (seconds; for tests).")] = False,
-    preset: Annotated[Optional[str], typer.Option(help="Model size: tiny (default: the demo's learning rates and steps are tuned for it, ~1 minute on 2 cores) or small (~15M params; much slower on CPU).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Fine-tuning steps per client (default: 300, or 8 with --quick).")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Where the demo model is made once and reused (default: $SYMBIOSIS_CACHE/demo or ~/.cache/symbiosis/demo).")] = None,
-    output: Annotated[Path, typer.Option(help="Folder for the loss plot, results JSON and the trained adapters.")] = Path("symbiosis-demo"),
-    in_process: Annotated[bool, typer.Option("--in-process", help="Run the executor in this process instead of its own process (debugging).")] = False,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="Model size: tiny (default: the demo's learning rates and steps are tuned for it, ~1 minute on 2 cores) or small (~15M params; much slower on CPU)."
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="Fine-tuning steps per client (default: 300, or 8 with --quick).")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the demo model is made once and reused (default: $SYMBIOSIS_CACHE/demo or ~/.cache/symbiosis/demo)."
+        ),
+    ] = None,
+    output: Annotated[
+        Path, typer.Option(help="Folder for the loss plot, results JSON and the trained adapters.")
+    ] = Path("symbiosis-demo"),
+    in_process: Annotated[
+        bool,
+        typer.Option("--in-process", help="Run the executor in this process instead of its own process (debugging)."),
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the model, the tasks and training.")] = 0,
-    quantization: Annotated[str, typer.Option(help="The executor's base weights: none, int8 or fp8-rowwise (see `symbiosis serve --help`).")] = "none",
+    quantization: Annotated[
+        str, typer.Option(help="The executor's base weights: none, int8 or fp8-rowwise (see `symbiosis serve --help`).")
+    ] = "none",
 ) -> None:
     """The main job: one executor process, four fine-tuning clients (LoRA, IA3, prefix, LoHa) on learnable tasks and two inference clients, at once."""
     from symbiosis.executor.quantized import parse_quantization
@@ -158,7 +276,13 @@ def demo_command(
 
     run_demo(
         DemoOptions(
-            quick=quick, preset=preset, steps=steps, cache_dir=cache_dir, output=output, in_process=in_process, seed=seed,
+            quick=quick,
+            preset=preset,
+            steps=steps,
+            cache_dir=cache_dir,
+            output=output,
+            in_process=in_process,
+            seed=seed,
             quantization=parse_quantization(quantization),
         )
     )

@@ -9,8 +9,15 @@ import typer
 
 
 def keys(
-    output: Annotated[Path, typer.Option(help="Folder to write NAME.key (public) and NAME.key_secret (secret, mode 0600) into; created if missing.")],
-    name: Annotated[str, typer.Option(help="Base name of the key files, e.g. 'server' or the client's name.")] = "client",
+    output: Annotated[
+        Path,
+        typer.Option(
+            help="Folder to write NAME.key (public) and NAME.key_secret (secret, mode 0600) into; created if missing."
+        ),
+    ],
+    name: Annotated[
+        str, typer.Option(help="Base name of the key files, e.g. 'server' or the client's name.")
+    ] = "client",
 ) -> None:
     """Generate a CURVE key pair. Give NAME.key to the other side; keep NAME.key_secret.
 

@@ -20,21 +20,56 @@ from symbiosis.transport.security import CurveServerKeys, check_abstract_ipc
 @with_scheduler_options  # --policy, --max-wait-ms, --decode-slo-ms, ...: every SchedulerConfig field
 def serve(
     model_dir: Annotated[Path, typer.Argument(help="Checkpoint folder (config.json + *.safetensors).")],
-    bind: Annotated[list[str], typer.Option(help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with shm+ipc://PATH to pass payloads through shared memory.")] = ["tcp://127.0.0.1:7000"],
+    bind: Annotated[
+        list[str],
+        typer.Option(
+            help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with shm+ipc://PATH to pass payloads through shared memory."
+        ),
+    ] = ["tcp://127.0.0.1:7000"],
     device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="dtype of the base weights: float32, bfloat16 or float16 (with --quantization: the dtype products are computed in).")] = "float32",
-    quantization: Annotated[str, typer.Option(help=QUANTIZATION_HELP + f" One of {', '.join(QUANTIZATION_CHOICES)}.")] = "none",
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")] = None,
-    allow_non_loopback: Annotated[bool, typer.Option(help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key.")] = False,
-    curve_secret_key: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind.")] = None,
-    authorized_clients: Annotated[Path | None, typer.Option(help=CurveServerKeys.HELP["authorized_clients_dir"])] = None,
-    ready_file: Annotated[Path | None, typer.Option(help="Once serving, write JSON here (addresses with real ports, pid, checkpoint fingerprint, model type, metrics URL) for scripts and supervisors to read instead of parsing the log; written atomically, removed on exit.")] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="dtype of the base weights: float32, bfloat16 or float16 (with --quantization: the dtype products are computed in)."
+        ),
+    ] = "float32",
+    quantization: Annotated[
+        str, typer.Option(help=QUANTIZATION_HELP + f" One of {', '.join(QUANTIZATION_CHOICES)}.")
+    ] = "none",
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")
+    ] = None,
+    allow_non_loopback: Annotated[
+        bool,
+        typer.Option(
+            help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key."
+        ),
+    ] = False,
+    curve_secret_key: Annotated[
+        Path | None,
+        typer.Option(
+            help=CurveServerKeys.HELP["secret_key_file"] + " Needs --authorized-clients; allows non-loopback --bind."
+        ),
+    ] = None,
+    authorized_clients: Annotated[
+        Path | None, typer.Option(help=CurveServerKeys.HELP["authorized_clients_dir"])
+    ] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Once serving, write JSON here (addresses with real ports, pid, checkpoint fingerprint, model type, metrics URL) for scripts and supervisors to read instead of parsing the log; written atomically, removed on exit."
+        ),
+    ] = None,
     shards: Annotated[int, typer.Option(min=1, help=SHARD_HELP["shards"])] = 1,
-    shard_strategy: Annotated[str, typer.Option(help=SHARD_HELP["shard_strategy"] + f" Default {DEFAULT_STRATEGY}.")] = DEFAULT_STRATEGY,
+    shard_strategy: Annotated[
+        str, typer.Option(help=SHARD_HELP["shard_strategy"] + f" Default {DEFAULT_STRATEGY}.")
+    ] = DEFAULT_STRATEGY,
     shard_bind: Annotated[list[str] | None, typer.Option(help=SHARD_HELP["shard_bind"])] = None,
     max_restarts: Annotated[int, typer.Option(min=0, help=SHARD_HELP["max_restarts"])] = 3,
     shard_host: Annotated[str, typer.Option(help=SHARD_HELP["shard_host"])] = "127.0.0.1",
-    failure_linger_s: Annotated[float, typer.Option(min=0.0, help=SHARD_HELP["failure_linger_s"])] = ShardOptions.failure_linger_s,
+    failure_linger_s: Annotated[
+        float, typer.Option(min=0.0, help=SHARD_HELP["failure_linger_s"])
+    ] = ShardOptions.failure_linger_s,
     scheduler_config: SchedulerConfig | None = None,  # made by @with_scheduler_options from its options
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
@@ -60,13 +95,25 @@ def serve(
 
         options = ShardOptions(strategy=shard_strategy, link_host=shard_host, failure_linger_s=failure_linger_s)
         request = ServeRequest(
-            model_dir, bind, shard_bind or [], device, dtype, scheduler_config, options,
-            {"allow_non_loopback": allow_non_loopback, "curve": curve}, metrics_port, ready_file,
+            model_dir,
+            bind,
+            shard_bind or [],
+            device,
+            dtype,
+            scheduler_config,
+            options,
+            {"allow_non_loopback": allow_non_loopback, "curve": curve},
+            metrics_port,
+            ready_file,
         )
         raise typer.Exit(serve_sharded(request, shards, max_restarts))
 
     executor = BaseExecutor.from_pretrained(
-        model_dir, device=device, dtype=dtype, quantization=quantization, scheduler_config=scheduler_config,
+        model_dir,
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        scheduler_config=scheduler_config,
     )
     servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
     metrics = None
@@ -93,7 +140,9 @@ def serve(
         from symbiosis.executor.process import ReadyInfo, write_ready_file
 
         metrics_url = f"http://127.0.0.1:{metrics.port}" if metrics else None
-        info = ReadyInfo([s.address for s in servers], os.getpid(), executor.fingerprint, executor.weights.model_type, metrics_url)
+        info = ReadyInfo(
+            [s.address for s in servers], os.getpid(), executor.fingerprint, executor.weights.model_type, metrics_url
+        )
         write_ready_file(ready_file, info)
     stop.wait()
     if ready_file is not None:

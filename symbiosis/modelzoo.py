@@ -336,9 +336,7 @@ def _build_model(config: PretrainedConfig, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def _recipe(
-    arch: str, preset: str, seed: int, dtype: torch.dtype, tie_word_embeddings: bool | None
-) -> dict[str, Any]:
+def _recipe(arch: str, preset: str, seed: int, dtype: torch.dtype, tie_word_embeddings: bool | None) -> dict[str, Any]:
     return {
         "arch": arch,
         "preset": preset,

@@ -19,10 +19,10 @@ class Op(str, enum.Enum):
     BACKWARD = "backward"  # grad_input = g W    rows of width out -> rows of width in
     NOISE = "noise"  # n Wᵀ (no bias)           rows of width in  -> rows of width out
 
-    def input_width(self, spec: "LayerSpec") -> int:
+    def input_width(self, spec: LayerSpec) -> int:
         return spec.out_features if self is Op.BACKWARD else spec.in_features
 
-    def output_width(self, spec: "LayerSpec") -> int:
+    def output_width(self, spec: LayerSpec) -> int:
         return spec.in_features if self is Op.BACKWARD else spec.out_features
 
 

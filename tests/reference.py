@@ -40,7 +40,9 @@ def peft_config(method: str, arch: str) -> peft.PeftConfig:
         targets, feedforward = IA3_MODULES[arch]
         return peft.IA3Config(task_type=task, target_modules=targets, feedforward_modules=feedforward)
     if method == "adalora":
-        return peft.AdaLoraConfig(task_type=task, init_r=4, target_r=2, total_step=20, target_modules="all-linear", lora_dropout=0.0)
+        return peft.AdaLoraConfig(
+            task_type=task, init_r=4, target_r=2, total_step=20, target_modules="all-linear", lora_dropout=0.0
+        )
     if method == "loha":
         return peft.LoHaConfig(task_type=task, r=4, alpha=8, target_modules="all-linear")
     if method == "lokr":
@@ -74,7 +76,9 @@ def make_pair(path, executor, method: str, arch: str, **client_options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), copy.deepcopy(config))
-        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor, **client_options), copy.deepcopy(config))
+        split = peft.get_peft_model(
+            symbiosis.load_client_model(path, executor=executor, **client_options), copy.deepcopy(config)
+        )
     values = randomize_adapters(reference)
     missing = set(values) - {name for name, p in split.named_parameters() if p.requires_grad}
     assert not missing, f"split model lacks adapter parameters {sorted(missing)[:5]}"
@@ -85,7 +89,9 @@ def make_pair(path, executor, method: str, arch: str, **client_options):
 
 
 def adapter_grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return {
+        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad and p.grad is not None
+    }
 
 
 def loss_and_grads(model, input_ids: torch.Tensor):

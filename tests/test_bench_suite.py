@@ -17,7 +17,15 @@ import sys
 from benchmarks import report, suite
 
 SMALLEST = dataclasses.replace(
-    suite.QUICK, finetune_ks=(1,), memory_levels=(0, 1), inference_ks=(2,), decode_tokens=4, prompt_len=8, step_repeats=2, efficiency_clients=2, efficiency_repeats=2
+    suite.QUICK,
+    finetune_ks=(1,),
+    memory_levels=(0, 1),
+    inference_ks=(2,),
+    decode_tokens=4,
+    prompt_len=8,
+    step_repeats=2,
+    efficiency_clients=2,
+    efficiency_repeats=2,
 )
 TOP_KEYS = {"scenario", "command", "machine", "config", "results", "headline", "losses", "wall_s"}
 RESULT_KEYS = {
@@ -35,7 +43,9 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     output = tmp_path / "out"
     lines: list[str] = []
 
-    returned = suite.run(suite.SCENARIOS, quick=True, output=output, cache=tmp_path / "cache", profile=SMALLEST, log=lines.append)
+    returned = suite.run(
+        suite.SCENARIOS, quick=True, output=output, cache=tmp_path / "cache", profile=SMALLEST, log=lines.append
+    )
 
     assert set(returned) == set(suite.SCENARIOS) == set(RESULT_KEYS)
     for name, keys in RESULT_KEYS.items():
@@ -47,19 +57,30 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
         assert written["headline"] and all(isinstance(line, str) for line in written["headline"])
         assert (folder / "plot.png").stat().st_size > 0
         assert "|---" in (folder / "table.md").read_text()
-        assert any(line.startswith("[") and name in line and "done" in line for line in lines), name  # progress per scenario
+        assert any(line.startswith("[") and name in line and "done" in line for line in lines), (
+            name
+        )  # progress per scenario
 
     finetune = json.loads((output / "multi_job_finetune" / "result.json").read_text())["results"]
     assert [row["k"] for row in finetune["per_k"]] == [1]
-    assert {"throughput_ratio", "memory_ratio", "symbiosis_tokens_per_s", "hf_peft_tokens_per_s"} <= finetune["per_k"][0].keys()
+    assert {"throughput_ratio", "memory_ratio", "symbiosis_tokens_per_s", "hf_peft_tokens_per_s"} <= finetune["per_k"][
+        0
+    ].keys()
     assert {"symbiosis_jobs", "hf_peft_jobs"} <= finetune["budget"]["model"].keys()
-    assert finetune["runs"]["symbiosis"]["1"]["peak_rss_gib_by_role"].keys() == {"executor", "client"}  # the executor process was sampled
+    assert finetune["runs"]["symbiosis"]["1"]["peak_rss_gib_by_role"].keys() == {
+        "executor",
+        "client",
+    }  # the executor process was sampled
     assert "skipped" in finetune["large_model"]  # quick runs leave the ~1B model out, saying so
     assert {"runs_here", "why"} <= finetune["mlora"].keys()
-    assert finetune["target"]["target_k"] == 8 and finetune["target"]["k"] == 1  # judged at the largest K run, saying so
+    assert (
+        finetune["target"]["target_k"] == 8 and finetune["target"]["k"] == 1
+    )  # judged at the largest K run, saying so
     finetune_json = json.loads((output / "multi_job_finetune" / "result.json").read_text())
     assert any(("PASS" in line or "MISS" in line) and "K=8" in line for line in finetune_json["headline"])
-    assert finetune_json["config"]["env"]["symbiosis_client"]["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert finetune_json["config"]["env"]["symbiosis_client"]["OMP_WAIT_POLICY"] == os.environ.get(
+        "OMP_WAIT_POLICY", "PASSIVE"
+    )
 
     memory = json.loads((output / "executor_memory" / "result.json").read_text())["results"]
     assert [level["clients"] for level in memory["levels"]] == [0, 1]
@@ -73,8 +94,12 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     assert set(inference["targets"]) == {"symbiosis_mixed_vs_hf_mixed", "throughput_ratio_vs_per_adapter"}
     assert sum(("PASS" in line or "MISS" in line) for line in inference_json["headline"]) == 2
     systems = inference_json["config"]["systems"]
-    assert systems["symbiosis"]["env"]["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # split clients: the shared-host setting
-    assert systems["hf_mixed_batch"]["env"]["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY")  # baselines: the defaults
+    assert systems["symbiosis"]["env"]["OMP_WAIT_POLICY"] == os.environ.get(
+        "OMP_WAIT_POLICY", "PASSIVE"
+    )  # split clients: the shared-host setting
+    assert systems["hf_mixed_batch"]["env"]["OMP_WAIT_POLICY"] == os.environ.get(
+        "OMP_WAIT_POLICY"
+    )  # baselines: the defaults
 
     overhead = json.loads((output / "split_overhead" / "result.json").read_text())["results"]
     assert {"inproc", "shm+ipc", "ipc", "tcp"} <= overhead["train_step"]["ratio_over_monolithic"].keys()
@@ -92,10 +117,14 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
 
 def test_bench_command_lists_scenarios_and_rejects_unknown_ones():
     env = dict(os.environ, COLUMNS="200")  # rich wraps help to the terminal width
-    help_text = subprocess.run([sys.executable, "-m", "symbiosis", "bench", "--help"], capture_output=True, text=True, check=True, env=env).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "symbiosis", "bench", "--help"], capture_output=True, text=True, check=True, env=env
+    ).stdout
     for name in suite.SCENARIOS:
         assert name in help_text
     for flag in ("--quick", "--output"):
         assert flag in help_text
-    bad = subprocess.run([sys.executable, "-m", "symbiosis", "bench", "no_such_scenario"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "symbiosis", "bench", "no_such_scenario"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "no_such_scenario" in bad.stderr

@@ -15,14 +15,30 @@ from benchmarks import split_overhead
 TIMING_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "n"}
 MACHINE_KEYS = {"cpu_count", "torch", "torch_threads"}
 
-SPLIT_KEYS = {"benchmark", "command", "machine", "config", "targets", "results", "verdicts", "check", "calls_per_token", "processes", "unavailable", "dist", "wall_s"}
+SPLIT_KEYS = {
+    "benchmark",
+    "command",
+    "machine",
+    "config",
+    "targets",
+    "results",
+    "verdicts",
+    "check",
+    "calls_per_token",
+    "processes",
+    "unavailable",
+    "dist",
+    "wall_s",
+}
 SPLIT_TIMING_KEYS = TIMING_KEYS | {"ratio_over_monolithic", "target", "verdict"}
 
 
 def test_split_overhead_quick_writes_documented_json(tmp_path):
     from symbiosis.modelzoo import ARCHS
 
-    returned = split_overhead.main(["--quick", "--output", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--repeats", "2"])
+    returned = split_overhead.main(
+        ["--quick", "--output", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--repeats", "2"]
+    )
 
     written = json.loads((tmp_path / "out" / "split_overhead.json").read_text())
     assert (tmp_path / "out" / "split_overhead.png").stat().st_size > 0
@@ -54,7 +70,13 @@ def test_split_overhead_quick_writes_documented_json(tmp_path):
     assert set(calls["archs"]) == set(ARCHS) and set(calls["models"]) == set(written["results"])
     for breakdown in [*calls["archs"].values(), *calls["models"].values()]:
         assert breakdown["layers"] == 2 and breakdown["outside_layers"] >= 1
-        assert abs(breakdown["calls_per_token"] - (breakdown["per_layer"] * breakdown["layers"] + breakdown["outside_layers"])) < 1e-9
+        assert (
+            abs(
+                breakdown["calls_per_token"]
+                - (breakdown["per_layer"] * breakdown["layers"] + breakdown["outside_layers"])
+            )
+            < 1e-9
+        )
 
 
 @pytest.mark.slow
@@ -66,7 +88,13 @@ def test_serving_quick_writes_documented_json(tmp_path):
     written = json.loads((tmp_path / "serving" / "serving.json").read_text())
     assert (tmp_path / "serving" / "serving.png").stat().st_size > 0
     summary = written["summary"]
-    assert set(summary["tokens_per_s"]) == {"hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold"}
+    assert set(summary["tokens_per_s"]) == {
+        "hf_peft_mixed",
+        "api_embedded",
+        "api_shm",
+        "api_many_warm",
+        "api_many_cold",
+    }
     assert all(v > 0 for v in summary["tokens_per_s"].values())
     assert summary["cold_loads_in_warm_rounds"] == 0 and summary["cold_load_ms_per_adapter"] > 0
     assert {"inference_alone", "inference_with_finetune", "finetune_steps_per_s_alone"} <= summary["coserve"].keys()

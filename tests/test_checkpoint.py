@@ -22,7 +22,9 @@ def test_executor_weights_equal_what_transformers_loads(arch, tiny_checkpoint):
     reference = AutoModelForCausalLM.from_pretrained(path)
     weights = symbiosis.BaseExecutor.from_pretrained(path).weights
     modules = dict(reference.named_modules())
-    assert set(weights.specs) == {n for n, m in modules.items() if isinstance(m, (nn.Linear, symbiosis.checkpoint.Conv1D))}
+    assert set(weights.specs) == {
+        n for n, m in modules.items() if isinstance(m, (nn.Linear, symbiosis.checkpoint.Conv1D))
+    }
     assert "lm_head" in weights.specs
     for layer_id, layer in weights.layers.items():
         module = modules[layer_id]
@@ -79,7 +81,9 @@ def test_checkpoint_lacking_a_tensor(tiny_checkpoint, tmp_path):
 
 def test_architecture_with_unknown_layer_type(tmp_path):
     """Mamba's mixer owns a 2-D parameter (A_log) that is not a linear layer."""
-    config = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, intermediate_size=32)
+    config = AutoConfig.for_model(
+        "mamba", vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, intermediate_size=32
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
     with pytest.raises(symbiosis.UnsupportedModuleError, match=r"MambaMixer.*nn.Linear and transformers Conv1D"):

@@ -131,7 +131,9 @@ def test_tied_embeddings_are_served_from_the_embedding_tensor(tmp_path):
         model.symbiosis_transport.close()
 
 
-@pytest.mark.parametrize("executor_dtype,client_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "executor_dtype,client_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
 def test_dtype_is_cast_at_the_boundary(llama, executor_dtype, client_dtype):
     reference = AutoModelForCausalLM.from_pretrained(llama)
     ids = torch.tensor([[5, 6, 7, 8, 9]])

@@ -38,7 +38,9 @@ def _batches(seed, n=3):
 def test_four_clients_train_and_generate_concurrently(policy, tiny_checkpoint):
     """The policy changes timing, never numbers."""
     path = tiny_checkpoint("llama")
-    with symbiosis.BaseExecutor.from_pretrained(path, policy=policy, max_wait_ms=2.0, lockstep_timeout_ms=5.0) as executor:
+    with symbiosis.BaseExecutor.from_pretrained(
+        path, policy=policy, max_wait_ms=2.0, lockstep_timeout_ms=5.0
+    ) as executor:
         pairs = {m: make_pair(path, executor, m, "llama") for m in METHODS}
         results, errors = {}, []
         start = threading.Barrier(len(METHODS))
@@ -51,7 +53,9 @@ def test_four_clients_train_and_generate_concurrently(policy, tiny_checkpoint):
                 split_losses = _train(split, batches, steps=3)
                 split.eval()
                 with torch.no_grad():
-                    tokens = split.generate(input_ids=batches[0][:1, :4], max_new_tokens=10, min_new_tokens=10, do_sample=False)
+                    tokens = split.generate(
+                        input_ids=batches[0][:1, :4], max_new_tokens=10, min_new_tokens=10, do_sample=False
+                    )
                 results[method] = (split_losses, tokens)
             except Exception as exc:  # surfaced in the main thread
                 errors.append((method, exc))
@@ -73,7 +77,9 @@ def test_four_clients_train_and_generate_concurrently(policy, tiny_checkpoint):
             ref_losses = _train(reference, batches, steps=3)
             reference.eval()
             with torch.no_grad():
-                ref_tokens = reference.generate(input_ids=batches[0][:1, :4], max_new_tokens=10, min_new_tokens=10, do_sample=False)
+                ref_tokens = reference.generate(
+                    input_ids=batches[0][:1, :4], max_new_tokens=10, min_new_tokens=10, do_sample=False
+                )
             split_losses, tokens = results[method]
             torch.testing.assert_close(torch.tensor(split_losses), torch.tensor(ref_losses), **TOL)
             ref_params = {n: p for n, p in reference.named_parameters() if p.requires_grad}

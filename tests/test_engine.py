@@ -32,7 +32,9 @@ def _expected(executor, layer_id, op, rows):
 @pytest.mark.parametrize("row_budget", [3, 4096])
 def test_concurrent_requests_are_exact_under_every_policy(path, policy, row_budget):
     layer_id = "model.layers.0.self_attn.q_proj"
-    with symbiosis.BaseExecutor.from_pretrained(path, policy=policy, row_budget=row_budget, lockstep_timeout_ms=5) as ex:
+    with symbiosis.BaseExecutor.from_pretrained(
+        path, policy=policy, row_budget=row_budget, lockstep_timeout_ms=5
+    ) as ex:
         g = torch.Generator().manual_seed(0)
         jobs = [(op, torch.randn(n, 64, generator=g)) for n in (0, 1, 5, 17) for op in ("forward", "backward", "noise")]
         results = [None] * len(jobs)

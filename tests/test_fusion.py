@@ -50,7 +50,10 @@ def test_blocks_share_one_weight_and_groups_resolve_to_views(llama):
     grads = torch.randn(5, weights.specs[qkv].out_features)
     torch.testing.assert_close(
         executor.run(qkv, "backward", grads),
-        sum(executor.run(f"{ATTN}.{n}_proj", "backward", g) for n, g in zip("qkv", torch.split(grads, [64, 32, 32], dim=1))),
+        sum(
+            executor.run(f"{ATTN}.{n}_proj", "backward", g)
+            for n, g in zip("qkv", torch.split(grads, [64, 32, 32], dim=1))
+        ),
         rtol=1e-5,
         atol=1e-5,
     )
@@ -104,7 +107,9 @@ def test_fused_training_and_decoding_match_monolithic(arch, method, tiny_checkpo
             prompt = ids[:1, :5]
             with torch.no_grad():
                 expected = reference.generate(input_ids=prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-                assert torch.equal(split.generate(input_ids=prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False), expected)
+                assert torch.equal(
+                    split.generate(input_ids=prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False), expected
+                )
         finally:
             close_client(split)
 

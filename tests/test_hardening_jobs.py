@@ -35,8 +35,12 @@ def data(tmp_path) -> Path:
 
 def job(model: Path, data: Path, output: Path, **train) -> FinetuneOptions:
     return FinetuneOptions(
-        model=model, data=data, output=output, client=ClientOptions(embedded=True),
-        method_options=MethodOptions(rank=2, alpha=4), train=TrainOptions(**{"steps": 1, "batch_size": 2, **train}),
+        model=model,
+        data=data,
+        output=output,
+        client=ClientOptions(embedded=True),
+        method_options=MethodOptions(rank=2, alpha=4),
+        train=TrainOptions(**{"steps": 1, "batch_size": 2, **train}),
         progress=False,
     )
 
@@ -158,8 +162,19 @@ def test_bad_output_paths(tmp_path, case):
 def test_cli_refuses_a_file_output_in_one_line(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
     output = tmp_path / "out"
     output.write_text(NOTES)
-    args = ["finetune", "--model", str(tiny_checkpoint("llama")), "--data", str(data), "--output", str(output),
-            "--steps", "1", "--embedded", "--no-progress"]
+    args = [
+        "finetune",
+        "--model",
+        str(tiny_checkpoint("llama")),
+        "--data",
+        str(data),
+        "--output",
+        str(output),
+        "--steps",
+        "1",
+        "--embedded",
+        "--no-progress",
+    ]
     code, _, err = run_cli(args, capsys, monkeypatch)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "not a folder" in lines[0] and "Traceback" not in err

@@ -38,7 +38,13 @@ from tests.cli_helpers import run_cli
 
 class FakeExecutor:
     def stats(self) -> dict:
-        return {"layers": {}, "inflight_requests": 0, "weights_bytes": 0, "device": "cpu", "scheduler": {"joined_clients": 0}}
+        return {
+            "layers": {},
+            "inflight_requests": 0,
+            "weights_bytes": 0,
+            "device": "cpu",
+            "scheduler": {"joined_clients": 0},
+        }
 
     def health(self) -> dict:
         return {"status": "ok", "inflight_requests": 0, "device": "cpu"}
@@ -159,7 +165,9 @@ def test_abstract_ipc_needs_curve():
 
 @pytest.mark.timeout(60)  # the unfixed command serves forever
 def test_serve_refuses_abstract_ipc_without_curve(tiny_checkpoint, capsys, monkeypatch):
-    code, _, err = run_cli(["serve", str(tiny_checkpoint("llama")), "--bind", "ipc://@symbiosis-test"], capsys, monkeypatch)
+    code, _, err = run_cli(
+        ["serve", str(tiny_checkpoint("llama")), "--bind", "ipc://@symbiosis-test"], capsys, monkeypatch
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "without CURVE" in lines[0], err
 

@@ -134,7 +134,7 @@ def _ask_broker(path: str, token: str, nbytes: int) -> tuple[object, list[int]]:
 @linux_only
 def test_a_symlink_in_dev_shm_does_not_make_the_executor_write_a_file(serve, fake) -> None:
     server = serve(fake)
-    target = f"{os.path.dirname(server.address[len('ipc://'):])}/precious.txt"
+    target = f"{os.path.dirname(server.address[len('ipc://') :])}/precious.txt"
     with open(target, "wb") as f:
         f.write(b"keep me" * 10000)
     os.chmod(target, 0o400)

@@ -31,7 +31,7 @@ ROUND_TRIP_TEXTS = [
     "The executor batches 4096 tokens from 17 clients in 3.25 ms.",
     "  leading spaces, trailing tabs\t\n\nand blank lines\n",
     "def f(x):\n    return x ** 2  # squares\n",
-    'Café naïve résumé — Größe 5 µm; русский, 日本語, emoji 🚀✓ and <|not special|>',
+    "Café naïve résumé — Größe 5 µm; русский, 日本語, emoji 🚀✓ and <|not special|>",
 ]
 PROMPT = "One quick model sends a batch to the executor."
 
@@ -84,9 +84,7 @@ def test_tokenizer_round_trips(arch: str, tiny_checkpoint: Checkpoint) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_weights_are_a_function_of_the_seed(
-    arch: str, tiny_checkpoint: Checkpoint, tmp_path: pathlib.Path
-) -> None:
+def test_weights_are_a_function_of_the_seed(arch: str, tiny_checkpoint: Checkpoint, tmp_path: pathlib.Path) -> None:
     reference = tiny_checkpoint(arch)
     again = make_model(arch, "tiny", tmp_path / "again", seed=0)
     other = make_model(arch, "tiny", tmp_path / "other", seed=1)

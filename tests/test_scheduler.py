@@ -116,7 +116,9 @@ def wait_bound_s(config: SchedulerConfig, r: PendingRequest) -> float:
     opportunistic = config.wait_budget_s(r.rows, r.latency_class)
     if config.wait_rule in ("adaptive", "convoy"):  # the convoy rule waits up to the lockstep timeout
         opportunistic = max(opportunistic, config.lockstep_timeout_ms / 1000.0)
-    return {"immediate": 0.0, "lockstep": config.lockstep_timeout_ms / 1000.0, "opportunistic": opportunistic}[config.policy]
+    return {"immediate": 0.0, "lockstep": config.lockstep_timeout_ms / 1000.0, "opportunistic": opportunistic}[
+        config.policy
+    ]
 
 
 def random_workload(seed: int, n: int = 120) -> tuple[list[PendingRequest], tuple[tuple[float, str], ...]]:
@@ -148,8 +150,15 @@ SCENARIOS: dict[str, list[PendingRequest]] = {
     "mixed_classes_one_group": [req(1, rows=9, cls=F), req(2, rows=2, cls=P, at=0.001), req(3, cls=D, at=0.002)],
     "zero_rows_behind_full_batch": [req(1, rows=16, cls=F), req(2, rows=0, cls=F), req(3, rows=5, at=0.0001)],
     "many_clients_layers_ops": [
-        req(i, client=f"c{i % 3}", layer=f"l{i % 2}", op=list(Op)[i % 3], rows=i % 5, cls=list(LatencyClass)[i % 3],
-            at=i * 0.0007)
+        req(
+            i,
+            client=f"c{i % 3}",
+            layer=f"l{i % 2}",
+            op=list(Op)[i % 3],
+            rows=i % 5,
+            cls=list(LatencyClass)[i % 3],
+            at=i * 0.0007,
+        )
         for i in range(30)
     ],
 }
@@ -250,7 +259,9 @@ def test_opportunistic_wait_budget_grows_with_rows_and_class_and_is_capped():
     assert decode_1 < config.wait_budget_s(1, P) < config.wait_budget_s(1, F)
     assert config.wait_budget_s(1_000_000, F) == pytest.approx(0.005)
     assert config.wait_budget_s(100, P) == pytest.approx(min(5.0, config.prefill_base_wait_ms + 0.002 * 100) / 1000)
-    assert SchedulerConfig(decode_base_wait_ms=0.25, prefill_base_wait_ms=1.0).wait_budget_s(100, P) == pytest.approx((1.0 + 0.002 * 100) / 1000)
+    assert SchedulerConfig(decode_base_wait_ms=0.25, prefill_base_wait_ms=1.0).wait_budget_s(100, P) == pytest.approx(
+        (1.0 + 0.002 * 100) / 1000
+    )
 
 
 # ------------------------------------------------------------------------------------ ordering and splitting
@@ -402,7 +413,9 @@ def test_stats_report_policy_and_counts():
 # ------------------------------------------------------------------------------------ predicted arrivals
 
 LAYERS = ("l0", "l1", "l2", "l3")
-FIVE_MS = dict(decode_base_wait_ms=5.0, prefill_base_wait_ms=5.0, finetune_base_wait_ms=5.0, max_wait_ms=5.0, wait_rule="predicted")
+FIVE_MS = dict(
+    decode_base_wait_ms=5.0, prefill_base_wait_ms=5.0, finetune_base_wait_ms=5.0, max_wait_ms=5.0, wait_rule="predicted"
+)
 
 
 class Walker:
@@ -443,7 +456,11 @@ PREDICTION_CASES = {
     "b_too_far_behind_for_budget": ([("l0", 1.0, Op.FORWARD)], ("l3", 1.0005), None),
     # b walked its second pass: it repeats the forward op (a decoder), so it comes round again to
     # l1 in 2 hops (l3 -> l0 -> l1), expected at 1.006 + 2 x 2 ms; held until the deadline.
-    "b_finished_its_pass_comes_round_again": ([(layer, 1.0 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)], ("l1", 1.007), 1.012),
+    "b_finished_its_pass_comes_round_again": (
+        [(layer, 1.0 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)],
+        ("l1", 1.007),
+        1.012,
+    ),
     "b_idle_after_its_only_pass": ([], ("l1", 1.0), None),
     "b_in_backward": ([("l3", 1.0, Op.BACKWARD)], ("l1", 1.0005), None),
     "b_overdue": ([("l0", 1.0, Op.FORWARD)], ("l1", 1.0045), None),
@@ -512,8 +529,15 @@ def test_layer_order_and_pace_are_learned_per_op():
     assert scheduler.client_left("b") == [] and "b" not in scheduler._arrivals.tracks
 
 
-def closed_loop(config: SchedulerConfig, gaps_s: dict[str, float], starts_s: dict[str, float], passes: int,
-                layers: int = 8, exec_s: float = 0.0001, joins: tuple[str, ...] = ()) -> tuple[list[Batch], dict, float]:
+def closed_loop(
+    config: SchedulerConfig,
+    gaps_s: dict[str, float],
+    starts_s: dict[str, float],
+    passes: int,
+    layers: int = 8,
+    exec_s: float = 0.0001,
+    joins: tuple[str, ...] = (),
+) -> tuple[list[Batch], dict, float]:
     """Clients walk ``layers`` layers ``passes`` times; each sends its next request ``gap`` after its
     previous one's batch finished (the executor runs one batch at a time, ``exec_s`` each).
     Returns the batches, each request's wait (arrival -> first hand-out) and its budget, and the end time."""

@@ -141,7 +141,9 @@ def test_serve_refuses_a_public_bind_without_consent(tiny_checkpoint):
 
     result = subprocess.run(
         [sys.executable, "-m", "symbiosis", "serve", str(tiny_checkpoint("llama")), "--bind", "tcp://0.0.0.0:0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "loopback" in (result.stdout + result.stderr).lower()

@@ -32,10 +32,25 @@ def sock_dir():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_soak_with_chaos(tiny_checkpoint, tmp_path):
-    args = soak.parse_args([
-        "--clients", "7", "--seconds", "30", "--warmup-s", "4", "--sample-interval-s", "0.5", "--chaos", "--kill-clients", "2",
-        "--model", str(tiny_checkpoint("llama")), "--output", str(tmp_path / "out"),
-    ])
+    args = soak.parse_args(
+        [
+            "--clients",
+            "7",
+            "--seconds",
+            "30",
+            "--warmup-s",
+            "4",
+            "--sample-interval-s",
+            "0.5",
+            "--chaos",
+            "--kill-clients",
+            "2",
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     args.command = "pytest tests/test_soak.py"
     result = soak.run(args, log=lambda line: None)
     summary = "\n".join(result["headline"])
@@ -52,10 +67,20 @@ def test_soak_with_chaos(tiny_checkpoint, tmp_path):
     # update; greedy tokens equal), and survivors lived through both restarts.
     correctness = result["correctness"]
     survivors = [c for c in result["clients"] if c["killed_at_s"] is None]
-    assert correctness["survivors"] == 5 and correctness["survivors_finetune"] >= 2 and correctness["survivors_decode"] >= 1, correctness
-    assert correctness["compared_episodes"] > 0 and correctness["matching_episodes"] == correctness["compared_episodes"], (summary, correctness)
-    assert all(c["episodes"] > 0 and c["sessions"] >= 3 for c in survivors), [(c["name"], c["episodes"], c["sessions"]) for c in survivors]
-    assert correctness["max_abs_diff_finetune"] < correctness["tolerance"]["atol"] < correctness["min_step_update"] / 10, correctness
+    assert (
+        correctness["survivors"] == 5
+        and correctness["survivors_finetune"] >= 2
+        and correctness["survivors_decode"] >= 1
+    ), correctness
+    assert (
+        correctness["compared_episodes"] > 0 and correctness["matching_episodes"] == correctness["compared_episodes"]
+    ), (summary, correctness)
+    assert all(c["episodes"] > 0 and c["sessions"] >= 3 for c in survivors), [
+        (c["name"], c["episodes"], c["sessions"]) for c in survivors
+    ]
+    assert (
+        correctness["max_abs_diff_finetune"] < correctness["tolerance"]["atol"] < correctness["min_step_update"] / 10
+    ), correctness
     # The fine-tuning episodes that the restarts interrupted (the client reconnected mid-episode)
     # ended with adapters equal to an undisturbed run.
     for restart in result["chaos"]["restarts"]:
@@ -70,7 +95,10 @@ def test_soak_with_chaos(tiny_checkpoint, tmp_path):
     # Nothing left behind: the executor back at its idle counts once the clients (killed ones too)
     # are gone, no socket file, nothing in /dev/shm, no process, no segment mapped in a client.
     leftovers = result["leftovers"]
-    assert all(v <= 0 for v in leftovers["executor_delta"].values()), (leftovers["executor_before"], leftovers["executor_after"])
+    assert all(v <= 0 for v in leftovers["executor_delta"].values()), (
+        leftovers["executor_before"],
+        leftovers["executor_after"],
+    )
     assert leftovers["metrics_after"]["joined_clients"] == 0 and leftovers["metrics_after"]["inflight_requests"] == 0
     assert leftovers["host_after"]["socket_files"] == [] and not leftovers["host_after"]["dev_shm_symbiosis"]
     assert leftovers["host_after"]["dev_shm_entries"] <= leftovers["host_before"]["dev_shm_entries"]
@@ -109,7 +137,11 @@ def test_the_comparison_catches_a_lost_or_doubled_step(tiny_checkpoint, sock_dir
 
 def test_the_client_mix_covers_every_method_and_transport():
     specs = soak.client_specs(7, steps=2, seq_len=8, max_new_tokens=4)
-    assert {s.method for s in specs} == set(soak.FINETUNE_METHODS) | set(soak.DECODE_METHODS) >= {"lora", "ia3", "prefix", "loha"}
+    assert (
+        {s.method for s in specs}
+        == set(soak.FINETUNE_METHODS) | set(soak.DECODE_METHODS)
+        >= {"lora", "ia3", "prefix", "loha"}
+    )
     assert {s.transport for s in specs if s.role == "finetune"} == set(soak.TRANSPORTS)
     assert {s.transport for s in specs if s.role == "decode"} >= {"tcp", "shm+ipc", "dist+tcp"}
     assert len({s.name for s in soak.client_specs(32, steps=2, seq_len=8, max_new_tokens=4)}) == 32
@@ -182,7 +214,9 @@ def test_calls_wait_out_a_graceful_restart_with_a_slow_drain(sock_dir):
         restarter.start()
         time.sleep(0.3)
         rows = torch.randn(3, 16)
-        assert_same_product(other.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fresh.compute("q", Op.FORWARD, rows))
+        assert_same_product(
+            other.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fresh.compute("q", Op.FORWARD, rows)
+        )
         in_flight.join(10)
         restarter.join(10)
     finally:

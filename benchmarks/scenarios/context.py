@@ -60,7 +60,6 @@ class Context:
         return make_model("llama", preset, self.cache / f"llama-{preset}-seed0", seed=0)
 
 
-
 def common_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(value: Any) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -74,11 +73,27 @@ def common_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def finish(ctx: Context, name: str, results: dict, headline: list[str], losses: list[str], table: str, panels: list, title: str, config: dict) -> dict:
+def finish(
+    ctx: Context,
+    name: str,
+    results: dict,
+    headline: list[str],
+    losses: list[str],
+    table: str,
+    panels: list,
+    title: str,
+    config: dict,
+) -> dict:
     folder = ctx.output / name
-    result = {"scenario": name, "command": ctx.command, "machine": common.machine_info(),
-              "config": {"profile": asdict(ctx.profile), "quick": ctx.quick, "threads_per_process": ctx.threads, **config},
-              "results": results, "headline": headline, "losses": losses}
+    result = {
+        "scenario": name,
+        "command": ctx.command,
+        "machine": common.machine_info(),
+        "config": {"profile": asdict(ctx.profile), "quick": ctx.quick, "threads_per_process": ctx.threads, **config},
+        "results": results,
+        "headline": headline,
+        "losses": losses,
+    }
     common.plot_panels(folder / "plot.png", title, panels, columns=min(2, len(panels)))
     (folder / "table.md").parent.mkdir(parents=True, exist_ok=True)
     (folder / "table.md").write_text(f"### {name}\n\n{table}\n")

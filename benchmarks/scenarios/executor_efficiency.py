@@ -49,7 +49,9 @@ def run(ctx: Context) -> dict:
         vocab = clients[0].config.vocab_size
         seq = ctx.profile.finetune_seq
         workloads = {
-            "train": [train_step_fn(c.train(), torch.randint(0, vocab, (ctx.profile.finetune_batch, seq))) for c in clients],
+            "train": [
+                train_step_fn(c.train(), torch.randint(0, vocab, (ctx.profile.finetune_batch, seq))) for c in clients
+            ],
         }
         for phase in ("train", "decode"):
             if phase == "decode":
@@ -59,34 +61,96 @@ def run(ctx: Context) -> dict:
                 fn()  # warm-up, alone
             records.clear()
             wall = time.perf_counter()
-            threads = [threading.Thread(target=lambda f=fn: [f() for _ in range(2 if phase == "train" else 4)]) for fn in workloads[phase]]
+            threads = [
+                threading.Thread(target=lambda f=fn: [f() for _ in range(2 if phase == "train" else 4)])
+                for fn in workloads[phase]
+            ]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             wall = time.perf_counter() - wall
             phases[phase] = efficiency_of(list(records), wall, ctx.profile.efficiency_repeats)
-            ctx.log(f"  {phase}: executor products {phases[phase]['replay_executor_gflops']:.1f} GFLOP/s vs torch.matmul {phases[phase]['replay_torch_matmul_gflops']:.1f} "
-                    f"(ratio {phases[phase]['executor_over_matmul']:.2f}), ceiling {phases[phase]['matmul_1024_gflops']:.1f}")
+            ctx.log(
+                f"  {phase}: executor products {phases[phase]['replay_executor_gflops']:.1f} GFLOP/s vs torch.matmul {phases[phase]['replay_torch_matmul_gflops']:.1f} "
+                f"(ratio {phases[phase]['executor_over_matmul']:.2f}), ceiling {phases[phase]['matmul_1024_gflops']:.1f}"
+            )
     finally:
         engine.run_batch = run_batch
         for c in clients:
             c.base_model.model.symbiosis_transport.close()
         executor.close()
     ceiling = max(p["matmul_1024_gflops"] for p in phases.values())
-    headline = [f"{phase}: executor batched products {p['replay_executor_gflops']:.1f} GFLOP/s vs plain torch.matmul {p['replay_torch_matmul_gflops']:.1f} on the same shapes "
-                f"(x{p['executor_over_matmul']:.2f}); in place under load {p['in_situ_gflops']:.1f}; mean {p['mean_rows_per_batch']:.1f} rows/batch; 1024² matmul ceiling {p['matmul_1024_gflops']:.1f}."
-                for phase, p in phases.items()]
-    losses = [f"{phase}: the executor's products run at x{p['executor_over_matmul']:.2f} of plain torch.matmul." for phase, p in phases.items() if p["executor_over_matmul"] < 0.95]
-    table = common_table(["phase", "batches", "rows/batch", "GFLOP", "in situ GFLOP/s", "executor replay GFLOP/s", "torch.matmul GFLOP/s", "ratio", "1024² ceiling GFLOP/s"],
-                         [[ph, p["batches"], p["mean_rows_per_batch"], p["gflop"], p["in_situ_gflops"], p["replay_executor_gflops"], p["replay_torch_matmul_gflops"], p["executor_over_matmul"], p["matmul_1024_gflops"]]
-                          for ph, p in phases.items()])
+    headline = [
+        f"{phase}: executor batched products {p['replay_executor_gflops']:.1f} GFLOP/s vs plain torch.matmul {p['replay_torch_matmul_gflops']:.1f} on the same shapes "
+        f"(x{p['executor_over_matmul']:.2f}); in place under load {p['in_situ_gflops']:.1f}; mean {p['mean_rows_per_batch']:.1f} rows/batch; 1024² matmul ceiling {p['matmul_1024_gflops']:.1f}."
+        for phase, p in phases.items()
+    ]
+    losses = [
+        f"{phase}: the executor's products run at x{p['executor_over_matmul']:.2f} of plain torch.matmul."
+        for phase, p in phases.items()
+        if p["executor_over_matmul"] < 0.95
+    ]
+    table = common_table(
+        [
+            "phase",
+            "batches",
+            "rows/batch",
+            "GFLOP",
+            "in situ GFLOP/s",
+            "executor replay GFLOP/s",
+            "torch.matmul GFLOP/s",
+            "ratio",
+            "1024² ceiling GFLOP/s",
+        ],
+        [
+            [
+                ph,
+                p["batches"],
+                p["mean_rows_per_batch"],
+                p["gflop"],
+                p["in_situ_gflops"],
+                p["replay_executor_gflops"],
+                p["replay_torch_matmul_gflops"],
+                p["executor_over_matmul"],
+                p["matmul_1024_gflops"],
+            ]
+            for ph, p in phases.items()
+        ],
+    )
     names = list(phases)
-    panels = [common.Panel("GFLOP/s on the executor's shapes", "GFLOP/s", names, {k: [phases[n][g] for n in names] for k, g in
-                           (("in situ", "in_situ_gflops"), ("executor replay", "replay_executor_gflops"), ("torch.matmul", "replay_torch_matmul_gflops"), ("1024² ceiling", "matmul_1024_gflops"))})]
-    return finish(ctx, "executor_efficiency", {"phases": phases, "matmul_ceiling_gflops": ceiling}, headline, losses, table, panels,
-                  f"Executor GEMM efficiency ({ctx.profile.preset}, {ctx.profile.efficiency_clients} in-process clients)",
-                  {"clients": ctx.profile.efficiency_clients, "model": str(path), "repeats": ctx.profile.efficiency_repeats, "threads": ctx.threads})
+    panels = [
+        common.Panel(
+            "GFLOP/s on the executor's shapes",
+            "GFLOP/s",
+            names,
+            {
+                k: [phases[n][g] for n in names]
+                for k, g in (
+                    ("in situ", "in_situ_gflops"),
+                    ("executor replay", "replay_executor_gflops"),
+                    ("torch.matmul", "replay_torch_matmul_gflops"),
+                    ("1024² ceiling", "matmul_1024_gflops"),
+                )
+            },
+        )
+    ]
+    return finish(
+        ctx,
+        "executor_efficiency",
+        {"phases": phases, "matmul_ceiling_gflops": ceiling},
+        headline,
+        losses,
+        table,
+        panels,
+        f"Executor GEMM efficiency ({ctx.profile.preset}, {ctx.profile.efficiency_clients} in-process clients)",
+        {
+            "clients": ctx.profile.efficiency_clients,
+            "model": str(path),
+            "repeats": ctx.profile.efficiency_repeats,
+            "threads": ctx.threads,
+        },
+    )
 
 
 def efficiency_of(records: list, wall_s: float, repeats: int) -> dict[str, Any]:
@@ -105,14 +169,26 @@ def efficiency_of(records: list, wall_s: float, repeats: int) -> dict[str, Any]:
         replays.append((layer, op, inputs, torch.cat(inputs), matrix))
     probe, probe_gflop = common.square_matmul()
     samples = common.time_interleaved(
-        {"executor": lambda: [run_batch(layer, op, inputs) for layer, op, inputs, _, _ in replays],
-         "torch_matmul": lambda: [torch.matmul(x, m) for _, _, _, x, m in replays], "matmul_1024": probe},
-        warmup=1, repeats=repeats)
+        {
+            "executor": lambda: [run_batch(layer, op, inputs) for layer, op, inputs, _, _ in replays],
+            "torch_matmul": lambda: [torch.matmul(x, m) for _, _, _, x, m in replays],
+            "matmul_1024": probe,
+        },
+        warmup=1,
+        repeats=repeats,
+    )
     gflop = flop / 1e9
     median = {k: statistics.median(v) for k, v in samples.items()}
     rows = [sum(p) for _, _, p, _ in records]
-    return {"batches": len(records), "mean_rows_per_batch": statistics.fmean(rows) if rows else math.nan, "gflop": gflop,
-            "in_situ_gflops": common.ratio(gflop, sum(r[3] for r in records)), "in_situ_wall_gflops": common.ratio(gflop, wall_s),
-            "replay_executor_gflops": common.ratio(gflop, median["executor"]), "replay_torch_matmul_gflops": common.ratio(gflop, median["torch_matmul"]),
-            "executor_over_matmul": common.ratio(median["torch_matmul"], median["executor"]), "matmul_1024_gflops": common.ratio(probe_gflop, median["matmul_1024"]),
-            "timing": {k: common.summarize(v) for k, v in samples.items()}}
+    return {
+        "batches": len(records),
+        "mean_rows_per_batch": statistics.fmean(rows) if rows else math.nan,
+        "gflop": gflop,
+        "in_situ_gflops": common.ratio(gflop, sum(r[3] for r in records)),
+        "in_situ_wall_gflops": common.ratio(gflop, wall_s),
+        "replay_executor_gflops": common.ratio(gflop, median["executor"]),
+        "replay_torch_matmul_gflops": common.ratio(gflop, median["torch_matmul"]),
+        "executor_over_matmul": common.ratio(median["torch_matmul"], median["executor"]),
+        "matmul_1024_gflops": common.ratio(probe_gflop, median["matmul_1024"]),
+        "timing": {k: common.summarize(v) for k, v in samples.items()},
+    }

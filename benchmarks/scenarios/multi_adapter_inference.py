@@ -43,10 +43,21 @@ LAYOUT = {
 def run(ctx: Context) -> dict:
     path = ctx.checkpoint()
     runs: dict[str, dict[str, Any]] = {s: {} for s in SYSTEMS}
-    rotation = ("hf_mixed_batch", "hf_per_adapter", "symbiosis_mixed_batch", "symbiosis")  # the executor loads while the first baselines run
+    rotation = (
+        "hf_mixed_batch",
+        "hf_per_adapter",
+        "symbiosis_mixed_batch",
+        "symbiosis",
+    )  # the executor loads while the first baselines run
     with ScenarioExecutor(ctx, path) as server:
         for i, k in enumerate(ctx.profile.inference_ks):
-            base = {"kind": "decode", "path": str(path), "prompt_len": ctx.profile.prompt_len, "tokens": ctx.profile.decode_tokens, "seed": 7}
+            base = {
+                "kind": "decode",
+                "path": str(path),
+                "prompt_len": ctx.profile.prompt_len,
+                "tokens": ctx.profile.decode_tokens,
+                "seed": 7,
+            }
             shift = i % len(rotation)
             for system in rotation[shift:] + rotation[:shift]:
                 mode, role, per_adapter = LAYOUT[system]
@@ -54,9 +65,16 @@ def run(ctx: Context) -> dict:
                 specs = [dict(base, mode=mode, role=role, adapters=a) for a in adapters]
                 group = run_group(ctx, specs, server=server if mode == "split" else None)
                 latencies = [s for e in group.events for s in e["token_latency_s"] for _ in range(e["sequences"])]
-                runs[system][str(k)] = {"tokens_per_s": group.tokens_per_s(), "latency_ms_p50": 1e3 * common.percentile(latencies, 50),
-                                        "latency_ms_p95": 1e3 * common.percentile(latencies, 95), "span_s": group.span_s, **group.memory()}
-                ctx.log(f"  {system:21s} K={k}: {runs[system][str(k)]['tokens_per_s']:.1f} tokens/s, p50 {runs[system][str(k)]['latency_ms_p50']:.1f} ms")
+                runs[system][str(k)] = {
+                    "tokens_per_s": group.tokens_per_s(),
+                    "latency_ms_p50": 1e3 * common.percentile(latencies, 50),
+                    "latency_ms_p95": 1e3 * common.percentile(latencies, 95),
+                    "span_s": group.span_s,
+                    **group.memory(),
+                }
+                ctx.log(
+                    f"  {system:21s} K={k}: {runs[system][str(k)]['tokens_per_s']:.1f} tokens/s, p50 {runs[system][str(k)]['latency_ms_p50']:.1f} ms"
+                )
     per_k = []
     for k in map(str, ctx.profile.inference_ks):
         row = {"k": int(k)}
@@ -64,53 +82,119 @@ def run(ctx: Context) -> dict:
             row[f"{system}_tokens_per_s"] = runs[system][k]["tokens_per_s"]
             row[f"{system}_latency_ms_p50"] = runs[system][k]["latency_ms_p50"]
             row[f"{system}_latency_ms_p95"] = runs[system][k]["latency_ms_p95"]
-        row["throughput_ratio_vs_mixed"] = common.ratio(row["symbiosis_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"])
-        row["throughput_ratio_vs_per_adapter"] = common.ratio(row["symbiosis_tokens_per_s"], row["hf_per_adapter_tokens_per_s"])
-        row["symbiosis_mixed_vs_hf_mixed"] = common.ratio(row["symbiosis_mixed_batch_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"])
+        row["throughput_ratio_vs_mixed"] = common.ratio(
+            row["symbiosis_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"]
+        )
+        row["throughput_ratio_vs_per_adapter"] = common.ratio(
+            row["symbiosis_tokens_per_s"], row["hf_per_adapter_tokens_per_s"]
+        )
+        row["symbiosis_mixed_vs_hf_mixed"] = common.ratio(
+            row["symbiosis_mixed_batch_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"]
+        )
         per_k.append(row)
     targets = {key: target_verdict(per_k, key, what, target) for key, what, target in TARGETS}
     last = per_k[-1]
     headline = [
-        (f"K={last['k']} adapters: Symbiosis (one client process per adapter) {last['symbiosis_tokens_per_s']:.1f} tokens/s vs HF PEFT mixed batch "
-        f"{last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_mixed']:.2f}) and one HF process per adapter "
-        f"{last['hf_per_adapter_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_per_adapter']:.2f}); p50/p95 per-token latency "
-        f"{last['symbiosis_latency_ms_p50']:.0f}/{last['symbiosis_latency_ms_p95']:.0f} ms vs {last['hf_mixed_batch_latency_ms_p50']:.0f}/"
-        f"{last['hf_mixed_batch_latency_ms_p95']:.0f} ms (mixed)."),
-        (f"K={last['k']} adapters, one mixed-adapter batch: Symbiosis (split client, in-process executor) {last['symbiosis_mixed_batch_tokens_per_s']:.1f} "
-        f"tokens/s vs HF PEFT {last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['symbiosis_mixed_vs_hf_mixed']:.2f}); p50/p95 per-token latency "
-        f"{last['symbiosis_mixed_batch_latency_ms_p50']:.0f}/{last['symbiosis_mixed_batch_latency_ms_p95']:.0f} ms vs "
-        f"{last['hf_mixed_batch_latency_ms_p50']:.0f}/{last['hf_mixed_batch_latency_ms_p95']:.0f} ms."),
+        (
+            f"K={last['k']} adapters: Symbiosis (one client process per adapter) {last['symbiosis_tokens_per_s']:.1f} tokens/s vs HF PEFT mixed batch "
+            f"{last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_mixed']:.2f}) and one HF process per adapter "
+            f"{last['hf_per_adapter_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_per_adapter']:.2f}); p50/p95 per-token latency "
+            f"{last['symbiosis_latency_ms_p50']:.0f}/{last['symbiosis_latency_ms_p95']:.0f} ms vs {last['hf_mixed_batch_latency_ms_p50']:.0f}/"
+            f"{last['hf_mixed_batch_latency_ms_p95']:.0f} ms (mixed)."
+        ),
+        (
+            f"K={last['k']} adapters, one mixed-adapter batch: Symbiosis (split client, in-process executor) {last['symbiosis_mixed_batch_tokens_per_s']:.1f} "
+            f"tokens/s vs HF PEFT {last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['symbiosis_mixed_vs_hf_mixed']:.2f}); p50/p95 per-token latency "
+            f"{last['symbiosis_mixed_batch_latency_ms_p50']:.0f}/{last['symbiosis_mixed_batch_latency_ms_p95']:.0f} ms vs "
+            f"{last['hf_mixed_batch_latency_ms_p50']:.0f}/{last['hf_mixed_batch_latency_ms_p95']:.0f} ms."
+        ),
         *[verdict["line"] for verdict in targets.values()],
     ]
-    losses = [f"throughput vs {name}: " + ", ".join(f"K={r['k']} x{r[key]:.2f}" for r in per_k if r[key] < 1) + "."
-              for key, name in (("throughput_ratio_vs_mixed", "HF PEFT mixed-adapter batches (Symbiosis: one process per adapter)"),
-                                ("throughput_ratio_vs_per_adapter", "one HF PEFT process per adapter"),
-                                ("symbiosis_mixed_vs_hf_mixed", "HF PEFT mixed-adapter batches (Symbiosis: one mixed batch, in-process executor)"))
-              if any(r[key] < 1 for r in per_k)]
+    losses = [
+        f"throughput vs {name}: " + ", ".join(f"K={r['k']} x{r[key]:.2f}" for r in per_k if r[key] < 1) + "."
+        for key, name in (
+            ("throughput_ratio_vs_mixed", "HF PEFT mixed-adapter batches (Symbiosis: one process per adapter)"),
+            ("throughput_ratio_vs_per_adapter", "one HF PEFT process per adapter"),
+            (
+                "symbiosis_mixed_vs_hf_mixed",
+                "HF PEFT mixed-adapter batches (Symbiosis: one mixed batch, in-process executor)",
+            ),
+        )
+        if any(r[key] < 1 for r in per_k)
+    ]
     losses += [verdict["line"] for verdict in targets.values() if not verdict["pass"]]
-    columns = [(f"{s}_{m}", f"{s} {m.replace('_', ' ')}") for s in SYSTEMS for m in ("tokens_per_s", "latency_ms_p50", "latency_ms_p95")]
+    columns = [
+        (f"{s}_{m}", f"{s} {m.replace('_', ' ')}")
+        for s in SYSTEMS
+        for m in ("tokens_per_s", "latency_ms_p50", "latency_ms_p95")
+    ]
     columns += [(key, f"{key} (target x{target:g})") for key, _, target in TARGETS]
     table = common_table(["K", *[c[1] for c in columns]], [[r["k"], *[r[c[0]] for c in columns]] for r in per_k])
     labels = [str(k) for k in ctx.profile.inference_ks]
-    panels = [common.Panel("aggregate decode tokens/s", "tokens/s", labels, {s: [runs[s][k]["tokens_per_s"] for k in labels] for s in SYSTEMS}),
-              common.Panel("per-token latency p50 (p95 in the table)", "ms", labels, {s: [runs[s][k]["latency_ms_p50"] for k in labels] for s in SYSTEMS})]
+    panels = [
+        common.Panel(
+            "aggregate decode tokens/s",
+            "tokens/s",
+            labels,
+            {s: [runs[s][k]["tokens_per_s"] for k in labels] for s in SYSTEMS},
+        ),
+        common.Panel(
+            "per-token latency p50 (p95 in the table)",
+            "ms",
+            labels,
+            {s: [runs[s][k]["latency_ms_p50"] for k in labels] for s in SYSTEMS},
+        ),
+    ]
     systems = {
-        "symbiosis": {"processes": "one split client per adapter + the executor process", "transport": "shm+ipc", "env": env_record(ctx.threads, "split")},
-        "symbiosis_mixed_batch": {"processes": "one split client decoding all K requests (adapter_names=), BaseExecutor in the same process",
-                                  "transport": "in-process", "env": env_record(ctx.threads, "embedded")},
-        "hf_mixed_batch": {"processes": "one transformers+peft process decoding all K requests (adapter_names=)", "env": env_record(ctx.threads, "monolithic")},
-        "hf_per_adapter": {"processes": "one transformers+peft process per adapter", "env": env_record(ctx.threads, "monolithic")},
+        "symbiosis": {
+            "processes": "one split client per adapter + the executor process",
+            "transport": "shm+ipc",
+            "env": env_record(ctx.threads, "split"),
+        },
+        "symbiosis_mixed_batch": {
+            "processes": "one split client decoding all K requests (adapter_names=), BaseExecutor in the same process",
+            "transport": "in-process",
+            "env": env_record(ctx.threads, "embedded"),
+        },
+        "hf_mixed_batch": {
+            "processes": "one transformers+peft process decoding all K requests (adapter_names=)",
+            "env": env_record(ctx.threads, "monolithic"),
+        },
+        "hf_per_adapter": {
+            "processes": "one transformers+peft process per adapter",
+            "env": env_record(ctx.threads, "monolithic"),
+        },
     }
-    return finish(ctx, "multi_adapter_inference", {"runs": runs, "per_k": per_k, "targets": targets}, headline, losses, table, panels,
-                  f"K adapters decoding at once ({ctx.profile.preset}); x axis: K",
-                  {"ks": ctx.profile.inference_ks, "prompt_len": ctx.profile.prompt_len, "decode_tokens": ctx.profile.decode_tokens, "model": str(path),
-                   "adapter": "LoRA r=8 on q,k,v,o_proj, one per request", "transport": "shm+ipc (symbiosis); in-process (symbiosis_mixed_batch)",
-                   "sequences_per_client": 1, "systems": systems, "executor_env": env_record(ctx.threads)})
+    return finish(
+        ctx,
+        "multi_adapter_inference",
+        {"runs": runs, "per_k": per_k, "targets": targets},
+        headline,
+        losses,
+        table,
+        panels,
+        f"K adapters decoding at once ({ctx.profile.preset}); x axis: K",
+        {
+            "ks": ctx.profile.inference_ks,
+            "prompt_len": ctx.profile.prompt_len,
+            "decode_tokens": ctx.profile.decode_tokens,
+            "model": str(path),
+            "adapter": "LoRA r=8 on q,k,v,o_proj, one per request",
+            "transport": "shm+ipc (symbiosis); in-process (symbiosis_mixed_batch)",
+            "sequences_per_client": 1,
+            "systems": systems,
+            "executor_env": env_record(ctx.threads),
+        },
+    )
 
 
 def target_verdict(per_k: list[dict], key: str, what: str, target: float) -> dict[str, Any]:
     """PASS when ``key`` reaches ``target`` at every K of the run."""
     values = {str(r["k"]): r[key] for r in per_k}
     passed = all(v is not None and not math.isnan(v) and v >= target for v in values.values())
-    line = f"Target {what} >= x{target:g}: {'PASS' if passed else 'MISS'} (" + ", ".join(f"K={k} x{v:.2f}" for k, v in values.items()) + ")."
+    line = (
+        f"Target {what} >= x{target:g}: {'PASS' if passed else 'MISS'} ("
+        + ", ".join(f"K={k} x{v:.2f}" for k, v in values.items())
+        + ")."
+    )
     return {"target": target, "per_k": values, "pass": passed, "line": line}

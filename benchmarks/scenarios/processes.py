@@ -104,7 +104,12 @@ def _decode_worker(spec: dict) -> Callable[[], dict]:
     model.eval()
     sequences = len(spec["adapters"])
     extra = {"adapter_names": [f"a{i}" for i in spec["adapters"]]} if sequences > 1 else {}
-    prompt = torch.randint(3, model.config.vocab_size, (sequences, spec["prompt_len"]), generator=torch.Generator().manual_seed(spec["seed"]))
+    prompt = torch.randint(
+        3,
+        model.config.vocab_size,
+        (sequences, spec["prompt_len"]),
+        generator=torch.Generator().manual_seed(spec["seed"]),
+    )
 
     @torch.no_grad()
     def generate(tokens: int) -> list[float]:
@@ -112,7 +117,9 @@ def _decode_worker(spec: dict) -> Callable[[], dict]:
         latencies = []
         for _ in range(tokens):
             began = time.monotonic()
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True, **extra)
+            out = model(
+                input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True, **extra
+            )
             latencies.append(time.monotonic() - began)
         return latencies
 
@@ -121,7 +128,13 @@ def _decode_worker(spec: dict) -> Callable[[], dict]:
     def run_once() -> dict:
         start = time.monotonic()
         latencies = generate(spec["tokens"])
-        return {"t_start": start, "t_end": time.monotonic(), "token_latency_s": latencies, "sequences": sequences, "tokens": sequences * len(latencies)}
+        return {
+            "t_start": start,
+            "t_end": time.monotonic(),
+            "token_latency_s": latencies,
+            "sequences": sequences,
+            "tokens": sequences * len(latencies),
+        }
 
     return run_once
 
@@ -233,7 +246,9 @@ class ScenarioExecutor:
 
     def __init__(self, ctx: Context, path: Path) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="symbiosis-suite-")
-        self.server = common.executor_process(path, [f"ipc://{self._folder.name}/executor.sock"], threads=ctx.threads, wait=False)
+        self.server = common.executor_process(
+            path, [f"ipc://{self._folder.name}/executor.sock"], threads=ctx.threads, wait=False
+        )
 
     def __enter__(self) -> common.ServerProcess:
         return self.server
@@ -243,8 +258,19 @@ class ScenarioExecutor:
         self._folder.cleanup()
 
 
-def finetune_spec(ctx: Context, path: Path, mode: str, index: int, steps: int | None = None, seq: int | None = None) -> dict:
+def finetune_spec(
+    ctx: Context, path: Path, mode: str, index: int, steps: int | None = None, seq: int | None = None
+) -> dict:
     p = ctx.profile
     role = "client" if mode == "split" else "job"
-    return {"kind": "finetune", "mode": mode, "role": role, "path": str(path), "adapters": [index], "seed": index,
-            "batch": p.finetune_batch, "seq": seq or p.finetune_seq, "steps": steps or p.finetune_steps}
+    return {
+        "kind": "finetune",
+        "mode": mode,
+        "role": role,
+        "path": str(path),
+        "adapters": [index],
+        "seed": index,
+        "batch": p.finetune_batch,
+        "seq": seq or p.finetune_seq,
+        "steps": steps or p.finetune_steps,
+    }

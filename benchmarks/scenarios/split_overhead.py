@@ -20,28 +20,102 @@ def run(ctx: Context) -> dict:
     path = ctx.checkpoint()
     quick = ctx.quick
     model = f"llama-{ctx.profile.preset}"
-    sizes = {"train_batch": 1 if quick else 2, "seq_len": 32 if quick else 64, "prompt_len": ctx.profile.prompt_len, "rounds": ctx.profile.step_repeats,
-             "decode_steps": 2 if quick else 4, "train_steps": 1}
+    sizes = {
+        "train_batch": 1 if quick else 2,
+        "seq_len": 32 if quick else 64,
+        "prompt_len": ctx.profile.prompt_len,
+        "rounds": ctx.profile.step_repeats,
+        "decode_steps": 2 if quick else 4,
+        "train_steps": 1,
+    }
     measured = measure({model: path}, decode_batches=(1,), threads=ctx.threads, log=ctx.log, **sizes)
     summary = summarize(measured, (1,))
     steps = {"train_step": summary["results"][model]["train"], "decode_step": summary["results"][model]["decode_b1"]}
     for step in steps.values():
-        step["ratio_over_monolithic"] = {n: t["ratio_over_monolithic"] for n, t in list(step.items()) if n != "monolithic"}
+        step["ratio_over_monolithic"] = {
+            n: t["ratio_over_monolithic"] for n, t in list(step.items()) if n != "monolithic"
+        }
     train, decode = steps["train_step"]["ratio_over_monolithic"], steps["decode_step"]["ratio_over_monolithic"]
     verdicts = summary["verdicts"]
-    headline = ["Split / monolithic, one process per system, training step: " + ", ".join(f"{t} x{r:.2f}" for t, r in train.items())
-                + "; decode step: " + ", ".join(f"{t} x{r:.2f}" for t, r in decode.items())
-                + f"; {sum(v['verdict'] == 'PASS' for v in verdicts)} of {len(verdicts)} within target."]
-    losses = [f"{'training' if v['step'] == 'train' else 'decode'} step over {v['system']}: x{v['ratio']:.2f}, target x{v['target']:g}."
-              for v in verdicts if v["verdict"] == "MISS"]
+    headline = [
+        "Split / monolithic, one process per system, training step: "
+        + ", ".join(f"{t} x{r:.2f}" for t, r in train.items())
+        + "; decode step: "
+        + ", ".join(f"{t} x{r:.2f}" for t, r in decode.items())
+        + f"; {sum(v['verdict'] == 'PASS' for v in verdicts)} of {len(verdicts)} within target."
+    ]
+    losses = [
+        f"{'training' if v['step'] == 'train' else 'decode'} step over {v['system']}: x{v['ratio']:.2f}, target x{v['target']:g}."
+        for v in verdicts
+        if v["verdict"] == "MISS"
+    ]
     losses += [f"{system} not measured: {reason}" for system, reason in measured["unavailable"].items()]
     names = list(train)
-    rows = [["monolithic", steps["train_step"]["monolithic"]["median_ms"], 1.0, "–", steps["decode_step"]["monolithic"]["median_ms"], 1.0, "–"]]
+    rows = [
+        [
+            "monolithic",
+            steps["train_step"]["monolithic"]["median_ms"],
+            1.0,
+            "–",
+            steps["decode_step"]["monolithic"]["median_ms"],
+            1.0,
+            "–",
+        ]
+    ]
     for n in names:
         t, d = steps["train_step"][n], steps["decode_step"][n]
-        rows.append([n, t["median_ms"], train[n], f"{t['target']:g} {t['verdict']}", d["median_ms"], decode[n], f"{d['target']:g} {d['verdict']}"])
-    table = common_table(["candidate", "train median ms", "train ratio", "train target", "decode median ms", "decode ratio", "decode target"], rows)
-    panels = [common.Panel("split / monolithic (medians, 1.0 = free)", "ratio", names, {"training step": [train[n] for n in names], "decode step": [decode[n] for n in names]})]
-    results = {**steps, "check": summary["check"][model], "dist": measured["dist"], "unavailable": measured["unavailable"], "verdicts": verdicts}
-    config = {"model": str(path), "decode_batch": 1, **sizes, "scheduling": "one process per system, rounds rotate the order, one system computes at a time"}
-    return finish(ctx, "split_overhead", results, headline, losses, table, panels, f"One client per transport vs monolithic ({ctx.profile.preset})", config)
+        rows.append(
+            [
+                n,
+                t["median_ms"],
+                train[n],
+                f"{t['target']:g} {t['verdict']}",
+                d["median_ms"],
+                decode[n],
+                f"{d['target']:g} {d['verdict']}",
+            ]
+        )
+    table = common_table(
+        [
+            "candidate",
+            "train median ms",
+            "train ratio",
+            "train target",
+            "decode median ms",
+            "decode ratio",
+            "decode target",
+        ],
+        rows,
+    )
+    panels = [
+        common.Panel(
+            "split / monolithic (medians, 1.0 = free)",
+            "ratio",
+            names,
+            {"training step": [train[n] for n in names], "decode step": [decode[n] for n in names]},
+        )
+    ]
+    results = {
+        **steps,
+        "check": summary["check"][model],
+        "dist": measured["dist"],
+        "unavailable": measured["unavailable"],
+        "verdicts": verdicts,
+    }
+    config = {
+        "model": str(path),
+        "decode_batch": 1,
+        **sizes,
+        "scheduling": "one process per system, rounds rotate the order, one system computes at a time",
+    }
+    return finish(
+        ctx,
+        "split_overhead",
+        results,
+        headline,
+        losses,
+        table,
+        panels,
+        f"One client per transport vs monolithic ({ctx.profile.preset})",
+        config,
+    )

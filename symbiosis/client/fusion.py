@@ -97,7 +97,7 @@ class SiblingFusion:
         self._lock = threading.Lock()  # guards learning (groups, sightings); calls are lock-free
         self._state = _ThreadState()
 
-    def __deepcopy__(self, memo) -> "SiblingFusion":
+    def __deepcopy__(self, memo) -> SiblingFusion:
         return self  # like the transport: a copied model shares its connection and what it learned
 
     def groups(self) -> list[tuple[str, ...]]:

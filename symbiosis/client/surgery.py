@@ -34,19 +34,30 @@ from symbiosis.transport.security import CurveClientKeys
 log = logging.getLogger(__name__)
 
 
-def open_connection(executor: ExecutorService | Transport | str, *, client_id: str | None = None, timeout_s: float = 300.0, expected_fingerprint: str | None = None, curve: CurveClientKeys | None = None) -> Transport:
+def open_connection(
+    executor: ExecutorService | Transport | str,
+    *,
+    client_id: str | None = None,
+    timeout_s: float = 300.0,
+    expected_fingerprint: str | None = None,
+    curve: CurveClientKeys | None = None,
+) -> Transport:
     """A transport to ``executor``: an executor object (in-process), an address, or a transport."""
     if isinstance(executor, str):
         from symbiosis.transport.schemes import open_transport
 
-        return open_transport(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint, curve=curve)
+        return open_transport(
+            executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=expected_fingerprint, curve=curve
+        )
     if isinstance(executor, ExecutorService):
         from symbiosis.transport.inproc import InProcTransport
 
         return InProcTransport(executor, client_id=client_id, timeout_s=timeout_s)
     if isinstance(executor, Transport):
         return executor
-    raise TypeError(f"executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', 'ipc:///path' or 'shm+ipc:///path', or a Transport; got {type(executor).__name__}")
+    raise TypeError(
+        f"executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', 'ipc:///path' or 'shm+ipc:///path', or a Transport; got {type(executor).__name__}"
+    )
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -91,7 +102,9 @@ def load_client_model(
     all_specs = discover_base_layers(model)
     served_specs = discover_base_layers(model, client_layers)
     fingerprint = checkpoint.fingerprint(all_specs)
-    transport = open_connection(executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint, curve=curve)
+    transport = open_connection(
+        executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint, curve=curve
+    )
     if transport.fingerprint != fingerprint:
         transport.close()
         raise ModelMismatchError(

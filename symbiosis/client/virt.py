@@ -68,7 +68,7 @@ class ExecutorLink:
     def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
         return self.transport.call(self.layer_id, op, rows, latency_class)
 
-    def __deepcopy__(self, memo) -> "ExecutorLink":
+    def __deepcopy__(self, memo) -> ExecutorLink:
         return self
 
 
@@ -87,9 +87,15 @@ class _VirtLayerMixin:
 
     def _set_placeholders(self, device: torch.device, dtype: torch.dtype) -> None:
         spec = self.link
-        shape = (spec.out_features, spec.in_features) if self._weight_layout == "out_in" else (spec.in_features, spec.out_features)
+        shape = (
+            (spec.out_features, spec.in_features)
+            if self._weight_layout == "out_in"
+            else (spec.in_features, spec.out_features)
+        )
         # object.__setattr__: nn.Module would otherwise try to register these as parameters.
-        object.__setattr__(self, "_weight", BaseWeightPlaceholder(shape, dtype=dtype, device=device, name=f"{self.layer_id}.weight"))
+        object.__setattr__(
+            self, "_weight", BaseWeightPlaceholder(shape, dtype=dtype, device=device, name=f"{self.layer_id}.weight")
+        )
         bias = (
             BaseWeightPlaceholder((spec.out_features,), dtype=dtype, device=device, name=f"{self.layer_id}.bias")
             if self._has_bias

@@ -140,7 +140,9 @@ class ExecutionEngine:
     def validate(self, layer_id: str, op: Op, rows: torch.Tensor) -> None:
         spec = self.weights.specs.get(layer_id)
         if spec is None:
-            raise UnknownLayerError(f"unknown base layer {layer_id!r} (the executor serves {len(self.weights.specs)} layers)")
+            raise UnknownLayerError(
+                f"unknown base layer {layer_id!r} (the executor serves {len(self.weights.specs)} layers)"
+            )
         if not isinstance(op, Op):
             raise ProtocolError(f"unknown op {op!r}; expected one of {[o.value for o in Op]}")
         if rows.dim() != 2 or rows.shape[1] != op.input_width(spec):
@@ -151,7 +153,14 @@ class ExecutionEngine:
             raise ProtocolError(f"dtype {rows.dtype} is not allowed; use one of {[str(d) for d in ALLOWED_DTYPES]}")
 
     def submit(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, *, wake: bool = True
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        *,
+        wake: bool = True,
     ) -> Future:
         """Enqueue a request; a waiting caller, a driver or the compute thread runs it. A driver
         that will call ``run_ready`` itself next passes ``wake=False`` (no one else is woken)."""
@@ -244,7 +253,10 @@ class ExecutionEngine:
                         raise ExecutorUnavailableError("the executor was closed")
                     now = self._clock()
                     if now >= deadline:
-                        self._drop(request_id, ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"))
+                        self._drop(
+                            request_id,
+                            ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"),
+                        )
                         break
                     if not self._computing and (batch := self.scheduler.next_batch(now)) is not None:
                         self._run_locked(batch, "caller")

@@ -51,7 +51,7 @@ class BaseExecutor:
         quantization: str | None = None,
         scheduler_config: SchedulerConfig | None = None,
         **scheduler_options,
-    ) -> "BaseExecutor":
+    ) -> BaseExecutor:
         """Load only the base layers of the checkpoint at ``path`` onto ``device`` in ``dtype``.
 
         ``quantization``: None (weights in ``dtype``), "int8" or "fp8-rowwise": weights stored
@@ -96,7 +96,14 @@ class BaseExecutor:
         self._engine.client_left(client_id)
 
     def submit(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, *, wake: bool = True
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        *,
+        wake: bool = True,
     ) -> Future[torch.Tensor]:
         return self._engine.submit(client_id, layer_id, Op(op), rows, LatencyClass(latency_class), wake=wake)
 
@@ -112,7 +119,13 @@ class BaseExecutor:
         self._engine.validate(layer_id, op, rows)
 
     def try_alone(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, out: torch.Tensor | None = None
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        out: torch.Tensor | None = None,
     ):
         """For a driver: the result now if ``client_id`` is the only client (nothing to batch
         with), else None; the request must have been validated (``validate``) and be non-empty.
@@ -182,7 +195,7 @@ class BaseExecutor:
         self._servers.clear()
         self._engine.close(drain=drain)
 
-    def __enter__(self) -> "BaseExecutor":
+    def __enter__(self) -> BaseExecutor:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -38,8 +38,12 @@ class ExecutorCollector:
         batches = CounterMetricFamily("symbiosis_batches", "Matrix products run, per base layer", labels=["layer"])
         errors = CounterMetricFamily("symbiosis_errors", "Failed batches, per base layer", labels=["layer"])
         rows_per_batch = GaugeMetricFamily("symbiosis_mean_rows_per_batch", "Mean rows per batch", labels=["layer"])
-        latency = GaugeMetricFamily("symbiosis_mean_latency_ms", "Mean time from submit to result (ms)", labels=["layer"])
-        queue_wait = GaugeMetricFamily("symbiosis_mean_queue_wait_ms", "Mean time from submit to first product (ms)", labels=["layer"])
+        latency = GaugeMetricFamily(
+            "symbiosis_mean_latency_ms", "Mean time from submit to result (ms)", labels=["layer"]
+        )
+        queue_wait = GaugeMetricFamily(
+            "symbiosis_mean_queue_wait_ms", "Mean time from submit to first product (ms)", labels=["layer"]
+        )
         for layer, counters in stats["layers"].items():
             requests.add_metric([layer], counters["requests"])
             rows.add_metric([layer], counters["rows"])
@@ -49,13 +53,23 @@ class ExecutorCollector:
             latency.add_metric([layer], counters["mean_latency_ms"])
             queue_wait.add_metric([layer], counters["mean_queue_wait_ms"])
         yield from (requests, rows, batches, errors, rows_per_batch, latency, queue_wait)
-        yield GaugeMetricFamily("symbiosis_inflight_requests", "Requests not yet answered", value=stats["inflight_requests"])
-        yield GaugeMetricFamily("symbiosis_weights_bytes", "Bytes of base-layer weights held", value=stats["weights_bytes"])
-        yield GaugeMetricFamily("symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"])
+        yield GaugeMetricFamily(
+            "symbiosis_inflight_requests", "Requests not yet answered", value=stats["inflight_requests"]
+        )
+        yield GaugeMetricFamily(
+            "symbiosis_weights_bytes", "Bytes of base-layer weights held", value=stats["weights_bytes"]
+        )
+        yield GaugeMetricFamily(
+            "symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"]
+        )
         if "shards" in stats:  # a sharded executor (symbiosis/sharding): one series per rank
             up = GaugeMetricFamily("symbiosis_shard_up", "1 while the shard answers, else 0", labels=["shard"])
-            held = GaugeMetricFamily("symbiosis_shard_weights_bytes", "Bytes of base-layer weights the shard keeps", labels=["shard"])
-            inflight = GaugeMetricFamily("symbiosis_shard_inflight_requests", "Requests not yet answered, per shard", labels=["shard"])
+            held = GaugeMetricFamily(
+                "symbiosis_shard_weights_bytes", "Bytes of base-layer weights the shard keeps", labels=["shard"]
+            )
+            inflight = GaugeMetricFamily(
+                "symbiosis_shard_inflight_requests", "Requests not yet answered, per shard", labels=["shard"]
+            )
             for shard in stats["shards"]:
                 label = [str(shard["shard"]["rank"])]
                 up.add_metric(label, 1.0 if shard["shard"]["up"] else 0.0)

@@ -129,7 +129,12 @@ class ExecutorProcess:
         child_env.update(env or {})
         self._log = open(log_path, "a") if log_path is not None else None  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env,
         )
         self._output = _OutputDrain(self.process.stdout, self._log)
         self._ready: ReadyInfo | None = None
@@ -153,7 +158,9 @@ class ExecutorProcess:
                 raise ExecutorProcessError(f"the executor process exited with code {code}:\n{self._output.text()}")
             if time.monotonic() > deadline:
                 self.close()
-                raise ExecutorProcessError(f"the executor process was not ready in time; its output:\n{self._output.text()}")
+                raise ExecutorProcessError(
+                    f"the executor process was not ready in time; its output:\n{self._output.text()}"
+                )
             time.sleep(0.02)
         self._ready = ReadyInfo.read(self.ready_file)
         return self._ready

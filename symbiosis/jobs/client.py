@@ -24,13 +24,31 @@ def require_model_dir(model: Path) -> Path:
 class ClientOptions:
     """Where the base layers are served; each field's ``metadata["help"]`` is the CLI help text."""
 
-    executor: str | None = field(default=None, metadata=_help("Address of a running executor (tcp://HOST:PORT or ipc:///PATH; shm+ipc://… for shared memory)."))
-    embedded: bool = field(default=False, metadata=_help("Start an executor in this process instead of connecting to one."))
-    device: str = field(default="cpu", metadata=_help("Device of the client (and of an embedded executor): cpu, cuda, cuda:N."))
-    dtype: str = field(default="float32", metadata=_help("Client dtype (and embedded executor dtype): float32, bfloat16, float16."))
+    executor: str | None = field(
+        default=None,
+        metadata=_help(
+            "Address of a running executor (tcp://HOST:PORT or ipc:///PATH; shm+ipc://… for shared memory)."
+        ),
+    )
+    embedded: bool = field(
+        default=False, metadata=_help("Start an executor in this process instead of connecting to one.")
+    )
+    device: str = field(
+        default="cpu", metadata=_help("Device of the client (and of an embedded executor): cpu, cuda, cuda:N.")
+    )
+    dtype: str = field(
+        default="float32", metadata=_help("Client dtype (and embedded executor dtype): float32, bfloat16, float16.")
+    )
     timeout_s: float = field(default=60.0, metadata=_help("Seconds one executor call may take before failing."))
-    connect_timeout_s: float = field(default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting."))
-    quantization: str | None = field(default=None, metadata=_help("With --embedded: store the embedded executor's base weights quantized (none, int8 or fp8-rowwise; see `symbiosis serve --help`). A running executor was started with its own."))
+    connect_timeout_s: float = field(
+        default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting.")
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "With --embedded: store the embedded executor's base weights quantized (none, int8 or fp8-rowwise; see `symbiosis serve --help`). A running executor was started with its own."
+        ),
+    )
 
     def __post_init__(self) -> None:
         from symbiosis.executor.quantized import parse_quantization
@@ -39,7 +57,9 @@ class ClientOptions:
             raise JobError("give exactly one of --executor ADDRESS or --embedded")
         self.quantization = parse_quantization(self.quantization)
         if self.quantization and not self.embedded:
-            raise JobError("--quantization applies to an --embedded executor; start a running one with `symbiosis serve --quantization`")
+            raise JobError(
+                "--quantization applies to an --embedded executor; start a running one with `symbiosis serve --quantization`"
+            )
 
 
 class ExecutorTarget:
@@ -70,12 +90,22 @@ class ExecutorTarget:
         else:
             from symbiosis.transport.schemes import open_transport
 
-            target = open_transport(options.executor, client_id=client_id, timeout_s=options.timeout_s, connect_timeout_s=options.connect_timeout_s)
+            target = open_transport(
+                options.executor,
+                client_id=client_id,
+                timeout_s=options.timeout_s,
+                connect_timeout_s=options.connect_timeout_s,
+            )
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = symbiosis.load_client_model(
-                    self.model_dir, executor=target, device=options.device, dtype=options.dtype, client_id=client_id, timeout_s=options.timeout_s
+                    self.model_dir,
+                    executor=target,
+                    device=options.device,
+                    dtype=options.dtype,
+                    client_id=client_id,
+                    timeout_s=options.timeout_s,
                 )
         except BaseException:
             if self.executor is None:
@@ -92,7 +122,7 @@ class ExecutorTarget:
             self.executor.close()
             self.executor = None
 
-    def __enter__(self) -> "ExecutorTarget":
+    def __enter__(self) -> ExecutorTarget:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -113,7 +143,7 @@ class SplitClient:
     def close(self) -> None:
         self.target.close()
 
-    def __enter__(self) -> "SplitClient":
+    def __enter__(self) -> SplitClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

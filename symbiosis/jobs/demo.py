@@ -119,7 +119,9 @@ class ExecutorHandle:
         self._socket_dir = tempfile.mkdtemp(prefix="symbiosis-demo-")
         address = f"ipc://{self._socket_dir}/executor.sock"
         extra_args = ["--quantization", quantization] if quantization else []
-        self.process = ExecutorProcess(model_dir, [address], extra_args=extra_args, threads=1, metrics=True, timeout_s=120)
+        self.process = ExecutorProcess(
+            model_dir, [address], extra_args=extra_args, threads=1, metrics=True, timeout_s=120
+        )
         self.target = self.process.address
 
     def figures(self) -> dict:
@@ -175,7 +177,9 @@ def _load_client(model_dir: Path, target, name: str):
 class Tuner:
     """A fine-tuning client: measure held-out accuracy, train, measure again, save the adapter."""
 
-    def __init__(self, spec: TunerSpec, model_dir: Path, target, tokenizer, options: DemoOptions, publish_to: str | None = None) -> None:
+    def __init__(
+        self, spec: TunerSpec, model_dir: Path, target, tokenizer, options: DemoOptions, publish_to: str | None = None
+    ) -> None:
         import peft
 
         self.spec = spec
@@ -191,7 +195,14 @@ class Tuner:
             warnings.simplefilter("ignore")
             self.peft_model = peft.get_peft_model(self.model, config)
         train_set = tokenize_all(tokenizer, self.split.train, 32)
-        train_options = TrainOptions(steps=steps, lr=spec.lr, lr_schedule="cosine", warmup_steps=min(10, steps // 5), batch_size=options.batch_size, seed=options.seed)
+        train_options = TrainOptions(
+            steps=steps,
+            lr=spec.lr,
+            lr_schedule="cosine",
+            warmup_steps=min(10, steps // 5),
+            batch_size=options.batch_size,
+            seed=options.seed,
+        )
         self.run = FinetuneRun(self.peft_model, train_set, [], train_options, pad_token_id=tokenizer.pad_token_id)
         self.state.total_steps = self.run.total_steps
         self.state.trainable_parameters = sum(p.numel() for _, p in self.run.params)
@@ -248,8 +259,14 @@ class ApiGenerator:
         import urllib.error
         import urllib.request
 
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_new_tokens, "temperature": 0.8,
-                "top_k": 50, "seed": self.state.requests}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": self.max_new_tokens,
+            "temperature": 0.8,
+            "top_k": 50,
+            "seed": self.state.requests,
+        }
         request = urllib.request.Request(
             self.url + "/v1/completions", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
@@ -268,7 +285,9 @@ class ApiGenerator:
         prompts = INFERENCE_PROMPTS[self.index % 2 :: 2]
         stopped_at = None
         # Keep going after stop until at least one request was answered (at most 60 s more).
-        while not self.stop.is_set() or (state.requests == 0 and time.perf_counter() - (stopped_at or time.perf_counter()) < 60):
+        while not self.stop.is_set() or (
+            state.requests == 0 and time.perf_counter() - (stopped_at or time.perf_counter()) < 60
+        ):
             if self.stop.is_set() and stopped_at is None:
                 stopped_at = time.perf_counter()
             answer = self._complete(prompts[state.requests % len(prompts)])
@@ -286,13 +305,17 @@ class ApiGenerator:
         pass
 
 
-def _start_api(model_dir: Path, executor: "ExecutorHandle"):
+def _start_api(model_dir: Path, executor: ExecutorHandle):
     """``symbiosis api`` on a free loopback port, as one more client of the demo's executor."""
     from symbiosis.jobs.client import ClientOptions
     from symbiosis.serving.server import ApiOptions, ApiServer
 
-    client = ClientOptions(executor=executor.target) if isinstance(executor.target, str) else ClientOptions(embedded=True)
-    options = ApiOptions(model=model_dir, client=client, port=0, served_model_name=BASE_NAME, allow_adapter_updates=True)
+    client = (
+        ClientOptions(executor=executor.target) if isinstance(executor.target, str) else ClientOptions(embedded=True)
+    )
+    options = ApiOptions(
+        model=model_dir, client=client, port=0, served_model_name=BASE_NAME, allow_adapter_updates=True
+    )
     server = ApiServer(options, executor=None if isinstance(executor.target, str) else executor.target)
     server.start()
     return server
@@ -347,18 +370,38 @@ def final_tables(states: list[ClientState], figures: dict, wall_s: float):
     from rich.table import Table
 
     clients = Table(title="clients (accuracy: exact match on held-out inputs, greedy)", title_justify="left")
-    for column in ("client", "method", "task", "trainable", "tokens/s", "loss first → last 10", "accuracy before → after"):
+    for column in (
+        "client",
+        "method",
+        "task",
+        "trainable",
+        "tokens/s",
+        "loss first → last 10",
+        "accuracy before → after",
+    ):
         clients.add_column(column)
     for s in states:
         if s.kind == "fine-tune":
-            improved = s.accuracy_after is not None and s.accuracy_before is not None and s.accuracy_after > s.accuracy_before
+            improved = (
+                s.accuracy_after is not None and s.accuracy_before is not None and s.accuracy_after > s.accuracy_before
+            )
             mark = "[green]✓" if improved else "[red]✗"
             acc = f"{_fmt_acc(s.accuracy_before)} → {_fmt_acc(s.accuracy_after)} {mark}"
-            clients.add_row(s.name, s.method, s.task, f"{s.trainable_parameters:,}", f"{s.tokens_per_s:,.0f}", _loss_span(s.losses), acc)
+            clients.add_row(
+                s.name,
+                s.method,
+                s.task,
+                f"{s.trainable_parameters:,}",
+                f"{s.tokens_per_s:,.0f}",
+                _loss_span(s.losses),
+                acc,
+            )
         else:
             answered = f"{s.requests} requests answered, {s.generated_tokens} tokens"
             if s.method == LIVE_ADAPTER:
-                published = next((t.published_steps for t in states if t.kind == "fine-tune" and t.method == "lora"), [])
+                published = next(
+                    (t.published_steps for t in states if t.kind == "fine-tune" and t.method == "lora"), []
+                )
                 answered += f", by the LoRA adapter published mid-run (steps {', '.join(map(str, published))})"
             clients.add_row(s.name, s.method, "OpenAI API", "-", f"{s.tokens_per_s:,.0f}", "-", answered)
     executor = Table(title="executor", title_justify="left")
@@ -416,7 +459,10 @@ def run_demo(options: DemoOptions) -> dict:
         tokenizer = load_tokenizer(model_dir)
         api = _start_api(model_dir, executor)
         console.print(f"OpenAI-compatible server: {api.url}/v1 (a client of the same executor)")
-        tuners = [Tuner(spec, model_dir, executor.target, tokenizer, options, api.url if spec.method == "lora" else None) for spec in TUNERS]
+        tuners = [
+            Tuner(spec, model_dir, executor.target, tokenizer, options, api.url if spec.method == "lora" else None)
+            for spec in TUNERS
+        ]
         generators = [ApiGenerator(i, api.url, name, options, stop) for i, name in enumerate((BASE_NAME, LIVE_ADAPTER))]
         states = [t.state for t in tuners] + [g.state for g in generators]
         tuner_threads = [_run_thread(t, t.state) for t in tuners]
@@ -454,7 +500,9 @@ def run_demo(options: DemoOptions) -> dict:
         "clients": [asdict(s) for s in states],
     }
     (options.output / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"loss curves: {plot}; results: {options.output / 'results.json'}; adapters: {options.output / 'adapters'}")
+    console.print(
+        f"loss curves: {plot}; results: {options.output / 'results.json'}; adapters: {options.output / 'adapters'}"
+    )
     failed = [s.name for s in states if s.error]
     if failed:
         console.print(f"[red]clients failed: {', '.join(failed)}")

@@ -58,15 +58,23 @@ class TrainOptions:
     steps: int = field(default=0, metadata=_help("Optimizer steps to run; 0: derive from --epochs."))
     epochs: float = field(default=1.0, metadata=_help("Passes over the training split (used when --steps is 0)."))
     lr: float = field(default=1e-3, metadata=_help("Peak learning rate of AdamW."))
-    lr_schedule: str = field(default="cosine", metadata=_help("Learning-rate schedule after warmup: constant, linear or cosine (decay to 0)."))
+    lr_schedule: str = field(
+        default="cosine",
+        metadata=_help("Learning-rate schedule after warmup: constant, linear or cosine (decay to 0)."),
+    )
     warmup_steps: int = field(default=0, metadata=_help("Steps of linear warmup from 0 to --lr."))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
     batch_size: int = field(default=8, metadata=_help("Examples per micro-batch."))
     grad_accum: int = field(default=1, metadata=_help("Micro-batches accumulated per optimizer step."))
     seq_len: int = field(default=512, metadata=_help("Longest example in tokens; longer ones are cut."))
-    max_grad_norm: float = field(default=1.0, metadata=_help("Clip the adapter gradient norm to this (0: no clipping)."))
+    max_grad_norm: float = field(
+        default=1.0, metadata=_help("Clip the adapter gradient norm to this (0: no clipping).")
+    )
     eval_fraction: float = field(default=0.0, metadata=_help("Fraction of the data held out for evaluation (0: none)."))
-    eval_every: int = field(default=0, metadata=_help("Evaluate the held-out loss every N steps (0: only at the end, if there is an eval split)."))
+    eval_every: int = field(
+        default=0,
+        metadata=_help("Evaluate the held-out loss every N steps (0: only at the end, if there is an eval split)."),
+    )
     save_every: int = field(default=0, metadata=_help("Write a resumable checkpoint every N steps (0: never)."))
     keep_checkpoints: int = field(default=2, metadata=_help("How many of the newest checkpoints to keep."))
     seed: int = field(default=0, metadata=_help("Seed of adapter init, data order and dropout."))
@@ -88,7 +96,18 @@ class TrainOptions:
 
 
 # Options that must be equal for a checkpoint to be resumed exactly.
-_RESUME_KEYS = ("steps", "epochs", "lr", "lr_schedule", "warmup_steps", "weight_decay", "batch_size", "grad_accum", "seq_len", "seed")
+_RESUME_KEYS = (
+    "steps",
+    "epochs",
+    "lr",
+    "lr_schedule",
+    "warmup_steps",
+    "weight_decay",
+    "batch_size",
+    "grad_accum",
+    "seq_len",
+    "seed",
+)
 
 
 @dataclass(frozen=True)
@@ -159,11 +178,15 @@ class FinetuneRun:
         self.pad_token_id = pad_token_id
         self.run_dir = run_dir
         self.order = BatchOrder(len(train_set), options.batch_size, options.seed)
-        self.total_steps = options.steps or max(1, math.ceil(options.epochs * self.order.steps_per_epoch(options.grad_accum)))
+        self.total_steps = options.steps or max(
+            1, math.ceil(options.epochs * self.order.steps_per_epoch(options.grad_accum))
+        )
         self.params = trainable_parameters(peft_model)
         if not self.params:
             raise JobError("the model has no trainable parameters (was a PEFT adapter applied?)")
-        self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=options.lr, weight_decay=options.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.params], lr=options.lr, weight_decay=options.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(options.lr_schedule, options.warmup_steps, self.total_steps)
         )
@@ -299,7 +322,9 @@ class FinetuneRun:
         """Load the newest checkpoint in the run folder; returns its step."""
         found = self._checkpoints()
         if not found:
-            raise JobError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints' if self.run_dir else '(no run folder)'}")
+            raise JobError(
+                f"--resume: no checkpoint in {self.run_dir / 'checkpoints' if self.run_dir else '(no run folder)'}"
+            )
         state = torch.load(found[-1] / TRAINER_STATE, weights_only=True)  # plain containers and tensors only
         mine = {k: getattr(self.options, k) for k in _RESUME_KEYS}
         changed = {k: (state["options"][k], mine[k]) for k in _RESUME_KEYS if state["options"].get(k) != mine[k]}
@@ -308,7 +333,9 @@ class FinetuneRun:
         params = dict(self.params)
         missing = set(params) ^ set(state["trainable"])
         if missing:
-            raise JobError(f"--resume: the checkpoint's adapter does not match this method/options ({sorted(missing)[:3]})")
+            raise JobError(
+                f"--resume: the checkpoint's adapter does not match this method/options ({sorted(missing)[:3]})"
+            )
         with torch.no_grad():
             for name, value in state["trainable"].items():
                 params[name].copy_(value)
@@ -400,18 +427,24 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
 
         torch.manual_seed(options.train.seed)
         order = BatchOrder(len(train_set), options.train.batch_size, options.train.seed)
-        total = options.train.steps or max(1, math.ceil(options.train.epochs * order.steps_per_epoch(options.train.grad_accum)))
+        total = options.train.steps or max(
+            1, math.ceil(options.train.epochs * order.steps_per_epoch(options.train.grad_accum))
+        )
         method_options = dataclasses.replace(options.method_options, total_steps=total)
         config = build_peft_config(options.method, client.model, method_options, overrides)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft_model = peft.get_peft_model(client.model, config)
         run_dir = prepare_run_folder(options.run_dir, options.resume)
-        run = FinetuneRun(peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir)
+        run = FinetuneRun(
+            peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir
+        )
         if options.resume:
             run.resume()
         publisher = AdapterPublisher(options.publish, peft_model, run_dir / "published") if options.publish else None
-        update, stop = _progress_printer(run.total_steps, f"{options.method}") if options.progress else (None, lambda: None)
+        update, stop = (
+            _progress_printer(run.total_steps, f"{options.method}") if options.progress else (None, lambda: None)
+        )
         if update is not None:
             update_start = run.step
             update(StepRecord(update_start, run.total_steps, float("nan"), 0.0, run.tokens, 0.0, 0.0))
@@ -430,8 +463,16 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
             stop()
         points = [(r["step"], r["loss"]) for r in run.log]
         evals = [(r["step"], r["eval_loss"]) for r in run.log if "eval_loss" in r]
-        save_loss_plot({"train": points, **({"eval": evals} if evals else {})}, run_dir / "loss.png", f"{options.method} on {options.data.name}")
-        recorded = options if options.publish is None else dataclasses.replace(options, publish=dataclasses.replace(options.publish, api_key=None))
+        save_loss_plot(
+            {"train": points, **({"eval": evals} if evals else {})},
+            run_dir / "loss.png",
+            f"{options.method} on {options.data.name}",
+        )
+        recorded = (
+            options
+            if options.publish is None
+            else dataclasses.replace(options, publish=dataclasses.replace(options.publish, api_key=None))
+        )
         (run_dir / "training_options.json").write_text(json.dumps(_jsonable(recorded), indent=2) + "\n")
         extra = (run_dir / "log.jsonl", run_dir / "loss.png", run_dir / "training_options.json")
         result.output = save_adapter(peft_model, options.output, extra)

@@ -174,7 +174,9 @@ def attach_adapters(model, folders: list[Path], names: list[str]):
 
 
 @torch.no_grad()
-def generate_one(model, tokenizer, prompt: str, sampling: SamplingOptions, write: Callable[[str], None] | None = None) -> Completion:
+def generate_one(
+    model, tokenizer, prompt: str, sampling: SamplingOptions, write: Callable[[str], None] | None = None
+) -> Completion:
     """Generate a continuation of ``prompt``, streaming it to ``write`` token by token."""
     input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     if input_ids.shape[1] == 0:
@@ -220,7 +222,9 @@ def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Comple
         for i, folder in enumerate(options.adapters):
             groups.setdefault(adapter_type(folder), []).append(i)
         for indices in groups.values():
-            model = attach_adapters(target.client(), [options.adapters[i] for i in indices], [names[i] for i in indices])
+            model = attach_adapters(
+                target.client(), [options.adapters[i] for i in indices], [names[i] for i in indices]
+            )
             model_of.update({names[i]: model for i in indices})
         if not names:
             model_of[None] = target.client()

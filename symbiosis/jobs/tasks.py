@@ -61,7 +61,12 @@ TASKS: dict[str, Task] = {
         Task("last", "the last letter, repeated", lambda s: s[-1] * len(s)),
         # No separator: each answer letter follows from the letter just before it, a rule that
         # even methods which cannot re-route attention (prefix tuning) can learn.
-        Task("next", "continue the alphabet after the last letter (F is followed by A)", _successors(ALPHABET), separator=""),
+        Task(
+            "next",
+            "continue the alphabet after the last letter (F is followed by A)",
+            _successors(ALPHABET),
+            separator="",
+        ),
     )
 }
 
@@ -81,7 +86,9 @@ class TaskSplit:
     held_out: list[Record]
 
 
-def make_split(task: Task, *, length: int = 3, alphabet: str = ALPHABET, n_held_out: int = 48, seed: int = 0) -> TaskSplit:
+def make_split(
+    task: Task, *, length: int = 3, alphabet: str = ALPHABET, n_held_out: int = 48, seed: int = 0
+) -> TaskSplit:
     """Every input of ``length`` letters, shuffled by ``seed``; the first ``n_held_out`` are held out."""
     inputs = ["".join(letters) for letters in itertools.product(alphabet, repeat=length)]
     random.Random(seed).shuffle(inputs)

@@ -58,5 +58,5 @@ class InProcTransport:
             self._closed = True
             self.service.unregister_client(self.client_id)
 
-    def __deepcopy__(self, memo) -> "InProcTransport":
+    def __deepcopy__(self, memo) -> InProcTransport:
         return self  # a connection is shared, never duplicated (copy.deepcopy of a model keeps it)

@@ -93,7 +93,9 @@ def load_secret_key(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
         raise CurveKeyError(f"{path} holds no secret key: pass the NAME.key_secret file, not NAME.key")
     mode = os.stat(path).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise CurveKeyError(f"secret key file {path} is readable by other users (mode {oct(mode & 0o777)}); chmod 600 it")
+        raise CurveKeyError(
+            f"secret key file {path} is readable by other users (mode {oct(mode & 0o777)}); chmod 600 it"
+        )
     return public, secret
 
 
@@ -103,7 +105,9 @@ def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except ValueError:
-        raise CurveKeyError(f"{path} is not a ZeroMQ certificate (no public-key line); make one with `symbiosis keys`") from None
+        raise CurveKeyError(
+            f"{path} is not a ZeroMQ certificate (no public-key line); make one with `symbiosis keys`"
+        ) from None
     for key in (public, secret):
         if key is not None and not is_z85_key(key):
             raise CurveKeyError(f"{path} holds a malformed key (expected 40 Z85 characters)")
@@ -160,7 +164,9 @@ class CurveServerKeys:
         if not self.authorized_clients_dir.is_dir():
             raise FileNotFoundError(f"authorized clients folder {self.authorized_clients_dir} does not exist")
         if not self.authorized_public_keys():
-            raise CurveKeyError(f"no client public keys (*.key) in {self.authorized_clients_dir}: no client could connect")
+            raise CurveKeyError(
+                f"no client public keys (*.key) in {self.authorized_clients_dir}: no client could connect"
+            )
 
     def authorized_public_keys(self) -> list[bytes]:
         return list(zmq.auth.load_certificates(self.authorized_clients_dir))

@@ -150,7 +150,9 @@ def ask_lane(path: str, token: str, timeout_s: float) -> tuple[int, int]:
     return fd, answer.max_message_bytes
 
 
-def _ask(path: str, ask: SegmentAsk | LaneAsk, expected: type, timeout_s: float) -> tuple[SegmentGiven | LaneGiven, int]:
+def _ask(
+    path: str, ask: SegmentAsk | LaneAsk, expected: type, timeout_s: float
+) -> tuple[SegmentGiven | LaneGiven, int]:
     """One connection to the broker: ``ask`` out, the answer (of type ``expected``) and its one
     descriptor back."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -288,7 +288,9 @@ class ShmTransport(ZmqTransport):
         self._retire(stale)
         return ok
 
-    def _region_result(self, lease: _Buffer, start: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    def _region_result(
+        self, lease: _Buffer, start: int, nbytes: int, dtype: torch.dtype, shape: list[int]
+    ) -> torch.Tensor:
         """``nbytes`` of ``lease`` from ``start`` as the caller's result (zero copy, not a view).
 
         The storage holds the only reference to a fresh memoryview of the mapping; when the

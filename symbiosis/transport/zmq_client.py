@@ -102,7 +102,9 @@ class _Connection:
     waiting calls when the executor falls silent.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, curve: CurveClientKeys | None = None) -> None:
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, curve: CurveClientKeys | None = None
+    ) -> None:
         self.heartbeat_s = heartbeat_s
         self._endpoint = endpoint
         self._curve_on = curve is not None
@@ -464,7 +466,7 @@ class ZmqTransport:
         self._on_close()
         self._ctx.term()
 
-    def __enter__(self) -> "ZmqTransport":
+    def __enter__(self) -> ZmqTransport:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -530,7 +532,9 @@ class ZmqTransport:
             assert isinstance(msg, P.Welcome)
             expected = self.expected_fingerprint or (self._welcome.fingerprint if self._welcome else None)
             if expected is not None and msg.fingerprint != expected:
-                raise ModelMismatchError(f"executor at {self.address} serves {msg.fingerprint!r}, expected {expected!r}")
+                raise ModelMismatchError(
+                    f"executor at {self.address} serves {msg.fingerprint!r}, expected {expected!r}"
+                )
             conn.heartbeat_s = msg.heartbeat_s
             self._welcome = msg
             self._specs = {w.layer_id: w.to_spec() for w in msg.layers}
@@ -581,7 +585,9 @@ class ZmqTransport:
             self._conn = self._handshake(min(deadline, time.monotonic() + self.connect_timeout_s))
             return self._conn
 
-    def _call_once(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, deadline: float) -> torch.Tensor:
+    def _call_once(
+        self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, deadline: float
+    ) -> torch.Tensor:
         conn = self._conn
         if conn is None or conn.dead is not None or self._closed:
             conn = self._live_connection(deadline)
@@ -592,14 +598,25 @@ class ZmqTransport:
             raise ProtocolError(f"{nbytes} bytes exceed the executor's cap of {welcome.limits.max_payload_bytes}")
         rid = next(self._request_ids)
         request = P.Request(
-            P.PROTOCOL_VERSION, self.client_id, rid, layer_id, op.value, P.dtype_name(rows.dtype), list(rows.shape), latency_class.value
+            P.PROTOCOL_VERSION,
+            self.client_id,
+            rid,
+            layer_id,
+            op.value,
+            P.dtype_name(rows.dtype),
+            list(rows.shape),
+            latency_class.value,
         )
         request, frames, lease = self._encode(request, rows)
         lane = conn.lane
         if lane is not None and not lane.closed and lane.lock.acquire(blocking=False):
             reply_nbytes = self._lane_reply_nbytes(request, rows) if len(frames) > 1 else 0
-            if (len(frames) == 1 or frames[1].nbytes <= lane.max_payload_bytes) and reply_nbytes <= lane.max_payload_bytes:
-                return self._call_on_lane(conn, lane, request, frames, lease, reply_nbytes, deadline)  # releases the lock
+            if (
+                len(frames) == 1 or frames[1].nbytes <= lane.max_payload_bytes
+            ) and reply_nbytes <= lane.max_payload_bytes:
+                return self._call_on_lane(
+                    conn, lane, request, frames, lease, reply_nbytes, deadline
+                )  # releases the lock
             lane.lock.release()
         try:
             future = conn.submit(rid, frames, copy=nbytes < P.COPY_THRESHOLD)
@@ -615,18 +632,29 @@ class ZmqTransport:
         return self._finish(conn, reply, [frame.buffer for frame in payload], lease)
 
     def _call_on_lane(
-        self, conn: _Connection, lane: ClientLane, request: P.Request, frames: list[Any], lease: Any, reply_nbytes: int, deadline: float
+        self,
+        conn: _Connection,
+        lane: ClientLane,
+        request: P.Request,
+        frames: list[Any],
+        lease: Any,
+        reply_nbytes: int,
+        deadline: float,
     ) -> torch.Tensor:
         """``_call_once`` over the lane, whose lock the caller holds (released here)."""
         try:
             try:
                 payload = frames[1] if len(frames) > 1 else None
-                reply, reply_payload = lane.exchange(frames[0], payload, request.request_id, reply_nbytes, deadline - time.monotonic())
+                reply, reply_payload = lane.exchange(
+                    frames[0], payload, request.request_id, reply_nbytes, deadline - time.monotonic()
+                )
             finally:
                 lane.lock.release()
         except ExecutorTimeoutError:
             self._release(lease, reusable=False)
-            raise ExecutorTimeoutError(f"{request.op} of {request.layer_id!r} took longer than {self.timeout_s}s") from None
+            raise ExecutorTimeoutError(
+                f"{request.op} of {request.layer_id!r} took longer than {self.timeout_s}s"
+            ) from None
         except ExecutorUnavailableError as exc:
             self._release(lease, reusable=False)
             conn.fail(str(exc))  # the executor closed the lane: its session ended or it is gone

@@ -146,7 +146,9 @@ def _check_fits_lane(req: P.Request, spec: LayerSpec, lane: ExecutorLane) -> Non
     sends such calls over ZeroMQ; only a client that ignores the lane's size gets here)."""
     out_nbytes = req.shape[0] * OPS_BY_VALUE[req.op].output_width(spec) * P.ITEMSIZE[req.dtype]
     if out_nbytes > lane.max_message_bytes - HEADER_ROOM_BYTES:
-        raise ProtocolError(f"a result of {out_nbytes} bytes does not fit a lane message; send this request over ZeroMQ")
+        raise ProtocolError(
+            f"a result of {out_nbytes} bytes does not fit a lane message; send this request over ZeroMQ"
+        )
 
 
 def _cost(req: P.Request, spec: LayerSpec | None) -> int:
@@ -337,8 +339,14 @@ class ZmqServer:
 
             host = self._dist_host or _dist_host_for(self._bind_address)
             channels["dist"] = DistChannel(
-                self, self._specs, self._limits, host, self._dist_device, self._client_timeout_s,
-                setup_timeout_s=self._dist_setup_timeout_s, max_pending_setups=self._max_pending_dist_setups,
+                self,
+                self._specs,
+                self._limits,
+                host,
+                self._dist_device,
+                self._client_timeout_s,
+                setup_timeout_s=self._dist_setup_timeout_s,
+                max_pending_setups=self._max_pending_dist_setups,
             )
         return channels
 
@@ -390,7 +398,9 @@ class ZmqServer:
         elif not self._send_frames(frames, copy) and session is not None and identity in self._sessions:
             self._defer(session, message, frames, copy)  # its send queue is full
 
-    def _answer(self, identity: bytes, lane: ExecutorLane | None, message: P.Message, payload: memoryview | None = None) -> None:
+    def _answer(
+        self, identity: bytes, lane: ExecutorLane | None, message: P.Message, payload: memoryview | None = None
+    ) -> None:
         """Send the answer to a request the way the request came: the ZeroMQ socket, or its lane."""
         if lane is None:
             self.send(identity, message, payload)
@@ -487,7 +497,9 @@ class ZmqServer:
         if not isinstance(msg, P.Request):
             self._count(_INVALID, "errors")
             rid = P.salvage_request_id(header)
-            self._lane_send(lane, P.error_reply(rid, ProtocolError.code, f"a lane carries requests only, not {type(msg).__name__}"))
+            self._lane_send(
+                lane, P.error_reply(rid, ProtocolError.code, f"a lane carries requests only, not {type(msg).__name__}")
+            )
             return
         inline = msg.shm_name is None and msg.dist_tag is None  # an inline request always has its payload, maybe empty
         self._on_request(session.identity, session, msg, [payload] if inline or payload.nbytes else [], lane)  # type: ignore[arg-type]
@@ -542,7 +554,9 @@ class ZmqServer:
             elif now - session.stalled_since > self._send_stall_s:
                 log.warning(
                     "client %s has not read its replies for %.1fs (%d waiting); ending its session",
-                    session.client_id, now - session.stalled_since, len(session.backlog),
+                    session.client_id,
+                    now - session.stalled_since,
+                    len(session.backlog),
                 )
                 self._end_session(identity)
 
@@ -625,7 +639,9 @@ class ZmqServer:
                 next_idle_check = now + 0.5
                 for identity, session in list(self._sessions.items()):
                     if now - session.last_seen > self._client_timeout_s:
-                        log.warning("client %s silent for %.1fs; ending its session", session.client_id, now - session.last_seen)
+                        log.warning(
+                            "client %s silent for %.1fs; ending its session", session.client_id, now - session.last_seen
+                        )
                         self._end_session(identity)
                 if self._lane_listener is not None:
                     for fd in self._lane_listener.expire(now):
@@ -748,15 +764,30 @@ class ZmqServer:
                 return
         layers = [P.WireLayerSpec.from_spec(s) for s in self._specs.values()]
         welcome = P.Welcome(
-            P.PROTOCOL_VERSION, rid, self._fingerprint, layers, self._limits, self._heartbeat_s, session.token,
-            shm is not None, shm_socket=shm.broker.path if shm is not None else "",
-            dist_store=store, dist_prefix=prefix, quantization=self._quantization, routes=self._routes,
+            P.PROTOCOL_VERSION,
+            rid,
+            self._fingerprint,
+            layers,
+            self._limits,
+            self._heartbeat_s,
+            session.token,
+            shm is not None,
+            shm_socket=shm.broker.path if shm is not None else "",
+            dist_store=store,
+            dist_prefix=prefix,
+            quantization=self._quantization,
+            routes=self._routes,
             lane_port=self._lane_listener.port if self._lane_listener is not None else 0,
         )
         self.send(identity, welcome)
 
     def _on_request(
-        self, identity: bytes, session: Session | None, req: P.Request, payload: list[memoryview], lane: ExecutorLane | None = None
+        self,
+        identity: bytes,
+        session: Session | None,
+        req: P.Request,
+        payload: list[memoryview],
+        lane: ExecutorLane | None = None,
     ) -> None:
         """Serve one request header (and its payload buffers) from the ZeroMQ socket or ``lane``."""
         rid = req.request_id
@@ -817,7 +848,9 @@ class ZmqServer:
                 f"would pass max_inflight_bytes={limits.max_inflight_bytes}; wait for replies before sending more"
             )
 
-    def _try_alone(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str, out: torch.Tensor | None) -> bool:
+    def _try_alone(
+        self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, stats_key: str, out: torch.Tensor | None
+    ) -> bool:
         """Serve a request of the executor's only client at once, here (no queue, no future):
         True if done and answered. The channel validated the header against the same registry
         (``protocol.validate_request``), so it is not validated twice. ``out`` is the channel's
@@ -838,7 +871,11 @@ class ZmqServer:
     def _submit(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor) -> None:
         """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies)."""
         req = entry.request
-        client_id, op, latency_class = entry.session.client_id, OPS_BY_VALUE[req.op], LATENCY_CLASSES_BY_VALUE[req.latency_class]
+        client_id, op, latency_class = (
+            entry.session.client_id,
+            OPS_BY_VALUE[req.op],
+            LATENCY_CLASSES_BY_VALUE[req.latency_class],
+        )
         if self._driving:  # this thread runs it after the burst: wake no one
             self._submitted = True
             entry.future = self._service.submit(client_id, req.layer_id, op, rows, latency_class, wake=False)  # type: ignore[call-arg]
@@ -916,7 +953,9 @@ class ZmqServer:
     def _shutdown(self) -> None:
         for key, entry in list(self._inflight.items()):
             msg = "executor shut down before the request completed"
-            self._answer(key[0], entry.lane, P.error_reply(entry.request.request_id, ExecutorUnavailableError.code, msg))
+            self._answer(
+                key[0], entry.lane, P.error_reply(entry.request.request_id, ExecutorUnavailableError.code, msg)
+            )
             self._forget(key)
         for identity in list(self._sessions):
             self.send(identity, P.Goodbye())

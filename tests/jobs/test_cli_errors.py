@@ -35,7 +35,21 @@ def data(tmp_path) -> Path:
 
 
 def finetune_args(model, data, output, *extra) -> list[str]:
-    return ["finetune", "--model", str(model), "--data", str(data), "--output", str(output), "--steps", "1", "--batch-size", "2", "--no-progress", *extra]
+    return [
+        "finetune",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output",
+        str(output),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_missing_model_folder(tmp_path, data, capsys, monkeypatch):
@@ -45,7 +59,9 @@ def test_missing_model_folder(tmp_path, data, capsys, monkeypatch):
 
 def test_malformed_jsonl_line_names_line_number(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
     data.write_text(data.read_text() + '{"prompt": "A=", "completion": \n')
-    code, _, err = run_cli(finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded"), capsys, monkeypatch)
+    code, _, err = run_cli(
+        finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded"), capsys, monkeypatch
+    )
     assert_one_line_error(code, err, "data.jsonl:7", "not valid JSON")
 
 
@@ -58,7 +74,9 @@ def test_unknown_peft_method_lists_supported(tiny_checkpoint, tmp_path, data, ca
 def test_unreachable_executor_fails_within_timeout(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
     address = f"ipc://{tmp_path}/nobody.sock"
     started = time.monotonic()
-    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--executor", address, "--connect-timeout", "1")
+    args = finetune_args(
+        tiny_checkpoint("llama"), data, tmp_path / "out", "--executor", address, "--connect-timeout", "1"
+    )
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert time.monotonic() - started < 15
     assert_one_line_error(code, err, address)
@@ -103,7 +121,9 @@ def test_full_disk_keeps_the_previous_adapter(tiny_checkpoint, tmp_path, data, c
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(peft.peft_model, "safe_save_file", full_disk)
-    code, _, err = run_cli(finetune_args(tiny_checkpoint("llama"), data, output, "--embedded", "--seed", "1"), capsys, monkeypatch)
+    code, _, err = run_cli(
+        finetune_args(tiny_checkpoint("llama"), data, output, "--embedded", "--seed", "1"), capsys, monkeypatch
+    )
     assert_one_line_error(code, err, "No space left on device")
     assert (output / "adapter_model.safetensors").read_bytes() == before
 
@@ -114,7 +134,19 @@ def test_neither_executor_nor_embedded(tiny_checkpoint, tmp_path, data, capsys, 
 
 
 def test_installed_command_and_debug_flag(tmp_path):
-    args = [sys.executable, "-m", "symbiosis", "finetune", "--embedded", "--model", str(tmp_path / "missing"), "--data", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "o")]
+    args = [
+        sys.executable,
+        "-m",
+        "symbiosis",
+        "finetune",
+        "--embedded",
+        "--model",
+        str(tmp_path / "missing"),
+        "--data",
+        str(tmp_path / "d.jsonl"),
+        "--output",
+        str(tmp_path / "o"),
+    ]
     (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
     plain = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 2 and plain.stderr.strip().count("\n") == 0 and "does not exist" in plain.stderr

@@ -39,6 +39,8 @@ def test_quick_demo_runs_every_client_and_measures(tmp_path):
     assert (output / "loss_curves.png").stat().st_size > 0
     assert json.loads((output / "results.json").read_text())["preset"] == "tiny"
 
-    again = run_demo(DemoOptions(quick=True, cache_dir=tmp_path / "cache", output=tmp_path / "out2", steps=2, in_process=True))
+    again = run_demo(
+        DemoOptions(quick=True, cache_dir=tmp_path / "cache", output=tmp_path / "out2", steps=2, in_process=True)
+    )
     assert again["model"] == results["model"], "the cached model is reused"
     assert not again["executor_in_own_process"]

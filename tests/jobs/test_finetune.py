@@ -92,7 +92,9 @@ def test_empty_and_missing_data_files(tmp_path):
         read_jsonl(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.parametrize("n, fraction, expected_eval", [(0, 0.1, 0), (1, 0.5, 0), (10, 0.0, 0), (10, 0.1, 1), (10, 0.25, 2)])
+@pytest.mark.parametrize(
+    "n, fraction, expected_eval", [(0, 0.1, 0), (1, 0.5, 0), (10, 0.0, 0), (10, 0.1, 1), (10, 0.25, 2)]
+)
 def test_split_eval_sizes(n, fraction, expected_eval):
     train, evaluation = split_eval(list(range(n)), fraction, seed=0)
     assert len(evaluation) == expected_eval and sorted(train + evaluation) == list(range(n))
@@ -120,7 +122,9 @@ def test_lr_schedules():
 
 
 def test_unknown_method_lists_supported():
-    with pytest.raises(UnsupportedPeftMethodError, match="supported: lora, ia3, adalora, loha, lokr, prefix, prompt, p_tuning"):
+    with pytest.raises(
+        UnsupportedPeftMethodError, match="supported: lora, ia3, adalora, loha, lokr, prefix, prompt, p_tuning"
+    ):
         get_method("qlora-xl")
 
 
@@ -147,7 +151,9 @@ def test_every_method_builds_and_trains_on_a_split_model(method, tiny_checkpoint
         model = symbiosis.load_client_model(path, executor=executor)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            peft_model = peft.get_peft_model(model, build_peft_config(method, model, MethodOptions(rank=2, num_virtual_tokens=2, total_steps=4)))
+            peft_model = peft.get_peft_model(
+                model, build_peft_config(method, model, MethodOptions(rank=2, num_virtual_tokens=2, total_steps=4))
+            )
         ids = torch.tensor([[5, 6, 7, 8]])
         peft_model(input_ids=ids, labels=ids).loss.backward()
         grads = [p.grad for p in peft_model.parameters() if p.requires_grad]
@@ -174,12 +180,16 @@ def test_finetuned_adapter_loads_in_plain_peft_with_equal_logits(tiny_checkpoint
         warnings.simplefilter("ignore")
         reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), output)
         trained = {n: p for n, p in reference.named_parameters() if "lora_B" in n}
-        assert trained and all(p.abs().sum() > 0 for p in trained.values()), "training left lora_B at 0: test could not fail"
+        assert trained and all(p.abs().sum() > 0 for p in trained.values()), (
+            "training left lora_B at 0: test could not fail"
+        )
         with symbiosis.BaseExecutor.from_pretrained(path) as executor:
             split = peft.PeftModel.from_pretrained(symbiosis.load_client_model(path, executor=executor), output)
             ids = torch.tensor([[65, 66, 67, 30, 67, 66, 65]])
             with torch.no_grad():
-                torch.testing.assert_close(split(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(
+                    split(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5
+                )
             split.get_base_model().symbiosis_transport.close()
 
 
@@ -205,7 +215,15 @@ def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     data = write_task_data(tmp_path / "reverse.jsonl", n=20)
     # Dropout and grad accumulation make the RNG state and the data position matter.
-    common = dict(steps=6, save_every=3, grad_accum=2, batch_size=3, lr_schedule="linear", warmup_steps=2, method_options=MethodOptions(rank=4, dropout=0.2))
+    common = dict(
+        steps=6,
+        save_every=3,
+        grad_accum=2,
+        batch_size=3,
+        lr_schedule="linear",
+        warmup_steps=2,
+        method_options=MethodOptions(rank=4, dropout=0.2),
+    )
     full = finetune(options(path, data, tmp_path / "full", **copy.deepcopy(common)))
 
     def stop_after_checkpoint(record: StepRecord) -> None:
@@ -224,7 +242,10 @@ def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses), rtol=1e-6, atol=1e-7)
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "full" / "adapter_model.safetensors"), load_file(tmp_path / "resumed" / "adapter_model.safetensors")
+    a, b = (
+        load_file(tmp_path / "full" / "adapter_model.safetensors"),
+        load_file(tmp_path / "resumed" / "adapter_model.safetensors"),
+    )
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
@@ -247,8 +268,16 @@ def test_transformers_trainer_trains_a_split_model_like_the_monolithic_one(tiny_
 
     def train(model, name):
         args = TrainingArguments(
-            output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
+            output_dir=str(tmp_path / name),
+            max_steps=2,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
         )
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)

@@ -79,7 +79,11 @@ def test_generate_streams_and_matches_monolithic_greedy(tiny_checkpoint, adapter
             return out.write(s)
 
     options = GenerateOptions(
-        model=path, client=ClientOptions(embedded=True), prompts=[prompt], adapters=[adapters[0]], sampling=SamplingOptions(max_new_tokens=12)
+        model=path,
+        client=ClientOptions(embedded=True),
+        prompts=[prompt],
+        adapters=[adapters[0]],
+        sampling=SamplingOptions(max_new_tokens=12),
     )
     [completion] = generate(options, Recorder())
     assert completion.text == expected_text and completion.new_tokens == expected.shape[1] - ids.shape[1]
@@ -94,10 +98,20 @@ def test_several_adapters_by_name_and_sampling_is_seeded(tiny_checkpoint, adapte
     jobs = read_prompts(prompts)
     assert [j.adapter for j in jobs] == ["ia3", None]
     sampling = SamplingOptions(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=3)
-    options = GenerateOptions(model=path, client=ClientOptions(embedded=True), prompts_file=prompts, adapters=list(adapters), sampling=sampling)
+    options = GenerateOptions(
+        model=path,
+        client=ClientOptions(embedded=True),
+        prompts_file=prompts,
+        adapters=list(adapters),
+        sampling=sampling,
+    )
     out = io.StringIO()
     completions = generate(options, out)
-    assert [(c.prompt, c.adapter) for c in completions] == [("ABC=", "ia3"), ("plain line prompt", "lora"), ("plain line prompt", "ia3")]
+    assert [(c.prompt, c.adapter) for c in completions] == [
+        ("ABC=", "ia3"),
+        ("plain line prompt", "lora"),
+        ("plain line prompt", "ia3"),
+    ]
     assert "[ia3] ABC=" in out.getvalue() and "[lora] plain line prompt" in out.getvalue()
     again = generate(options, io.StringIO())
     assert [c.text for c in again] == [c.text for c in completions]

@@ -198,8 +198,16 @@ def declare_dist_payload(transport: Any, layer_id: str = "q", rows: int = 4) -> 
     rid = 10**6
     width = transport.layer_specs()[layer_id].in_features
     request = P.Request(
-        P.PROTOCOL_VERSION, transport.client_id, rid, layer_id, "forward", "float32", [rows, width], "prefill",
-        dist_tag=rid, dist_nbytes=rows * width * 4,
+        P.PROTOCOL_VERSION,
+        transport.client_id,
+        rid,
+        layer_id,
+        "forward",
+        "float32",
+        [rows, width],
+        "prefill",
+        dist_tag=rid,
+        dist_nbytes=rows * width * 4,
     )
     transport._conn.submit(rid, [P.encode(request)], True)
     return rid

@@ -178,7 +178,9 @@ class _RemoteForward(torch.autograd.Function):
     ("layer_id", "n", "dtype"),
     [("q", 5, "float32"), ("q", 5, "bfloat16"), ("wide", 4096, "float32")],  # 4 MiB: the zero-copy paths
 )
-def test_results_are_tensors_of_their_own(open_client, fake: FakeExecutorService, layer_id: str, n: int, dtype: str) -> None:
+def test_results_are_tensors_of_their_own(
+    open_client, fake: FakeExecutorService, layer_id: str, n: int, dtype: str
+) -> None:
     """A result is not a view (of a receive buffer, a frame, a shared-memory segment), is
     writable, keeps its values across the next call, and when a custom autograd Function returns
     it (as VirtLayers do) it can be modified in place: peft's ``result += adapter(x)`` and
@@ -222,7 +224,9 @@ def test_eight_clients_concurrently(open_client, fake: FakeExecutorService) -> N
     def work(index: int, transport: ZmqTransport) -> None:
         generator = torch.Generator().manual_seed(index)
         for step in range(15):
-            layer_id, op = [("q", Op.FORWARD), ("o", Op.BACKWARD), ("q", Op.NOISE), ("o", Op.FORWARD)][(index + step) % 4]
+            layer_id, op = [("q", Op.FORWARD), ("o", Op.BACKWARD), ("q", Op.NOISE), ("o", Op.FORWARD)][
+                (index + step) % 4
+            ]
             n = int(torch.randint(0, 50, (1,), generator=generator))
             rows = torch.randn(n, input_width(fake, layer_id, op), generator=generator)
             got = transport.call(layer_id, op, rows, LatencyClass.DECODE)
@@ -269,7 +273,9 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
     def keep_calling() -> None:
         while not stop.is_set():
             rows = torch.randn(5, 16)
-            good_results.append(same_product(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)))
+            good_results.append(
+                same_product(good.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+            )
 
     caller = threading.Thread(target=keep_calling)
     caller.start()
@@ -287,7 +293,13 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
             ([request(13, "q", [2, 16])], 13, ("protocol",)),  # no payload frame
             ([request(14, "q", [-1, 16]), b""], 14, ("shape",)),
             ([request(15, "q", [2, 16], dtype="int64"), bytes(256)], 15, ("protocol",)),
-            ([request(16, "q", [2, 16], shm_name="symb_not_mine_x"), ], 16, ("protocol",)),
+            (
+                [
+                    request(16, "q", [2, 16], shm_name="symb_not_mine_x"),
+                ],
+                16,
+                ("protocol",),
+            ),
             ([request(17, "q", [2, 16], shm_name="999")], 17, ("protocol",)),  # no segment with that id
             ([request(18, "q", [2, 16], shm_name="../../etc/passwd")], 18, ("protocol",)),
             ([P.encode(P.Welcome(1, 19, "x", [], P.Limits(), 1.0, "t", True))], 19, ("protocol",)),
@@ -304,7 +316,10 @@ def test_hostile_peer_gets_typed_errors_and_server_stays_healthy(
         raw.send(request(21, "q", [2, 16]), torch.ones(2, 16).numpy().tobytes())  # still serves this peer
         reply, payload = raw.recv()
         assert reply.ok and reply.shape == [2, 24]
-        assert_same_product(P.tensor_from_payload(bytearray(payload[0]), "float32", [2, 24]), fake.compute("q", Op.FORWARD, torch.ones(2, 16)))
+        assert_same_product(
+            P.tensor_from_payload(bytearray(payload[0]), "float32", [2, 24]),
+            fake.compute("q", Op.FORWARD, torch.ones(2, 16)),
+        )
     finally:
         raw.close()
         time.sleep(0.2)
@@ -344,14 +359,18 @@ def test_timeout_raises_executor_timeout(open_client, fake: FakeExecutorService)
 def test_reconnects_after_server_restart(open_client, server: ZmqServer, fake: FakeExecutorService) -> None:
     transport = open_client(connect_timeout_s=5)
     rows = torch.randn(4, 16)
-    assert_same_product(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(
+        transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fake.compute("q", Op.FORWARD, rows)
+    )
     server.close()
     assert ("unregister", transport.client_id, 0) in fake.events
     restarted = ZmqServer(fake, server.address).start()
     try:
         got = transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)
         assert_same_product(got, fake.compute("q", Op.FORWARD, rows))
-        assert [e for e in fake.events if e[:2] == ("register", transport.client_id)] == [("register", transport.client_id)] * 2
+        assert [e for e in fake.events if e[:2] == ("register", transport.client_id)] == [
+            ("register", transport.client_id)
+        ] * 2
     finally:
         transport.close()
         restarted.close()
@@ -363,7 +382,9 @@ def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
     transport = open_transport(client_address(kind, server.address), connect_timeout_s=0.5, timeout_s=5)
     rows = torch.randn(3, 16)
     results: list[torch.Tensor] = []
-    caller = threading.Thread(target=lambda: results.append(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL)))
+    caller = threading.Thread(
+        target=lambda: results.append(transport.call("q", Op.FORWARD, rows, LatencyClass.PREFILL))
+    )
     caller.start()
     assert service.wait_for(lambda events: any(e[0] == "submit" for e in events), 5)
     server.close(drain=True)
@@ -400,7 +421,9 @@ def segment_mappings(label: str) -> int:
 
 def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: FakeExecutorService, kind: str) -> None:
     client_id = f"doomed-{kind}"
-    child = SPAWN.Process(target=call_and_wait, args=(client_address(kind, server.address), client_id, "slow"), daemon=True)
+    child = SPAWN.Process(
+        target=call_and_wait, args=(client_address(kind, server.address), client_id, "slow"), daemon=True
+    )
     child.start()
     try:
         assert fake.wait_for(lambda events: any(e[:3] == ("submit", client_id, "slow") for e in events), 60)
@@ -418,7 +441,9 @@ def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: Fak
     if kind.startswith("shm"):
         assert segment_mappings(label) == 0  # the server's mapping of its shared memory is gone
     rows = torch.randn(6, 16)
-    assert_same_product(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(
+        open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -444,13 +469,19 @@ def remote_server() -> Iterator[dict[str, str]]:
 def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> None:
     reference = FakeExecutorService(seed=3)
     options = {"lane": False} if kind.endswith("-zmq") else {}
-    with open_transport(client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint, **options) as transport:
+    with open_transport(
+        client_address(kind, remote_server[kind]), expected_fingerprint=reference.fingerprint, **options
+    ) as transport:
         for op in Op:
             for dtype in (torch.float32, torch.bfloat16):
                 rows = torch.randn(33, input_width(reference, "q", op)).to(dtype)
-                assert_same_product(transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows))
+                assert_same_product(
+                    transport.call("q", op, rows, LatencyClass.PREFILL), reference.compute("q", op, rows)
+                )
         rows = torch.randn(4096, 256)  # 4 MiB: large enough for the zero-copy paths
-        assert_same_product(transport.call("wide", Op.FORWARD, rows, LatencyClass.PREFILL), reference.compute("wide", Op.FORWARD, rows))
+        assert_same_product(
+            transport.call("wide", Op.FORWARD, rows, LatencyClass.PREFILL), reference.compute("wide", Op.FORWARD, rows)
+        )
         with pytest.raises(ShapeError):
             transport.call("q", Op.FORWARD, torch.randn(2, 3), LatencyClass.PREFILL)
 
@@ -540,7 +571,9 @@ def test_dist_client_killed_before_its_payload(
         child.kill()
         child.join(timeout=10)
     rows = torch.randn(6, 16)
-    assert_same_product(open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+    assert_same_product(
+        open_client().call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
+    )
 
 
 def test_dist_refused_when_server_disallows_it(fake: FakeExecutorService, sock_dir: str) -> None:

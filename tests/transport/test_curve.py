@@ -96,7 +96,9 @@ def call_q(transport, rows: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["tcp", "ipc", "shm", "dist"])
-def test_authorized_client_gets_correct_results(fake: FakeExecutorService, keys: Path, sock_dir: str, kind: str) -> None:
+def test_authorized_client_gets_correct_results(
+    fake: FakeExecutorService, keys: Path, sock_dir: str, kind: str
+) -> None:
     bind = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/executor.sock"
     server = ZmqServer(fake, bind, curve=server_keys(keys)).start()
     try:
@@ -105,7 +107,9 @@ def test_authorized_client_gets_correct_results(fake: FakeExecutorService, keys:
             rows = torch.randn(5, 16)
             assert_same_product(call_q(transport, rows), fake.compute("q", Op.FORWARD, rows))
             grads = torch.randn(3, 24, dtype=torch.bfloat16)
-            assert_same_product(transport.call("q", Op.BACKWARD, grads, LatencyClass.FINETUNE), fake.compute("q", Op.BACKWARD, grads))
+            assert_same_product(
+                transport.call("q", Op.BACKWARD, grads, LatencyClass.FINETUNE), fake.compute("q", Op.BACKWARD, grads)
+            )
     finally:
         server.close(drain=False)
 
@@ -132,14 +136,22 @@ def test_keys_from_environment(curve_server: ZmqServer, fake: FakeExecutorServic
         ("wrong-server-key", "is not the executor.s"),
     ],
 )
-def test_unauthenticated_clients_are_refused_fast(curve_server: ZmqServer, fake: FakeExecutorService, keys: Path, who, match) -> None:
-    curve = {None: None, "mallory": client_keys(keys, "mallory"), "wrong-server-key": client_keys(keys, "alice", "mallory/mallory.key")}[who]
+def test_unauthenticated_clients_are_refused_fast(
+    curve_server: ZmqServer, fake: FakeExecutorService, keys: Path, who, match
+) -> None:
+    curve = {
+        None: None,
+        "mallory": client_keys(keys, "mallory"),
+        "wrong-server-key": client_keys(keys, "alice", "mallory/mallory.key"),
+    }[who]
     start = time.monotonic()
     with pytest.raises(ExecutorUnavailableError, match=match):
         open_transport(curve_server.address, curve=curve, connect_timeout_s=10)
     assert time.monotonic() - start < 3.0  # the handshake failure is reported, not waited out
     assert not any(event[0] == "register" for event in fake.events)  # never got a session
-    with open_transport(curve_server.address, curve=client_keys(keys), connect_timeout_s=5) as transport:  # still serving
+    with open_transport(
+        curve_server.address, curve=client_keys(keys), connect_timeout_s=5
+    ) as transport:  # still serving
         assert call_q(transport, torch.ones(1, 16)).shape == (1, 24)
 
 
@@ -217,7 +229,9 @@ def test_traffic_is_encrypted(fake: FakeExecutorService, keys: Path, use_curve: 
         curve = client_keys(keys) if use_curve else None
         # lane=False: without CURVE a call would otherwise take a tcp lane (lane.py), a connection
         # of its own that the relay does not see; with CURVE no lane is offered at all.
-        with open_transport(relay.address, client_id=MARKER, curve=curve, connect_timeout_s=5, lane=use_curve) as transport:
+        with open_transport(
+            relay.address, client_id=MARKER, curve=curve, connect_timeout_s=5, lane=use_curve
+        ) as transport:
             assert (transport._welcome.lane_port == 0) is use_curve and transport._conn.lane is None
             assert_same_product(call_q(transport, PATTERN), fake.compute("q", Op.FORWARD, PATTERN))
     finally:
@@ -284,7 +298,14 @@ def test_cli_keys_and_serve_options(tmp_path: Path, capsys, monkeypatch) -> None
     code, out, _ = run_cli(["serve", "--help"], capsys, monkeypatch)
     assert code == 0 and "--curve-secret-key" in out and "--authorized-clients" in out
     # Bad key options fail in one line before the checkpoint is read.
-    args = ["serve", str(tmp_path / "no-model"), "--curve-secret-key", str(tmp_path / "nope"), "--authorized-clients", str(tmp_path)]
+    args = [
+        "serve",
+        str(tmp_path / "no-model"),
+        "--curve-secret-key",
+        str(tmp_path / "nope"),
+        "--authorized-clients",
+        str(tmp_path),
+    ]
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 2 and "no CURVE key file" in err
 

@@ -38,8 +38,12 @@ FUZZ = settings(max_examples=150, deadline=None, database=None)
 
 # Everything msgpack can carry, nested a little.
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
-    st.text(max_size=12), st.binary(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
+    st.binary(max_size=12),
 )
 msgpack_values = st.recursive(
     scalars,
@@ -50,10 +54,30 @@ msgpack_values = st.recursive(
 # Values a field of a real header might hold, valid or just off.
 near_values = st.one_of(
     msgpack_values,
-    st.sampled_from(["q", "o", "k", "forward", "backward", "noise", "merge", "float32", "bfloat16", "float64",
-                     "decode", "prefill", "finetune", "gloo", "", "symb_x_"]),
-    st.integers(-3, 3), st.just(P.PROTOCOL_VERSION),
-    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3), st.lists(st.integers(-1, 40), min_size=2, max_size=2),
+    st.sampled_from(
+        [
+            "q",
+            "o",
+            "k",
+            "forward",
+            "backward",
+            "noise",
+            "merge",
+            "float32",
+            "bfloat16",
+            "float64",
+            "decode",
+            "prefill",
+            "finetune",
+            "gloo",
+            "",
+            "symb_x_",
+        ]
+    ),
+    st.integers(-3, 3),
+    st.just(P.PROTOCOL_VERSION),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+    st.lists(st.integers(-1, 40), min_size=2, max_size=2),
 )
 
 CLIENTS = ("fuzz", "fuzz", "fuzz", "other", "")  # the server fuzz's peer has a session as "fuzz"
@@ -68,7 +92,9 @@ request_fields = st.fixed_dictionaries(
         "op": st.sampled_from(["forward", "forward", "backward", "noise", "merge"]),
         "dtype": st.sampled_from(["float32", "float32", "bfloat16", "float16", "float64", ""]),
         "shape": st.one_of(
-            st.tuples(st.integers(0, 8) | st.integers(-(2**63), 2**63 - 1), st.sampled_from([16, 24, 17, -1])).map(list),
+            st.tuples(st.integers(0, 8) | st.integers(-(2**63), 2**63 - 1), st.sampled_from([16, 24, 17, -1])).map(
+                list
+            ),
             st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),
         ),
         "latency_class": st.sampled_from(["decode", "prefill", "finetune", "urgent"]),
@@ -84,7 +110,10 @@ hellos = st.builds(
     dist_backend=st.sampled_from(["", "", "gloo", "mpi"]),
 )
 valid_messages = st.one_of(
-    requests, hellos, st.builds(P.Goodbye, client_id=st.sampled_from(CLIENTS)), st.just(P.Ping()),
+    requests,
+    hellos,
+    st.builds(P.Goodbye, client_id=st.sampled_from(CLIENTS)),
+    st.just(P.Ping()),
     st.builds(P.ShmRelease, names=st.lists(st.text(max_size=12), max_size=2)),
 )
 

@@ -32,8 +32,14 @@ LIMITS = P.Limits(max_payload_bytes=1 << 20)
 
 def header(**overrides: object) -> P.Request:
     fields: dict[str, object] = dict(
-        version=P.PROTOCOL_VERSION, client_id="c", request_id=1, layer_id="q", op="forward",
-        dtype="float32", shape=[2, 16], latency_class="decode",
+        version=P.PROTOCOL_VERSION,
+        client_id="c",
+        request_id=1,
+        layer_id="q",
+        op="forward",
+        dtype="float32",
+        shape=[2, 16],
+        latency_class="decode",
     )
     fields.update(overrides)
     return P.Request(**fields)  # type: ignore[arg-type]
