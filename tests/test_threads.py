@@ -36,6 +36,7 @@ def test_an_explicit_policy_wins(monkeypatch):
 
 def test_the_command_line_does_not_import_torch_before_configuring():
     # libgomp reads OMP_WAIT_POLICY once, when torch loads: the CLI's own imports must not load it
-    code = "import sys, symbiosis.cli, symbiosis.cli_serve, symbiosis.cli_keys, symbiosis.threads; print('torch' in sys.modules)"
+    modules = "symbiosis.cli, symbiosis.cli_serve, symbiosis.cli_keys, symbiosis.threads"
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
