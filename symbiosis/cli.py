@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -64,7 +65,17 @@ def _register_optional_commands() -> None:
                 raise
 
 
+BUG_REPORT_LINE = (
+    "This is a bug in symbiosis, not a problem with your input: please report this bug on the project's "
+    "issue tracker, with the traceback above and the command you ran."
+)
+
+
 def main() -> None:
+    """Run the CLI. Errors the user can fix (``SymbiosisError``: a bad flag value, a missing file,
+    an unreachable executor) print one line and exit 2; click's usage errors print their usage
+    message (exit 2). Anything else is a bug: it prints its traceback and a line asking for a bug
+    report, and exits 1. ``--debug`` shows the traceback of every error."""
     from symbiosis.threads import configure_for_command
 
     configure_for_command(sys.argv[1:])  # before any verb imports torch (see threads.py)
@@ -74,10 +85,17 @@ def main() -> None:
         sys.argv.remove("--debug")
     try:
         app()
-    except (SymbiosisError, ValueError, FileNotFoundError, FileExistsError) as exc:
-        # Bad input (a missing folder, a malformed flag value, an unreachable executor) gets one
-        # line; --debug shows the traceback.
+    except SymbiosisError as exc:
         if debug:
             raise
         typer.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # click turns one inside a command into "Aborted!"; this is one outside it
+        if debug:
+            raise
+        typer.echo("interrupted", err=True)
+        raise SystemExit(130) from None
+    except Exception:  # with or without --debug: the traceback is what a bug report needs
+        traceback.print_exc()
+        typer.echo(BUG_REPORT_LINE, err=True)
+        raise SystemExit(1) from None

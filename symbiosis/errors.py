@@ -122,7 +122,8 @@ class CurveKeyError(SymbiosisError, ValueError):
 
 
 class UnsafeBindError(SymbiosisError, ValueError):
-    """A bind address would let other local users connect unauthenticated (``ipc://@abstract``)."""
+    """A bind address would let others connect unauthenticated: a non-loopback ``tcp://`` address
+    without CURVE, or an abstract socket (``ipc://@NAME``), which any local user can reach."""
 
     code = "unsafe_bind"
 
@@ -132,6 +133,13 @@ class UnsupportedQuantizationError(SymbiosisError, ValueError):
     what is supported."""
 
     code = "unsupported_quantization"
+
+
+class MissingDependencyError(SymbiosisError, RuntimeError):
+    """A feature the user asked for needs a library (or a build of one) that is not installed; the
+    message names what to install."""
+
+    code = "missing_dependency"
 
 
 # Errors that do cross the wire, added after ``ERRORS_BY_CODE``: each registers itself there.

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from symbiosis.client.virt import VirtConv1D, VirtLinear
+from symbiosis.errors import ConfigurationError
 from symbiosis.ops import LayerLink
 from symbiosis.vocabulary import LatencyClass, Op
 
@@ -66,11 +67,11 @@ class NoiseConfig:
 
     def __post_init__(self) -> None:
         if not self.scale > 0:
-            raise ValueError(f"scale must be > 0, got {self.scale}")
+            raise ConfigurationError(f"scale must be > 0, got {self.scale}")
         if self.pool_size < 1:
-            raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
+            raise ConfigurationError(f"pool_size must be >= 1, got {self.pool_size}")
         if self.refresh_every is not None and self.refresh_every < 1:
-            raise ValueError(f"refresh_every must be None or >= 1, got {self.refresh_every}")
+            raise ConfigurationError(f"refresh_every must be None or >= 1, got {self.refresh_every}")
 
 
 class NoisyLink:
@@ -191,13 +192,13 @@ def enable_activation_noise(
     config = NoiseConfig(scale=scale, pool_size=pool_size, refresh_every=refresh_every, seed=seed)
     layers = [m for m in model.modules() if isinstance(m, (VirtLinear, VirtConv1D))]
     if not layers:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(model).__name__} has no VirtLayers: activation noise applies to a split model "
             "(symbiosis.load_client_model, optionally wrapped by peft)"
         )
     already = [layer.layer_id for layer in layers if isinstance(layer.link, NoisyLink)]
     if already:
-        raise ValueError(f"activation noise is already enabled on {already[:3]}; disable() the first handle")
+        raise ConfigurationError(f"activation noise is already enabled on {already[:3]}; disable() the first handle")
     # Per-layer seeds from one generator: reproducible with ``seed``, unpredictable without it.
     seeds = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
     installed = []

@@ -26,7 +26,7 @@ from symbiosis.checkpoint import (
 from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import make_virt_layer
 from symbiosis.errors import CheckpointError, ModelMismatchError
-from symbiosis.executor.executor import parse_dtype
+from symbiosis.executor.executor import parse_device, parse_dtype
 from symbiosis.transport.base import ExecutorService, Transport
 from symbiosis.transport.inproc import InProcTransport
 from symbiosis.transport.security import CurveClientKeys
@@ -56,7 +56,8 @@ def open_connection(
     if isinstance(executor, Transport):
         return executor
     raise TypeError(
-        f"executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', 'ipc:///path' or 'shm+ipc:///path', or a Transport; got {type(executor).__name__}"
+        "executor must be a BaseExecutor, an address like 'tcp://127.0.0.1:7000', 'ipc:///path' or "
+        f"'shm+ipc:///path', or a Transport; got {type(executor).__name__}"
     )
 
 
@@ -96,7 +97,7 @@ def load_client_model(
     checkpoint = Checkpoint(path)
     config = checkpoint.config
     client_dtype = parse_dtype(dtype) if dtype is not None else _checkpoint_dtype(config)
-    device = torch.device(device)
+    device = parse_device(device)
 
     model = build_skeleton(config)
     all_specs = discover_base_layers(model)

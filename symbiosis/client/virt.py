@@ -134,7 +134,10 @@ class _VirtLayerMixin:
         return frozen_linear(x, self.link, self.training)
 
     def extra_repr(self) -> str:
-        return f"{self.layer_id!r}, in_features={self.link.in_features}, out_features={self.link.out_features}, bias={self._has_bias}, served by the base executor"
+        return (
+            f"{self.layer_id!r}, in_features={self.link.in_features}, out_features={self.link.out_features}, "
+            f"bias={self._has_bias}, served by the base executor"
+        )
 
 
 class VirtLinear(_VirtLayerMixin, nn.Linear):

@@ -32,6 +32,19 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPES_BY_NAME[name]
 
 
+def parse_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``: a malformed name (``--device gpu``) or a CUDA device on a
+    machine where torch sees none is the user's to fix (``ConfigurationError``), not a crash deep
+    inside the first ``.to(device)``."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"unsupported device {device!r}: {exc}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"device {str(device)!r}: torch sees no CUDA device on this machine; use cpu")
+    return parsed
+
+
 class BaseExecutor:
     """Serves forward, backward and noise ops of every base layer; implements ``ExecutorService``."""
 
@@ -61,9 +74,9 @@ class BaseExecutor:
         ``row_budget``, ``decode_slo_ms``, ...); or pass a whole ``scheduler_config`` instead.
         """
         if scheduler_config is not None and (scheduler_options or policy != "opportunistic"):
-            raise ValueError("pass either scheduler_config or policy and SchedulerConfig fields, not both")
+            raise ConfigurationError("pass either scheduler_config or policy and SchedulerConfig fields, not both")
         config = scheduler_config or SchedulerConfig(policy=policy, **scheduler_options)
-        device, dtype = torch.device(device), parse_dtype(dtype)
+        device, dtype = parse_device(device), parse_dtype(dtype)
         weights = BaseModelWeights.load(path, device=device, dtype=dtype, quantization=quantization)
         return cls(weights, config)
 

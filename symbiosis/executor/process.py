@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from symbiosis.errors import SymbiosisError
+from symbiosis.errors import ConfigurationError, SymbiosisError
 
 
 class ExecutorProcessError(SymbiosisError):
@@ -113,7 +113,7 @@ class ExecutorProcess:
         wait: bool = True,
     ) -> None:
         if not binds:
-            raise ValueError("an executor process needs at least one address to bind")
+            raise ConfigurationError("an executor process needs at least one address to bind")
         self._folder = tempfile.mkdtemp(prefix="symbiosis-executor-")
         self.ready_file = Path(self._folder) / "ready.json"
         command = [sys.executable, "-m", "symbiosis", "serve", str(model_dir)]

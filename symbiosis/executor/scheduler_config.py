@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from symbiosis.errors import ConfigurationError
 from symbiosis.vocabulary import LatencyClass
 
 Policy = Literal["immediate", "lockstep", "opportunistic"]
@@ -132,13 +133,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+            raise ConfigurationError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         for name, least in (("row_budget", 1), ("decode_share_rows", 0), ("min_chunk_rows", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"SchedulerConfig.{name} must be an integer >= {least}, got {value!r}")
+                raise ConfigurationError(f"SchedulerConfig.{name} must be an integer >= {least}, got {value!r}")
         if self.wait_rule not in WAIT_RULES:
-            raise ValueError(f"SchedulerConfig.wait_rule must be one of {WAIT_RULES}, got {self.wait_rule!r}")
+            raise ConfigurationError(f"SchedulerConfig.wait_rule must be one of {WAIT_RULES}, got {self.wait_rule!r}")
         for name in (
             "max_wait_ms",
             "lockstep_timeout_ms",
@@ -152,13 +153,13 @@ class SchedulerConfig:
             _check_non_negative(name, getattr(self, name))
         _check_non_negative("adapt_epoch_ms", self.adapt_epoch_ms)
         if self.adapt_epoch_ms == 0:
-            raise ValueError("SchedulerConfig.adapt_epoch_ms must be > 0")
+            raise ConfigurationError("SchedulerConfig.adapt_epoch_ms must be > 0")
         if self.decode_slo_ms is not None:
             _check_non_negative("decode_slo_ms", self.decode_slo_ms)
             if self.decode_slo_ms == 0:
-                raise ValueError("SchedulerConfig.decode_slo_ms must be > 0 (or None for no target)")
+                raise ConfigurationError("SchedulerConfig.decode_slo_ms must be > 0 (or None for no target)")
         if not self.decode_base_wait_ms <= self.prefill_base_wait_ms <= self.finetune_base_wait_ms:
-            raise ValueError(
+            raise ConfigurationError(
                 "SchedulerConfig base waits must satisfy decode <= prefill <= finetune (a small, urgent "
                 f"request should wait least), got decode={self.decode_base_wait_ms}, "
                 f"prefill={self.prefill_base_wait_ms}, finetune={self.finetune_base_wait_ms}"
@@ -193,4 +194,4 @@ class SchedulerConfig:
 
 def _check_non_negative(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"SchedulerConfig.{name} must be a finite number >= 0, got {value!r}")
+        raise ConfigurationError(f"SchedulerConfig.{name} must be a finite number >= 0, got {value!r}")

@@ -31,6 +31,7 @@ from symbiosis.checkpoint import (
     discover_base_layers,
     locate_tensors,
 )
+from symbiosis.errors import CheckpointError
 from symbiosis.executor.quantized import (
     FbgemmInt8Weights,
     QuantizedWeights,
@@ -185,7 +186,7 @@ class BaseModelWeights:
             if layer_id in conv1d_layers:
                 weight = weight.t()
             if tuple(weight.shape) != (spec.out_features, spec.in_features):
-                raise ValueError(f"weight of {layer_id} has shape {tuple(weight.shape)}, expected {spec}")
+                raise CheckpointError(f"weight of {layer_id} has shape {tuple(weight.shape)}, expected {spec}")
             bias = biases.pop(layer_id, None)
             if quantize is not None:
                 layers[layer_id] = quantize(layer_id, weight, bias)

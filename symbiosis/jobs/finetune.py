@@ -434,7 +434,10 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         config = build_peft_config(options.method, client.model, method_options, overrides)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            peft_model = peft.get_peft_model(client.model, config)
+            try:
+                peft_model = peft.get_peft_model(client.model, config)
+            except ValueError as exc:  # peft's word on the options, e.g. --target-modules naming no module
+                raise JobError(f"cannot apply {options.method} to {str(options.model)!r}: {exc}") from None
         run_dir = prepare_run_folder(options.run_dir, options.resume)
         run = FinetuneRun(
             peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir

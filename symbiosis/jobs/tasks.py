@@ -93,7 +93,7 @@ def make_split(
     inputs = ["".join(letters) for letters in itertools.product(alphabet, repeat=length)]
     random.Random(seed).shuffle(inputs)
     if not 0 < n_held_out < len(inputs):
-        raise ValueError(f"n_held_out must be between 1 and {len(inputs) - 1}")
+        raise ConfigurationError(f"n_held_out must be between 1 and {len(inputs) - 1}")
     records = [Record(s + task.separator, task.rule(s)) for s in inputs]
     return TaskSplit(task, train=records[n_held_out:], held_out=records[:n_held_out])
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from symbiosis.errors import SymbiosisError
+from symbiosis.errors import ConfigurationError, SymbiosisError
 from symbiosis.serving.lora import LoraAdapter, read_lora_config
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -35,7 +35,7 @@ class AdapterPoolFullError(SymbiosisError):
 
 def check_adapter_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"adapter name {name!r}: use 1-128 letters, digits, '.', '_', ':' or '-'")
+        raise ConfigurationError(f"adapter name {name!r}: use 1-128 letters, digits, '.', '_', ':' or '-'")
     return name
 
 
@@ -52,7 +52,7 @@ class AdapterPool:
         reserved_names: tuple[str, ...] = (),
     ) -> None:
         if max_loaded < 1:
-            raise ValueError("max_loaded_adapters must be at least 1")
+            raise ConfigurationError("max_loaded_adapters must be at least 1")
         self._load = load
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._explicit: dict[str, Path] = {}
@@ -74,7 +74,7 @@ class AdapterPool:
     def _register(self, name: str, path: Path) -> None:
         check_adapter_name(name)
         if name in self._reserved:
-            raise ValueError(f"adapter name {name!r} is the base model's served name")
+            raise ConfigurationError(f"adapter name {name!r} is the base model's served name")
         read_lora_config(path)  # fail now, not on a user's first request
         self._explicit[name] = path
         self._forgotten.discard(name)
@@ -137,7 +137,7 @@ class AdapterPool:
         """Load (or replace) ``name`` from ``path`` now; new requests use it, running ones keep theirs."""
         check_adapter_name(name)
         if name in self._reserved:
-            raise ValueError(f"adapter name {name!r} is the base model's served name")
+            raise ConfigurationError(f"adapter name {name!r} is the base model's served name")
         adapter = self._load(name, Path(path))  # outside the lock: reading may take a while
         with self._lock:
             self._explicit[name] = Path(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from symbiosis.errors import ConfigurationError
 from symbiosis.sharding.placement import DEFAULT_STRATEGY, STRATEGIES
 
 #: Help texts of the ``symbiosis serve`` flags for sharding (the CLI reuses them).
@@ -40,4 +41,4 @@ class ShardOptions:
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown sharding strategy {self.strategy!r}; use one of {list(STRATEGIES)}")
+            raise ConfigurationError(f"unknown sharding strategy {self.strategy!r}; use one of {list(STRATEGIES)}")

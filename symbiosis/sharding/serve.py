@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from symbiosis.checkpoint import Checkpoint, build_skeleton, discover_base_layers
+from symbiosis.errors import ConfigurationError
 from symbiosis.executor.engine import ExecutionEngine
 from symbiosis.executor.executor import parse_dtype
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
@@ -297,7 +298,7 @@ def serve_sharded(request: ServeRequest, shards: int, max_restarts: int) -> int:
     if info is None:
         return launch_local(shards, max_restarts, _command_line())
     if shards not in (1, info.world_size):
-        raise ValueError(
+        raise ConfigurationError(
             f"--shards {shards}, but the launcher started {info.world_size} ranks; leave --shards out under torchrun"
         )
     return run_rank(request, info)
@@ -308,7 +309,7 @@ def _command_line() -> list[str]:
     ``RANK``/``WORLD_SIZE`` and serves instead of launching."""
     command = sys.argv[1:]
     if "serve" not in command:
-        raise ValueError(
+        raise ConfigurationError(
             "--shards starts its ranks with this process's own command line; run it as `symbiosis serve ... --shards N`"
         )
     return command

@@ -19,6 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from symbiosis.errors import ConfigurationError
+from symbiosis.executor.executor import parse_device
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -83,13 +86,14 @@ def backend_for(device: torch.device) -> str:
 
 def rank_device(device: str, info: RankInfo) -> torch.device:
     """Each rank's device: ``cuda`` means ``cuda:LOCAL_RANK`` (one GPU per rank on a host)."""
+    parsed = parse_device(device)
     if device == "cuda":
         return torch.device("cuda", info.local_rank)
     if device.startswith("cuda:"):
-        raise ValueError(
+        raise ConfigurationError(
             f"--device {device} names one GPU for every rank; pass --device cuda (rank r takes cuda:LOCAL_RANK)"
         )
-    return torch.device(device)
+    return parsed
 
 
 def make_group(

@@ -44,7 +44,13 @@ import torch
 import torch.distributed as dist
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorBusyError, ExecutorUnavailableError, ProtocolError, SymbiosisError
+from symbiosis.errors import (
+    ConfigurationError,
+    ExecutorBusyError,
+    ExecutorUnavailableError,
+    ProtocolError,
+    SymbiosisError,
+)
 from symbiosis.transport.dist_channel import (
     CLIENT_RANK,
     EXECUTOR_RANK,
@@ -101,7 +107,7 @@ class DistTransport(ZmqTransport):
         **kwargs: Any,
     ) -> None:
         if not address.startswith("dist+"):
-            raise ValueError(f"torch.distributed address must start with 'dist+', got {address!r}")
+            raise ConfigurationError(f"torch.distributed address must start with 'dist+', got {address!r}")
         self.device = torch.device(device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         check_backend(self.backend, self.device)
@@ -117,7 +123,7 @@ class DistTransport(ZmqTransport):
             and server_host
             and not _is_loopback(server_host)
         ):
-            raise ValueError(
+            raise ConfigurationError(
                 f"refusing {address!r} with CURVE: torch.distributed payloads are not encrypted (CURVE covers control "
                 "messages only); connect with tcp:// for encrypted inline payloads, or pass allow_unencrypted_payloads=True"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from symbiosis.errors import ConfigurationError
 from symbiosis.transport.security import CurveClientKeys
 
 #: address prefix -> "module:Class" of the client transport. Longest prefixes first.
@@ -27,7 +28,7 @@ def transport_class(address: str) -> type:
             module_name, class_name = target.split(":")
             return getattr(importlib.import_module(module_name), class_name)
     schemes = ", ".join(TRANSPORTS)
-    raise ValueError(f"unsupported executor address {address!r}: use one of the schemes {schemes}")
+    raise ConfigurationError(f"unsupported executor address {address!r}: use one of the schemes {schemes}")
 
 
 def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any):

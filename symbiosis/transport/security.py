@@ -39,7 +39,13 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from symbiosis.errors import CurveKeyError, UnsafeBindError
+from symbiosis.errors import (
+    CurveKeyError,
+    MissingDependencyError,
+    MissingFileError,
+    OutputExistsError,
+    UnsafeBindError,
+)
 
 SERVER_KEY_ENV = "SYMBIOSIS_CURVE_SERVER_KEY"
 CLIENT_KEY_ENV = "SYMBIOSIS_CURVE_CLIENT_KEY"
@@ -52,23 +58,25 @@ HANDSHAKE_EVENTS = (
 def require_curve() -> None:
     """Fail loudly when libzmq was built without CURVE (libsodium/tweetnacl)."""
     if not zmq.has("curve"):
-        raise RuntimeError("this libzmq was built without CURVE support; install a pyzmq wheel with libsodium")
+        raise MissingDependencyError(
+            "this libzmq was built without CURVE support; install a pyzmq wheel with libsodium"
+        )
 
 
 def generate_keypair(folder: str | os.PathLike[str], name: str = "client") -> tuple[Path, Path]:
     """Write ``NAME.key`` (public) and ``NAME.key_secret`` (secret, mode 0600) into ``folder``.
 
-    Refuses to overwrite an existing pair (``FileExistsError``): a replaced key silently locks
+    Refuses to overwrite an existing pair (``OutputExistsError``): a replaced key silently locks
     out every peer that trusted the old one. Returns ``(public_file, secret_file)``.
     """
     require_curve()
     if not name or os.sep in name or name.startswith("."):
-        raise ValueError(f"key name {name!r} must be a plain file name")
+        raise CurveKeyError(f"key name {name!r} must be a plain file name")
     folder = Path(folder)
     public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
     for path in (public, secret):
         if path.exists():
-            raise FileExistsError(f"{path} exists; pick another --name or remove the old key pair first")
+            raise OutputExistsError(f"{path} exists; pick another --name or remove the old key pair first")
     folder.mkdir(parents=True, exist_ok=True)
     old_umask = os.umask(0o077)  # the secret file never exists with wider permissions
     try:
@@ -101,7 +109,7 @@ def load_secret_key(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
 
 def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
     if not Path(path).is_file():
-        raise FileNotFoundError(f"no CURVE key file at {path}")
+        raise MissingFileError(f"no CURVE key file at {path}")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except ValueError:
@@ -162,7 +170,7 @@ class CurveServerKeys:
         object.__setattr__(self, "authorized_clients_dir", Path(self.authorized_clients_dir))
         load_secret_key(self.secret_key_file)
         if not self.authorized_clients_dir.is_dir():
-            raise FileNotFoundError(f"authorized clients folder {self.authorized_clients_dir} does not exist")
+            raise MissingFileError(f"authorized clients folder {self.authorized_clients_dir} does not exist")
         if not self.authorized_public_keys():
             raise CurveKeyError(
                 f"no client public keys (*.key) in {self.authorized_clients_dir}: no client could connect"

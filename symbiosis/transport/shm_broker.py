@@ -48,7 +48,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from symbiosis.errors import ExecutorUnavailableError, ProtocolError, SymbiosisError, error_from_code
+from symbiosis.errors import (
+    ExecutorUnavailableError,
+    OutputExistsError,
+    ProtocolError,
+    SymbiosisError,
+    error_from_code,
+)
 from symbiosis.transport.lane import LaneAsk, LaneGiven  # lanes are handed out here too (lane.py)
 from symbiosis.transport.waker import Waker
 
@@ -327,14 +333,14 @@ def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
 
 def _listen(path: str) -> socket.socket:
     """A non-blocking listening Unix socket at ``path``. A stale socket file there (an executor
-    that died) is replaced, as ZeroMQ does for ipc; anything else there is left alone (OSError)."""
+    that died) is replaced, as ZeroMQ does for ipc; anything else there is left alone (``OutputExistsError``)."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         pass
     else:
         if not stat.S_ISSOCK(mode):
-            raise OSError(f"{path} exists and is not a socket")
+            raise OutputExistsError(f"{path} exists and is not a socket; bind another ipc:// path")
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorUnavailableError, ProtocolError
+from symbiosis.errors import ConfigurationError, ExecutorUnavailableError, ProtocolError
 from symbiosis.transport.shm_broker import ask_segment, map_segment
 from symbiosis.transport.shm_channel import ALIGNMENT, max_segment_bytes, page_round, reply_nbytes, reply_offset
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
@@ -113,7 +113,7 @@ class ShmTransport(ZmqTransport):
 
     def __init__(self, address: str, **kwargs: Any) -> None:
         if not address.startswith("shm+ipc://"):
-            raise ValueError(f"shared memory is offered on ipc:// only: use shm+ipc:///PATH, got {address!r}")
+            raise ConfigurationError(f"shared memory is offered on ipc:// only: use shm+ipc:///PATH, got {address!r}")
         self._pool_lock = threading.Lock()
         self._free: list[_Buffer] = []
         self._leased: set[_Buffer] = set()
@@ -125,14 +125,6 @@ class ShmTransport(ZmqTransport):
         self._session: _Session | None = None
         super().__init__(address[len("shm+") :], **kwargs)
         self.address = address
-
-    def buffer_bytes(self) -> int:
-        """Bytes of shared memory this client holds now (idle, in use and handed out)."""
-        with self._pool_lock:
-            surplus = self._drain_returned()
-            held = sum(b.nbytes for b in (*self._free, *self._leased, *self._handed_out))
-        self._retire(surplus)
-        return held
 
     # ---- ZmqTransport hooks ------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from symbiosis import protocol as P
 from symbiosis.errors import (
+    ConfigurationError,
     ExecutorTimeoutError,
     ExecutorUnavailableError,
     ModelMismatchError,
@@ -371,7 +372,7 @@ class ZmqTransport:
         lane: bool = True,
     ) -> None:
         if not address.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"unsupported executor address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
+            raise ConfigurationError(f"unsupported executor address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
         self.address = address
         self._endpoint = address
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"

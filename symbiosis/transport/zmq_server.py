@@ -67,11 +67,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from symbiosis import protocol as P
 from symbiosis.errors import (
+    ConfigurationError,
     ExecutorBusyError,
     ExecutorUnavailableError,
     ModelMismatchError,
     ProtocolError,
     SymbiosisError,
+    UnsafeBindError,
 )
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
@@ -104,7 +106,7 @@ def check_bind_address(address: str, allow_non_loopback: bool, authenticated: bo
     if address.startswith(("ipc://", "inproc://")):
         return address
     if not address.startswith("tcp://"):
-        raise ValueError(f"unsupported address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
+        raise ConfigurationError(f"unsupported address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
     host, _, port = address[len("tcp://") :].rpartition(":")
     host = host.strip("[]")
     if host == "localhost":
@@ -114,7 +116,7 @@ def check_bind_address(address: str, allow_non_loopback: bool, authenticated: bo
     except ValueError:  # '*', interface names, host names
         loopback = False
     if not loopback and not allow_non_loopback and not authenticated:
-        raise ValueError(
+        raise UnsafeBindError(
             f"refusing to bind {address!r}: not a loopback address. Turn on CURVE "
             "(curve=CurveServerKeys(...); `symbiosis serve --curve-secret-key FILE --authorized-clients DIR`) "
             "to serve other hosts authenticated and encrypted, or pass allow_non_loopback=True to serve them "
@@ -210,14 +212,14 @@ class ZmqServer:
         self._bind_address = check_bind_address(address, allow_non_loopback, authenticated=curve is not None)
         if curve is not None and allow_dist and not allow_non_loopback:
             if dist_host is not None and not _is_loopback(dist_host):
-                raise ValueError(
+                raise UnsafeBindError(
                     f"refusing dist_host={dist_host!r} with CURVE: torch.distributed payloads are not encrypted. "
                     "Pass allow_dist=False, a loopback dist_host, or allow_non_loopback=True to accept plaintext payloads."
                 )
             if dist_host is None and not _is_loopback(_dist_host_for(self._bind_address)):
                 dist_host = "127.0.0.1"  # same-host dist clients only: their payloads never leave the host
         if min(max_inflight_requests, max_inflight_bytes, send_hwm, max_pending_dist_setups) < 1:
-            raise ValueError("the max_inflight_*, send_hwm and max_pending_dist_setups bounds must be >= 1")
+            raise ConfigurationError("the max_inflight_*, send_hwm and max_pending_dist_setups bounds must be >= 1")
         self._limits = P.Limits(
             max_payload_bytes=max_payload_bytes,
             max_inflight_requests=max_inflight_requests,

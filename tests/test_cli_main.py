@@ -1,0 +1,139 @@
+"""How ``symbiosis.cli.main`` reports failures: a user's mistake in one line, a bug with its traceback.
+
+Only ``SymbiosisError`` (and click's usage errors) become a one-line ``error: ...`` with exit code 2;
+any other exception is a bug in symbiosis, so its traceback is shown with a line asking for a bug
+report (exit code 1), with or without ``--debug``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from symbiosis import cli
+from symbiosis.errors import ConfigurationError, SymbiosisError
+from tests.cli_helpers import run_cli
+from tests.jobs.test_cli_errors import assert_one_line_error
+
+
+def assert_bug_report(code: int, err: str, exception_line: str) -> None:
+    assert code == 1, err
+    assert "Traceback (most recent call last)" in err
+    assert exception_line in err, err
+    assert err.rstrip().splitlines()[-1] == cli.BUG_REPORT_LINE
+    assert "please report this bug" in cli.BUG_REPORT_LINE
+    assert not err.startswith("error: ")
+
+
+def generate_args(model, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model), "--embedded", "--prompt", "hi", "--max-new-tokens", "1", *extra]
+
+
+@pytest.mark.parametrize("bug", [ValueError("a slip in our code"), RuntimeError("a slip in our code"), KeyError("x")])
+def test_internal_bug_prints_traceback_and_report_line(bug, tiny_checkpoint, capsys, monkeypatch):
+    import symbiosis.jobs.generate
+
+    def broken(options):
+        raise bug
+
+    monkeypatch.setattr(symbiosis.jobs.generate, "generate", broken)
+    code, _, err = run_cli(generate_args(tiny_checkpoint("llama")), capsys, monkeypatch)
+    assert_bug_report(code, err, f"{type(bug).__name__}: {bug}")
+
+
+def test_internal_bug_with_debug_flag_is_reported_the_same_way(tiny_checkpoint, capsys, monkeypatch):
+    import symbiosis.jobs.generate
+
+    def broken(options):
+        raise ValueError("a slip in our code")
+
+    monkeypatch.setattr(symbiosis.jobs.generate, "generate", broken)
+    code, _, err = run_cli([*generate_args(tiny_checkpoint("llama")), "--debug"], capsys, monkeypatch)
+    assert_bug_report(code, err, "ValueError: a slip in our code")
+
+
+def test_typed_error_is_one_line_and_debug_shows_its_traceback(tiny_checkpoint, capsys, monkeypatch):
+    import symbiosis.jobs.generate
+
+    def refuses(options):
+        raise ConfigurationError("the user's mistake, named")
+
+    monkeypatch.setattr(symbiosis.jobs.generate, "generate", refuses)
+    code, _, err = run_cli(generate_args(tiny_checkpoint("llama")), capsys, monkeypatch)
+    assert_one_line_error(code, err, "the user's mistake, named")
+    assert code == 2
+    monkeypatch.setattr("sys.argv", ["symbiosis", *generate_args(tiny_checkpoint("llama")), "--debug"])
+    with pytest.raises(ConfigurationError, match="the user's mistake"):
+        cli.main()
+
+
+def test_usage_error_is_clicks_message_not_a_bug_report(capsys, monkeypatch):
+    code, _, err = run_cli(["generate", "--no-such-flag"], capsys, monkeypatch)
+    assert code == 2 and "No such option" in err and "Traceback" not in err and cli.BUG_REPORT_LINE not in err
+
+
+# ---- user errors that used to surface as bare ValueError/FileExistsError/RuntimeError -------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--executor", "udp://127.0.0.1:1"], ("udp://127.0.0.1:1", "tcp://")),
+        (["--executor", "shm+tcp://127.0.0.1:1"], ("shm+tcp://",)),
+        (["--embedded", "--device", "gpu"], ("device", "gpu")),
+        (["--embedded", "--dtype", "float64"], ("float64", "float32")),
+    ],
+)
+def test_bad_client_flags_are_one_line(args, needles, tiny_checkpoint, capsys, monkeypatch):
+    command = ["generate", "--model", str(tiny_checkpoint("llama")), "--prompt", "hi", "--connect-timeout", "1", *args]
+    code, _, err = run_cli(command, capsys, monkeypatch)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_unknown_target_module_is_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    args = [
+        "finetune",
+        "--embedded",
+        "--model",
+        str(tiny_checkpoint("llama")),
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "out"),
+        "--target-modules",
+        "no_such_proj",
+        "--steps",
+        "1",
+        "--no-progress",
+    ]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line_error(code, err, "no_such_proj")
+
+
+def test_key_name_and_existing_keys_are_one_line(tmp_path, capsys, monkeypatch):
+    code, _, err = run_cli(["keys", "--output", str(tmp_path), "--name", ".hidden"], capsys, monkeypatch)
+    assert_one_line_error(code, err, ".hidden", "plain file name")
+    assert run_cli(["keys", "--output", str(tmp_path), "--name", "a"], capsys, monkeypatch)[0] == 0
+    code, _, err = run_cli(["keys", "--output", str(tmp_path), "--name", "a"], capsys, monkeypatch)
+    assert_one_line_error(code, err, "a.key", "exists")
+
+
+def test_configuration_errors_keep_their_builtin_types():
+    """Code that caught the builtin the old code raised still catches the typed error."""
+    from symbiosis.errors import MissingFileError, OutputExistsError, UnsafeBindError
+    from symbiosis.executor.scheduler_config import SchedulerConfig
+    from symbiosis.transport.schemes import transport_class
+    from symbiosis.transport.zmq_server import check_bind_address
+
+    with pytest.raises(ValueError) as caught:
+        SchedulerConfig(max_wait_ms=-1)
+    assert isinstance(caught.value, ConfigurationError)
+    with pytest.raises(ValueError) as caught:
+        transport_class("udp://x")
+    assert isinstance(caught.value, ConfigurationError)
+    with pytest.raises(ValueError) as caught:
+        check_bind_address("tcp://0.0.0.0:7000", allow_non_loopback=False)
+    assert isinstance(caught.value, UnsafeBindError)
+    assert issubclass(MissingFileError, FileNotFoundError) and issubclass(OutputExistsError, FileExistsError)
+    assert all(issubclass(cls, SymbiosisError) for cls in (ConfigurationError, MissingFileError, OutputExistsError))
