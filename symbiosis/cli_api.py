@@ -53,7 +53,10 @@ def api_command(
     api_keys: Annotated[
         Path | None,
         typer.Option(
-            help="File of keys, one per line: 'KEY' (every adapter) or 'KEY ADAPTER...' (only those adapters; others answer 404). '#' starts a comment."
+            help=(
+                "File of keys, one per line: 'KEY' (every adapter) or 'KEY ADAPTER...' (only those adapters; others "
+                "answer 404). '#' starts a comment."
+            )
         ),
     ] = None,
     max_concurrent_requests: Annotated[
@@ -70,7 +73,10 @@ def api_command(
         bool,
         typer.Option(
             "--allow-adapter-updates",
-            help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (keys limited to some adapters may not use them).",
+            help=(
+                "Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (keys limited to some adapters may "
+                "not use them)."
+            ),
         ),
     ] = False,
     allow_non_loopback: Annotated[

@@ -22,6 +22,14 @@ SCENARIOS = (
     "executor_efficiency",
 )
 
+#: ``symbiosis bench --help`` (typer keeps a docstring's line breaks, so the text lives here).
+BENCH_HELP = (
+    "Benchmark Symbiosis against HF PEFT baselines: multi-job fine-tuning, executor memory, multi-adapter "
+    "inference, split overhead per transport, executor GEMM efficiency.\n\n"
+    "Full runs use the base preset (~105M params; about 20 minutes on 2 cores) plus a ~1B model where memory is "
+    "measured. Render the README section afterwards with: python -m benchmarks.report --results DIR"
+)
+
 
 def _import_suite():
     checkout = Path(__file__).resolve().parent.parent
@@ -44,7 +52,9 @@ def bench(
     quick: Annotated[
         bool,
         typer.Option(
-            help="Small model (tiny preset) and short runs: about 2 minutes for everything. Numbers are for smoke tests."
+            help=(
+                "Small model (tiny preset) and short runs: about 2 minutes for everything. Numbers are for smoke tests."
+            )
         ),
     ] = False,
     output: Annotated[
@@ -53,7 +63,10 @@ def bench(
     cache: Annotated[
         Path | None,
         typer.Option(
-            help="Folder where the random-weight benchmark checkpoints are made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench)."
+            help=(
+                "Folder where the random-weight benchmark checkpoints are made once and kept (default: "
+                "$SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench)."
+            )
         ),
     ] = None,
     threads: Annotated[int, typer.Option(help="torch threads of every process (executor, clients, baselines).")] = 1,
@@ -61,10 +74,7 @@ def bench(
         float, typer.Option(help="Memory budget (GiB) for counting how many fine-tuning jobs fit.")
     ] = 24.0,
 ) -> None:
-    """Benchmark Symbiosis against HF PEFT baselines: multi-job fine-tuning, executor memory, multi-adapter inference, split overhead per transport, executor GEMM efficiency.
-
-    Full runs use the base preset (~105M params; about 20 minutes on 2 cores) plus a ~1B model where memory is measured. Render the README section afterwards with: python -m benchmarks.report --results DIR
-    """
+    """Run the benchmark scenarios (``--help`` shows ``BENCH_HELP``)."""
     names = list(scenarios or SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -87,4 +97,4 @@ def bench(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bench")(bench)
+    app.command("bench", help=BENCH_HELP)(bench)

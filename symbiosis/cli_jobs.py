@@ -50,13 +50,20 @@ def finetune_command(
     data: Annotated[
         Path,
         typer.Option(
-            help='JSONL training data: {"text": …} per line, or {"prompt": …, "completion": …} (only the completion is trained on).'
+            help=(
+                'JSONL training data: {"text": …} per line, or {"prompt": …, "completion": …} (only the completion '
+                "is trained on)."
+            )
         ),
     ],
     output: Annotated[
         Path,
         typer.Option(
-            help="Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go to OUTPUT.run/. An existing folder is replaced only if empty or written by a previous run; nothing else is ever deleted."
+            help=(
+                "Folder for the trained adapter (a standard PEFT adapter folder); checkpoints and the live log go "
+                "to OUTPUT.run/. An existing folder is replaced only if empty or written by a previous run; nothing "
+                "else is ever deleted."
+            )
         ),
     ],
     executor: ExecutorOpt = None,
@@ -136,7 +143,10 @@ def finetune_command(
     publish_to: Annotated[
         str | None,
         typer.Option(
-            help="URL of a running `symbiosis api` (started with --allow-adapter-updates, same host): publish the LoRA adapter there while training, so new requests use the newest weights."
+            help=(
+                "URL of a running `symbiosis api` (started with --allow-adapter-updates, same host): publish the "
+                "LoRA adapter there while training, so new requests use the newest weights."
+            )
         ),
     ] = None,
     publish_name: Annotated[
@@ -209,7 +219,10 @@ def generate_command(
         list[Path] | None,
         typer.Option(
             "--adapter",
-            help="PEFT adapter folder (repeat to load several, each named after its folder); each prompt runs with each adapter.",
+            help=(
+                "PEFT adapter folder (repeat to load several, each named after its folder); each prompt runs with "
+                "each adapter."
+            ),
         ),
     ] = None,
     executor: ExecutorOpt = None,
@@ -241,12 +254,22 @@ def generate_command(
     generate(options)
 
 
+#: ``symbiosis demo --help`` (typer keeps a docstring's line breaks, so the text lives here).
+DEMO_HELP = (
+    "The main job: one executor process, four fine-tuning clients (LoRA, IA3, prefix, LoHa) on learnable tasks "
+    "and two inference clients, at once."
+)
+
+
 def demo_command(
     quick: Annotated[bool, typer.Option("--quick", help="A few steps on the tiny model (seconds; for tests).")] = False,
     preset: Annotated[
         str | None,
         typer.Option(
-            help="Model size: tiny (default: the demo's learning rates and steps are tuned for it, ~1 minute on 2 cores) or small (~15M params; much slower on CPU)."
+            help=(
+                "Model size: tiny (default: the demo's learning rates and steps are tuned for it, ~1 minute on 2 "
+                "cores) or small (~15M params; much slower on CPU)."
+            )
         ),
     ] = None,
     steps: Annotated[
@@ -255,7 +278,10 @@ def demo_command(
     cache_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where the demo model is made once and reused (default: $SYMBIOSIS_CACHE/demo or ~/.cache/symbiosis/demo)."
+            help=(
+                "Where the demo model is made once and reused (default: $SYMBIOSIS_CACHE/demo or "
+                "~/.cache/symbiosis/demo)."
+            )
         ),
     ] = None,
     output: Annotated[
@@ -270,7 +296,7 @@ def demo_command(
         str, typer.Option(help="The executor's base weights: none, int8 or fp8-rowwise (see `symbiosis serve --help`).")
     ] = "none",
 ) -> None:
-    """The main job: one executor process, four fine-tuning clients (LoRA, IA3, prefix, LoHa) on learnable tasks and two inference clients, at once."""
+    """Run the demo (``--help`` shows ``DEMO_HELP``)."""
     from symbiosis.executor.quantized import parse_quantization
     from symbiosis.jobs.demo import DemoOptions, run_demo
 
@@ -291,4 +317,4 @@ def demo_command(
 def register(app: typer.Typer) -> None:
     app.command("finetune")(finetune_command)
     app.command("generate")(generate_command)
-    app.command("demo")(demo_command)
+    app.command("demo", help=DEMO_HELP)(demo_command)

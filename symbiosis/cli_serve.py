@@ -23,14 +23,21 @@ def serve(
     bind: Annotated[
         list[str],
         typer.Option(
-            help="Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with shm+ipc://PATH to pass payloads through shared memory."
+            help=(
+                "Address to listen on: tcp://HOST:PORT or ipc:///PATH (repeat to listen on several). Loopback only "
+                "unless --allow-non-loopback. Same-host clients of an ipc:// address may connect with "
+                "shm+ipc://PATH to pass payloads through shared memory."
+            )
         ),
-    ] = ["tcp://127.0.0.1:7000"],
+    ] = ("tcp://127.0.0.1:7000",),  # a tuple: typer hands the command a list either way
     device: Annotated[str, typer.Option(help="Device of the base weights: cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[
         str,
         typer.Option(
-            help="dtype of the base weights: float32, bfloat16 or float16 (with --quantization: the dtype products are computed in)."
+            help=(
+                "dtype of the base weights: float32, bfloat16 or float16 (with --quantization: the dtype products "
+                "are computed in)."
+            )
         ),
     ] = "float32",
     quantization: Annotated[
@@ -42,7 +49,10 @@ def serve(
     allow_non_loopback: Annotated[
         bool,
         typer.Option(
-            help="Allow binding an address other than loopback without CURVE (exposes the service to the network unauthenticated and unencrypted). Not needed with --curve-secret-key."
+            help=(
+                "Allow binding an address other than loopback without CURVE (exposes the service to the network "
+                "unauthenticated and unencrypted). Not needed with --curve-secret-key."
+            )
         ),
     ] = False,
     curve_secret_key: Annotated[
@@ -57,7 +67,11 @@ def serve(
     ready_file: Annotated[
         Path | None,
         typer.Option(
-            help="Once serving, write JSON here (addresses with real ports, pid, checkpoint fingerprint, model type, metrics URL) for scripts and supervisors to read instead of parsing the log; written atomically, removed on exit."
+            help=(
+                "Once serving, write JSON here (addresses with real ports, pid, checkpoint fingerprint, model type, "
+                "metrics URL) for scripts and supervisors to read instead of parsing the log; written atomically, "
+                "removed on exit."
+            )
         ),
     ] = None,
     shards: Annotated[int, typer.Option(min=1, help=SHARD_HELP["shards"])] = 1,

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
-class Op(str, enum.Enum):
+class Op(enum.StrEnum):
     """What the executor computes for a base layer with weight ``W`` [out, in] and bias ``b``."""
 
     FORWARD = "forward"  # y = x Wᵀ + b         rows of width in  -> rows of width out
@@ -26,7 +26,7 @@ class Op(str, enum.Enum):
         return spec.in_features if self is Op.BACKWARD else spec.out_features
 
 
-class LatencyClass(str, enum.Enum):
+class LatencyClass(enum.StrEnum):
     """How urgent a request is; the scheduler serves lower ``priority`` first."""
 
     DECODE = "decode"

@@ -46,7 +46,8 @@ class ClientOptions:
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "With --embedded: store the embedded executor's base weights quantized (none, int8 or fp8-rowwise; see `symbiosis serve --help`). A running executor was started with its own."
+            "With --embedded: store the embedded executor's base weights quantized (none, int8 or fp8-rowwise; see "
+            "`symbiosis serve --help`). A running executor was started with its own."
         ),
     )
 
@@ -58,7 +59,8 @@ class ClientOptions:
         self.quantization = parse_quantization(self.quantization)
         if self.quantization and not self.embedded:
             raise JobError(
-                "--quantization applies to an --embedded executor; start a running one with `symbiosis serve --quantization`"
+                "--quantization applies to an --embedded executor; start a running one with `symbiosis serve "
+                "--quantization`"
             )
 
 

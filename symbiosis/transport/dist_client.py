@@ -125,7 +125,8 @@ class DistTransport(ZmqTransport):
         ):
             raise ConfigurationError(
                 f"refusing {address!r} with CURVE: torch.distributed payloads are not encrypted (CURVE covers control "
-                "messages only); connect with tcp:// for encrypted inline payloads, or pass allow_unencrypted_payloads=True"
+                "messages only); connect with tcp:// for encrypted inline payloads, or pass "
+                "allow_unencrypted_payloads=True"
             )
         self._group: Any = None
         self._group_conn: _Connection | None = None

@@ -161,8 +161,13 @@ class CurveServerKeys:
     authorized_clients_dir: Path
 
     HELP: ClassVar[dict[str, str]] = {
-        "secret_key_file": "The executor's CURVE secret key file (NAME.key_secret from `symbiosis keys`). Turns on CURVE: clients must authenticate and all ZeroMQ traffic is encrypted.",
-        "authorized_clients_dir": "Folder of authorized clients' public key files (*.key); only these clients may connect.",
+        "secret_key_file": (
+            "The executor's CURVE secret key file (NAME.key_secret from `symbiosis keys`). Turns on CURVE: clients "
+            "must authenticate and all ZeroMQ traffic is encrypted."
+        ),
+        "authorized_clients_dir": (
+            "Folder of authorized clients' public key files (*.key); only these clients may connect."
+        ),
     }
 
     def __post_init__(self) -> None:

@@ -214,7 +214,8 @@ class ZmqServer:
             if dist_host is not None and not _is_loopback(dist_host):
                 raise UnsafeBindError(
                     f"refusing dist_host={dist_host!r} with CURVE: torch.distributed payloads are not encrypted. "
-                    "Pass allow_dist=False, a loopback dist_host, or allow_non_loopback=True to accept plaintext payloads."
+                    "Pass allow_dist=False, a loopback dist_host, or allow_non_loopback=True to accept plaintext "
+                    "payloads."
                 )
             if dist_host is None and not _is_loopback(_dist_host_for(self._bind_address)):
                 dist_host = "127.0.0.1"  # same-host dist clients only: their payloads never leave the host
