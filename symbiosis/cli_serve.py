@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from symbiosis.cli_scheduler import with_scheduler_options
+from symbiosis.errors import MissingFileError
 from symbiosis.executor.quantization_options import QUANTIZATION_CHOICES, QUANTIZATION_HELP
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.sharding.options import DEFAULT_STRATEGY, SHARD_HELP, ShardOptions
@@ -99,6 +100,8 @@ def serve(
     curve = CurveServerKeys(curve_secret_key, authorized_clients) if curve_secret_key and authorized_clients else None
     for address in bind:  # before loading anything
         check_abstract_ipc(address, curve)
+    if ready_file is not None and not ready_file.parent.is_dir():
+        raise MissingFileError(f"--ready-file {str(ready_file)!r}: folder {str(ready_file.parent)!r} does not exist")
     from symbiosis.executor.quantized import parse_quantization
 
     quantization = parse_quantization(quantization)  # an unknown name fails before anything loads
@@ -129,12 +132,16 @@ def serve(
         quantization=quantization,
         scheduler_config=scheduler_config,
     )
-    servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
-    metrics = None
-    if metrics_port is not None:
-        from symbiosis.executor.metrics import MetricsServer
+    try:  # an address or port that is taken: stop what started, then report it
+        servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
+        metrics = None
+        if metrics_port is not None:
+            from symbiosis.executor.metrics import MetricsServer
 
-        metrics = MetricsServer(executor, metrics_port)
+            metrics = MetricsServer(executor, metrics_port)
+    except BaseException:
+        executor.close(drain=False)
+        raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

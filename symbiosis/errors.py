@@ -135,6 +135,13 @@ class UnsupportedQuantizationError(SymbiosisError, ValueError):
     code = "unsupported_quantization"
 
 
+class BindError(SymbiosisError, OSError):
+    """A server could not listen at the address the user gave: the port is taken, the folder of an
+    ``ipc://`` path does not exist, the host is not one of this machine's."""
+
+    code = "bind"
+
+
 class MissingDependencyError(SymbiosisError, RuntimeError):
     """A feature the user asked for needs a library (or a build of one) that is not installed; the
     message names what to install."""

@@ -137,3 +137,31 @@ def test_configuration_errors_keep_their_builtin_types():
     assert isinstance(caught.value, UnsafeBindError)
     assert issubclass(MissingFileError, FileNotFoundError) and issubclass(OutputExistsError, FileExistsError)
     assert all(issubclass(cls, SymbiosisError) for cls in (ConfigurationError, MissingFileError, OutputExistsError))
+
+
+def test_serve_on_a_taken_port_is_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["serve", str(tiny_checkpoint("llama")), "--bind", f"tcp://127.0.0.1:{port}"]
+        code, _, err = run_cli(args, capsys, monkeypatch)
+        assert_one_line_error(code, err, f"tcp://127.0.0.1:{port}", "in use")
+        args = [
+            "serve",
+            str(tiny_checkpoint("llama")),
+            "--bind",
+            f"ipc://{tmp_path}/ok.sock",
+            "--metrics-port",
+            str(port),
+        ]
+        code, _, err = run_cli(args, capsys, monkeypatch)
+        assert_one_line_error(code, err, "metrics", str(port))
+    args = ["serve", str(tiny_checkpoint("llama")), "--bind", f"ipc://{tmp_path}/no/such/folder.sock"]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line_error(code, err, "no/such/folder.sock")
+    args = ["serve", str(tiny_checkpoint("llama")), "--ready-file", str(tmp_path / "nope" / "ready.json")]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line_error(code, err, "--ready-file", "does not exist")

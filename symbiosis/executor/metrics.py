@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from symbiosis.errors import BindError
+
 log = logging.getLogger(__name__)
 
 
@@ -159,7 +161,10 @@ class MetricsServer:
             def log_message(self, *args):  # scrapes are not news
                 pass
 
-        self._server = _BoundedHTTPServer((host, port), Handler, max_handlers)
+        try:
+            self._server = _BoundedHTTPServer((host, port), Handler, max_handlers)
+        except OSError as exc:  # the port is taken, or not ours to take
+            raise BindError(f"cannot serve metrics at {host}:{port}: {exc.strerror or exc}") from None
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="symbiosis-metrics", daemon=True)
         self._thread.start()

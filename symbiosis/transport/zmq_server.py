@@ -67,6 +67,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from symbiosis import protocol as P
 from symbiosis.errors import (
+    BindError,
     ConfigurationError,
     ExecutorBusyError,
     ExecutorUnavailableError,
@@ -285,7 +286,10 @@ class ZmqServer:
             largest_frame = max(self._limits.max_payload_bytes, P.MAX_HEADER_BYTES)
             self._router.setsockopt(zmq.MAXMSGSIZE, largest_frame + _FRAME_SLACK)
             self._router.setsockopt(zmq.LINGER, 500)
-            self._router.bind(self._bind_address)
+            try:
+                self._router.bind(self._bind_address)
+            except zmq.ZMQError as exc:
+                raise BindError(f"cannot listen at {self._bind_address}: {exc.strerror}") from None
             self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._socket_file = _socket_file(self._address)
             self._channels = self._make_channels()  # after bind: shared memory lives next to the ipc socket
