@@ -18,3 +18,13 @@ def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
         code = exc.code if isinstance(exc.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    """A user error: a non-zero exit and one line ``error: ...`` naming each of ``needles``, no traceback."""
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"

@@ -11,8 +11,7 @@ import pytest
 
 from symbiosis import cli
 from symbiosis.errors import ConfigurationError, SymbiosisError
-from tests.cli_helpers import run_cli
-from tests.jobs.test_cli_errors import assert_one_line_error
+from tests.cli_helpers import assert_one_line_error, run_cli
 
 
 def assert_bug_report(code: int, err: str, exception_line: str) -> None:

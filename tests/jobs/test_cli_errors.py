@@ -15,16 +15,7 @@ from pathlib import Path
 import pytest
 
 import symbiosis
-from tests.cli_helpers import run_cli
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    assert code != 0
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one line, got:\n{err}"
-    assert lines[0].startswith("error: ") and "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+from tests.cli_helpers import assert_one_line_error, run_cli
 
 
 @pytest.fixture
