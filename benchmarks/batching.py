@@ -58,7 +58,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 import symbiosis
-from benchmarks import common
+from benchmarks import timing
 from benchmarks.batching_clients import (
     ClientRecord,
     ClientSpec,
@@ -68,6 +68,9 @@ from benchmarks.batching_clients import (
     summarize_run,
     warm_up,
 )
+from benchmarks.options import add_common_arguments, checkpoint_path, resolve_common
+from benchmarks.plots import Panel, plot_panels
+from benchmarks.results import command_line, machine_info, print_summary, write_json
 from symbiosis.executor.scheduler import SchedulerConfig
 
 NAME = "batching"
@@ -206,12 +209,12 @@ SCALARS = (
 def aggregate(runs: Sequence[dict]) -> dict:
     """Median over repeated runs of every scalar, and of every client's numbers."""
     # None (not applicable, or nothing finished inside the window) is skipped; all None gives null.
-    result = {key: common.median_or_nan([run[key] for run in runs]) for key in SCALARS}
+    result = {key: timing.median_or_nan([run[key] for run in runs]) for key in SCALARS}
     per_client = []
     for index, first in enumerate(runs[0]["per_client"]):
         client = {k: first[k] for k in ("kind", "adapter", "batch_size")}
         for key in ("steps", "step_ms_mean", "step_ms_p95"):
-            client[key] = common.median_or_nan([run["per_client"][index][key] for run in runs])
+            client[key] = timing.median_or_nan([run["per_client"][index][key] for run in runs])
         per_client.append(client)
     result["per_client"] = per_client
     result["wait_rules"] = [(run.get("wait_rule") or {}).get("rule") for run in runs]
@@ -221,8 +224,8 @@ def aggregate(runs: Sequence[dict]) -> dict:
 
 def median_ratio(numerators: Sequence[dict], denominators: Sequence[dict], key: str) -> float:
     """Median over repeats of the per-repeat ratio (runs of one repeat ran side by side)."""
-    return common.median_or_nan(
-        [common.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key]]
+    return timing.median_or_nan(
+        [timing.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key]]
     )
 
 
@@ -264,8 +267,8 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
             "finetune_tokens_per_s_alone": agg["finetune_alone", base]["finetune_tokens_per_s"],
             "finetune_tokens_per_s_mixed": agg["inference_with_finetune", v]["finetune_tokens_per_s"],
             "finetune_kept": median_ratio(mixed, ft_alone, "finetune_tokens_per_s"),
-            "decode_slo_ms": common.median_or_nan(slo_ms) if v == SLO_VARIANT else None,
-            "slo_p95_ratio": common.median_or_nan([common.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms)])
+            "decode_slo_ms": timing.median_or_nan(slo_ms) if v == SLO_VARIANT else None,
+            "slo_p95_ratio": timing.median_or_nan([timing.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms)])
             if v == SLO_VARIANT
             else None,
         }
@@ -294,10 +297,10 @@ def targets(summary: dict) -> list[dict]:
 
     inference = summary["inference"]
     if {"opportunistic", "immediate"} <= set(inference):
-        ratio = common.ratio(inference["opportunistic"]["tokens_per_s"], inference["immediate"]["tokens_per_s"])
+        ratio = timing.ratio(inference["opportunistic"]["tokens_per_s"], inference["immediate"]["tokens_per_s"])
         check("heterogeneous: opportunistic tokens/s / immediate >= 1", ratio, 1.0, ratio >= 1.0)
     if {"opportunistic", "lockstep"} <= set(inference):
-        ratio = common.ratio(inference["opportunistic"]["latency_ms_mean"], inference["lockstep"]["latency_ms_mean"])
+        ratio = timing.ratio(inference["opportunistic"]["latency_ms_mean"], inference["lockstep"]["latency_ms_mean"])
         check("heterogeneous: opportunistic mean per-token latency / lockstep <= 1", ratio, 1.0, ratio <= 1.0)
     for v, figures in summary["mixed"].items():
         if v not in ("opportunistic", SLO_VARIANT):
@@ -338,7 +341,7 @@ def targets(summary: dict) -> list[dict]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser, default_repeats=3, quick_repeats=1)
+    add_common_arguments(parser, default_repeats=3, quick_repeats=1)
     parser.add_argument(
         "--executor",
         default=None,
@@ -413,7 +416,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1.2,
         help="Without --decode-slo-ms: the target as a multiple of inference alone's p95 (default: %(default)s).",
     )
-    args = common.resolve_common(parser.parse_args(argv))
+    args = resolve_common(parser.parse_args(argv))
     if args.clients_as == "processes" and args.quick:
         parser.error("--clients-as processes is for full runs; --quick uses threads")
     if args.executor and args.model is None:
@@ -434,7 +437,7 @@ def _load() -> list[float]:
 def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
     args = parse_args(argv)
-    path = common.checkpoint_path(args)
+    path = checkpoint_path(args)
     max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 1024)
     args.segment_tokens = max(8, min(512, max_positions - args.prompt_len - 8))
     load_start = _load()
@@ -507,8 +510,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     result = {
         "benchmark": NAME,
-        "command": common.command_line(argv, f"benchmarks.{NAME}"),
-        "machine": common.machine_info(),
+        "command": command_line(argv, f"benchmarks.{NAME}"),
+        "machine": machine_info(),
         "config": {
             "model": str(path),
             "arch": args.arch,
@@ -537,9 +540,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     result["wall_s"] = summary["wall_s"] = time.perf_counter() - started
     output = Path(args.output)
-    common.write_json(output / f"{NAME}.json", result)
+    write_json(output / f"{NAME}.json", result)
     plot(output / f"{NAME}.png", result)
-    common.print_summary(summary)
+    print_summary(summary)
     return result
 
 
@@ -566,13 +569,13 @@ def plot(path: Path, result: dict) -> None:
     names = list(inference)
     if names:
         panels += [
-            common.Panel(
+            Panel(
                 "(a) heterogeneous clients: aggregate throughput",
                 "tokens/s",
                 names,
                 {"tokens/s": [inference[v]["tokens_per_s"] for v in names]},
             ),
-            common.Panel(
+            Panel(
                 "(a) per-token latency",
                 "ms",
                 names,
@@ -585,7 +588,7 @@ def plot(path: Path, result: dict) -> None:
     names = list(mixed)
     if names:
         panels += [
-            common.Panel(
+            Panel(
                 "(b) 6 inference + 2 fine-tuning: inference p95 and fine-tuning kept, vs alone",
                 "ratio",
                 names,
@@ -598,7 +601,7 @@ def plot(path: Path, result: dict) -> None:
     names = list(flood)
     if names:
         panels += [
-            common.Panel(
+            Panel(
                 "(c) bystander p95 under a flood / alone",
                 "ratio",
                 names,
@@ -608,7 +611,7 @@ def plot(path: Path, result: dict) -> None:
     if not panels:
         return
     config = result["config"]
-    common.plot_panels(
+    plot_panels(
         path,
         f"Batching and sharing, {config['arch']} {config['preset']}, clients as {config['clients_as']}, "
         f"{config['window_s']} s windows, median of {config['repeats']}",

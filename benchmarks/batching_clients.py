@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import peft
 import torch
 
-from benchmarks import common
+from benchmarks.timing import percentile
 from symbiosis.vocabulary import LatencyClass, Op
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -219,7 +219,7 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
         "tokens_per_s": sum(r.tokens for r in inference) / window_s if inference else None,
         "latency_ms_mean": 1e3 * statistics.fmean(latencies) if latencies else None,
         "latency_ms_median": 1e3 * statistics.median(latencies) if latencies else None,
-        "latency_ms_p95": 1e3 * common.percentile(latencies, 95) if latencies else None,
+        "latency_ms_p95": 1e3 * percentile(latencies, 95) if latencies else None,
         "finetune_tokens_per_s": sum(r.tokens for r in finetune) / window_s if finetune else None,
         "finetune_step_ms_median": 1e3 * statistics.median([s for r in finetune for s in r.step_s])
         if any(r.step_s for r in finetune)
@@ -240,7 +240,7 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
                 "batch_size": r.spec.batch_size,
                 "steps": len(r.step_s),
                 "step_ms_mean": 1e3 * statistics.fmean(r.step_s) if r.step_s else None,
-                "step_ms_p95": 1e3 * common.percentile(r.step_s, 95) if r.step_s else None,
+                "step_ms_p95": 1e3 * percentile(r.step_s, 95) if r.step_s else None,
             }
             for r in records
         ],

@@ -7,12 +7,14 @@ process over ``ipc://`` (or ``tcp://`` loopback with ``--scheme tcp``, the neare
 comes to remote clients) through the ZeroMQ transport, as ``symbiosis serve`` clients do, with
 ``OMP_WAIT_POLICY=PASSIVE`` as ``serve`` sets it (unless the environment sets another).
 
-Processes are started once (spawn) and reused for every run: the executor process loads the
-weights once and starts a fresh ``BaseExecutor`` with the run's ``SchedulerConfig`` at a fresh
-address; each client process builds a fresh client model and adapter per run, warms up, reports
-ready, and then runs from a common start time (``time.perf_counter`` is CLOCK_MONOTONIC, shared by
-processes on Linux) until the window's end, counting the steps that finish inside the window.
-It returns the same per-run summary as thread mode (``batching_clients.summarize_run``).
+Every run gets a fresh executor: ``symbiosis serve`` with the run's ``SchedulerConfig`` as flags
+(``serve_flags``), started with ``ExecutorProcess`` (the one way an executor process is started),
+its scheduler counters read from its ``/stats`` endpoint at the window's start and end. Client
+processes are started once (spawn) and reused: each builds a fresh client model and adapter per
+run, warms up, reports ready, and then runs from a common start time (``time.perf_counter`` is
+CLOCK_MONOTONIC, shared by processes on Linux) until the window's end, counting the steps that
+finish inside the window. It returns the same per-run summary as thread mode
+(``batching_clients.summarize_run``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.batching_clients import ClientRecord, counters_from_stats, summarize_run
+from symbiosis.executor.process import ExecutorProcess
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE
 
@@ -33,45 +37,32 @@ _START_DELAY_S = 0.2
 _REPLY_TIMEOUT_S = 300.0
 
 
-def _executor_main(conn, path: str, threads: int | None) -> None:
-    import torch
-
-    import symbiosis
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    weights = symbiosis.BaseExecutor.from_pretrained(path).weights
-    executor = None
-    while True:
-        command, payload = conn.recv()
-        if command == "start":
-            config, address = payload
-            executor = symbiosis.BaseExecutor(weights, SchedulerConfig(**config))
-            server = executor.serve(address)
-            conn.send(("ok", server.address))  # a tcp port 0 resolved
-        elif command == "stats":
-            from benchmarks.batching_clients import counters_from_stats
-
-            conn.send(("ok", counters_from_stats(executor.stats()["scheduler"])))
-        elif command == "stop":
-            executor.close()
-            executor = None
-            conn.send(("ok", None))
-        else:  # "exit"
-            if executor is not None:
-                executor.close()
-            conn.send(("ok", None))
-            return
+def serve_flags(config: SchedulerConfig) -> list[str]:
+    """The ``symbiosis serve`` flags that make ``config`` (every field that differs from its default;
+    ``serve`` has one option per ``SchedulerConfig`` field, see ``symbiosis/cli_scheduler.py``)."""
+    flags: list[str] = []
+    for field in dataclasses.fields(SchedulerConfig):
+        value = getattr(config, field.name)
+        if value == field.default:
+            continue
+        option = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(option if value else "--no-" + option.removeprefix("--"))
+        elif value is None:
+            raise ValueError(f"{field.name}=None (default {field.default!r}) has no serve flag")
+        else:
+            flags += [option, str(value)]
+    return flags
 
 
 def _client_main(conn, path: str) -> None:
     import torch
 
     from benchmarks import batching_clients as clients
-    from benchmarks import common
+    from benchmarks.options import quiet_libraries
 
     torch.set_num_threads(1)  # one core's worth per client; the executor process takes its own
-    common.quiet_libraries()
+    quiet_libraries()
     while True:
         command, payload = conn.recv()
         if command == "exit":
@@ -93,7 +84,8 @@ def _client_main(conn, path: str) -> None:
 
 
 class ProcessPool:
-    """One executor process (unless ``--executor`` names a running one) and ``clients`` client processes."""
+    """``clients`` client processes, and per run a fresh executor process (unless ``--executor``
+    names a running one)."""
 
     def __init__(self, path: Path, clients: int, args: argparse.Namespace):
         self.args = args
@@ -103,12 +95,6 @@ class ProcessPool:
         os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
         context = mp.get_context("spawn")
         self._runs = 0
-        self._executor = None
-        if args.executor is None:
-            parent, child = context.Pipe()
-            process = context.Process(target=_executor_main, args=(child, self.path, args.threads), daemon=True)
-            process.start()
-            self._executor = (process, parent)
         self._clients = []
         for _ in range(clients):
             parent, child = context.Pipe()
@@ -125,24 +111,27 @@ class ProcessPool:
             raise RuntimeError(f"{what} failed: {payload}")
         return payload
 
-    def _executor_call(self, command: str, payload=None):
-        process, conn = self._executor
-        conn.send((command, payload))
-        return self._reply(process, conn, "executor process")
-
     def run_once(self, config: SchedulerConfig | None, specs: Sequence, seed: int) -> dict:
         """One measured window of ``specs``; ``config`` None means the running executor at ``--executor``."""
-        from benchmarks.batching_clients import ClientRecord, summarize_run
-
         self._runs += 1
+        executor = None
         if config is not None:
             if self.args.scheme == "tcp":
-                address = "tcp://127.0.0.1:0"
+                bind = "tcp://127.0.0.1:0"
             else:
-                address = f"ipc:///tmp/symbiosis-batching-{os.getpid()}-{self._runs}.sock"
-            address = self._executor_call("start", (dataclasses.asdict(config), address))
+                bind = f"ipc:///tmp/symbiosis-batching-{os.getpid()}-{self._runs}.sock"
+            executor = ExecutorProcess(
+                self.path, [bind], extra_args=serve_flags(config), threads=self.args.threads, metrics=True
+            )
+            address = executor.address  # a tcp port 0 resolved
         else:
             address = self.args.executor
+
+        def counters() -> dict:
+            if executor is None:
+                return {"batches": 0, "rows": 0}
+            return counters_from_stats(executor.stats()["scheduler"])
+
         used = self._clients[: len(specs)]
         try:
             for index, ((_, conn), spec) in enumerate(zip(used, specs)):
@@ -161,34 +150,33 @@ class ProcessPool:
                 )
             for index, (process, conn) in enumerate(used):
                 self._reply(process, conn, f"client process {index}")
-            counters = {}
+            window = {}
             start_s = time.perf_counter() + _START_DELAY_S
             end_s = start_s + self.args.window_s
             for _, conn in used:
                 conn.send(("go", (start_s, end_s)))
             time.sleep(max(0.0, start_s - time.perf_counter()))
-            counters["start"] = self._executor_call("stats") if config is not None else {"batches": 0, "rows": 0}
+            window["start"] = counters()
             time.sleep(max(0.0, end_s - time.perf_counter()))
-            counters["end"] = self._executor_call("stats") if config is not None else {"batches": 0, "rows": 0}
+            window["end"] = counters()
             records = []
             for index, ((process, conn), spec) in enumerate(zip(used, specs)):
                 step_s, tokens = self._reply(process, conn, f"client process {index}")
                 records.append(ClientRecord(spec, step_s=step_s, tokens=tokens))
         finally:
-            if config is not None:
-                self._executor_call("stop")
+            if executor is not None:
+                executor.close()
                 if address.startswith("ipc://"):
                     Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
-        return summarize_run(records, counters, self.args.window_s, config is not None)
+        return summarize_run(records, window, self.args.window_s, config is not None)
 
     def close(self) -> None:
-        processes = self._clients + ([self._executor] if self._executor else [])
-        for _, conn in processes:
+        for _, conn in self._clients:
             try:
                 conn.send(("exit", None))
             except (BrokenPipeError, OSError):
                 pass
-        for process, _ in processes:
+        for process, _ in self._clients:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()

@@ -40,7 +40,11 @@ from typing import Any
 
 import torch
 
-from benchmarks import common, quantization_quality
+from benchmarks import quantization_quality
+from benchmarks.options import add_common_arguments, checkpoint_path, resolve_common
+from benchmarks.plots import Panel, plot_panels
+from benchmarks.results import command_line, machine_info, repo_root, write_json
+from benchmarks.timing import ratio, time_interleaved
 
 VARIANTS = quantization_quality.VARIANTS
 TARGETS = {"bytes_ratio_max": 0.27, "decode_ratio_min": 1.2, "train_ratio_max": 1.2}
@@ -88,12 +92,12 @@ def section_bytes(path: Path) -> dict[str, Any]:
             capture_output=True,
             text=True,
             check=True,
-            cwd=common.repo_root(),
+            cwd=repo_root(),
         )
         out[variant] = json.loads(done.stdout.strip().splitlines()[-1])
     for variant in VARIANTS:
-        out[variant]["bytes_ratio"] = common.ratio(out[variant]["weights_bytes"], out["fp32"]["weights_bytes"])
-        out[variant]["rss_gain_ratio"] = common.ratio(out[variant]["rss_gain_bytes"], out["fp32"]["rss_gain_bytes"])
+        out[variant]["bytes_ratio"] = ratio(out[variant]["weights_bytes"], out["fp32"]["weights_bytes"])
+        out[variant]["rss_gain_ratio"] = ratio(out[variant]["rss_gain_bytes"], out["fp32"]["rss_gain_bytes"])
     return out
 
 
@@ -130,12 +134,10 @@ def section_kernels(path: Path, row_counts: list[int], repeats: int) -> dict[str
         candidates = {v: products(v, Op.FORWARD, rows) for v in VARIANTS}
         candidates["int8 (fbgemm forced)"] = products("int8", Op.FORWARD, rows, fbgemm_rows=1 << 30)
         candidates["int8 (dequantize forced)"] = products("int8", Op.FORWARD, rows, fbgemm_rows=0)
-        samples = common.time_interleaved(candidates, warmup=1, repeats=repeats)
+        samples = time_interleaved(candidates, warmup=1, repeats=repeats)
         results["forward"][str(rows)] = {name: 1e3 * statistics.median(s) for name, s in samples.items()}
     for rows in row_counts[-2:]:
-        samples = common.time_interleaved(
-            {v: products(v, Op.BACKWARD, rows) for v in VARIANTS}, warmup=1, repeats=repeats
-        )
+        samples = time_interleaved({v: products(v, Op.BACKWARD, rows) for v in VARIANTS}, warmup=1, repeats=repeats)
         results["backward"][str(rows)] = {name: 1e3 * statistics.median(s) for name, s in samples.items()}
     for ex in executors.values():
         ex.close()
@@ -195,7 +197,7 @@ def section_decode(path: Path, clients_n: int, new_tokens: int, rounds: int) -> 
         executors[v].close()
     out = {v: {"tokens_per_s": statistics.median(s), "samples": s} for v, s in samples.items()}
     for v in VARIANTS:
-        out[v]["ratio_to_fp32"] = common.ratio(out[v]["tokens_per_s"], out["fp32"]["tokens_per_s"])
+        out[v]["ratio_to_fp32"] = ratio(out[v]["tokens_per_s"], out["fp32"]["tokens_per_s"])
         layers = stats[v]["layers"].values()
         batches = sum(layer["batches"] for layer in layers)
         out[v]["mean_rows_per_batch"] = sum(layer["mean_rows_per_batch"] * layer["batches"] for layer in layers) / max(
@@ -221,13 +223,13 @@ def section_train(path: Path, batch: int, seq: int, steps: int) -> dict[str, Any
             optimizer.step()
 
         runs[v] = (model, step)
-    samples = common.time_interleaved({v: run[1] for v, run in runs.items()}, warmup=1, repeats=steps)
+    samples = time_interleaved({v: run[1] for v, run in runs.items()}, warmup=1, repeats=steps)
     for v, (model, _) in runs.items():
         model.get_base_model().symbiosis_transport.close()
         executors[v].close()
     out = {v: {"step_s": statistics.median(s), "samples_s": s} for v, s in samples.items()}
     for v in VARIANTS:
-        out[v]["ratio_to_fp32"] = common.ratio(out[v]["step_s"], out["fp32"]["step_s"])
+        out[v]["ratio_to_fp32"] = ratio(out[v]["step_s"], out["fp32"]["step_s"])
     return out
 
 
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    common.add_common_arguments(parser, default_repeats=5, quick_repeats=2)
+    add_common_arguments(parser, default_repeats=5, quick_repeats=2)
     parser.add_argument(
         "--sections",
         nargs="*",
@@ -248,10 +250,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.preset is None and not args.quick:
         args.preset = "base"
-    args = common.resolve_common(args)
+    args = resolve_common(args)
     started = time.perf_counter()
-    machine = common.machine_info()
-    path = common.checkpoint_path(args)
+    machine = machine_info()
+    path = checkpoint_path(args)
     from symbiosis.modelzoo import make_model
 
     tiny = make_model("llama", "tiny", Path(args.cache) / "llama-tiny-seed0", seed=0)
@@ -281,10 +283,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             raise SystemExit(f"unknown section {section!r}")
         print(f"[quantization] {section} done in {time.perf_counter() - t0:.0f} s", flush=True)
-        common.write_json(Path(args.output) / "quantization.partial.json", results)  # a long run's sections so far
+        write_json(Path(args.output) / "quantization.partial.json", results)  # a long run's sections so far
     summary = {
         "benchmark": "quantization",
-        "command": common.command_line(argv, "benchmarks.quantization"),
+        "command": command_line(argv, "benchmarks.quantization"),
         "model": str(path),
         "preset": args.preset,
         "machine": machine,
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     shutil.rmtree(workdir, ignore_errors=True)
     out = Path(args.output)
-    common.write_json(out / "quantization.json", summary)
+    write_json(out / "quantization.json", summary)
     (out / "quantization.partial.json").unlink(missing_ok=True)
     plot(out / "quantization.png", results, args.preset)
     for line in summary["headline"]:
@@ -359,7 +361,7 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
     panels = []
     if "bytes" in results:
         panels.append(
-            common.Panel(
+            Panel(
                 "stored weight bytes",
                 "MiB",
                 list(VARIANTS),
@@ -368,7 +370,7 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
         )
     if "decode" in results:
         panels.append(
-            common.Panel(
+            Panel(
                 "decode, 8 clients",
                 "tokens/s",
                 list(VARIANTS),
@@ -377,14 +379,12 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
         )
     if "train" in results:
         panels.append(
-            common.Panel(
-                "training step", "s", list(VARIANTS), {"step": [results["train"][v]["step_s"] for v in VARIANTS]}
-            )
+            Panel("training step", "s", list(VARIANTS), {"step": [results["train"][v]["step_s"] for v in VARIANTS]})
         )
     if "kernels" in results:
         rows = list(results["kernels"]["forward"])
         panels.append(
-            common.Panel(
+            Panel(
                 "forward products of every layer, by rows",
                 "ms",
                 rows,
@@ -399,7 +399,7 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
     if "quality" in results and results["quality"]["tasks"]:
         methods = list(results["quality"]["tasks"])
         panels.append(
-            common.Panel(
+            Panel(
                 "task accuracy after fine-tuning",
                 "exact match",
                 methods,
@@ -408,7 +408,7 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
         )
     if "jobs" in results and "skipped" not in results["jobs"]:
         panels.append(
-            common.Panel(
+            Panel(
                 f"~1B fine-tuning jobs in {BUDGET_GIB:g} GiB",
                 "jobs",
                 list(VARIANTS),
@@ -416,7 +416,7 @@ def plot(path: Path, results: dict[str, Any], preset: str) -> None:
             )
         )
     if panels:  # a run of sections that were all skipped has nothing to draw
-        common.plot_panels(path, f"Quantized base ({preset} preset) vs fp32", panels)
+        plot_panels(path, f"Quantized base ({preset} preset) vs fp32", panels)
 
 
 if __name__ == "__main__":

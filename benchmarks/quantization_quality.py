@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks.memory import GIB
+from benchmarks.results import repo_root
 
 VARIANTS = ("fp32", "int8", "fp8-rowwise")
 BUDGET_GIB = 24.0
@@ -165,9 +166,9 @@ def section_jobs(cache: Path, workdir: Path) -> dict[str, Any]:
     from benchmarks.scenarios.multi_job_finetune import LARGE_PARAMS, large_checkpoint
     from symbiosis.executor.process import ExecutorProcess
 
-    available_gib = psutil.virtual_memory().available / common.GIB
+    available_gib = psutil.virtual_memory().available / GIB
     made = (cache / "llama-1b-seed0" / "bench_recipe.json").is_file()
-    needed_gib = (1.5 if made else 2.5) * LARGE_PARAMS * 4 / common.GIB + 2.0  # making it holds ~2 copies
+    needed_gib = (1.5 if made else 2.5) * LARGE_PARAMS * 4 / GIB + 2.0  # making it holds ~2 copies
     if available_gib < needed_gib:
         return {"skipped": f"needs ~{needed_gib:.1f} GiB free, {available_gib:.1f} GiB available"}
     path = large_checkpoint(cache)
@@ -190,14 +191,14 @@ def section_jobs(cache: Path, workdir: Path) -> dict[str, Any]:
             executor_peak = process.stats()["peak_rss_bytes"]
         finally:
             process.close()
-        per_process = {"executor": executor_peak / common.GIB, "client": client_peak / common.GIB, "hf_job": math.nan}
+        per_process = {"executor": executor_peak / GIB, "client": client_peak / GIB, "hf_job": math.nan}
         fits = max(0, math.floor((BUDGET_GIB - per_process["executor"]) / per_process["client"]))
         out[v] = {
             "executor_peak_gib": per_process["executor"],
             "client_peak_gib": per_process["client"],
             "jobs_in_budget": fits,
         }
-    previous = common.repo_root() / "docs" / "benchmarks" / "multi_job_finetune" / "multi_job_finetune.json"
+    previous = repo_root() / "docs" / "benchmarks" / "multi_job_finetune" / "multi_job_finetune.json"
     if previous.is_file():  # HF PEFT's count, from the multi-job scenario's measured job peak
         per_process = json.loads(previous.read_text())["results"]["large_model"].get("per_process_gib", {})
         if per_process.get("hf_job"):

@@ -18,11 +18,12 @@ its own server and client processes, importing ``symbiosis`` from its own folder
 alternates between the variants block by block (rotating which goes first), so both see the same
 background load. Every block starts with a few untimed warm-up calls.
 
-JSON on stdout (and in ``--output`` when given): ``config``, ``machine`` and ``results[case]`` with
+JSON on stdout (and ``roundtrip.json`` in the ``--output`` folder when given): ``config``, ``machine`` and
+``results[case]`` with
 ``case = "<transport>/h<hidden>/r<rows>"`` and per variant ``median_us, p90_us, mean_us, n``, plus
 ``ratio_median`` (current / baseline) when a baseline ran.
 
-Run: ``python -m benchmarks.roundtrip [--baseline /tmp/orig] [--calls 2000] [--blocks 10]``.
+Run: ``python -m benchmarks.roundtrip [--baseline /tmp/orig] [--calls 2000] [--blocks 10] [--output DIR]``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,18 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import machine_info, result_file, write_json
+from benchmarks.timing import percentile
+
+NAME = "roundtrip"
 REPO = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("inproc", "ipc", "tcp", "shm+ipc")
 HIDDENS = (64, 4096)
 ROWS = (1, 16)
 MARK = "@@ "  # protocol lines between parent and children; anything else on stdout is ignored
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low, high = int(position), min(int(position) + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 # ---- children -----------------------------------------------------------------------------------
@@ -153,8 +150,21 @@ def child_main() -> None:
 
 
 class _Child:
+    """A server or client child importing ``symbiosis`` from ``package_root``, JSON lines after ``MARK``.
+
+    Not ``ExecutorProcess`` (``symbiosis/executor/process.py``), the one way the project starts an
+    executor process, nor ``benchmarks.workers.Worker``, on purpose: the server is a ``BaseExecutor``
+    over two synthetic layers (no checkpoint for ``symbiosis serve`` to load), and with
+    ``--baseline`` both children must import an older copy of the package, which may predate
+    ``serve --ready-file``; so the child is started from ``/`` with that copy first on ``sys.path``
+    (``python -m`` from here would import this checkout's ``symbiosis`` first).
+    """
+
     def __init__(self, package_root: Path, role: str, threads: int, arg: str) -> None:
-        bootstrap = f"import sys; sys.path[:0] = [{str(package_root)!r}, {str(REPO)!r}]; from benchmarks.roundtrip import child_main; child_main()"
+        bootstrap = (
+            f"import sys; sys.path[:0] = [{str(package_root)!r}, {str(REPO)!r}]; "
+            "from benchmarks.roundtrip import child_main; child_main()"
+        )
         env = dict(os.environ, PYTHONPATH="")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", bootstrap, role, str(threads), arg],
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (default: %(default)s).")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="Comma-separated subset of %(default)s.")
     parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
-    parser.add_argument("--output", type=Path, default=None, help="Also write the JSON to this file.")
+    parser.add_argument("--output", type=Path, default=None, help=f"Also write the JSON to {NAME}.json in this folder.")
     args = parser.parse_args(argv)
 
     variants = {"current": REPO}
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             us = [v / 1e3 for v in values]
             entry[name] = {
                 "median_us": round(statistics.median(us), 1),
-                "p90_us": round(_percentile(us, 90), 1),
+                "p90_us": round(percentile(us, 90), 1),
                 "mean_us": round(statistics.fmean(us), 1),
                 "n": len(us),
             }
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             entry["ratio_p90"] = round(entry["current"]["p90_us"] / entry["baseline"]["p90_us"], 3)
         results[case] = entry
     report = {
-        "benchmark": "roundtrip",
+        "benchmark": NAME,
         "command": " ".join(
             [Path(sys.executable).name, "-m", "benchmarks.roundtrip", *(argv if argv is not None else sys.argv[1:])]
         ),
@@ -281,20 +291,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "variants": {k: str(v) for k, v in variants.items()},
             "policy": "immediate",
         },
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average": list(os.getloadavg()),
-        },
+        "machine": machine_info(),
         "results": results,
         "wall_s": round(time.monotonic() - started, 1),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report, indent=2))
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
+        write_json(result_file(args.output, NAME), report)
     return report
 
 

@@ -46,22 +46,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (
-    Panel,
-    Worker,
-    command_line,
-    default_cache_dir,
-    machine_info,
-    percentile,
-    plot_panels,
-    print_summary,
-    process_env,
-    quiet_libraries,
-    ratio,
-    serve_worker,
-    stop_process,
-    write_json,
-)
+from benchmarks.options import default_cache_dir, quiet_libraries
+from benchmarks.plots import Panel, plot_panels
+from benchmarks.results import command_line, machine_info, print_summary, write_json
+from benchmarks.timing import percentile, ratio
+from benchmarks.workers import Worker, process_env, serve_worker, stop_process
 from symbiosis.executor.process import ExecutorProcess
 
 MODULE = "benchmarks.serving"

@@ -41,7 +41,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks.memory import GIB, MIB, own_memory
+from benchmarks.options import add_common_arguments, checkpoint_path, quiet_libraries, resolve_common
+from benchmarks.plots import Panel, plot_panels
+from benchmarks.results import command_line, machine_info, write_json
+from benchmarks.timing import percentile, time_interleaved
+from benchmarks.workers import Worker, emit_event
 
 MODES = ("decode", "train")
 CLIENTS = 4
@@ -82,17 +87,17 @@ def worker_main(spec: dict[str, Any]) -> None:
 
     try:
         torch.set_num_threads(1)
-        common.quiet_libraries()
+        quiet_libraries()
         clients = {name: _client(spec["path"], address, spec["seed"]) for name, address in spec["addresses"].items()}
-        common.emit_event("ready", pid=os.getpid())
+        emit_event("ready", pid=os.getpid())
         for line in sys.stdin:
             if line.strip() == "exit":
                 break
             command = json.loads(line)  # {"system": NAME, "mode": MODE}
             tokens, elapsed = clients[command["system"]].run(command["mode"], spec["window_s"])
-            common.emit_event("done", tokens=tokens, elapsed_s=elapsed, **common.own_memory())
+            emit_event("done", tokens=tokens, elapsed_s=elapsed, **own_memory())
     except Exception:  # noqa: BLE001 - reported to the parent, which quotes it
-        common.emit_event("error", error=traceback.format_exc()[-3000:])
+        emit_event("error", error=traceback.format_exc()[-3000:])
         raise SystemExit(1) from None
 
 
@@ -178,14 +183,14 @@ def call_costs(path: Path, addresses: dict[str, str], repeats: int) -> dict[str,
                 layer, "forward", rows, "decode"
             )
     try:
-        samples = common.time_interleaved(candidates, warmup=3, repeats=repeats)
+        samples = time_interleaved(candidates, warmup=3, repeats=repeats)
     finally:
         for transport in transports:
             transport.close()
     return {
         "layers": {"rank 0's layer": first, "another rank's layer": last},
         "median_us": {name: 1e6 * statistics.median(s) for name, s in samples.items()},
-        "p95_us": {name: 1e6 * common.percentile(s, 95) for name, s in samples.items()},
+        "p95_us": {name: 1e6 * percentile(s, 95) for name, s in samples.items()},
     }
 
 
@@ -262,8 +267,8 @@ def large_model_memory(cache: Path, folder: Path) -> dict[str, Any]:
 
     from benchmarks.scenarios.multi_job_finetune import LARGE_PARAMS, large_checkpoint
 
-    needed_gib = 2.5 * LARGE_PARAMS * 4 / common.GIB + 2.0
-    available_gib = psutil.virtual_memory().available / common.GIB
+    needed_gib = 2.5 * LARGE_PARAMS * 4 / GIB + 2.0
+    available_gib = psutil.virtual_memory().available / GIB
     if available_gib < needed_gib:
         return {"skipped": f"needs ~{needed_gib:.1f} GiB free, {available_gib:.1f} GiB available"}
     path = large_checkpoint(cache)
@@ -280,7 +285,7 @@ def large_model_memory(cache: Path, folder: Path) -> dict[str, Any]:
         print(
             f"  ~1B {system['name']}: "
             + ", ".join(
-                f"{r['weights_bytes'] / common.GIB:.2f}/{r['peak_rss_bytes'] / common.GIB:.2f}"
+                f"{r['weights_bytes'] / GIB:.2f}/{r['peak_rss_bytes'] / GIB:.2f}"
                 for r in found[system["name"]]["ranks"]
             )
             + " GiB weights/peak RSS",
@@ -319,12 +324,12 @@ def summarize(result: dict[str, Any]) -> list[str]:
         ranks = memory["ranks"]
         lines.append(
             f"{name}: weights per rank "
-            + "/".join(f"{r['weights_bytes'] / common.MIB:.0f}" for r in ranks)
+            + "/".join(f"{r['weights_bytes'] / MIB:.0f}" for r in ranks)
             + " MiB, peak RSS "
-            + "/".join(f"{r['peak_rss_bytes'] / common.MIB:.0f}" for r in ranks)
+            + "/".join(f"{r['peak_rss_bytes'] / MIB:.0f}" for r in ranks)
             + " MiB"
             + (
-                f", peak gathered {max(r['peak_gathered_bytes'] or 0 for r in ranks) / common.MIB:.0f} MiB"
+                f", peak gathered {max(r['peak_gathered_bytes'] or 0 for r in ranks) / MIB:.0f} MiB"
                 if any(r.get("peak_gathered_bytes") for r in ranks)
                 else ""
             )
@@ -338,48 +343,44 @@ def plot(result: dict[str, Any], path: Path) -> None:
     tp = result["throughput"]
     names = list(tp["decode"])
     panels = [
-        common.Panel(
-            f"{mode}: 4 clients", "tokens/s", names, {"median": [tp[mode][n]["median_tokens_per_s"] for n in names]}
-        )
+        Panel(f"{mode}: 4 clients", "tokens/s", names, {"median": [tp[mode][n]["median_tokens_per_s"] for n in names]})
         for mode in MODES
     ]
     memory = result["memory"]
     panels.append(
-        common.Panel(
+        Panel(
             "base weights kept per rank",
             "MiB",
             names,
             {
                 f"rank {r}": [
-                    (m["ranks"][r]["weights_bytes"] / common.MIB if r < len(m["ranks"]) else None)
-                    for m in memory.values()
+                    (m["ranks"][r]["weights_bytes"] / MIB if r < len(m["ranks"]) else None) for m in memory.values()
                 ]
                 for r in range(4)
             },
         )
     )
     panels.append(
-        common.Panel(
+        Panel(
             "peak RSS per rank",
             "MiB",
             names,
             {
                 f"rank {r}": [
-                    (m["ranks"][r]["peak_rss_bytes"] / common.MIB if r < len(m["ranks"]) else None)
-                    for m in memory.values()
+                    (m["ranks"][r]["peak_rss_bytes"] / MIB if r < len(m["ranks"]) else None) for m in memory.values()
                 ]
                 for r in range(4)
             },
         )
     )
-    common.plot_panels(path, "Sharded executor: cost of sharding on one 2-core host (medians)", panels)
+    plot_panels(path, "Sharded executor: cost of sharding on one 2-core host (medians)", panels)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    common.add_common_arguments(parser, default_repeats=5, quick_repeats=1)
+    add_common_arguments(parser, default_repeats=5, quick_repeats=1)
     parser.add_argument(
         "--window-s", type=float, default=None, help="Seconds each measurement runs (default 15, 1.5 with --quick)."
     )
@@ -394,11 +395,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.preset is None and not args.quick:
         args.preset = "base"
-    args = common.resolve_common(args)
+    args = resolve_common(args)
     window_s = args.window_s or (1.5 if args.quick else 15.0)
     started = time.monotonic()
-    machine = common.machine_info()
-    path = common.checkpoint_path(args)
+    machine = machine_info()
+    path = checkpoint_path(args)
     folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"sharded-bench-{os.getpid()}"
     folder.mkdir(parents=True, exist_ok=True)
     chosen = systems(args.quick)
@@ -417,9 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{len(executors)} systems up; per-call costs", flush=True)
         costs = call_costs(path, addresses, repeats=50 if args.quick else 300)
         spec = {"path": str(path), "addresses": addresses, "window_s": window_s}
-        workers = [
-            common.Worker("benchmarks.sharded", dict(spec, seed=seed, role=f"client{seed}")) for seed in range(CLIENTS)
-        ]
+        workers = [Worker("benchmarks.sharded", dict(spec, seed=seed, role=f"client{seed}")) for seed in range(CLIENTS)]
         for worker in workers:
             worker.wait_ready(timeout_s=900)
         print(f"{CLIENTS} clients up; throughput, {args.repeats} rounds of {window_s:g} s windows", flush=True)
@@ -439,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result = {
         "benchmark": "sharded",
-        "command": common.command_line(argv, "benchmarks.sharded"),
+        "command": command_line(argv, "benchmarks.sharded"),
         "machine": machine,
         "model": str(path),
         "preset": args.preset,
@@ -456,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     result["summary"] = summarize(result)
     args.output.mkdir(parents=True, exist_ok=True)
-    common.write_json(args.output / "sharded.json", result)
+    write_json(args.output / "sharded.json", result)
     plot(result, args.output / "sharded.png")
     for line in result["summary"]:
         print(line)

@@ -69,7 +69,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from benchmarks.memory import MIB
+from benchmarks.options import default_cache_dir, quiet_libraries
+from benchmarks.results import command_line, machine_info, write_json
+from benchmarks.workers import Worker, emit_event, serve_worker
 from symbiosis.executor.process import ExecutorProcess
 
 MODULE = "benchmarks.soak"
@@ -78,7 +81,6 @@ DECODE_METHODS = ("loha", "lokr", "lora", "prefix", "ia3")  # shifted: 6 clients
 TRANSPORTS = ("ipc", "tcp", "shm+ipc", "dist+tcp")
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-5
-MIB = common.MIB
 
 
 # ---- what each client does ----------------------------------------------------------------------
@@ -314,7 +316,7 @@ def host_facts(workdir: Path) -> dict[str, Any]:
 def _quiet() -> None:
     import warnings
 
-    common.quiet_libraries()
+    quiet_libraries()
     warnings.filterwarnings("ignore")
 
 
@@ -407,7 +409,7 @@ def solo_main(job: dict) -> None:
 
         return run_once
 
-    common.serve_worker(setup)
+    serve_worker(setup)
 
 
 def client_main(job: dict) -> None:
@@ -424,7 +426,7 @@ def client_main(job: dict) -> None:
 
     spec = ClientSpec(**job["spec"])
     progress = open(job["progress"], "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed at the end
-    common.emit_event("ready", pid=os.getpid(), facts=own_facts())
+    emit_event("ready", pid=os.getpid(), facts=own_facts())
     for line in sys.stdin:
         if line.strip() == "go":
             break
@@ -436,7 +438,7 @@ def client_main(job: dict) -> None:
             spec, job["path"], job["address"], timeout_s=job["timeout_s"], connect_timeout_s=job["connect_timeout_s"]
         )
     except Exception:  # noqa: BLE001 - reported to the orchestrator, whatever it was
-        common.emit_event("error", error=traceback.format_exc()[-3000:])
+        emit_event("error", error=traceback.format_exc()[-3000:])
         raise SystemExit(1) from None
     handshakes = [1]
     real_handshake = transport._handshake  # count sessions: 1 + reconnects
@@ -503,7 +505,7 @@ def client_main(job: dict) -> None:
     del result
     gc.collect()
     time.sleep(0.5)
-    common.emit_event(
+    emit_event(
         "done",
         name=spec.name,
         episodes=episodes,
@@ -788,8 +790,8 @@ class SoakRun:
         )
         self.executors: list[Executor] = []
         self.incarnations: list[dict[str, Any]] = []
-        self.workers: dict[str, common.Worker] = {}
-        self.solo: common.Worker | None = None
+        self.workers: dict[str, Worker] = {}
+        self.solo: Worker | None = None
         self.sampler: Sampler | None = None
         self.killed: dict[str, float] = {}
         self.done: dict[str, dict] = {}
@@ -827,7 +829,7 @@ class SoakRun:
     def _start(self) -> None:
         """The executor, the solo references and a warm-up, the clients loaded; idle counts."""
         executor = self._new_executor()
-        self.solo = common.Worker(
+        self.solo = Worker(
             MODULE,
             {
                 "role": "solo",
@@ -846,7 +848,7 @@ class SoakRun:
                 "progress": str(self.workdir / "progress" / f"{spec.name}.jsonl"),
                 **self.job,
             }
-            self.workers[spec.name] = common.Worker(MODULE, job, env=self.client_env)
+            self.workers[spec.name] = Worker(MODULE, job, env=self.client_env)
         executor.wait_ready()
         self.solo.wait_ready()
         self.solo.go()
@@ -1100,7 +1102,7 @@ class SoakRun:
         result = {
             "benchmark": self.name,
             "command": args.command,
-            "machine": common.machine_info(),
+            "machine": machine_info(),
             "config": {
                 "clients": len(self.specs),
                 "seconds": args.seconds,
@@ -1154,7 +1156,7 @@ class SoakRun:
         }
         result["headline"] = headline(result)
         output = Path(args.output)
-        common.write_json(output / f"{self.name}.json", result)
+        write_json(output / f"{self.name}.json", result)
         plot(output / f"{self.name}.png", result)
         for line in result["headline"]:
             self.log(line)
@@ -1323,7 +1325,7 @@ def checkpoint(args: argparse.Namespace) -> Path:
         return Path(args.model)
     from symbiosis.modelzoo import make_model
 
-    cache = Path(args.cache) if args.cache else common.default_cache_dir()
+    cache = Path(args.cache) if args.cache else default_cache_dir()
     return make_model(args.arch, args.preset, cache / f"{args.arch}-{args.preset}-seed0", seed=0)
 
 
@@ -1518,8 +1520,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         worker_main(json.loads(argv[1]))
         return {}
     args = parse_args(argv)
-    args.command = common.command_line(argv, MODULE)
-    common.quiet_libraries()
+    args.command = command_line(argv, MODULE)
+    quiet_libraries()
     return run(args)
 
 

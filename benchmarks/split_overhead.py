@@ -115,7 +115,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from benchmarks import common
+from benchmarks.memory import MIB
+from benchmarks.options import add_common_arguments, checkpoint_path, quiet_libraries, resolve_common
+from benchmarks.plots import Panel, plot_panels
+from benchmarks.results import command_line, machine_info, print_summary, write_json
+from benchmarks.timing import ratio
+from benchmarks.timing import summarize as summarize_samples
+from benchmarks.workers import Worker, loopback_binds, serve_worker
+from symbiosis.executor.process import ExecutorProcess
 from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE
 from symbiosis.vocabulary import GROUP_SEPARATOR
 
@@ -281,7 +288,7 @@ def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens
     return {
         "calls_per_token": total / tokens,
         "layers": len(blocks),
-        "per_layer": common.ratio(inside / tokens, len(blocks)),
+        "per_layer": ratio(inside / tokens, len(blocks)),
         "outside_layers": (total - inside) / tokens,
         "by_layer_kind": {k: v / tokens for k, v in sorted(by_kind.items())},
     }
@@ -418,7 +425,7 @@ def _timed(step: Callable[[], None], repeats: int) -> list[float]:
 
 def worker_main(spec: Mapping[str, Any]) -> None:
     """Child process of one system: load every model, then run one block per ``go`` line."""
-    common.quiet_libraries()
+    quiet_libraries()
     torch.set_num_threads(spec["threads"])
 
     def setup() -> Callable[[], dict]:
@@ -436,7 +443,7 @@ def worker_main(spec: Mapping[str, Any]) -> None:
             "calls": {r.key: r.calls for r in runners},
         }
 
-    common.serve_worker(setup)
+    serve_worker(setup)
 
 
 # ---- the parent: processes, rounds, results --------------------------------------------------------
@@ -485,9 +492,9 @@ def measure(
     }
     unavailable: dict[str, str] = {}
     dist = dist_status()
-    servers: dict[tuple[str, str], common.ServerProcess] = {}  # (group of remote systems, model) -> serve child
+    servers: dict[tuple[str, str], ExecutorProcess] = {}  # (group of remote systems, model) -> serve child
     groups = {"shared": remote} if shared_executor else {system: [system] for system in remote}
-    workers: dict[str, common.Worker] = {}
+    workers: dict[str, Worker] = {}
 
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="symbiosis-split-") as folder:
@@ -496,9 +503,9 @@ def measure(
                 for index, (key, path) in enumerate(models.items()):
                     sub = Path(folder) / f"{group_index}-{index}"
                     sub.mkdir()
-                    binds = common.loopback_binds(sub)
-                    servers[group, key] = common.executor_process(
-                        path, binds, threads=threads, extra=["--policy", policy], wait=False
+                    binds = loopback_binds(sub)
+                    servers[group, key] = ExecutorProcess(
+                        path, binds, threads=threads, extra_args=["--policy", policy], wait=False
                     )
             for system in systems:  # all load at once; the remote ones wait for their addresses (below)
                 entries = [{"key": key, "path": str(path)} for key, path in models.items()]
@@ -509,7 +516,7 @@ def measure(
                     if system in remote
                     else None
                 )
-                workers[system] = common.Worker(
+                workers[system] = Worker(
                     MODULE, dict(spec, role=system, system=system, models=entries), threads=threads, env=env
                 )
             targets: dict[str, dict[str, dict[str, str]]] = {}  # group -> model -> system -> address
@@ -517,7 +524,7 @@ def measure(
                 server.wait_ready(600.0)  # several executors load at once next to the workers: give them time
                 include_dist = "dist+tcp" in groups[group]
                 targets.setdefault(group, {})[key], found = open_transports(
-                    split_addresses(server), include_dist=include_dist
+                    split_addresses(server.addresses), include_dist=include_dist
                 )
                 dist = found if include_dist else dist
             for system in remote:
@@ -538,7 +545,7 @@ def measure(
             for system in list(workers):
                 try:
                     ready = workers[system].wait_ready()
-                    processes[system] = {"pid": ready["pid"], "max_rss_mib": ready["max_rss_bytes"] / common.MIB}
+                    processes[system] = {"pid": ready["pid"], "max_rss_mib": ready["max_rss_bytes"] / MIB}
                 except RuntimeError as exc:  # a system that cannot start is reported, not fatal
                     if system == MONOLITHIC:
                         raise
@@ -569,7 +576,7 @@ def measure(
                         log(f"  {system} dropped: {unavailable[system]}")
                         continue
                     info[system] = {"loss": event["loss"], "calls": event["calls"]}
-                    processes[system]["max_rss_mib"] = event["max_rss_bytes"] / common.MIB
+                    processes[system]["max_rss_mib"] = event["max_rss_bytes"] / MIB
                     for model, steps in event["samples"].items():
                         for step, values in steps.items():
                             samples[system].setdefault(model, {}).setdefault(step, []).extend(values)
@@ -610,14 +617,16 @@ def summarize(measured: Mapping[str, Any], decode_batches: Sequence[int]) -> dic
     for model, steps in samples[MONOLITHIC].items():
         results[model] = {}
         for step in steps:
-            base = common.summarize(steps[step])["median_ms"]
+            base = summarize_samples(steps[step])["median_ms"]
             row: dict[str, Any] = {}
             for system in samples:
-                timing = common.summarize(samples[system][model][step])
-                ratio = common.ratio(timing["median_ms"], base)
+                timing = summarize_samples(samples[system][model][step])
+                split_ratio = ratio(timing["median_ms"], base)
                 target = TARGETS.get(system, {}).get(step_kind(step))
-                verdict = None if target is None or math.isnan(ratio) else ("PASS" if ratio <= target else "MISS")
-                timing.update(ratio_over_monolithic=ratio, target=target, verdict=verdict)
+                verdict = (
+                    None if target is None or math.isnan(split_ratio) else ("PASS" if split_ratio <= target else "MISS")
+                )
+                timing.update(ratio_over_monolithic=split_ratio, target=target, verdict=verdict)
                 calls = info[system]["calls"][model].get(step, {})
                 if calls:  # the executor's count where it is in this process, else the client's
                     timing["calls_per_step"] = calls.get("executor_calls_per_step", calls.get("client_calls_per_step"))
@@ -630,7 +639,7 @@ def summarize(measured: Mapping[str, Any], decode_batches: Sequence[int]) -> dic
                             "model": model,
                             "step": step,
                             "system": system,
-                            "ratio": ratio,
+                            "ratio": split_ratio,
                             "target": target,
                             "verdict": verdict,
                         }
@@ -674,18 +683,16 @@ def plot(path: Path, results: Mapping[str, Any], title: str) -> None:
     panels = []
     for model, steps in results.items():
         systems = [s for s in next(iter(steps.values())) if s != MONOLITHIC]
-        ratio = {step: [row[s]["ratio_over_monolithic"] for s in systems] for step, row in steps.items()}
+        ratios = {step: [row[s]["ratio_over_monolithic"] for s in systems] for step, row in steps.items()}
         over_target = {
-            step: [common.ratio(row[s]["ratio_over_monolithic"], row[s]["target"]) for s in systems]
+            step: [ratio(row[s]["ratio_over_monolithic"], row[s]["target"]) for s in systems]
             for step, row in steps.items()
         }
-        panels.append(common.Panel(f"{model}: split / monolithic (medians, 1 = free)", "ratio", systems, ratio))
+        panels.append(Panel(f"{model}: split / monolithic (medians, 1 = free)", "ratio", systems, ratios))
         panels.append(
-            common.Panel(
-                f"{model}: (split / monolithic) / target (<= 1 passes)", "ratio / target", systems, over_target
-            )
+            Panel(f"{model}: (split / monolithic) / target (<= 1 passes)", "ratio / target", systems, over_target)
         )
-    common.plot_panels(path, title, panels, columns=2)
+    plot_panels(path, title, panels, columns=2)
 
 
 # ---- the script ------------------------------------------------------------------------------------
@@ -693,7 +700,7 @@ def plot(path: Path, results: Mapping[str, Any], title: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser, default_repeats=10, quick_repeats=2)
+    add_common_arguments(parser, default_repeats=10, quick_repeats=2)
     for flag, text in (
         ("--preset", "Size of the modelzoo model (default 'base', or 'tiny' with --quick)."),
         ("--repeats", "Rounds: each system runs one block of steps per round (default 10, 2 with --quick)."),
@@ -750,7 +757,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.threads = 1 if args.threads is None else args.threads
     if args.preset is None and not args.quick:
         args.preset = "base"
-    args = common.resolve_common(args)
+    args = resolve_common(args)
     args.train_batch = args.train_batch or (2 if args.quick else 8)
     args.seq_len = args.seq_len or (32 if args.quick else 128)
     args.prompt_len = args.prompt_len or (8 if args.quick else 16)
@@ -766,7 +773,7 @@ def checkpoints(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         key = "llama-h{hidden}-l{layers}-v{vocab}".format(**shape)
         models[key] = {"path": make_llama(Path(args.cache) / f"{key}-seed0", **shape), **shape}
     key = Path(args.model).name if args.model else f"{args.arch}-{args.preset}"
-    models[key] = {"path": common.checkpoint_path(args), "preset": None if args.model else args.preset}
+    models[key] = {"path": checkpoint_path(args), "preset": None if args.model else args.preset}
     for entry in models.values():
         from transformers import AutoConfig
 
@@ -818,8 +825,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     calls = {"archs": measured["while_loading"], "models": summary["model_calls"]}
     result = {
         "benchmark": NAME,
-        "command": common.command_line(argv, MODULE),
-        "machine": common.machine_info(),
+        "command": command_line(argv, MODULE),
+        "machine": machine_info(),
         "config": {
             "models": {key: {k: v for k, v in entry.items() if k != "describe"} for key, entry in models.items()},
             "systems": list(measured["samples"]),
@@ -850,7 +857,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - started,
     }
     output = Path(args.output)
-    common.write_json(output / f"{NAME}.json", result)
+    write_json(output / f"{NAME}.json", result)
     plot(
         output / f"{NAME}.png",
         results,
@@ -868,7 +875,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for v in summary["verdicts"]
         if v["verdict"] == "MISS"
     ]
-    common.print_summary(
+    print_summary(
         {
             "benchmark": NAME,
             "pass": sum(v["verdict"] == "PASS" for v in summary["verdicts"]),

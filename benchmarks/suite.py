@@ -4,7 +4,7 @@ Each scenario is a module of ``benchmarks/scenarios/`` whose ``run(ctx) -> dict`
 ``<output>/<scenario>/`` ``result.json``, ``plot.png`` and ``table.md``; this module is the driver
 (``run``, the command line, the worker entry point). Processes are real: ``symbiosis serve`` for the
 executor, one child per client or baseline job (``python -m benchmarks.suite worker SPEC``, JSON
-lines on stdin/stdout, see ``benchmarks/common.py`` and ``benchmarks/scenarios/processes.py``).
+lines on stdin/stdout, see ``benchmarks/workers.py`` and ``benchmarks/scenarios/processes.py``).
 Every process runs ``--threads`` torch threads (default 1: on a shared 2-core machine, more
 threads mostly wait for busy cores). Memory is the sum of the processes' RSS sampled with psutil
 every 0.1 s (peak of the sum), next to each process's exact ``ru_maxrss``. Compared runs
@@ -40,7 +40,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks.options import default_cache_dir, quiet_libraries
+from benchmarks.results import command_line, write_json
 from benchmarks.scenarios import SCENARIOS, scenario
 from benchmarks.scenarios.context import FULL, QUICK, Context, Profile
 from benchmarks.scenarios.processes import WORKER_MODULE, worker_main
@@ -71,10 +72,10 @@ def run(
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
-    common.quiet_libraries()
+    quiet_libraries()
     ctx = Context(
         Path(output),
-        Path(cache) if cache else common.default_cache_dir(),
+        Path(cache) if cache else default_cache_dir(),
         profile or (QUICK if quick else FULL),
         quick,
         threads,
@@ -90,7 +91,7 @@ def run(
         started = time.perf_counter()
         result = scenario(name)(ctx)
         result["wall_s"] = time.perf_counter() - started
-        common.write_json(ctx.output / name / "result.json", result)
+        write_json(ctx.output / name / "result.json", result)
         results[name] = result
         for line in result["headline"]:
             log(f"  {line}")
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cache=args.cache,
         threads=args.threads,
         budget_gib=args.budget_gib,
-        command=common.command_line(argv, MODULE),
+        command=command_line(argv, MODULE),
     )
 
 

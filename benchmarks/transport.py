@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import json
+import os
 import sys
 import tempfile
 import time
@@ -55,8 +57,13 @@ import torch
 from transformers import AutoConfig
 
 import symbiosis
-from benchmarks import common
+from benchmarks.options import add_common_arguments, checkpoint_path, resolve_common
+from benchmarks.plots import Panel, plot_panels
+from benchmarks.results import command_line, machine_info, print_summary, write_json
 from benchmarks.split_overhead import Decoder, build_models, lora_config, train_step_fn
+from benchmarks.timing import ratio, summarize, time_interleaved
+from benchmarks.workers import Worker, emit_event, loopback_binds
+from symbiosis.executor.process import ExecutorProcess
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 NAME = "transport"
@@ -135,18 +142,16 @@ class EchoService:
         return out.copy_(rows)
 
 
-def serve_echo(binds: Sequence[str], width: int) -> None:
-    """Child process: serve ``EchoService`` at ``binds`` until SIGTERM."""
-    import signal
-    import threading
-
+def serve_echo(spec: Mapping[str, Any]) -> None:
+    """Worker child (``benchmarks/workers.py`` protocol): serve ``EchoService`` of ``spec["width"]``
+    at ``spec["binds"]``, report the bound addresses in the ``ready`` event, serve until ``exit``."""
     from symbiosis.transport.zmq import ZmqServer
 
-    servers = [ZmqServer(EchoService(width), bind).start() for bind in binds]
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"serving echo {width}x{width} at {' and '.join(s.address for s in servers)} with policy none", flush=True)
-    stop.wait()
+    servers = [ZmqServer(EchoService(spec["width"]), bind).start() for bind in spec["binds"]]
+    emit_event("ready", pid=os.getpid(), addresses=[server.address for server in servers])
+    for line in sys.stdin:  # until the parent asks us to exit or closes our stdin
+        if line.strip() == "exit":
+            break
     for server in servers:
         server.close()
 
@@ -178,8 +183,9 @@ def open_transports(
     return targets, dist
 
 
-def split_addresses(server: common.ServerProcess) -> dict[str, str]:
-    return {address.split("://", 1)[0]: address for address in server.addresses}
+def split_addresses(addresses: Sequence[str]) -> dict[str, str]:
+    """``{"tcp": …, "ipc": …}`` from a server's bound addresses."""
+    return {address.split("://", 1)[0]: address for address in addresses}
 
 
 # ---- round trips ---------------------------------------------------------------------------------
@@ -219,20 +225,20 @@ def round_trips(
                     t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL)
                 )
             candidates["memcpy"] = lambda: back.copy_(there.copy_(x))
-            samples = common.time_interleaved(candidates, warmup=warmup, repeats=repeats[rows])
+            samples = time_interleaved(candidates, warmup=warmup, repeats=repeats[rows])
             nbytes = x.numel() * x.element_size()
-            memcpy_ms = common.summarize(samples["memcpy"])["median_ms"]
+            memcpy_ms = summarize(samples["memcpy"])["median_ms"]
             entry: dict[str, Any] = {"bytes": nbytes}
             for name, values in samples.items():
-                timing = common.summarize(values)
-                timing["gbytes_per_s"] = common.ratio(2 * nbytes / 1e9 * 1e3, timing["median_ms"])
+                timing = summarize(values)
+                timing["gbytes_per_s"] = ratio(2 * nbytes / 1e9 * 1e3, timing["median_ms"])
                 if name != "memcpy":
-                    timing["over_memcpy"] = common.ratio(timing["median_ms"], memcpy_ms)
+                    timing["over_memcpy"] = ratio(timing["median_ms"], memcpy_ms)
                 entry[name] = timing
-            gemm = common.time_interleaved(
+            gemm = time_interleaved(
                 {"gemm": lambda: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4))
             )["gemm"]
-            entry["gemm_ms"] = common.summarize(gemm)["median_ms"]
+            entry["gemm_ms"] = summarize(gemm)["median_ms"]
             results[str(rows)] = entry
             kept.clear()
             print(
@@ -270,9 +276,9 @@ def step_ratios(
     decode_repeats = max(1, min(4 * repeats, max_positions - prompt_len - warmup - 2))
     with (
         tempfile.TemporaryDirectory(prefix="symbiosis-bench-") as folder,
-        common.executor_process(path, common.loopback_binds(Path(folder)), threads=threads) as server,
+        ExecutorProcess(path, loopback_binds(Path(folder)), threads=threads) as server,
     ):
-        targets, dist = open_transports(split_addresses(server), include_dist)
+        targets, dist = open_transports(split_addresses(server.addresses), include_dist)
         wanted = [t for t in transports if t == "inproc" or t in targets] + [
             t for t in targets if t.startswith("dist") and t not in transports
         ]
@@ -297,15 +303,13 @@ def step_ratios(
                 model.train()
             with torch.no_grad():
                 check = {name: float(model(input_ids=batch, labels=batch).loss) for name, model in models.items()}
-            train = common.time_interleaved(
+            train = time_interleaved(
                 {n: train_step_fn(m, batch) for n, m in models.items()}, warmup=warmup, repeats=repeats
             )
             for model in models.values():
                 model.eval()
             decoders = {name: Decoder(model, prompt) for name, model in models.items()}
-            decode = common.time_interleaved(
-                {n: d.step for n, d in decoders.items()}, warmup=warmup, repeats=decode_repeats
-            )
+            decode = time_interleaved({n: d.step for n, d in decoders.items()}, warmup=warmup, repeats=decode_repeats)
         finally:
             for name, model in models.items():
                 if name != "monolithic":
@@ -313,11 +317,9 @@ def step_ratios(
             executor.close()
 
     def summarize_step(samples: Mapping[str, list[float]]) -> dict[str, Any]:
-        step = {name: common.summarize(values) for name, values in samples.items()}
+        step = {name: summarize(values) for name, values in samples.items()}
         base = step["monolithic"]["median_ms"]
-        step["ratio_over_monolithic"] = {
-            n: common.ratio(step[n]["median_ms"], base) for n in samples if n != "monolithic"
-        }
+        step["ratio_over_monolithic"] = {n: ratio(step[n]["median_ms"], base) for n in samples if n != "monolithic"}
         return step
 
     return {
@@ -349,7 +351,7 @@ def step_ratios(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser, default_repeats=20, quick_repeats=3)
+    add_common_arguments(parser, default_repeats=20, quick_repeats=3)
     parser.add_argument(
         "--width", type=int, default=HIDDEN, help="Hidden size of the echo layer (default: %(default)s)."
     )
@@ -365,14 +367,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.threads = 1 if args.threads is None else args.threads
-    return common.resolve_common(args)
+    return resolve_common(args)
 
 
 def plot(output: Path, result: dict[str, Any]) -> None:
     rows = list(result["round_trip"])
     names = [n for n in result["round_trip"][rows[0]] if isinstance(result["round_trip"][rows[0]][n], dict)]
     panels = [
-        common.Panel(
+        Panel(
             "round trip (median), log scale",
             "ms",
             rows,
@@ -380,7 +382,7 @@ def plot(output: Path, result: dict[str, Any]) -> None:
             kind="line",
             log_y=True,
         ),
-        common.Panel(
+        Panel(
             "throughput 2 x bytes / round trip",
             "GB/s",
             rows,
@@ -392,22 +394,22 @@ def plot(output: Path, result: dict[str, Any]) -> None:
         steps = result["steps"]
         candidates = list(steps["train_step"]["ratio_over_monolithic"])
         panels.append(
-            common.Panel(
+            Panel(
                 "split / monolithic (1.0 = no overhead)",
                 "ratio of medians",
                 candidates,
                 {k: [steps[k]["ratio_over_monolithic"][c] for c in candidates] for k in ("train_step", "decode_step")},
             )
         )
-    common.plot_panels(
+    plot_panels(
         output / f"{NAME}.png", f"Transports at hidden {result['config']['width']} (rows on x axis)", panels, columns=3
     )
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve-echo"]:
-        serve_echo(argv[2:], int(argv[1]))
+    if argv[:1] == ["worker"]:
+        serve_echo(json.loads(argv[1]))
         return {}
     started = time.perf_counter()
     args = parse_args(argv)
@@ -415,20 +417,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     repeats = {rows: (QUICK_REPEATS if args.quick else FULL_REPEATS).get(rows, args.repeats) for rows in args.rows}
     warmup = 1 if args.quick else 3
     with tempfile.TemporaryDirectory(prefix="symbiosis-echo-") as folder:
-        command = [
-            sys.executable,
-            "-m",
+        echo = Worker(
             f"benchmarks.{NAME}",
-            "serve-echo",
-            str(args.width),
-            *common.loopback_binds(Path(folder)),
-        ]
-        with common.ServerProcess(command, threads=args.threads) as server:
-            targets, dist = open_transports(split_addresses(server), include_dist=True)
+            {"role": "echo", "width": args.width, "binds": loopback_binds(Path(folder))},
+            threads=args.threads,
+        )
+        try:
+            addresses = echo.wait_ready(180.0)["addresses"]
+            targets, dist = open_transports(split_addresses(addresses), include_dist=True)
             round_trip = round_trips(targets, width=args.width, row_counts=args.rows, repeats=repeats, warmup=warmup)
+        finally:
+            echo.close()
     steps = None
     if not args.no_steps:
-        path = common.checkpoint_path(args)
+        path = checkpoint_path(args)
         steps = step_ratios(
             path,
             train_batch=2 if args.quick else 4,
@@ -442,8 +444,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         dist = steps["dist"]
     result = {
         "benchmark": NAME,
-        "command": common.command_line(argv, f"benchmarks.{NAME}"),
-        "machine": common.machine_info(),
+        "command": command_line(argv, f"benchmarks.{NAME}"),
+        "machine": machine_info(),
         "config": {
             "width": args.width,
             "rows": args.rows,
@@ -462,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - started,
     }
     output = Path(args.output)
-    common.write_json(output / f"{NAME}.json", result)
+    write_json(output / f"{NAME}.json", result)
     plot(output, result)
     summary = {
         "benchmark": NAME,
@@ -474,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         summary["train_ratio_over_monolithic"] = steps["train_step"]["ratio_over_monolithic"]
         summary["decode_ratio_over_monolithic"] = steps["decode_step"]["ratio_over_monolithic"]
     summary.update(dist=dist, wall_s=result["wall_s"], output=str(output / f"{NAME}.json"))
-    common.print_summary(summary)
+    print_summary(summary)
     return result
 
 

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from benchmarks.plots import plot_panels
+from benchmarks.results import machine_info
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,13 @@ def finish(
     result = {
         "scenario": name,
         "command": ctx.command,
-        "machine": common.machine_info(),
+        "machine": machine_info(),
         "config": {"profile": asdict(ctx.profile), "quick": ctx.quick, "threads_per_process": ctx.threads, **config},
         "results": results,
         "headline": headline,
         "losses": losses,
     }
-    common.plot_panels(folder / "plot.png", title, panels, columns=min(2, len(panels)))
+    plot_panels(folder / "plot.png", title, panels, columns=min(2, len(panels)))
     (folder / "table.md").parent.mkdir(parents=True, exist_ok=True)
     (folder / "table.md").write_text(f"### {name}\n\n{table}\n")
     return result

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks.plots import Panel
 from benchmarks.scenarios.context import Context, common_table, finish
+from benchmarks.timing import ratio, square_matmul, summarize, time_interleaved
 
 
 def run(ctx: Context) -> dict:
@@ -120,7 +121,7 @@ def run(ctx: Context) -> dict:
     )
     names = list(phases)
     panels = [
-        common.Panel(
+        Panel(
             "GFLOP/s on the executor's shapes",
             "GFLOP/s",
             names,
@@ -167,8 +168,8 @@ def efficiency_of(records: list, wall_s: float, repeats: int) -> dict[str, Any]:
         inputs = [torch.randn(n, width) for n in pieces]
         matrix = layer.weight if op is Op.BACKWARD else layer.weight.t()
         replays.append((layer, op, inputs, torch.cat(inputs), matrix))
-    probe, probe_gflop = common.square_matmul()
-    samples = common.time_interleaved(
+    probe, probe_gflop = square_matmul()
+    samples = time_interleaved(
         {
             "executor": lambda: [run_batch(layer, op, inputs) for layer, op, inputs, _, _ in replays],
             "torch_matmul": lambda: [torch.matmul(x, m) for _, _, _, x, m in replays],
@@ -184,11 +185,11 @@ def efficiency_of(records: list, wall_s: float, repeats: int) -> dict[str, Any]:
         "batches": len(records),
         "mean_rows_per_batch": statistics.fmean(rows) if rows else math.nan,
         "gflop": gflop,
-        "in_situ_gflops": common.ratio(gflop, sum(r[3] for r in records)),
-        "in_situ_wall_gflops": common.ratio(gflop, wall_s),
-        "replay_executor_gflops": common.ratio(gflop, median["executor"]),
-        "replay_torch_matmul_gflops": common.ratio(gflop, median["torch_matmul"]),
-        "executor_over_matmul": common.ratio(median["torch_matmul"], median["executor"]),
-        "matmul_1024_gflops": common.ratio(probe_gflop, median["matmul_1024"]),
-        "timing": {k: common.summarize(v) for k, v in samples.items()},
+        "in_situ_gflops": ratio(gflop, sum(r[3] for r in records)),
+        "in_situ_wall_gflops": ratio(gflop, wall_s),
+        "replay_executor_gflops": ratio(gflop, median["executor"]),
+        "replay_torch_matmul_gflops": ratio(gflop, median["torch_matmul"]),
+        "executor_over_matmul": ratio(median["torch_matmul"], median["executor"]),
+        "matmul_1024_gflops": ratio(probe_gflop, median["matmul_1024"]),
+        "timing": {k: summarize(v) for k, v in samples.items()},
     }

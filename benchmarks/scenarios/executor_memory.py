@@ -10,20 +10,23 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks import common
+from benchmarks.memory import GIB, RssSampler
+from benchmarks.plots import Panel
 from benchmarks.scenarios.context import Context, common_table, finish
 from benchmarks.scenarios.processes import WORKER_MODULE, ScenarioExecutor, finetune_spec
+from benchmarks.timing import ratio
+from benchmarks.workers import Worker
 
 
 def run(ctx: Context) -> dict:
     path = ctx.checkpoint()
     levels = []
-    workers: list[common.Worker] = []
+    workers: list[Worker] = []
     with ScenarioExecutor(ctx, path) as server:
         server.wait_ready()  # level 0 is the loaded, idle executor
         try:
             for n in ctx.profile.memory_levels:
-                sampler = common.RssSampler(0.1)
+                sampler = RssSampler(0.1)
                 sampler.watch(server.pid, "executor")
                 for worker in workers:
                     sampler.watch(worker.pid, "client")
@@ -33,7 +36,7 @@ def run(ctx: Context) -> dict:
                         finetune_spec(ctx, path, "split", len(workers), steps=ctx.profile.memory_steps),
                         executor="shm+" + server.addresses[0],
                     )
-                    workers.append(common.Worker(WORKER_MODULE, spec, threads=ctx.threads))
+                    workers.append(Worker(WORKER_MODULE, spec, threads=ctx.threads))
                     sampler.watch(workers[-1].pid, "client")
                 for worker in workers:
                     worker.wait_ready()
@@ -47,9 +50,9 @@ def run(ctx: Context) -> dict:
                 levels.append(
                     {
                         "clients": n,
-                        "executor_peak_rss_gib": max(sampler.peaks_of("executor")) / common.GIB,
-                        "executor_end_rss_gib": sampler.last_by_pid[server.pid] / common.GIB,
-                        "client_peak_rss_gib_median": statistics.median(sampler.peaks_of("client")) / common.GIB
+                        "executor_peak_rss_gib": max(sampler.peaks_of("executor")) / GIB,
+                        "executor_end_rss_gib": sampler.last_by_pid[server.pid] / GIB,
+                        "client_peak_rss_gib_median": statistics.median(sampler.peaks_of("client")) / GIB
                         if n
                         else None,
                     }
@@ -62,8 +65,8 @@ def run(ctx: Context) -> dict:
                 worker.close()
     first_busy = next((lv for lv in levels if lv["clients"] > 0), levels[0])
     growth = {
-        "last_over_first_busy": common.ratio(levels[-1]["executor_peak_rss_gib"], first_busy["executor_peak_rss_gib"]),
-        "last_over_idle": common.ratio(levels[-1]["executor_peak_rss_gib"], levels[0]["executor_peak_rss_gib"]),
+        "last_over_first_busy": ratio(levels[-1]["executor_peak_rss_gib"], first_busy["executor_peak_rss_gib"]),
+        "last_over_idle": ratio(levels[-1]["executor_peak_rss_gib"], levels[0]["executor_peak_rss_gib"]),
         "max_minus_min_mib": (
             max(lv["executor_peak_rss_gib"] for lv in levels) - min(lv["executor_peak_rss_gib"] for lv in levels)
         )
@@ -86,7 +89,7 @@ def run(ctx: Context) -> dict:
         ],
     )
     panels = [
-        common.Panel(
+        Panel(
             "executor RSS vs training clients",
             "GiB",
             [str(lv["clients"]) for lv in levels],

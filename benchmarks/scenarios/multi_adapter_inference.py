@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks import common
+from benchmarks.plots import Panel
 from benchmarks.scenarios.context import Context, common_table, finish
 from benchmarks.scenarios.processes import ScenarioExecutor, env_record, run_group
+from benchmarks.timing import percentile, ratio
 
 SYSTEMS = ("symbiosis", "symbiosis_mixed_batch", "hf_mixed_batch", "hf_per_adapter")
 # (per_k ratio key, what it compares, the target it must reach at every K)
@@ -67,8 +68,8 @@ def run(ctx: Context) -> dict:
                 latencies = [s for e in group.events for s in e["token_latency_s"] for _ in range(e["sequences"])]
                 runs[system][str(k)] = {
                     "tokens_per_s": group.tokens_per_s(),
-                    "latency_ms_p50": 1e3 * common.percentile(latencies, 50),
-                    "latency_ms_p95": 1e3 * common.percentile(latencies, 95),
+                    "latency_ms_p50": 1e3 * percentile(latencies, 50),
+                    "latency_ms_p95": 1e3 * percentile(latencies, 95),
                     "span_s": group.span_s,
                     **group.memory(),
                 }
@@ -82,13 +83,11 @@ def run(ctx: Context) -> dict:
             row[f"{system}_tokens_per_s"] = runs[system][k]["tokens_per_s"]
             row[f"{system}_latency_ms_p50"] = runs[system][k]["latency_ms_p50"]
             row[f"{system}_latency_ms_p95"] = runs[system][k]["latency_ms_p95"]
-        row["throughput_ratio_vs_mixed"] = common.ratio(
-            row["symbiosis_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"]
-        )
-        row["throughput_ratio_vs_per_adapter"] = common.ratio(
+        row["throughput_ratio_vs_mixed"] = ratio(row["symbiosis_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"])
+        row["throughput_ratio_vs_per_adapter"] = ratio(
             row["symbiosis_tokens_per_s"], row["hf_per_adapter_tokens_per_s"]
         )
-        row["symbiosis_mixed_vs_hf_mixed"] = common.ratio(
+        row["symbiosis_mixed_vs_hf_mixed"] = ratio(
             row["symbiosis_mixed_batch_tokens_per_s"], row["hf_mixed_batch_tokens_per_s"]
         )
         per_k.append(row)
@@ -132,13 +131,13 @@ def run(ctx: Context) -> dict:
     table = common_table(["K", *[c[1] for c in columns]], [[r["k"], *[r[c[0]] for c in columns]] for r in per_k])
     labels = [str(k) for k in ctx.profile.inference_ks]
     panels = [
-        common.Panel(
+        Panel(
             "aggregate decode tokens/s",
             "tokens/s",
             labels,
             {s: [runs[s][k]["tokens_per_s"] for k in labels] for s in SYSTEMS},
         ),
-        common.Panel(
+        Panel(
             "per-token latency p50 (p95 in the table)",
             "ms",
             labels,

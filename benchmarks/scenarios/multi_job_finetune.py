@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks.memory import GIB
+from benchmarks.plots import Panel
 from benchmarks.scenarios.context import Context, common_table, finish
 from benchmarks.scenarios.processes import ScenarioExecutor, env_record, finetune_spec, run_group
+from benchmarks.timing import ratio
 
 TARGET = {"k": 8, "throughput_ratio": 0.9}  # Symbiosis K=8 aggregate training tokens/s >= 0.9x K HF PEFT processes
 
@@ -74,10 +76,10 @@ def run(ctx: Context) -> dict:
                 "k": int(k),
                 "symbiosis_tokens_per_s": s["tokens_per_s"],
                 "hf_peft_tokens_per_s": h["tokens_per_s"],
-                "throughput_ratio": common.ratio(s["tokens_per_s"], h["tokens_per_s"]),
+                "throughput_ratio": ratio(s["tokens_per_s"], h["tokens_per_s"]),
                 "symbiosis_peak_total_rss_gib": s["peak_total_rss_gib"],
                 "hf_peft_peak_total_rss_gib": h["peak_total_rss_gib"],
-                "memory_ratio": common.ratio(s["peak_total_rss_gib"], h["peak_total_rss_gib"]),
+                "memory_ratio": ratio(s["peak_total_rss_gib"], h["peak_total_rss_gib"]),
             }
         )
     per_process = per_process_figures(runs)
@@ -143,7 +145,7 @@ def run(ctx: Context) -> dict:
     )
     labels = [str(k) for k in ctx.profile.finetune_ks]
     panels = [
-        common.Panel(
+        Panel(
             "aggregate training tokens/s",
             "tokens/s",
             labels,
@@ -152,7 +154,7 @@ def run(ctx: Context) -> dict:
                 "HF PEFT": [r["hf_peft_tokens_per_s"] for r in per_k],
             },
         ),
-        common.Panel(
+        Panel(
             "peak total RSS (sum of processes)",
             "GiB",
             labels,
@@ -233,8 +235,8 @@ def large_model_memory(ctx: Context) -> dict[str, Any]:
 
     if not ctx.profile.large_model:
         return {"skipped": "quick mode: the ~1B model is measured in full runs only"}
-    weights_gib = LARGE_PARAMS * 4 / common.GIB
-    available_gib = psutil.virtual_memory().available / common.GIB
+    weights_gib = LARGE_PARAMS * 4 / GIB
+    available_gib = psutil.virtual_memory().available / GIB
     needed_gib = 2.5 * weights_gib + 2.0  # building/saving the checkpoint holds ~2 copies; runs are one at a time
     if available_gib < needed_gib:
         return {
@@ -246,9 +248,9 @@ def large_model_memory(ctx: Context) -> dict[str, Any]:
     with ScenarioExecutor(ctx, path) as server:
         split = run_group(ctx, [finetune_spec(ctx, path, "split", 0, steps=1, seq=32)], server=server)
     per_process = {
-        "executor": max(split.sampler.peaks_of("executor")) / common.GIB,
-        "client": max(split.sampler.peaks_of("client")) / common.GIB,
-        "hf_job": max(hf.sampler.peaks_of("job")) / common.GIB,
+        "executor": max(split.sampler.peaks_of("executor")) / GIB,
+        "client": max(split.sampler.peaks_of("client")) / GIB,
+        "hf_job": max(hf.sampler.peaks_of("job")) / GIB,
     }
     ctx.log(
         f"  ~1B model: executor {per_process['executor']:.2f} GiB, client {per_process['client']:.2f} GiB, HF PEFT job {per_process['hf_job']:.2f} GiB"

@@ -2,7 +2,7 @@
 side that starts a group of them, runs them together and samples their memory.
 
 Workers run as ``python -m benchmarks.suite worker SPEC`` (``WORKER_MODULE``; JSON lines on
-stdin/stdout, see ``benchmarks/common.py``); ``benchmarks.suite.main`` hands them to
+stdin/stdout, see ``benchmarks/workers.py``); ``benchmarks.suite.main`` hands them to
 ``worker_main``. Used by ``multi_job_finetune``, ``executor_memory`` and
 ``multi_adapter_inference``.
 
@@ -27,8 +27,12 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks.memory import GIB, RssSampler
+from benchmarks.options import quiet_libraries
 from benchmarks.scenarios.context import Context
+from benchmarks.timing import ratio
+from benchmarks.workers import Worker, serve_worker
+from symbiosis.executor.process import ExecutorProcess
 from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE  # no torch import: safe before OpenMP starts
 
 WORKER_MODULE = "benchmarks.suite"  # the children's entry point: ``python -m benchmarks.suite worker SPEC``
@@ -142,7 +146,7 @@ def _decode_worker(spec: dict) -> Callable[[], dict]:
 def worker_main(spec: dict) -> None:
     import atexit
 
-    common.quiet_libraries()
+    quiet_libraries()
 
     def setup() -> Callable[[], dict]:
         run_once = {"finetune": _finetune_worker, "decode": _decode_worker}[spec["kind"]](spec)
@@ -159,14 +163,14 @@ def worker_main(spec: dict) -> None:
             return transport
 
         surgery.open_connection = connect_and_remember
-    common.serve_worker(setup)
+    serve_worker(setup)
 
 
 # ---- the workers' environment ---------------------------------------------------------------------
 
 
 def worker_env(spec: dict) -> dict[str, str]:
-    """Variables a worker gets on top of ``common.process_env``: ``OMP_WAIT_POLICY=PASSIVE`` for
+    """Variables a worker gets on top of ``process_env``: ``OMP_WAIT_POLICY=PASSIVE`` for
     split clients (the executor is another process on this host), nothing for the others."""
     if spec["mode"] == "split":
         return {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)}
@@ -184,9 +188,9 @@ def env_record(threads: int, mode: str | None = None) -> dict[str, str | None]:
     return {WAIT_POLICY_VARIABLE: policy, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def start_worker(spec: dict, threads: int) -> common.Worker:
-    """``common.Worker`` for ``spec`` with ``worker_env(spec)`` in its environment."""
-    return common.Worker(WORKER_MODULE, spec, threads=threads, env=worker_env(spec))
+def start_worker(spec: dict, threads: int) -> Worker:
+    """``Worker`` for ``spec`` with ``worker_env(spec)`` in its environment."""
+    return Worker(WORKER_MODULE, spec, threads=threads, env=worker_env(spec))
 
 
 # ---- running groups of processes -----------------------------------------------------------------
@@ -197,26 +201,26 @@ class Group:
     """What one run of processes measured."""
 
     events: list[dict]
-    sampler: common.RssSampler
+    sampler: RssSampler
     span_s: float
 
     def tokens_per_s(self) -> float:
-        return common.ratio(sum(e["tokens"] for e in self.events), self.span_s)
+        return ratio(sum(e["tokens"] for e in self.events), self.span_s)
 
     def memory(self) -> dict[str, Any]:
         roles = sorted(set(self.sampler.roles.values()))
         return {
-            "peak_total_rss_gib": self.sampler.peak_total / common.GIB,
-            "peak_rss_gib_by_role": {r: [b / common.GIB for b in self.sampler.peaks_of(r)] for r in roles},
-            "max_rss_gib_workers": [e["max_rss_bytes"] / common.GIB for e in self.events],
+            "peak_total_rss_gib": self.sampler.peak_total / GIB,
+            "peak_rss_gib_by_role": {r: [b / GIB for b in self.sampler.peaks_of(r)] for r in roles},
+            "max_rss_gib_workers": [e["max_rss_bytes"] / GIB for e in self.events],
             "rss_samples": self.sampler.samples,
         }
 
 
-def run_group(ctx: Context, specs: Sequence[dict], *, server: common.ServerProcess | None = None) -> Group:
+def run_group(ctx: Context, specs: Sequence[dict], *, server: ExecutorProcess | None = None) -> Group:
     """Start one worker per spec (clients of ``server`` when given) and run them once, together."""
-    sampler = common.RssSampler(0.1).start()
-    workers: list[common.Worker] = []
+    sampler = RssSampler(0.1).start()
+    workers: list[Worker] = []
     try:
         if server:
             sampler.watch(server.pid, "executor")
@@ -246,11 +250,11 @@ class ScenarioExecutor:
 
     def __init__(self, ctx: Context, path: Path) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="symbiosis-suite-")
-        self.server = common.executor_process(
+        self.server = ExecutorProcess(
             path, [f"ipc://{self._folder.name}/executor.sock"], threads=ctx.threads, wait=False
         )
 
-    def __enter__(self) -> common.ServerProcess:
+    def __enter__(self) -> ExecutorProcess:
         return self.server
 
     def __exit__(self, *exc) -> None:

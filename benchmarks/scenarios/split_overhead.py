@@ -10,7 +10,7 @@ target, verdict`` per split system, plus ``ratio_over_monolithic: {system: ratio
 
 from __future__ import annotations
 
-from benchmarks import common
+from benchmarks.plots import Panel
 from benchmarks.scenarios.context import Context, common_table, finish
 
 
@@ -88,7 +88,7 @@ def run(ctx: Context) -> dict:
         rows,
     )
     panels = [
-        common.Panel(
+        Panel(
             "split / monolithic (medians, 1.0 = free)",
             "ratio",
             names,
