@@ -15,6 +15,7 @@ from symbiosis.executor.process import ExecutorProcess, ExecutorProcessError
 from symbiosis.executor.weights import BaseModelWeights
 
 
+@pytest.mark.slow
 def test_ready_file_names_the_real_addresses_and_the_checkpoint(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     binds = ["tcp://127.0.0.1:0", f"ipc://{tmp_path}/executor.sock"]
@@ -44,12 +45,14 @@ def test_ready_file_names_the_real_addresses_and_the_checkpoint(tiny_checkpoint,
     assert not ready_file.exists()
 
 
+@pytest.mark.slow
 def test_a_process_that_cannot_start_is_a_typed_error_quoting_its_output(tmp_path):
     with pytest.raises(ExecutorProcessError) as failed:
         ExecutorProcess(tmp_path / "no-such-model", ["tcp://127.0.0.1:0"], timeout_s=60)
     assert "exited with code 2" in str(failed.value) and "no-such-model" in str(failed.value)
 
 
+@pytest.mark.slow
 def test_stats_need_the_metrics_endpoint_and_sigkill_is_reported(tiny_checkpoint, tmp_path):
     with ExecutorProcess(tiny_checkpoint("llama"), [f"ipc://{tmp_path}/e.sock"]) as executor:
         with pytest.raises(ExecutorProcessError, match="metrics=True"):

@@ -112,6 +112,7 @@ def test_reruns_replace_only_what_the_job_wrote(tiny_checkpoint, tmp_path, data)
     assert (output / "notes.md").read_text() == NOTES and (output / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_empty_output_folder_is_used(tiny_checkpoint, tmp_path, data):
     output = tmp_path / "adapter"
     output.mkdir()
@@ -119,6 +120,7 @@ def test_empty_output_folder_is_used(tiny_checkpoint, tmp_path, data):
     assert (output / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_save_adapter_checks_its_output(tiny_checkpoint, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"))
     with warnings.catch_warnings():
@@ -159,6 +161,7 @@ def test_bad_output_paths(tmp_path, case):
         check_output_folder(path)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_file_output_in_one_line(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
     output = tmp_path / "out"
     output.write_text(NOTES)

@@ -129,6 +129,7 @@ def test_non_z85_key_is_a_typed_error(tmp_path, which, value):
 
 
 @needs_curve
+@pytest.mark.slow
 def test_a_key_libzmq_refuses_does_not_hang_the_client(tmp_path):
     """Should a bad key still reach the socket, the transport fails instead of hanging in ctx.term()."""
     generate_keypair(tmp_path, "server")

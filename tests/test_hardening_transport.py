@@ -379,6 +379,7 @@ def _trim() -> None:
 
 @linux_only
 @pytest.mark.parametrize("driven", [False, True], ids=["queued", "computed-at-once"])
+@pytest.mark.slow
 def test_queued_results_are_bounded_and_released_when_the_client_disconnects(serve, driven: bool) -> None:
     service = (DrivenFake if driven else FakeExecutorService)([LayerSpec("lm_head", 64, 4096, False)], threaded=True)
     server = serve(service)

@@ -109,6 +109,7 @@ def coserving(config: SchedulerConfig, decoders: bool = True, finetune: bool = T
 
 
 @pytest.mark.parametrize("policy", ["immediate", "opportunistic"])
+@pytest.mark.slow
 def test_decode_slo_is_met_next_to_a_finetuning_backlog(policy):
     alone, _, _ = coserving(SchedulerConfig(policy=policy), finetune=False)
     _, finetune_alone, _ = coserving(SchedulerConfig(policy=policy), decoders=False)
@@ -125,6 +126,7 @@ def test_decode_slo_is_met_next_to_a_finetuning_backlog(policy):
     assert sim.scheduler.stats()["chunks_cut_for_decode"] > 0
 
 
+@pytest.mark.slow
 def test_finetuning_progresses_at_the_rate_the_slo_leaves_and_never_stops():
     alone, _, _ = coserving(SchedulerConfig(), finetune=False)
     alone_p95_ms = 1e3 * p95(alone)
@@ -259,6 +261,7 @@ def test_tuner_ignores_epochs_that_say_nothing():
     assert tuner.epochs == 0 and tuner.rule == FIRST_TRIALS[0]
 
 
+@pytest.mark.slow
 def test_opportunistic_stops_waiting_when_waiting_does_not_pay():
     """Clients on cores of their own, a cheap executor: waiting only adds latency, so the tuner
     settles on no waiting, and the pooled step time is within 10% of the immediate policy's."""

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -31,6 +32,7 @@ def _address(kind: str, tmp_path) -> str:
     return f"shm+ipc://{tmp_path}/executor.sock"
 
 
+@pytest.mark.slow
 def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path):
     """One executor process listening on tcp and ipc; a client process per transport."""
     path = tiny_checkpoint("qwen2")
@@ -69,6 +71,7 @@ def _train(model, steps, on_step=None):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow
 def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     with symbiosis.BaseExecutor.from_pretrained(path) as local:
@@ -125,6 +128,7 @@ def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_serve_drains_and_exits_cleanly_on_sigterm(tiny_checkpoint, tmp_path):
     executor = start_executor(tiny_checkpoint("llama"), _address("ipc", tmp_path))
     ready_file = executor.ready_file
@@ -135,6 +139,7 @@ def test_serve_drains_and_exits_cleanly_on_sigterm(tiny_checkpoint, tmp_path):
     assert not ready_file.exists(), "a stopped executor must not leave a ready file that says it serves"
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_public_bind_without_consent(tiny_checkpoint):
     import subprocess
     import sys
@@ -150,6 +155,7 @@ def test_serve_refuses_a_public_bind_without_consent(tiny_checkpoint):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_hostile_peer_cannot_disturb_a_real_executor(tiny_checkpoint, tmp_path):
     """Garbage, a pickle, a wrong shape, an unknown layer and a huge declared tensor, sent to a
     real `symbiosis serve` process while a good client decodes: typed errors for the peer, exact

@@ -109,6 +109,7 @@ def _check_reference(path, address: str, arch: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])  # gpt2: Conv1D and tied embeddings; gemma2: tied
+@pytest.mark.slow
 def test_sharded_executor_matches_monolithic(arch, world_size, strategy, tiny_checkpoint):
     """A client given rank 0's address, as for one executor: under ``layers`` it sends each layer
     to the rank that runs it (routes in the Welcome); under ``fsdp`` rank 0 gathers every layer."""
@@ -127,6 +128,7 @@ def test_sharded_executor_matches_monolithic(arch, world_size, strategy, tiny_ch
 
 
 @pytest.mark.parametrize("scheme", ["ipc", "shm+ipc", "dist+tcp"])
+@pytest.mark.slow
 def test_routes_keep_the_clients_transport(scheme, tiny_checkpoint, tmp_path):
     """A client of ``shm+ipc://`` or ``dist+tcp://`` reaches the other ranks the same way."""
     path = tiny_checkpoint("llama")
@@ -146,6 +148,7 @@ def test_routes_keep_the_clients_transport(scheme, tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_a_client_that_ignores_routes_is_relayed(world_size, tiny_checkpoint):
     """A plain connection to rank 0 (no routing, as an older client would be): rank 0 relays the
     other ranks' layers, and the results are the same."""
@@ -158,6 +161,7 @@ def test_a_client_that_ignores_routes_is_relayed(world_size, tiny_checkpoint):
     assert all(s["served_for_peers"] > 0 for s in shards[1:] if s["owned_layers"])
 
 
+@pytest.mark.slow
 def test_a_failed_route_falls_back_to_the_entry(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     with ranks_in_threads(path, 2, "layers") as ranks:
@@ -175,6 +179,7 @@ def test_a_failed_route_falls_back_to_the_entry(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.slow
 def test_a_client_of_another_rank_is_served_alike(strategy, tiny_checkpoint):
     """The paper's "client talks to its local shard": any rank's endpoint serves the whole model."""
     path = tiny_checkpoint("llama")

@@ -182,6 +182,7 @@ def test_a_closed_server_removes_its_socket_file_and_only_its_own(sock_dir):
         service.close()
 
 
+@pytest.mark.slow
 def test_calls_wait_out_a_graceful_restart_with_a_slow_drain(sock_dir):
     """An executor stopped with SIGTERM drains its requests in flight and refuses every Hello
     meanwhile ("shutting down"). A client calling then must wait for the next executor (within its

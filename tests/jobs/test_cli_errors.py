@@ -124,6 +124,7 @@ def test_neither_executor_nor_embedded(tiny_checkpoint, tmp_path, data, capsys, 
     assert_one_line_error(code, err, "--executor", "--embedded")
 
 
+@pytest.mark.slow
 def test_installed_command_and_debug_flag(tmp_path):
     args = [
         sys.executable,

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from symbiosis.jobs.demo import TUNERS, DemoOptions, run_demo
 
 
+@pytest.mark.slow
 def test_quick_demo_runs_every_client_and_measures(tmp_path):
     output = tmp_path / "out"
     results = run_demo(DemoOptions(quick=True, cache_dir=tmp_path / "cache", output=output))

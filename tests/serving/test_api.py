@@ -354,6 +354,7 @@ def remote_executor(api_model, tmp_path_factory):
     stop(process)
 
 
+@pytest.mark.slow
 def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_adapters, reference, remote_executor):
     address, _ = remote_executor
     server = start_server(api_model, ClientOptions(executor=address), adapters=lora_adapters)
@@ -369,6 +370,7 @@ def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_ad
         server.close()
 
 
+@pytest.mark.slow
 def test_an_unreachable_executor_answers_503(api_model, tmp_path):
     from tests.service_helpers import start_executor, stop
 
@@ -428,6 +430,7 @@ def test_a_fine_tuning_job_publishes_its_adapter_to_the_running_server(api_model
         server.close()
 
 
+@pytest.mark.slow
 def test_the_command_line_serves_until_sigterm(api_model, lora_adapters):
     import signal
     import socket

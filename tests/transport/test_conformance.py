@@ -210,6 +210,7 @@ def test_results_are_tensors_of_their_own(
     assert_same_product(x.grad, fake.compute(layer_id, Op.BACKWARD, ones))
 
 
+@pytest.mark.slow
 def test_64mb_round_trip(open_client, fake: FakeExecutorService) -> None:
     rows = torch.randn(65536, 256)  # 64 MiB of float32, and 64 MiB back
     got = open_client().call("wide", Op.FORWARD, rows, LatencyClass.PREFILL)
@@ -419,6 +420,7 @@ def segment_mappings(label: str) -> int:
         return sum(f"/memfd:{label} (deleted)" in line for line in maps)
 
 
+@pytest.mark.slow
 def test_killed_client_is_unregistered(open_client, server: ZmqServer, fake: FakeExecutorService, kind: str) -> None:
     client_id = f"doomed-{kind}"
     child = SPAWN.Process(
@@ -466,6 +468,7 @@ def remote_server() -> Iterator[dict[str, str]]:
     assert child.exitcode == 0
 
 
+@pytest.mark.slow
 def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> None:
     reference = FakeExecutorService(seed=3)
     options = {"lane": False} if kind.endswith("-zmq") else {}
@@ -486,6 +489,7 @@ def test_server_in_another_process(kind: str, remote_server: dict[str, str]) -> 
             transport.call("q", Op.FORWARD, torch.randn(2, 3), LatencyClass.PREFILL)
 
 
+@pytest.mark.slow
 def test_reconnects_after_server_crash(sock_dir: str) -> None:
     """kill -9 the server process (no Goodbye), start another at the same address: calls resume."""
     address = bind_address("ipc", sock_dir)

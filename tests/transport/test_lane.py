@@ -402,6 +402,7 @@ def test_tcp_connections_that_never_ask_are_closed(
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
+@pytest.mark.slow
 def test_a_peer_that_never_reads_its_lane_loses_its_session(serve, fake: FakeExecutorService, kind: str) -> None:
     _, address = serve(kind)
     peer = LanePeer(address, client_id="deaf")
@@ -452,6 +453,7 @@ def _lane_messages():
     )
 
 
+@pytest.mark.slow
 def test_any_lane_message_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_peer: LanePeer) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -486,6 +488,7 @@ def test_any_lane_message_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_pe
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
+@pytest.mark.slow
 def test_clients_on_lanes_are_still_batched_together(tiny_checkpoint, sock_dir: str, kind: str) -> None:
     """Lanes change how a request reaches the executor, not what it does with it: requests of
     several clients for one layer still meet in one product (lockstep waits for all of them)."""

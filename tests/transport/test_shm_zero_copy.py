@@ -73,6 +73,7 @@ def large_rows(executor, layer_id: str, op: Op, seed: int, dtype: torch.dtype = 
 
 
 @pytest.mark.parametrize(("arch", "layer_id", "op"), CASES)
+@pytest.mark.slow
 def test_product_is_computed_into_the_segment(serve, copies: list[bool], arch: str, layer_id: str, op: Op) -> None:
     executor, transport = serve(arch)
     alone_before = executor.stats()["batches_run_by"]["alone"]
