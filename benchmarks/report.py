@@ -1,6 +1,6 @@
 """Render the README's benchmark section from result JSON files (never typed by hand).
 
-Reads ``<results>/<scenario>/result.json`` for every suite scenario (``benchmarks/suite.py``) and,
+Reads ``<results>/<scenario>/<scenario>.json`` for every suite scenario (``benchmarks/suite.py``) and,
 when present, ``<results>/split_overhead_models/split_overhead.json`` (``benchmarks/split_overhead.py``)
 and ``<results>/transport/transport.json`` (``benchmarks/transport.py``), and writes one
 markdown file: per scenario the command that produced it, its headline ratios, an honest line for
@@ -18,12 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import result_file
 from benchmarks.suite import SCENARIOS
 
 TITLES = {
     "multi_job_finetune": "Multi-job fine-tuning: one executor + K clients vs K HF PEFT processes",
     "executor_memory": "Executor memory vs number of training clients",
-    "multi_adapter_inference": "Multi-adapter inference: K adapters decoding at once (a process per adapter, or one mixed-adapter batch)",
+    "multi_adapter_inference": "Multi-adapter inference: K adapters decoding at once "
+    "(a process per adapter, or one mixed-adapter batch)",
     "split_overhead": "Split overhead per transport (one client vs the monolithic model)",
     "executor_efficiency": "Executor efficiency: batched products vs plain torch.matmul",
 }
@@ -48,7 +50,8 @@ def _machine_line(machine: dict[str, Any]) -> str:
     load = machine.get("load_average_1_5_15min")
     load_text = f", load average {load[0]:.1f} at the start" if load else ""
     return (
-        f"{machine.get('processor')}, {machine.get('usable_cpus')} usable CPUs{load_text}; torch {machine.get('torch')}, "
+        f"{machine.get('processor')}, {machine.get('usable_cpus')} usable CPUs{load_text}; torch "
+        f"{machine.get('torch')}, "
         f"transformers {machine.get('transformers')}, peft {machine.get('peft')}"
     )
 
@@ -58,16 +61,16 @@ def scenario_section(
 ) -> list[str]:
     lines = [f"### {index}. {TITLES.get(name, name)}", ""]
     if result is None:
-        return lines + [f"_Not run: no `{name}/result.json` in `{results_dir}`._", ""]
+        return lines + [f"_Not run: no `{name}/{name}.json` in `{results_dir}`._", ""]
     lines += [f"Command: `{result['command']}` ({result['wall_s']:.0f} s; {_machine_line(result['machine'])}).", ""]
     lines += [f"- {line}" for line in result["headline"]]
     losses = result.get("losses") or []
     lines += [f"- **Where we lose:** {line}" for line in losses] or ["- Where we lose: nothing in this run."]
-    table = results_dir / name / "table.md"
+    table = result_file(results_dir / name, name, ".md")
     if table.is_file():
         body = table.read_text().strip().splitlines()
         lines += ["", *[line for line in body if not line.startswith("### ")]]
-    plot = results_dir / name / "plot.png"
+    plot = result_file(results_dir / name, name, ".png")
     if plot.is_file():
         lines += ["", f"![{name}]({os.path.relpath(plot, relative_to)})"]
     return lines + [""]
@@ -97,7 +100,8 @@ def transport_section(result: dict[str, Any] | None, results_dir: Path, relative
     lines.append("")
     if best:
         lines.append(
-            f"- At {rows[-1]} rows the fastest cross-process transport is {best}: x{largest[best]['over_memcpy']:.1f} the memcpy ceiling."
+            f"- At {rows[-1]} rows the fastest cross-process transport is {best}: x{largest[best]['over_memcpy']:.1f} "
+            "the memcpy ceiling."
         )
     steps = result.get("steps")
     if steps:
@@ -190,9 +194,11 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
         lines += [
             f"### Batching and sharing between clients, clients as {mode} (issues 4, 11)",
             "",
-            f"Command: `{data['command']}` ({data['wall_s']:.0f} s; llama {summary['preset']}; {config['window_s']:g} s windows "
+            f"Command: `{data['command']}` ({data['wall_s']:.0f} s; llama {summary['preset']}; {config['window_s']:g} "
+            "s windows "
             f"after {config.get('warmup_s', 0):g} s of warm-up, medians of {summary['repeats']} interleaved repeats; "
-            f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {data['machine'].get('usable_cpus')} CPUs).",
+            f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
+            f"{data['machine'].get('usable_cpus')} CPUs).",
             "",
         ]
         inference = summary["inference"]
@@ -213,7 +219,8 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
                 else ""
             )
             lines.append(
-                f"- {v}, 6 inference + 2 fine-tuning clients: fine-tuning keeps {_num(f['finetune_kept'], 100, '.0f')}% of its tokens/s "
+                f"- {v}, 6 inference + 2 fine-tuning clients: fine-tuning keeps "
+                f"{_num(f['finetune_kept'], 100, '.0f')}% of its tokens/s "
                 f"alone; inference p95 x{_num(f['inference_p95_ratio'])} of alone{slo}."
             )
         for v, f in summary["flood"].items():
@@ -223,7 +230,8 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
                 if f"p95_ratio_flood_{label}" in f
             ]
             lines.append(
-                f"- {v}, a bystander decoding next to a client flooding the executor: p95 per token {_num(f['bystander_p95_ms_alone'], 1, '.0f')} ms "
+                f"- {v}, a bystander decoding next to a client flooding the executor: p95 per token "
+                f"{_num(f['bystander_p95_ms_alone'], 1, '.0f')} ms "
                 f"alone; under the flood {', '.join(ratios)}."
             )
         met = [t for t in summary["targets"] if t["met"]]
@@ -239,7 +247,8 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
         lines += ["", "| policy | tokens/s | mean latency ms | p95 latency ms | rows/batch |", "|---|---|---|---|---|"]
         for v, f in inference.items():
             lines.append(
-                f"| {v} | {_num(f['tokens_per_s'], 1, '.0f')} | {_num(f['latency_ms_mean'], 1, '.0f')} | {_num(f['latency_ms_p95'], 1, '.0f')} | {_num(f['mean_rows_per_batch'], 1, '.1f')} |"
+                f"| {v} | {_num(f['tokens_per_s'], 1, '.0f')} | {_num(f['latency_ms_mean'], 1, '.0f')} | "
+                f"{_num(f['latency_ms_p95'], 1, '.0f')} | {_num(f['mean_rows_per_batch'], 1, '.1f')} |"
             )
         lines += [
             "",
@@ -263,31 +272,39 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
     config, end_load = result.get("config"), result["machine"].get("load_average_1_5_15min_at_end")
     if config:
         lines.append(
-            f"- Every process (servers, executor, HF PEFT) with {config['threads_per_process']} torch thread(s); load generator: "
+            f"- Every process (servers, executor, HF PEFT) with {config['threads_per_process']} torch thread(s); load "
+            "generator: "
             f"{config['load_client']}" + (f"; load average {end_load[0]:.1f} at the end" if end_load else "") + "."
         )
     lines.append(
         f"- 4 LoRA adapters, 16 concurrent streaming requests x 32 greedy tokens (tokens/s): HF PEFT mixed batch "
-        f"{tps['hf_peft_mixed']:.0f}, api embedded {tps['api_embedded']:.0f} (x{r['api_embedded_vs_hf']:.2f}), api over shm "
+        f"{tps['hf_peft_mixed']:.0f}, api embedded {tps['api_embedded']:.0f} (x{r['api_embedded_vs_hf']:.2f}), api "
+        "over shm "
         f"{tps['api_shm']:.0f} (x{r['api_shm_vs_hf']:.2f})."
     )
     per_cpu, cpu_ratios = summary.get("tokens_per_cpu_s"), summary.get("cpu_ratios")
     if per_cpu and cpu_ratios:
         lines.append(
-            f"- Same rounds, tokens per CPU-second of everything that served them (HF: its process; api: server, executor "
-            f"process, load generator), steadier than wall time on a busy host: HF PEFT {per_cpu['hf_peft_mixed']:.0f}, "
+            "- Same rounds, tokens per CPU-second of everything that served them (HF: its process; api: server, "
+            "executor "
+            "process, load generator), steadier than wall time on a busy host: HF PEFT "
+            f"{per_cpu['hf_peft_mixed']:.0f}, "
             f"api embedded {per_cpu['api_embedded']:.0f} (x{cpu_ratios['api_embedded_vs_hf']:.2f}), api over shm "
             f"{per_cpu['api_shm']:.0f} (x{cpu_ratios['api_shm_vs_hf']:.2f})."
         )
     lines.append(
-        f"- 1,000 adapters behind --adapter-dir: warm x{r['many_warm_vs_four']:.2f} and cold (16 never-used adapters per round) "
-        f"x{r['many_cold_vs_four']:.2f} of the 4-adapter figure; reading an adapter from disk (cold load) takes {summary['cold_load_ms_per_adapter']:.1f} ms in the engine thread."
+        f"- 1,000 adapters behind --adapter-dir: warm x{r['many_warm_vs_four']:.2f} and cold (16 never-used adapters "
+        "per round) "
+        f"x{r['many_cold_vs_four']:.2f} of the 4-adapter figure; reading an adapter from disk (cold load) takes "
+        f"{summary['cold_load_ms_per_adapter']:.1f} ms in the engine thread."
     )
     co = summary["coserve"]
     lines.append(
-        f"- Co-serving ({co['requests']} Poisson requests at {co['rate_per_s']:g}/s) with 2 fine-tuning jobs on the same executor: "
+        f"- Co-serving ({co['requests']} Poisson requests at {co['rate_per_s']:g}/s) with 2 fine-tuning jobs on the "
+        "same executor: "
         f"p95 inter-token latency x{r['coserve_itl_p95']:.2f} of inference alone "
-        f"({co['inference_with_finetune']['itl_p95_ms']:.0f} vs {co['inference_alone']['itl_p95_ms']:.0f} ms); fine-tuning keeps "
+        f"({co['inference_with_finetune']['itl_p95_ms']:.0f} vs {co['inference_alone']['itl_p95_ms']:.0f} ms); "
+        "fine-tuning keeps "
         f"{100 * r['finetune_kept']:.0f}% of its solo steps/s."
     )
     vllm = summary.get("vllm")
@@ -318,12 +335,15 @@ def render(results_dir: Path, output: Path) -> str:
     lines = [
         "## Benchmark results",
         "",
-        f"_Generated by `python -m benchmarks.report --results {results_dir} --output {output}` from the JSON files next to it; "
-        "do not edit by hand. Numbers are medians of interleaved runs on a shared, noisy machine; ratios matter more than absolute values._",
+        f"_Generated by `python -m benchmarks.report --results {results_dir} --output {output}` from the JSON files "
+        "next to it; "
+        "do not edit by hand. Numbers are medians of interleaved runs on a shared, noisy machine; ratios matter more "
+        "than absolute values._",
         "",
     ]
     for index, name in enumerate(SCENARIOS, 1):
-        lines += scenario_section(index, name, _load(results_dir / name / "result.json"), results_dir, relative_to)
+        result = _load(result_file(results_dir / name, name))
+        lines += scenario_section(index, name, result, results_dir, relative_to)
     lines += split_models_section(_load(results_dir / SPLIT_MODELS / "split_overhead.json"), results_dir, relative_to)
     lines += transport_section(_load(results_dir / "transport" / "transport.json"), results_dir, relative_to)
     lines += batching_section(results_dir, relative_to)
@@ -367,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         "--results",
         type=Path,
         default=Path("docs/benchmarks"),
-        help="Folder holding <scenario>/result.json (default: %(default)s).",
+        help="Folder holding <scenario>/<scenario>.json and the other results (default: %(default)s).",
     )
     parser.add_argument(
         "--output", type=Path, default=None, help="Markdown file to write (default: RESULTS.md in --results)."

@@ -804,7 +804,8 @@ class SoakRun:
         started = time.perf_counter()
         self.host_before = host_facts(self.workdir)
         self.log(
-            f"{self.name}: {len(self.specs)} clients for {self.args.seconds:.0f} s on {self.path.name}; work in {self.workdir}"
+            f"{self.name}: {len(self.specs)} clients for {self.args.seconds:.0f} s on {self.path.name}; work in "
+            f"{self.workdir}"
         )
         try:
             self._start()
@@ -858,7 +859,8 @@ class SoakRun:
         self.solo_s = time.perf_counter() - solo_started
         self.solo.close()
         self.log(
-            f"solo references: {len(self.references)} in {self.solo_s:.0f} s; executor warmed up over {', '.join(solo_done['warmed_up'])}"
+            f"solo references: {len(self.references)} in {self.solo_s:.0f} s; executor warmed up over "
+            f"{', '.join(solo_done['warmed_up'])}"
         )
         self.metrics_before = wait_for_no_clients(self.metrics_port)
         self.executor_before = settled_facts(executor.pid)
@@ -931,7 +933,8 @@ class SoakRun:
         if code != expected:
             self.notes.append(f"executor pid {old.pid} exited {code} after {how}, expected {expected}")
         self.log(
-            f"  t={stopped_at - self.origin:6.1f} s  executor {'kill -9' if how == 'kill' else 'SIGTERM'} (exit {code}); "
+            f"  t={stopped_at - self.origin:6.1f} s  executor {'kill -9' if how == 'kill' else 'SIGTERM'} (exit "
+            f"{code}); "
             f"back after {new.ready_at - stopped_at:.1f} s"
         )
 
@@ -1245,23 +1248,32 @@ def headline(result: dict[str, Any]) -> list[str]:
     roles = {r: sum(x["role"] == r for x in clients) for r in ("finetune", "decode")}
     delta, g0 = leftovers["executor_delta"], result["rss_growth"][0]
     lines = [
-        f"{len(clients)} clients ({roles['finetune']} fine-tuning, {roles['decode']} decoding; methods {', '.join(sorted({x['method'] for x in clients}))}; "
-        f"transports {', '.join(sorted({x['transport'] for x in clients}))}) against one executor for {result['soak_s']:.0f} s"
+        f"{len(clients)} clients ({roles['finetune']} fine-tuning, {roles['decode']} decoding; methods "
+        f"{', '.join(sorted({x['method'] for x in clients}))}; "
+        f"transports {', '.join(sorted({x['transport'] for x in clients}))}) against one executor for "
+        f"{result['soak_s']:.0f} s"
         + (
-            f"; {len(result['chaos']['killed'])} clients killed (kill -9), the executor restarted {len(result['incarnations']) - 1} times"
+            f"; {len(result['chaos']['killed'])} clients killed (kill -9), the executor restarted "
+            f"{len(result['incarnations']) - 1} times"
             if config["chaos"]
             else ""
         )
         + ".",
-        f"Errors: {e['total']} (client calls {e['client_calls']}, executor batches {e['executor_batches']}, executor log {e['executor_log']['errors']}, other {len(e['other'])}).",
+        f"Errors: {e['total']} (client calls {e['client_calls']}, executor batches {e['executor_batches']}, executor "
+        f"log {e['executor_log']['errors']}, other {len(e['other'])}).",
         (
-            f"Results vs solo runs: {c['matching_episodes']}/{c['compared_episodes']} episodes of {c['survivors']} surviving clients match "
-            f"({c['finetune_bit_identical_episodes']}/{c['finetune_episodes']} fine-tuning episodes bit-identical, max |Δ adapter| "
-            f"{c['max_abs_diff_finetune'] or 0:.2g} vs smallest whole-step update {c['min_step_update'] or math.nan:.2g}; greedy tokens equal in "
+            f"Results vs solo runs: {c['matching_episodes']}/{c['compared_episodes']} episodes of {c['survivors']} "
+            "surviving clients match "
+            f"({c['finetune_bit_identical_episodes']}/{c['finetune_episodes']} fine-tuning episodes bit-identical, "
+            "max |Δ adapter| "
+            f"{c['max_abs_diff_finetune'] or 0:.2g} vs smallest whole-step update "
+            f"{c['min_step_update'] or math.nan:.2g}; greedy tokens equal in "
             f"{c['compared_episodes'] - c['finetune_episodes']} decoding episodes)."
         ),
-        f"Executor RSS after warm-up: {g0.get('first_mib') or math.nan:.0f} -> {g0.get('last_mib') or math.nan:.0f} MiB "
-        f"({g0['growth_pct'] if g0['growth_pct'] is not None else math.nan:+.2f}% over {g0['window_s'][1] - g0['window_s'][0]:.0f} s, "
+        f"Executor RSS after warm-up: {g0.get('first_mib') or math.nan:.0f} -> {g0.get('last_mib') or math.nan:.0f} "
+        "MiB "
+        f"({g0['growth_pct'] if g0['growth_pct'] is not None else math.nan:+.2f}% over "
+        f"{g0['window_s'][1] - g0['window_s'][0]:.0f} s, "
         f"target < {config['rss_target_pct']:g}%)"
         + (
             ""
@@ -1274,11 +1286,16 @@ def headline(result: dict[str, Any]) -> list[str]:
         )
         + ".",
         (
-            f"Left behind vs the idle executor: threads {_signed(delta, 'threads')}, descriptors {_signed(delta, 'fds')}, memfd mappings "
-            f"{_signed(delta, 'memfd_mappings')}, listening sockets {_signed(delta, 'listening_tcp')}; clients still registered "
-            f"{int((leftovers['metrics_after'] or {}).get('joined_clients', -1))}; socket files {len(leftovers['host_after']['socket_files'])}; "
-            f"/dev/shm entries {leftovers['host_before']['dev_shm_entries']} -> {leftovers['host_after']['dev_shm_entries']}; processes "
-            f"{len(leftovers['leftover_processes'])}; segments still mapped by disconnected clients {leftovers['clients_worst_after_close']['memfd_mappings']}."
+            f"Left behind vs the idle executor: threads {_signed(delta, 'threads')}, descriptors "
+            f"{_signed(delta, 'fds')}, memfd mappings "
+            f"{_signed(delta, 'memfd_mappings')}, listening sockets {_signed(delta, 'listening_tcp')}; clients still "
+            "registered "
+            f"{int((leftovers['metrics_after'] or {}).get('joined_clients', -1))}; socket files "
+            f"{len(leftovers['host_after']['socket_files'])}; "
+            f"/dev/shm entries {leftovers['host_before']['dev_shm_entries']} -> "
+            f"{leftovers['host_after']['dev_shm_entries']}; processes "
+            f"{len(leftovers['leftover_processes'])}; segments still mapped by disconnected clients "
+            f"{leftovers['clients_worst_after_close']['memfd_mappings']}."
         ),
     ]
     if config["chaos"]:
@@ -1287,11 +1304,13 @@ def headline(result: dict[str, Any]) -> list[str]:
             + "; ".join(
                 f"{'kill -9' if r['how'] == 'kill' else 'SIGTERM'} at {r['at_s']:.0f} s, down {r['downtime_s']:.1f} s, "
                 + (
-                    f"every surviving client finished an episode {r['all_clients_finished_an_episode_after_s']:.1f} s after it was back"
+                    f"every surviving client finished an episode {r['all_clients_finished_an_episode_after_s']:.1f} s "
+                    "after it was back"
                     if r["all_clients_finished_an_episode_after_s"] is not None
                     else "not every client finished an episode after it"
                 )
-                + f", {r['finetune_episodes_across_matching']}/{r['finetune_episodes_across']} fine-tuning episodes across it match"
+                + f", {r['finetune_episodes_across_matching']}/{r['finetune_episodes_across']} fine-tuning episodes "
+                "across it match"
                 for r in result["chaos"]["restarts"]
             )
             + "."
@@ -1381,7 +1400,8 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8, loc="center right")
     figure.suptitle(
-        f"{result['benchmark']}: executor over time (grey: warm-up; red dashes: executor killed/stopped, red: no executor; "
+        f"{result['benchmark']}: executor over time (grey: warm-up; red dashes: executor killed/stopped, red: no "
+        "executor; "
         "grey dots: kill -9 of a client; dash-dot: clients told to stop)",
         fontsize=8,
     )
@@ -1436,7 +1456,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--warmup-s",
         type=float,
         default=None,
-        help="Seconds after which RSS growth is measured, at least until every client finished an episode (default: 10%% of --seconds, at least 10).",
+        help="Seconds after which RSS growth is measured, at least until every client finished an episode (default: "
+        "10%% of --seconds, at least 10).",
     )
     parser.add_argument(
         "--sample-interval-s", type=float, default=1.0, help="Executor sampling period (default: %(default)s)."
@@ -1492,7 +1513,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--cache",
         type=Path,
         default=None,
-        help="Where the checkpoint is made once and kept (default: $SYMBIOSIS_BENCH_CACHE or ~/.cache/symbiosis/bench).",
+        help="Where the checkpoint is made once and kept (default: $SYMBIOSIS_BENCH_CACHE or "
+        "~/.cache/symbiosis/bench).",
     )
     parser.add_argument("--model", type=Path, default=None, help="Use this checkpoint folder instead of making one.")
     parser.add_argument(

@@ -553,7 +553,8 @@ def measure(
                     workers.pop(system).close()
             names = list(workers)
             log(
-                f"  [{time.perf_counter() - began:.0f} s] {len(names)} processes ready ({', '.join(names)}); {rounds} rounds"
+                f"  [{time.perf_counter() - began:.0f} s] {len(names)} processes ready ({', '.join(names)}); {rounds} "
+                "rounds"
             )
             samples: dict[str, dict[str, dict[str, list[float]]]] = {s: {} for s in names}
             info: dict[str, dict[str, Any]] = {}
@@ -751,7 +752,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--shared-executor",
         action="store_true",
-        help="One executor process per model for every remote system (default: one each, so each client is its executor's only one).",
+        help="One executor process per model for every remote system (default: one each, so each client is its "
+        "executor's only one).",
     )
     args = parser.parse_args(argv)
     args.threads = 1 if args.threads is None else args.threads
@@ -782,7 +784,8 @@ def checkpoints(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         entry["params"] = params
         entry["describe"] = (
-            f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}, {params / 1e6:.1f}M params"
+            f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab "
+            f"{config.vocab_size}, {params / 1e6:.1f}M params"
         )
     return models
 
@@ -844,7 +847,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "preset": args.preset,
             "adapter": f"LoRA r=8 alpha=16 on {LORA_TARGETS}, same weights in every system",
             "baseline": "monolithic transformers+peft in its own process, same checkpoint, adapter weights and inputs",
-            "scheduling": "one long-lived process per system (each holding every model); rounds rotate the order; one system computes at a time",
+            "scheduling": "one long-lived process per system (each holding every model); rounds rotate the order; "
+            "one system computes at a time",
         },
         "targets": {s: TARGETS[s] for s in measured["samples"] if s in TARGETS},
         "results": results,
@@ -861,7 +865,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     plot(
         output / f"{NAME}.png",
         results,
-        f"Split vs monolithic, one process per system ({args.threads} thread(s) each, medians of {args.repeats} rounds)",
+        f"Split vs monolithic, one process per system ({args.threads} thread(s) each, medians of {args.repeats} "
+        "rounds)",
     )
 
     print(tables(results, models), flush=True)

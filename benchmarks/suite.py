@@ -1,7 +1,7 @@
 """The benchmark suite (issue 6): Symbiosis against what a user would run instead, side by side.
 
 Each scenario is a module of ``benchmarks/scenarios/`` whose ``run(ctx) -> dict`` writes
-``<output>/<scenario>/`` ``result.json``, ``plot.png`` and ``table.md``; this module is the driver
+``<output>/<scenario>/<scenario>.json``, ``.png`` and ``.md`` (the table); this module is the driver
 (``run``, the command line, the worker entry point). Processes are real: ``symbiosis serve`` for the
 executor, one child per client or baseline job (``python -m benchmarks.suite worker SPEC``, JSON
 lines on stdin/stdout, see ``benchmarks/workers.py`` and ``benchmarks/scenarios/processes.py``).
@@ -21,7 +21,7 @@ alternate their order from one size to the next.
 5. ``executor_efficiency``: the executor's batched products vs plain ``torch.matmul`` on the same
    shapes and a 1024² matmul ceiling.
 
-Every ``result.json``: ``scenario, command, machine, config, results, headline, losses, wall_s``.
+Every ``<scenario>.json``: ``scenario, command, machine, config, results, headline, losses, wall_s``.
 ``results`` per scenario (keys the tests check): (1) ``runs, per_k, per_process_gib, budget,
 large_model, mlora, target``; (2) ``levels, executor_rss_growth``; (3) ``runs, per_k, targets``; (4) ``train_step,
 decode_step, check, dist``; (5) ``phases, matmul_ceiling_gflops``. ``headline``: sentences with
@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.options import default_cache_dir, quiet_libraries
-from benchmarks.results import command_line, write_json
+from benchmarks.results import command_line, result_file, write_json
 from benchmarks.scenarios import SCENARIOS, scenario
 from benchmarks.scenarios.context import FULL, QUICK, Context, Profile
 from benchmarks.scenarios.processes import WORKER_MODULE, worker_main
@@ -65,7 +65,7 @@ def run(
     log: Callable[[str], None] = print,
     profile: Profile | None = None,
 ) -> dict[str, dict]:
-    """Run ``scenarios`` in order; each writes ``<output>/<scenario>/result.json``, ``plot.png``, ``table.md``.
+    """Run ``scenarios`` in order; each writes ``<output>/<scenario>/<scenario>.json``, ``.png``, ``.md``.
 
     ``profile`` overrides the sizes (``QUICK`` with ``quick``, else ``FULL``); tests pass smaller ones.
     """
@@ -91,7 +91,7 @@ def run(
         started = time.perf_counter()
         result = scenario(name)(ctx)
         result["wall_s"] = time.perf_counter() - started
-        write_json(ctx.output / name / "result.json", result)
+        write_json(result_file(ctx.output / name, name), result)
         results[name] = result
         for line in result["headline"]:
             log(f"  {line}")
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--output",
         type=Path,
         default=Path("bench-results"),
-        help="Folder for <scenario>/result.json, plot.png, table.md.",
+        help="Folder for <scenario>/<scenario>.json, .png (plot) and .md (table).",
     )
     parser.add_argument("--cache", type=Path, default=None, help="Where benchmark checkpoints are made once and kept.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process (default: %(default)s).")

@@ -161,7 +161,8 @@ def dist_status() -> dict[str, Any]:
     if importlib.util.find_spec("symbiosis.transport.dist_client") is None:
         return {
             "available": False,
-            "reason": "symbiosis.transport.dist_client is not in this checkout yet (open_transport() names dist+ but the module is missing)",
+            "reason": "symbiosis.transport.dist_client is not in this checkout yet "
+            "(open_transport() names dist+ but the module is missing)",
         }
     return {"available": True, "reason": "symbiosis.transport.dist_client found"}
 
@@ -215,7 +216,7 @@ def round_trips(
                 )
             there, back = torch.empty_like(x), torch.empty_like(x)
             candidates: dict[str, Callable[[], Any]] = {
-                name: (lambda t=transport: t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL))
+                name: (lambda t=transport, x=x: t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL))
                 for name, transport in transports.items()
             }
             if "shm+ipc kept" in transports:
@@ -224,7 +225,7 @@ def round_trips(
                 candidates["shm+ipc kept"] = lambda t=keeper, x=x: kept.append(
                     t.call(ECHO_LAYER, Op.FORWARD, x, LatencyClass.PREFILL)
                 )
-            candidates["memcpy"] = lambda: back.copy_(there.copy_(x))
+            candidates["memcpy"] = lambda back=back, there=there, x=x: back.copy_(there.copy_(x))
             samples = time_interleaved(candidates, warmup=warmup, repeats=repeats[rows])
             nbytes = x.numel() * x.element_size()
             memcpy_ms = summarize(samples["memcpy"])["median_ms"]
@@ -236,7 +237,7 @@ def round_trips(
                     timing["over_memcpy"] = ratio(timing["median_ms"], memcpy_ms)
                 entry[name] = timing
             gemm = time_interleaved(
-                {"gemm": lambda: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4))
+                {"gemm": lambda x=x: x @ weight.t()}, warmup=1, repeats=max(2, min(5, repeats[rows] // 4))
             )["gemm"]
             entry["gemm_ms"] = summarize(gemm)["median_ms"]
             results[str(rows)] = entry
@@ -455,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "arch": args.arch,
             "quick": args.quick,
             "threads_per_process": args.threads,
-            "round_trip_service": "EchoService (minimal ExecutorService: one width x width layer, result = copy of the rows) in a child process; inproc = InProcTransport on an EchoService here",
+            "round_trip_service": "EchoService (minimal ExecutorService: one width x width layer, "
+            "result = copy of the rows) in a child process; inproc = InProcTransport on an EchoService here",
             "memcpy": "two torch copy_ of the payload (request there, result back), same process",
         },
         "round_trip": round_trip,

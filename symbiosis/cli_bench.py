@@ -58,7 +58,7 @@ def bench(
         ),
     ] = False,
     output: Annotated[
-        Path, typer.Option(help="Folder for <scenario>/result.json, plot.png and table.md (created if missing).")
+        Path, typer.Option(help="Folder for <scenario>/<scenario>.json, .png and .md (created if missing).")
     ] = Path("bench-results"),
     cache: Annotated[
         Path | None,

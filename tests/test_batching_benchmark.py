@@ -42,3 +42,26 @@ def test_batching_quick_writes_documented_json(tmp_path):
     # The README's results block renders from this file.
     lines = report.batching_section(tmp_path, tmp_path)
     assert any("Batching" in line for line in lines) and any("PASS" in line or "MISS" in line for line in lines)
+
+
+def test_serve_flags_give_serve_the_same_scheduler_config():
+    """``--clients-as processes`` starts ``symbiosis serve`` with ``serve_flags(config)``: parsed by
+    serve's own options, the flags must make exactly the config the thread mode uses."""
+    import dataclasses
+
+    import click
+    import typer
+
+    from benchmarks.batching_processes import serve_flags
+    from symbiosis.cli import _register_optional_commands, app
+    from symbiosis.executor.scheduler import SchedulerConfig
+
+    _register_optional_commands()
+    group = typer.main.get_command(app)
+    serve = group.get_command(click.Context(group), "serve")
+    names = [f.name for f in dataclasses.fields(SchedulerConfig)]
+    configs = [SchedulerConfig(**fields, max_wait_ms=3.0) for fields in batching.VARIANTS.values()]
+    configs.append(SchedulerConfig(decode_slo_ms=40.0))
+    for config in configs:
+        parsed = serve.make_context("serve", ["model", *serve_flags(config)]).params
+        assert SchedulerConfig(**{name: parsed[name] for name in names}) == config, serve_flags(config)

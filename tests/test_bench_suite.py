@@ -50,18 +50,18 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     assert set(returned) == set(suite.SCENARIOS) == set(RESULT_KEYS)
     for name, keys in RESULT_KEYS.items():
         folder = output / name
-        written = json.loads((folder / "result.json").read_text())
+        written = json.loads((folder / f"{name}.json").read_text())
         assert TOP_KEYS <= written.keys(), name
         assert written["scenario"] == name
         assert keys <= written["results"].keys(), name
         assert written["headline"] and all(isinstance(line, str) for line in written["headline"])
-        assert (folder / "plot.png").stat().st_size > 0
-        assert "|---" in (folder / "table.md").read_text()
+        assert (folder / f"{name}.png").stat().st_size > 0
+        assert "|---" in (folder / f"{name}.md").read_text()
         assert any(line.startswith("[") and name in line and "done" in line for line in lines), (
             name
         )  # progress per scenario
 
-    finetune = json.loads((output / "multi_job_finetune" / "result.json").read_text())["results"]
+    finetune = json.loads((output / "multi_job_finetune" / "multi_job_finetune.json").read_text())["results"]
     assert [row["k"] for row in finetune["per_k"]] == [1]
     assert {"throughput_ratio", "memory_ratio", "symbiosis_tokens_per_s", "hf_peft_tokens_per_s"} <= finetune["per_k"][
         0
@@ -76,16 +76,16 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     assert (
         finetune["target"]["target_k"] == 8 and finetune["target"]["k"] == 1
     )  # judged at the largest K run, saying so
-    finetune_json = json.loads((output / "multi_job_finetune" / "result.json").read_text())
+    finetune_json = json.loads((output / "multi_job_finetune" / "multi_job_finetune.json").read_text())
     assert any(("PASS" in line or "MISS" in line) and "K=8" in line for line in finetune_json["headline"])
     assert finetune_json["config"]["env"]["symbiosis_client"]["OMP_WAIT_POLICY"] == os.environ.get(
         "OMP_WAIT_POLICY", "PASSIVE"
     )
 
-    memory = json.loads((output / "executor_memory" / "result.json").read_text())["results"]
+    memory = json.loads((output / "executor_memory" / "executor_memory.json").read_text())["results"]
     assert [level["clients"] for level in memory["levels"]] == [0, 1]
 
-    inference_json = json.loads((output / "multi_adapter_inference" / "result.json").read_text())
+    inference_json = json.loads((output / "multi_adapter_inference" / "multi_adapter_inference.json").read_text())
     inference = inference_json["results"]
     assert set(inference["runs"]) == {"symbiosis", "symbiosis_mixed_batch", "hf_mixed_batch", "hf_per_adapter"}
     for system in inference["runs"]:
@@ -101,17 +101,17 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
         "OMP_WAIT_POLICY"
     )  # baselines: the defaults
 
-    overhead = json.loads((output / "split_overhead" / "result.json").read_text())["results"]
+    overhead = json.loads((output / "split_overhead" / "split_overhead.json").read_text())["results"]
     assert {"inproc", "shm+ipc", "ipc", "tcp"} <= overhead["train_step"]["ratio_over_monolithic"].keys()
     assert TIMING_KEYS <= overhead["decode_step"]["monolithic"].keys()
 
-    efficiency = json.loads((output / "executor_efficiency" / "result.json").read_text())["results"]
+    efficiency = json.loads((output / "executor_efficiency" / "executor_efficiency.json").read_text())["results"]
     assert set(efficiency["phases"]) == {"train", "decode"}
     assert efficiency["phases"]["train"]["batches"] > 0  # the executor's products were really recorded
 
     text = report.render(output, output / "RESULTS.md")
     for name in suite.SCENARIOS:
-        assert f"{name}/plot.png" in text
+        assert f"{name}/{name}.png" in text
     assert "Not run: no `transport/transport.json`" in text
 
 

@@ -2,9 +2,10 @@
 
 A scenario is ``run(ctx: Context) -> dict``: it reads its sizes from ``ctx.profile`` (``QUICK``
 or ``FULL``; tests pass smaller ones), makes its checkpoint with ``ctx.checkpoint()``, and ends
-with ``finish(...)``, which writes ``<output>/<scenario>/plot.png`` and ``table.md`` and returns
-the result dict (``scenario, command, machine, config, results, headline, losses``); the driver
-(``benchmarks/suite.py``) adds ``wall_s`` and writes ``result.json``.
+with ``finish(...)``, which writes ``<output>/<scenario>/<scenario>.png`` (plot) and ``.md``
+(table) and returns the result dict (``scenario, command, machine, config, results, headline,
+losses``); the driver (``benchmarks/suite.py``) adds ``wall_s`` and writes ``<scenario>.json``
+(the layout of every result: ``benchmarks/results.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.plots import plot_panels
-from benchmarks.results import machine_info
+from benchmarks.results import machine_info, result_file
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,6 @@ def finish(
         "headline": headline,
         "losses": losses,
     }
-    plot_panels(folder / "plot.png", title, panels, columns=min(2, len(panels)))
-    (folder / "table.md").parent.mkdir(parents=True, exist_ok=True)
-    (folder / "table.md").write_text(f"### {name}\n\n{table}\n")
+    plot_panels(result_file(folder, name, ".png"), title, panels, columns=min(2, len(panels)))
+    result_file(folder, name, ".md").write_text(f"### {name}\n\n{table}\n")
     return result

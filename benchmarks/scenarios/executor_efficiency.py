@@ -62,9 +62,9 @@ def run(ctx: Context) -> dict:
                 fn()  # warm-up, alone
             records.clear()
             wall = time.perf_counter()
+            calls = 2 if phase == "train" else 4
             threads = [
-                threading.Thread(target=lambda f=fn: [f() for _ in range(2 if phase == "train" else 4)])
-                for fn in workloads[phase]
+                threading.Thread(target=lambda f=fn, n=calls: [f() for _ in range(n)]) for fn in workloads[phase]
             ]
             for t in threads:
                 t.start()
@@ -73,8 +73,10 @@ def run(ctx: Context) -> dict:
             wall = time.perf_counter() - wall
             phases[phase] = efficiency_of(list(records), wall, ctx.profile.efficiency_repeats)
             ctx.log(
-                f"  {phase}: executor products {phases[phase]['replay_executor_gflops']:.1f} GFLOP/s vs torch.matmul {phases[phase]['replay_torch_matmul_gflops']:.1f} "
-                f"(ratio {phases[phase]['executor_over_matmul']:.2f}), ceiling {phases[phase]['matmul_1024_gflops']:.1f}"
+                f"  {phase}: executor products {phases[phase]['replay_executor_gflops']:.1f} GFLOP/s vs torch.matmul "
+                f"{phases[phase]['replay_torch_matmul_gflops']:.1f} "
+                f"(ratio {phases[phase]['executor_over_matmul']:.2f}), ceiling "
+                f"{phases[phase]['matmul_1024_gflops']:.1f}"
             )
     finally:
         engine.run_batch = run_batch
@@ -83,8 +85,10 @@ def run(ctx: Context) -> dict:
         executor.close()
     ceiling = max(p["matmul_1024_gflops"] for p in phases.values())
     headline = [
-        f"{phase}: executor batched products {p['replay_executor_gflops']:.1f} GFLOP/s vs plain torch.matmul {p['replay_torch_matmul_gflops']:.1f} on the same shapes "
-        f"(x{p['executor_over_matmul']:.2f}); in place under load {p['in_situ_gflops']:.1f}; mean {p['mean_rows_per_batch']:.1f} rows/batch; 1024² matmul ceiling {p['matmul_1024_gflops']:.1f}."
+        f"{phase}: executor batched products {p['replay_executor_gflops']:.1f} GFLOP/s vs plain torch.matmul "
+        f"{p['replay_torch_matmul_gflops']:.1f} on the same shapes "
+        f"(x{p['executor_over_matmul']:.2f}); in place under load {p['in_situ_gflops']:.1f}; mean "
+        f"{p['mean_rows_per_batch']:.1f} rows/batch; 1024² matmul ceiling {p['matmul_1024_gflops']:.1f}."
         for phase, p in phases.items()
     ]
     losses = [

@@ -73,7 +73,8 @@ def run(ctx: Context) -> dict:
         * 1024,
     }
     headline = [
-        f"Executor peak RSS with {levels[-1]['clients']} training clients is x{growth['last_over_first_busy']:.3f} its value with {first_busy['clients']} "
+        f"Executor peak RSS with {levels[-1]['clients']} training clients is x{growth['last_over_first_busy']:.3f} "
+        f"its value with {first_busy['clients']} "
         f"(x{growth['last_over_idle']:.3f} of idle); spread {growth['max_minus_min_mib']:.0f} MiB across levels."
     ]
     losses = (

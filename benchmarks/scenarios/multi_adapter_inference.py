@@ -74,7 +74,8 @@ def run(ctx: Context) -> dict:
                     **group.memory(),
                 }
                 ctx.log(
-                    f"  {system:21s} K={k}: {runs[system][str(k)]['tokens_per_s']:.1f} tokens/s, p50 {runs[system][str(k)]['latency_ms_p50']:.1f} ms"
+                    f"  {system:21s} K={k}: {runs[system][str(k)]['tokens_per_s']:.1f} tokens/s, p50 "
+                    f"{runs[system][str(k)]['latency_ms_p50']:.1f} ms"
                 )
     per_k = []
     for k in map(str, ctx.profile.inference_ks):
@@ -95,16 +96,23 @@ def run(ctx: Context) -> dict:
     last = per_k[-1]
     headline = [
         (
-            f"K={last['k']} adapters: Symbiosis (one client process per adapter) {last['symbiosis_tokens_per_s']:.1f} tokens/s vs HF PEFT mixed batch "
-            f"{last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_mixed']:.2f}) and one HF process per adapter "
-            f"{last['hf_per_adapter_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_per_adapter']:.2f}); p50/p95 per-token latency "
-            f"{last['symbiosis_latency_ms_p50']:.0f}/{last['symbiosis_latency_ms_p95']:.0f} ms vs {last['hf_mixed_batch_latency_ms_p50']:.0f}/"
+            f"K={last['k']} adapters: Symbiosis (one client process per adapter) {last['symbiosis_tokens_per_s']:.1f} "
+            "tokens/s vs HF PEFT mixed batch "
+            f"{last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_mixed']:.2f}) and one HF process "
+            "per adapter "
+            f"{last['hf_per_adapter_tokens_per_s']:.1f} (x{last['throughput_ratio_vs_per_adapter']:.2f}); p50/p95 "
+            "per-token latency "
+            f"{last['symbiosis_latency_ms_p50']:.0f}/{last['symbiosis_latency_ms_p95']:.0f} ms vs "
+            f"{last['hf_mixed_batch_latency_ms_p50']:.0f}/"
             f"{last['hf_mixed_batch_latency_ms_p95']:.0f} ms (mixed)."
         ),
         (
-            f"K={last['k']} adapters, one mixed-adapter batch: Symbiosis (split client, in-process executor) {last['symbiosis_mixed_batch_tokens_per_s']:.1f} "
-            f"tokens/s vs HF PEFT {last['hf_mixed_batch_tokens_per_s']:.1f} (x{last['symbiosis_mixed_vs_hf_mixed']:.2f}); p50/p95 per-token latency "
-            f"{last['symbiosis_mixed_batch_latency_ms_p50']:.0f}/{last['symbiosis_mixed_batch_latency_ms_p95']:.0f} ms vs "
+            f"K={last['k']} adapters, one mixed-adapter batch: Symbiosis (split client, in-process executor) "
+            f"{last['symbiosis_mixed_batch_tokens_per_s']:.1f} "
+            f"tokens/s vs HF PEFT {last['hf_mixed_batch_tokens_per_s']:.1f} "
+            f"(x{last['symbiosis_mixed_vs_hf_mixed']:.2f}); p50/p95 per-token latency "
+            f"{last['symbiosis_mixed_batch_latency_ms_p50']:.0f}/{last['symbiosis_mixed_batch_latency_ms_p95']:.0f} "
+            "ms vs "
             f"{last['hf_mixed_batch_latency_ms_p50']:.0f}/{last['hf_mixed_batch_latency_ms_p95']:.0f} ms."
         ),
         *[verdict["line"] for verdict in targets.values()],

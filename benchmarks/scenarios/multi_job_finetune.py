@@ -66,7 +66,8 @@ def run(ctx: Context) -> dict:
                     **group.memory(),
                 }
                 ctx.log(
-                    f"  {system:9s} K={k}: {runs[system][str(k)]['tokens_per_s']:.0f} tokens/s, peak RSS {runs[system][str(k)]['peak_total_rss_gib']:.2f} GiB"
+                    f"  {system:9s} K={k}: {runs[system][str(k)]['tokens_per_s']:.0f} tokens/s, peak RSS "
+                    f"{runs[system][str(k)]['peak_total_rss_gib']:.2f} GiB"
                 )
     per_k = []
     for k in map(str, ctx.profile.finetune_ks):
@@ -99,13 +100,17 @@ def run(ctx: Context) -> dict:
     }
     last = per_k[-1]
     headline = [
-        f"K={last['k']} jobs: Symbiosis {last['symbiosis_tokens_per_s']:.0f} vs HF PEFT {last['hf_peft_tokens_per_s']:.0f} training tokens/s "
-        f"(x{last['throughput_ratio']:.2f}), peak RSS {last['symbiosis_peak_total_rss_gib']:.2f} vs {last['hf_peft_peak_total_rss_gib']:.2f} GiB (x{last['memory_ratio']:.2f}).",
-        f"In {ctx.budget_gib:g} GiB: {budget['model']['symbiosis_jobs']} Symbiosis jobs vs {budget['model']['hf_peft_jobs']} HF PEFT jobs ({ctx.profile.preset} model).",
+        f"K={last['k']} jobs: Symbiosis {last['symbiosis_tokens_per_s']:.0f} vs HF PEFT "
+        f"{last['hf_peft_tokens_per_s']:.0f} training tokens/s "
+        f"(x{last['throughput_ratio']:.2f}), peak RSS {last['symbiosis_peak_total_rss_gib']:.2f} vs "
+        f"{last['hf_peft_peak_total_rss_gib']:.2f} GiB (x{last['memory_ratio']:.2f}).",
+        f"In {ctx.budget_gib:g} GiB: {budget['model']['symbiosis_jobs']} Symbiosis jobs vs "
+        f"{budget['model']['hf_peft_jobs']} HF PEFT jobs ({ctx.profile.preset} model).",
     ]
     if "large_model" in budget:
         headline.append(
-            f"In {ctx.budget_gib:g} GiB with the ~1B model: {budget['large_model']['symbiosis_jobs']} Symbiosis jobs vs {budget['large_model']['hf_peft_jobs']} HF PEFT jobs."
+            f"In {ctx.budget_gib:g} GiB with the ~1B model: {budget['large_model']['symbiosis_jobs']} Symbiosis jobs "
+            f"vs {budget['large_model']['hf_peft_jobs']} HF PEFT jobs."
         )
     headline.append(target["line"])
     behind = [f"K={r['k']} x{r['throughput_ratio']:.2f}" for r in per_k if r["throughput_ratio"] < 1]
@@ -253,7 +258,8 @@ def large_model_memory(ctx: Context) -> dict[str, Any]:
         "hf_job": max(hf.sampler.peaks_of("job")) / GIB,
     }
     ctx.log(
-        f"  ~1B model: executor {per_process['executor']:.2f} GiB, client {per_process['client']:.2f} GiB, HF PEFT job {per_process['hf_job']:.2f} GiB"
+        f"  ~1B model: executor {per_process['executor']:.2f} GiB, client {per_process['client']:.2f} GiB, HF PEFT "
+        f"job {per_process['hf_job']:.2f} GiB"
     )
     return {
         "model": str(path),

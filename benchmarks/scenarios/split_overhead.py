@@ -45,7 +45,8 @@ def run(ctx: Context) -> dict:
         + f"; {sum(v['verdict'] == 'PASS' for v in verdicts)} of {len(verdicts)} within target."
     ]
     losses = [
-        f"{'training' if v['step'] == 'train' else 'decode'} step over {v['system']}: x{v['ratio']:.2f}, target x{v['target']:g}."
+        f"{'training' if v['step'] == 'train' else 'decode'} step over {v['system']}: x{v['ratio']:.2f}, target "
+        f"x{v['target']:g}."
         for v in verdicts
         if v["verdict"] == "MISS"
     ]
