@@ -23,6 +23,7 @@ import peft
 import torch
 
 from benchmarks.timing import percentile
+from symbiosis.errors import ExecutorBusyError
 from symbiosis.vocabulary import LatencyClass, Op
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -130,7 +131,13 @@ class FloodClient:
     def _send(self) -> None:
         try:
             while not self.stop.is_set():
-                self.transport.call(self.layer_id, Op.FORWARD, self.rows, self.latency_class)
+                try:
+                    self.transport.call(self.layer_id, Op.FORWARD, self.rows, self.latency_class)
+                except ExecutorBusyError:
+                    # Over the executor's per-client byte cap (remote transports): back off and
+                    # retry, as a client honouring backpressure does; the flood stays at the cap.
+                    time.sleep(0.001)
+                    continue
                 if time.perf_counter() <= self.end_s:
                     with self._lock:
                         self.done_rows += self.rows.shape[0]
