@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import report, suite
 
 SMALLEST = dataclasses.replace(
@@ -38,6 +40,7 @@ RESULT_KEYS = {
 TIMING_KEYS = {"median_ms", "p95_ms", "mean_ms", "min_ms", "n"}
 
 
+@pytest.mark.slow
 def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMBIOSIS_BENCH_CACHE", str(tmp_path / "cache"))
     output = tmp_path / "out"
@@ -115,6 +118,7 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     assert "Not run: no `transport/transport.json`" in text
 
 
+@pytest.mark.slow
 def test_bench_command_lists_scenarios_and_rejects_unknown_ones():
     env = dict(os.environ, COLUMNS="200")  # rich wraps help to the terminal width
     help_text = subprocess.run(

@@ -33,6 +33,7 @@ SPLIT_KEYS = {
 SPLIT_TIMING_KEYS = TIMING_KEYS | {"ratio_over_monolithic", "target", "verdict"}
 
 
+@pytest.mark.slow
 def test_split_overhead_quick_writes_documented_json(tmp_path):
     from symbiosis.modelzoo import ARCHS
 

@@ -110,6 +110,7 @@ def test_unknown_target_module_is_one_line(tiny_checkpoint, tmp_path, capsys, mo
     assert_one_line_error(code, err, "no_such_proj")
 
 
+@pytest.mark.slow
 def test_key_name_and_existing_keys_are_one_line(tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(["keys", "--output", str(tmp_path), "--name", ".hidden"], capsys, monkeypatch)
     assert_one_line_error(code, err, ".hidden", "plain file name")
@@ -138,6 +139,7 @@ def test_configuration_errors_keep_their_builtin_types():
     assert all(issubclass(cls, SymbiosisError) for cls in (ConfigurationError, MissingFileError, OutputExistsError))
 
 
+@pytest.mark.slow
 def test_serve_on_a_taken_port_is_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     import socket
 

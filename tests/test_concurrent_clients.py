@@ -35,6 +35,7 @@ def _batches(seed, n=3):
 
 
 @pytest.mark.parametrize("policy", ["opportunistic", "immediate", "lockstep"])
+@pytest.mark.slow
 def test_four_clients_train_and_generate_concurrently(policy, tiny_checkpoint):
     """The policy changes timing, never numbers."""
     path = tiny_checkpoint("llama")
@@ -90,6 +91,7 @@ def test_four_clients_train_and_generate_concurrently(policy, tiny_checkpoint):
             close_client(split)
 
 
+@pytest.mark.slow
 def test_executor_memory_is_flat_over_training(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     process = psutil.Process()

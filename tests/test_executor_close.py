@@ -15,6 +15,7 @@ from symbiosis.vocabulary import LatencyClass, Op
 
 
 @pytest.mark.parametrize("where", ["inproc", "tcp"])
+@pytest.mark.slow
 def test_close_without_drain_does_not_wait_for_held_requests(tiny_checkpoint, where):
     # lockstep with two joined clients holds a lone request for a minute: only a drain would wait
     ex = symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama"), policy="lockstep", lockstep_timeout_ms=60_000)

@@ -243,6 +243,7 @@ def _truncate_attack(address: str) -> list[str]:
 
 
 @linux_only
+@pytest.mark.slow
 def test_truncating_a_segment_cannot_crash_the_executor(sock_dir: str) -> None:
     ready, stop = SPAWN.Queue(), SPAWN.Event()
     child = SPAWN.Process(target=serve_in_process, args=([f"ipc://{sock_dir}/x.sock"], 0, ready, stop), daemon=True)
@@ -280,6 +281,7 @@ def test_shared_memory_is_offered_on_ipc_only(serve, fake) -> None:
 
 
 @linux_only
+@pytest.mark.slow
 def test_the_broker_outlives_a_flood_of_idle_connections(serve, fake) -> None:
     server = serve(fake)
     peer = Peer(server.address)
@@ -323,6 +325,7 @@ def test_requests_in_flight_per_session_are_bounded(serve, fake) -> None:
         assert_same_product(other.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
 
 
+@pytest.mark.slow
 def test_bytes_in_flight_per_session_are_bounded_and_the_client_says_busy(serve) -> None:
     service = FakeExecutorService(threaded=True, hang_layers={"wide"})
     server = serve(service, "tcp", max_inflight_bytes=4 << 20)

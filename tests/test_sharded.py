@@ -220,6 +220,7 @@ def test_unknown_layers_and_bad_rows_get_typed_errors(tiny_checkpoint):
         assert ranks[0].run(remote_layer, "forward", torch.randn(2, spec.in_features)).shape == (2, spec.out_features)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_named_to_clients(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     with ranks_in_threads(path, 2, "layers") as ranks:

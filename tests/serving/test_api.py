@@ -395,6 +395,7 @@ def test_an_unreachable_executor_answers_503(api_model, tmp_path):
         stop(process)
 
 
+@pytest.mark.slow
 def test_a_fine_tuning_job_publishes_its_adapter_to_the_running_server(api_model, remote_executor, reference, tmp_path):
     from symbiosis.jobs.finetune import FinetuneOptions, TrainOptions, finetune
     from symbiosis.jobs.publish import PublishOptions

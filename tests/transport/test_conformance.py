@@ -377,6 +377,7 @@ def test_reconnects_after_server_restart(open_client, server: ZmqServer, fake: F
         restarted.close()
 
 
+@pytest.mark.slow
 def test_close_drains_in_flight_then_refuses(kind: str, sock_dir: str) -> None:
     service = FakeExecutorService(threaded=True, delay_s=0.5)
     server = ZmqServer(service, bind_address(kind, sock_dir)).start()

@@ -289,6 +289,7 @@ def test_key_files(tmp_path: Path) -> None:
         CurveServerKeys(secret, tmp_path / "empty")
 
 
+@pytest.mark.slow
 def test_cli_keys_and_serve_options(tmp_path: Path, capsys, monkeypatch) -> None:
     code, out, _ = run_cli(["keys", "--output", str(tmp_path), "--name", "server"], capsys, monkeypatch)
     assert code == 0 and "server.key_secret" in out
