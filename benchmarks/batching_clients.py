@@ -113,6 +113,7 @@ class FloodClient:
         self.end_s = float("inf")
         self.done_rows = 0
         self._lock = threading.Lock()
+        self._replied = threading.Condition()  # notified whenever one of this flood's requests returns
         self._threads: list[threading.Thread] = []
         self.error: BaseException | None = None
 
@@ -134,10 +135,14 @@ class FloodClient:
                 try:
                     self.transport.call(self.layer_id, Op.FORWARD, self.rows, self.latency_class)
                 except ExecutorBusyError:
-                    # Over the executor's per-client byte cap (remote transports): back off and
-                    # retry, as a client honouring backpressure does; the flood stays at the cap.
-                    time.sleep(0.001)
+                    # Over the executor's per-client byte cap (remote transports): the refused
+                    # request was sent whole, so resend only once one of ours has come back, as a
+                    # client honouring backpressure does; the flood stays at the cap.
+                    with self._replied:
+                        self._replied.wait(timeout=1.0)
                     continue
+                with self._replied:
+                    self._replied.notify_all()
                 if time.perf_counter() <= self.end_s:
                     with self._lock:
                         self.done_rows += self.rows.shape[0]
