@@ -305,6 +305,35 @@ def test_the_broker_outlives_a_flood_of_idle_connections(serve, fake) -> None:
         peer.close()
 
 
+def test_a_segment_ask_over_the_brokers_per_user_cap_waits_instead_of_failing(serve, fake) -> None:
+    """The broker closes a user's asks past MAX_PENDING_PER_USER unanswered. A client meets that
+    when its own threads (or its user's other clients) ask at the same moment: it must ask again,
+    not take the executor for gone (which failed its connection and resent its calls in flight:
+    seen as a doubled submit in test_eight_clients_concurrently[shm])."""
+    from symbiosis.transport.shm_broker import MAX_PENDING_PER_USER, ask_segment
+
+    server = serve(fake)
+    peer = Peer(server.address)
+    idle = []
+    try:
+        welcome = peer.hello()
+        for _ in range(MAX_PENDING_PER_USER):  # this user's pending slots, all taken
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(welcome.shm_socket)
+            idle.append(conn)
+        time.sleep(0.2)  # the broker has accepted them
+        threading.Timer(0.5, lambda: [conn.close() for conn in idle]).start()
+        started = time.monotonic()
+        segment_id, fd, size = ask_segment(welcome.shm_socket, welcome.session_token, 4096, timeout_s=10)
+        os.close(fd)
+        assert size >= 4096 and segment_id
+        assert time.monotonic() - started >= 0.3  # it did wait for a slot
+    finally:
+        for conn in idle:
+            conn.close()
+        peer.close()
+
+
 # ---- finding 2: what one session can queue --------------------------------------------------------
 
 

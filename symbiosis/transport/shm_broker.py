@@ -159,19 +159,50 @@ def ask_lane(path: str, token: str, timeout_s: float) -> tuple[int, int]:
 def _ask(
     path: str, ask: SegmentAsk | LaneAsk, expected: type, timeout_s: float
 ) -> tuple[SegmentGiven | LaneGiven, int]:
-    """One connection to the broker: ``ask`` out, the answer (of type ``expected``) and its one
-    descriptor back."""
+    """One ask to the broker: ``ask`` out, the answer (of type ``expected``) and its one descriptor
+    back. A broker that closes the connection without an answer is over its pending cap
+    (``MAX_PENDING_PER_USER``: this user's other clients are asking at the same moment), not gone:
+    ask again, backing off, until ``timeout_s``. Only a broker that cannot be reached, or that
+    stays busy that long, makes the executor unavailable (which fails the client's connection and
+    retries its calls, so it must not happen to a busy but live executor)."""
+    deadline = time.monotonic() + timeout_s
+    backoff_s = 0.001
+    while True:
+        try:
+            return _ask_once(path, ask, expected, max(deadline - time.monotonic(), 0.001))
+        except _BrokerBusy as busy:
+            if time.monotonic() + backoff_s >= deadline:
+                raise ExecutorUnavailableError(f"shared-memory broker at {path} stayed busy: {busy}") from None
+            time.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, 0.05)
+
+
+class _BrokerBusy(Exception):
+    """The broker accepted the connection and closed it unanswered (its pending cap)."""
+
+
+def _ask_once(
+    path: str, ask: SegmentAsk | LaneAsk, expected: type, timeout_s: float
+) -> tuple[SegmentGiven | LaneGiven, int]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     try:
         sock.settimeout(timeout_s)
         sock.connect(path)
-        sock.sendall(_encoder.encode(ask))
-        sock.shutdown(socket.SHUT_WR)
-        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
-        while data and len(data) <= MAX_MESSAGE_BYTES and (chunk := sock.recv(MAX_MESSAGE_BYTES)):
+        try:
+            sock.sendall(_encoder.encode(ask))
+            sock.shutdown(socket.SHUT_WR)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise _BrokerBusy(str(exc)) from None
+        if not data:
+            raise _BrokerBusy("closed without an answer")
+        while len(data) <= MAX_MESSAGE_BYTES and (chunk := sock.recv(MAX_MESSAGE_BYTES)):
             data += chunk
         answer = _answer_decoder.decode(data)
+    except _BrokerBusy:
+        _close_all(fds)
+        raise
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         _close_all(fds)
         raise ExecutorUnavailableError(f"shared-memory broker at {path} failed: {exc}") from None
