@@ -158,7 +158,7 @@ def test_a_symlink_in_dev_shm_does_not_make_the_executor_write_a_file(serve, fak
 @linux_only
 def test_no_client_reaches_another_clients_segment(serve, fake) -> None:
     server = serve(fake)
-    victim = open_transport(f"shm+{server.address}", client_id="victim")
+    victim = open_transport(f"shm+{server.address}", client_id="victim", inline_threshold=0)
     peer = Peer(server.address)
     try:
         rows = torch.randn(300, 16)
@@ -196,7 +196,7 @@ def test_no_client_reaches_another_clients_segment(serve, fake) -> None:
 @linux_only
 def test_segments_are_not_files_anyone_can_list(serve, fake) -> None:
     server = serve(fake)
-    with open_transport(f"shm+{server.address}") as transport:
+    with open_transport(f"shm+{server.address}", inline_threshold=0) as transport:
         transport.call("wide", Op.FORWARD, torch.randn(2048, 256), LatencyClass.PREFILL)  # a few MiB of segment
         token = transport._welcome.session_token
         assert glob.glob(f"/dev/shm/*{token}*") == []
@@ -277,7 +277,7 @@ def test_shared_memory_is_offered_on_ipc_only(serve, fake) -> None:
     finally:
         peer.close()
     with pytest.raises(ValueError, match="ipc"):
-        open_transport(f"shm+{server.address}")
+        open_transport(f"shm+{server.address}", inline_threshold=0)
 
 
 @linux_only

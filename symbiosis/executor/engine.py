@@ -287,14 +287,16 @@ class ExecutionEngine:
         ``out``: where the driver will send the result from (a shared-memory reply region); the
         product is written straight into it when the rows are in the executor's dtype (and
         ``out`` suits ``apply_op``), and the result is then ``out`` itself."""
-        with self._cond:
+        with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
             alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id)
             if not alone:
                 return None
             self._computing = True
-        if rows.dtype != self.dtype:
+        if rows.dtype is self.dtype and rows.device == self.device:
+            local = rows  # the usual case: no no-op ``to`` there and back (~1 µs each)
+        else:
             out = None  # the product is cast back to the rows' dtype anyway
-        local = rows.to(device=self.device, dtype=self.dtype)
+            local = rows.to(device=self.device, dtype=self.dtype)
         return self._run_alone(client_id, layer_id, op, local, rows, latency_class, out)
 
     def _run_alone(self, client_id, layer_id, op, local, rows, latency_class, out=None) -> torch.Tensor:
@@ -307,7 +309,7 @@ class ExecutionEngine:
             result = apply_op(self.weights.layers[layer_id], op, local, out)
         finally:
             cost = self._product_clock() - cpu_started
-            with self._cond:
+            with self._lock:
                 counters = self._per_layer[layer_id]
                 counters.requests += 1
                 counters.rows += local.shape[0]
@@ -317,6 +319,8 @@ class ExecutionEngine:
                 self.scheduler.served_alone(client_id, local.shape[0], latency_class, layer_id, op, cost)
                 self._batches_run_by["alone"] += 1
                 self._computing_done()
+        if local is rows and result.dtype is rows.dtype:
+            return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
     def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:

@@ -77,7 +77,10 @@ class CostModel:
 
     def observe(self, key: tuple[str, Op], rows: int, duration_s: float) -> None:
         if rows > 0 and duration_s >= 0 and math.isfinite(duration_s):
-            self._fits.setdefault(key, _Fit()).add(float(rows), duration_s)
+            fit = self._fits.get(key)
+            if fit is None:
+                fit = self._fits[key] = _Fit()
+            fit.add(float(rows), duration_s)
 
     def line(self, key: tuple[str, Op]) -> tuple[float, float] | None:
         """``(fixed_s, per_row_s)`` of ``key``; for a layer never measured, the most expensive per-row

@@ -566,7 +566,7 @@ class Scheduler:
         entry.group.remove(entry)
         entry.client.entries.remove(entry)
         del self._entries[request.request_id]
-        self._completed[request.latency_class.value] += 1
+        self._completed[request.latency_class] += 1  # a StrEnum: its own hash, without ``.value``
 
     # ----------------------------------------------------------------------------- introspection
 
@@ -592,7 +592,7 @@ class Scheduler:
         self._clients.add(client_id)
         self._batches += 1
         self._rows_served += rows
-        self._completed[latency_class.value] += 1
+        self._completed[latency_class] += 1
         if layer_id is not None and op is not None and duration_s is not None:
             self._cost.observe((layer_id, op), rows, duration_s)
 

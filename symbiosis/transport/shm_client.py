@@ -1,6 +1,8 @@
 """Same-host fast path, client side: ``ShmTransport``, a ``ZmqTransport`` whose payloads travel in
 shared memory (address ``shm+ipc://…``); control messages still go over ZeroMQ. The server side,
-layout and security checks are in ``shm_channel.py``.
+layout and security checks are in ``shm_channel.py``. Small calls (rows and result both under
+``INLINE_THRESHOLD``: a decode step's) skip the segment and ride the session's lane inline, as an
+``ipc://`` call would.
 
 Copies per call: the rows are written straight into a segment (one copy, from any device or
 layout: nothing is staged first); the executor reads them in place and writes the result into
@@ -58,6 +60,12 @@ MAX_HANDED_OUT = 4
 #: segment for itself (see ``ShmTransport._hand_out``).
 FREELY_HANDED_OUT = 2
 
+#: Calls whose rows and result are both smaller than this travel inline, on the session's lane
+#: (``lane.py``) like an ``ipc://`` call, not through a segment: for a decode step's few rows the
+#: segment costs more (a lease from the pool, a second header, the server's mapping lookup, and
+#: the result copied out anyway below ``HANDOUT_MIN_BYTES``) than the bytes the lane copies.
+INLINE_THRESHOLD = 64 << 10
+
 assert MIN_BUFFER_BYTES % ALIGNMENT == 0
 
 
@@ -111,7 +119,9 @@ def _give_back(returned: collections.deque[_Buffer], buffer: _Buffer) -> None:
 class ShmTransport(ZmqTransport):
     """``ZmqTransport`` whose payloads travel in shared memory (address ``shm+ipc://…``)."""
 
-    def __init__(self, address: str, **kwargs: Any) -> None:
+    def __init__(self, address: str, *, inline_threshold: int = INLINE_THRESHOLD, **kwargs: Any) -> None:
+        """``inline_threshold``: calls whose rows and result are both smaller (bytes) travel inline
+        (default ``INLINE_THRESHOLD``; 0: every call through shared memory)."""
         if not address.startswith("shm+ipc://"):
             raise ConfigurationError(f"shared memory is offered on ipc:// only: use shm+ipc:///PATH, got {address!r}")
         self._pool_lock = threading.Lock()
@@ -123,6 +133,7 @@ class ShmTransport(ZmqTransport):
         self._returned: collections.deque[_Buffer] = collections.deque()
         self._peak_leased = 0  # most calls in flight at once
         self._session: _Session | None = None
+        self.inline_threshold = inline_threshold
         super().__init__(address[len("shm+") :], **kwargs)
         self.address = address
 
@@ -138,6 +149,8 @@ class ShmTransport(ZmqTransport):
         out_nbytes = in_nbytes
         if spec is not None and rows.dim() == 2:
             out_nbytes = reply_nbytes(request.op, spec, rows.shape[0], rows.element_size())
+            if max(in_nbytes, out_nbytes) < self.inline_threshold and rows.is_cpu and rows.is_contiguous():
+                return super()._encode(request, rows)  # small: inline (see ``INLINE_THRESHOLD``)
         reply_at = reply_offset(in_nbytes)
         buffer = self._lease(max(reply_at + out_nbytes, 1))
         buffer.reply_at = reply_at
@@ -165,6 +178,8 @@ class ShmTransport(ZmqTransport):
         return request, [P.encode(request)], buffer
 
     def _decode(self, reply: P.Reply, payload: list[memoryview], lease: Any) -> torch.Tensor:
+        if lease is None:  # an inline request
+            return super()._decode(reply, payload, lease)
         if reply.dtype not in P.WIRE_DTYPES or len(reply.shape) != 2 or min(reply.shape) < 0 or payload:
             raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {len(payload)} frames")
         nbytes = P.declared_nbytes(reply.dtype, reply.shape)

@@ -80,6 +80,7 @@ from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, MAX_MESSAGE_BYTES, ExecutorLane, LaneClosed, aligned_buffer
 from symbiosis.transport.lane_listener import LaneListener
+from symbiosis.transport.lane_routes import LaneRoutes
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
@@ -252,6 +253,7 @@ class ZmqServer:
         self._trims: list[float] = []  # when to hand freed heap back to the OS
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stats: dict[str, dict[str, int]] = {}
+        self._lane_routes: LaneRoutes | None = None  # validated lane request headers (lane_routes.py)
         self._waker = Waker()
         self._close_request: bool | None = None  # None: running; else drain flag
         self._thread: threading.Thread | None = None
@@ -270,6 +272,7 @@ class ZmqServer:
     def start(self) -> ZmqServer:
         """Bind (errors raise here, in the caller's thread) and serve from a background thread."""
         self._specs = self._service.layer_specs()  # not a copy: it resolves sibling group ids
+        self._lane_routes = LaneRoutes(self._specs, self._limits, self._stats)
         self._fingerprint = self._service.fingerprint
         # Told to clients in Welcome; services without the attribute (sharded) store full precision.
         self._quantization = getattr(self._service, "quantization", None) or ""
@@ -451,7 +454,10 @@ class ZmqServer:
     def _read_lane(self, lane: ExecutorLane) -> None:
         """Serve what waits on ``lane`` (a bounded burst, so other clients are not starved)."""
         assert self._lane_buffer is not None
-        for _ in range(_LANE_BURST):
+        # A same-host lane holds at most one message (its client waits for each reply before it
+        # sends again, and poll reports the lane again if a stray one waits): reading once saves
+        # a receive that would only find the lane empty. A tcp lane may hold several, in pieces.
+        for _ in range(_LANE_BURST if lane.stream else 1):
             try:
                 message = lane.receive(self._lane_buffer)
             except LaneClosed:
@@ -509,7 +515,34 @@ class ZmqServer:
             )
             return
         inline = msg.shm_name is None and msg.dist_tag is None  # an inline request always has its payload, maybe empty
+        if inline and self._serve_lane_call_now(lane, session, msg, payload):
+            return
         self._on_request(session.identity, session, msg, [payload] if inline or payload.nbytes else [], lane)  # type: ignore[arg-type]
+
+    def _serve_lane_call_now(self, lane: ExecutorLane, session: Session, req: P.Request, payload: memoryview) -> bool:
+        """The fast path of a lone client's inline lane call (``lane_routes.py``): computed and
+        answered here, True; False (nothing done) when anything needs the general path's checks,
+        bounds or queue -- which then serves it, or refuses it with the typed error."""
+        if not self._driving or self._close_request is not None or req.client_id != session.client_id:
+            return False
+        assert self._lane_routes is not None
+        route = self._lane_routes.route(req, lane.max_message_bytes - HEADER_ROOM_BYTES)
+        if route is None or (session.inflight and (session.identity, req.request_id) in self._inflight):
+            return False
+        rows = LaneRoutes.rows(route, req, payload)
+        if rows is None:
+            return False
+        result = self._service.try_alone(session.client_id, route.layer_id, route.op, rows, route.latency_class)
+        if result is None:
+            return False
+        counts = route.counts
+        counts["requests"] += 1
+        counts["rows"] += rows.shape[0]
+        if result.dtype is not route.dtype or result.requires_grad:
+            result = result.detach().to(dtype=route.dtype)
+        reply = P.Reply(req.request_id, True, route.wire_dtype, [rows.shape[0], route.out_width])
+        self._lane_send(lane, reply, P.tensor_payload(result))
+        return True
 
     def _send_frames(self, frames: list[Any], copy: bool) -> bool:
         """Send one message now; False if the peer's send queue is full (``send_hwm``). A peer

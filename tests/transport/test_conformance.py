@@ -81,7 +81,11 @@ def open_client(server: ZmqServer, kind: str) -> Iterator[Callable[..., ZmqTrans
     clients: list[ZmqTransport] = []
 
     def _open(**kwargs: object) -> ZmqTransport:
-        if kind == "dist":  # every payload over the pair group (small ones would ride inline)
+        if kind in (
+            "dist",
+            "shm",
+            "shm-zmq",
+        ):  # every payload over the pair group / a segment (small ones would ride inline)
             kwargs.setdefault("inline_threshold", 0)
         if kind.endswith("-zmq"):
             kwargs.setdefault("lane", False)

@@ -52,7 +52,7 @@ def serve(tiny_checkpoint, sock_dir: str) -> Iterator:
     def _serve(arch: str):
         executor = symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint(arch))
         server = executor.serve(f"ipc://{sock_dir}/{arch}.sock")
-        transport = open_transport(f"shm+{server.address}")
+        transport = open_transport(f"shm+{server.address}", inline_threshold=0)  # every call through a segment
         opened.append((executor, transport))
         return executor, transport
 

@@ -1,0 +1,143 @@
+"""The lone client's fast path on a lane (``symbiosis/transport/lane_routes.py``) against a real
+``BaseExecutor``: the same results as the executor computes in-process, the product really taken
+on the fast path, and every request the fast path cannot vouch for sent the general way -- which
+answers it, or refuses it with the same typed error as before.
+
+The fakes in ``fakes.py`` cannot be driven (no ``try_alone``), so the fast path never runs there;
+these tests are its coverage. Small shared-memory calls riding the lane inline are checked here too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from symbiosis import protocol as P
+from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
+from symbiosis.executor.executor import BaseExecutor
+from symbiosis.executor.scheduler import SchedulerConfig
+from symbiosis.executor.weights import BaseModelWeights, LayerWeights
+from symbiosis.transport.schemes import open_transport
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+
+from .fakes import assert_same_product
+
+SPECS = {
+    "q": LayerSpec("q", 32, 48, has_bias=True),
+    "o": LayerSpec("o", 48, 32, has_bias=False),
+    "wide": LayerSpec("wide", 32, 4096, has_bias=False),  # 2 rows: 32 KiB of result
+}
+
+
+@pytest.fixture
+def executor() -> Iterator[BaseExecutor]:
+    generator = torch.Generator().manual_seed(0)
+    layers = {
+        name: LayerWeights(
+            torch.randn(s.out_features, s.in_features, generator=generator),
+            torch.randn(s.out_features, generator=generator) if s.has_bias else None,
+        )
+        for name, s in SPECS.items()
+    }
+    service = BaseExecutor(BaseModelWeights(SPECS, layers, "fast-path-test", "test"), SchedulerConfig())
+    yield service
+    service.close(drain=False)
+
+
+@pytest.fixture
+def addresses(executor: BaseExecutor) -> Iterator[dict[str, str]]:
+    folder = tempfile.mkdtemp(prefix="symb-fast-")
+    ipc = executor.serve(f"ipc://{folder}/executor.sock").address
+    tcp = executor.serve("tcp://127.0.0.1:0").address
+    yield {"ipc": ipc, "tcp": tcp, "shm": f"shm+{ipc}"}
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def alone_batches(executor: BaseExecutor) -> int:
+    return executor.stats()["batches_run_by"]["alone"]
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp", "shm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lone_client_calls_are_exact_and_served_at_once(
+    executor: BaseExecutor, addresses: dict[str, str], kind: str, dtype: torch.dtype
+) -> None:
+    with open_transport(addresses[kind]) as transport:
+        lane = transport._conn.lane
+        assert lane is not None
+        before, made = alone_batches(executor), []
+        for layer in ("q", "o"):
+            for op in Op:
+                for n in (1, 3):
+                    rows = torch.randn(n, op.input_width(SPECS[layer])).to(dtype)
+                    got = transport.call(layer, op, rows, LatencyClass.DECODE)
+                    made.append((layer, op, rows, got.clone()))
+                    got.add_(1)  # a tensor of its own, writable
+        assert lane.calls == len(made)  # every call took the lane (shm: small calls ride it inline)
+        assert alone_batches(executor) - before == len(made)  # ... and was computed at once, not queued
+        routes = [key for server in executor._servers for key in server._lane_routes._routes]
+        assert {(layer, op.value) for layer, op, _, _ in made} <= {key[:2] for key in routes}  # by the fast path
+    for layer, op, rows, got in made:  # references afterwards: ``run`` is a client too (no longer alone)
+        assert_same_product(got, executor.run(layer, op, rows), (layer, op, rows.shape))
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_invalid_requests_get_their_typed_errors(executor: BaseExecutor, addresses: dict[str, str], kind: str) -> None:
+    with open_transport(addresses[kind]) as transport:
+        with pytest.raises(ShapeError):
+            transport.call("q", Op.FORWARD, torch.randn(2, 31), LatencyClass.DECODE)
+        with pytest.raises(UnknownLayerError):
+            transport.call("nope", Op.FORWARD, torch.randn(2, 32), LatencyClass.DECODE)
+        with pytest.raises(ProtocolError):
+            transport.call("q", Op.FORWARD, torch.randn(2, 32, dtype=torch.float64), LatencyClass.DECODE)
+        lane = transport._conn.lane
+        # A header whose shape does not match its payload (no client sends this; a hostile one may).
+        header = P.encode(
+            P.Request(P.PROTOCOL_VERSION, transport.client_id, 10**6, "q", "forward", "float32", [2, 32], "decode")
+        )
+        reply, _ = lane.exchange(header, P.tensor_payload(torch.randn(1, 32)), 10**6, 0, 5.0)
+        assert not reply.ok and reply.error_code == ShapeError.code
+        header = P.encode(
+            P.Request(P.PROTOCOL_VERSION, "someone-else", 10**6 + 1, "q", "forward", "float32", [1, 32], "decode")
+        )
+        reply, _ = lane.exchange(header, P.tensor_payload(torch.randn(1, 32)), 10**6 + 1, 0, 5.0)
+        assert not reply.ok and reply.error_code == ProtocolError.code
+        rows = torch.randn(2, 32)  # and the session goes on
+        assert_same_product(
+            transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), executor.run("q", Op.FORWARD, rows)
+        )
+
+
+def test_two_clients_are_queued_and_batched_not_served_alone(executor: BaseExecutor, addresses: dict[str, str]) -> None:
+    with open_transport(addresses["ipc"]) as first, open_transport(addresses["tcp"]) as second:
+        before = alone_batches(executor)
+        for transport in (first, second):
+            rows = torch.randn(3, 32)
+            got = transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE)
+            assert_same_product(got, executor.run("q", Op.FORWARD, rows))
+        assert first._conn.lane.calls == 1 and second._conn.lane.calls == 1
+        assert alone_batches(executor) == before  # two clients: the scheduler decides, nothing skips it
+
+
+def test_shared_memory_small_calls_inline_large_calls_in_segments(
+    executor: BaseExecutor, addresses: dict[str, str]
+) -> None:
+    with open_transport(addresses["shm"], inline_threshold=24 << 10) as transport:
+        small, large = torch.randn(1, 32), torch.randn(2, 32)  # results of 16 KiB / 32 KiB on "wide"
+        assert_same_product(
+            transport.call("wide", Op.FORWARD, small, LatencyClass.DECODE), executor.run("wide", Op.FORWARD, small)
+        )
+        assert not transport._free and transport._conn.lane.calls == 1  # inline: no segment made
+        assert_same_product(
+            transport.call("wide", Op.FORWARD, large, LatencyClass.DECODE), executor.run("wide", Op.FORWARD, large)
+        )
+        assert len(transport._free) == 1  # through a segment, back in the pool
+    with open_transport(addresses["shm"], inline_threshold=0) as transport:
+        assert_same_product(
+            transport.call("q", Op.FORWARD, small, LatencyClass.DECODE), executor.run("q", Op.FORWARD, small)
+        )
+        assert len(transport._free) == 1
