@@ -95,6 +95,8 @@ class DistTransport(ZmqTransport):
     (payload bytes then cross the network in plaintext; CURVE protects only control messages).
     """
 
+    _inline_lane_calls = False  # its inline calls go the general way (``_encode`` decides)
+
     def __init__(
         self,
         address: str,

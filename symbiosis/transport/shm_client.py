@@ -139,6 +139,10 @@ class ShmTransport(ZmqTransport):
 
     # ---- ZmqTransport hooks ------------------------------------------------------------------
 
+    @property
+    def _inline_lane_limit(self) -> int:
+        return self.inline_threshold
+
     def _stage(self, rows: torch.Tensor) -> torch.Tensor:
         # no staging copy: ``_encode`` copies from any device or layout
         return rows.detach() if rows.requires_grad else rows
