@@ -98,6 +98,11 @@ DEFAULT_SEND_STALL_S = 5.0
 DEFAULT_MAX_PENDING_DIST_SETUPS = 8
 DEFAULT_DIST_SETUP_TIMEOUT_S = 10.0
 _FRAME_SLACK = 1024  # ZMQ_MAXMSGSIZE headroom over the largest legal frame: CURVE's box overhead
+#: Reading ZeroMQ messages stops for this long (seconds) per wake-up, so that lanes and ready
+#: products get their turn: a bulk request costs the socket thread milliseconds before it is even
+#: queued (a large payload at an unaligned address is copied, see ``protocol.rows_from_payload``),
+#: and a client keeping several queued could hold a decoding bystander's lane call that long each.
+INTAKE_SLICE_S = 0.002
 #: Messages read from one lane per wake-up (a well-behaved client has one in flight per lane).
 _LANE_BURST = 16
 
@@ -658,11 +663,14 @@ class ZmqServer:
                 self._read_monitor(probes, now)
             woken = self._waker.fileno() in events
             if self._router in events:
+                intake_until = now + INTAKE_SLICE_S
                 for _ in range(256):  # bounded, so completions and timers are not starved
                     if not self._router.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                         break
                     frames = self._router.recv_multipart(_NOBLOCK, copy=False)
                     self._guarded(lambda f=frames: self._on_message(f), frames)
+                    if time.monotonic() >= intake_until:
+                        break  # the rest waits in ZeroMQ's queue: see INTAKE_SLICE_S
             if self._lanes or self._lane_listener is not None:
                 self._serve_lanes(events, now)
             self._run_tasks()
