@@ -19,7 +19,8 @@ import statistics
 import pytest
 
 from symbiosis.executor.pacing import CostModel, DecodeGuard
-from symbiosis.executor.scheduler import SchedulerConfig
+from symbiosis.executor.requests import PendingRequest
+from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.wait_tuner import FIRST_TRIALS, RULES, WaitTuner
 from symbiosis.vocabulary import LatencyClass, Op
 from tests.sched_sim import Flood, Simulation, Walker, p95
@@ -175,6 +176,38 @@ def test_decode_guard_budget_from_slowdown_or_slo():
     for token in range(1, 40):  # every token misses: the share falls to its floor, never to zero
         slo.arrived("d", Op.FORWARD, True, 0, 0.03 * token)
     assert slo.bulk_share == pytest.approx(0.05)
+
+
+def test_without_a_target_chunks_fit_a_decoders_own_pace_not_its_starved_one():
+    """No ``decode_slo_ms``: the budget is slowdown x the decoder's own time per call, from its
+    fastest token (over its calls per token) when its observed pace is slower: tokens slowed by
+    bulk work never raise that floor, so a starved decoder does not buy the flood longer chunks;
+    a decoder really slower when nothing else runs (a longer context) is followed."""
+    guard = DecodeGuard(slo_s=None, slowdown=1.0)
+    now = 0.0
+    for _ in range(5):  # alone: 10 ms tokens
+        guard.arrived("d", Op.FORWARD, True, 0, now)
+        now += 0.010
+    for _ in range(400):  # starved by bulk work: 100 ms tokens
+        guard.bulk_ran(now)
+        guard.arrived("d", Op.FORWARD, True, 0, now)
+        now += 0.100
+    assert guard._decoders["d"].floor_token_s == pytest.approx(0.010)
+    starved_pace = {"d": 0.020}  # what its pace looks like while starved: 20 ms per call
+    assert guard.delay_budget_s(now, starved_pace.get, 10) == pytest.approx(0.001)  # 10 ms / 10 calls
+    assert guard.delay_budget_s(now, {"d": 0.0005}.get, 10) == pytest.approx(0.0005)  # its pace, when faster
+    assert guard.bulk_share == 1.0  # no target: nothing is paced
+    for _ in range(60):  # alone but really slower now (30 ms tokens, no bulk batch ran)
+        guard.arrived("d", Op.FORWARD, True, 0, now)
+        now += 0.030
+    assert guard._decoders["d"].floor_token_s == pytest.approx(0.030, rel=0.05)
+
+
+def test_a_client_labelling_bulk_work_decode_is_no_decoder():
+    scheduler = Scheduler(SchedulerConfig(policy="immediate", decode_share_rows=256))
+    scheduler.add(PendingRequest(1, "flooder", "l0", Op.FORWARD, 16384, LatencyClass.DECODE, 0.0))
+    scheduler.add(PendingRequest(2, "bystander", "l1", Op.FORWARD, 1, LatencyClass.DECODE, 0.0))
+    assert scheduler._guard.active(0.0) == ["bystander"]
 
 
 # ------------------------------------------------------------------------------------ wait tuner

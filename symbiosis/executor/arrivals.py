@@ -10,6 +10,12 @@ the next layer's input. So from arrivals alone one can learn:
   first layer, so the first pass anyone walks fixes the order);
 - each client's pace per op (``gap``): an EWMA of the time from one of its requests being handed
   out to its next request arriving, divided by the positions it advanced;
+- each client's *own* time per layer call (``own_gap``): the same samples, but a lower envelope
+  (a smaller sample is taken at once, a larger one only slowly), because every delay the executor
+  adds (a product it waited behind, requests read late) lands in the sample too. The decode guard
+  sizes bulk chunks from it (``pacing.DecodeGuard``); from the plain EWMA, a flood fed back on
+  itself: longer chunks delayed the decoder, which looked slower, which allowed longer chunks
+  (measured: a bystander's "gap" of 34 ms against ~1 ms alone, decode x40 under a flood);
 - whether a client *repeats* an op: a decoding client starts its next forward pass right after
   the last one (it wraps around to position 0), a fine-tuning client turns to backward instead.
 
@@ -28,12 +34,15 @@ from symbiosis.vocabulary import Op
 # Weight of a new sample in a client's pace EWMA: the last few hops dominate, so the estimate
 # follows a client whose pace changes (prefill -> decode, more load) within a few layers.
 GAP_EWMA_WEIGHT = 0.25
+# Weight of a larger sample in a client's own-gap lower envelope (a smaller one replaces it): a
+# client that really slowed down is followed within a few dozen calls, a delay is mostly ignored.
+OWN_GAP_RISE_WEIGHT = 0.05
 
 
 class _Track:
     """One client's last request (op, learned position, hand-out time) and its pace per op."""
 
-    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s", "repeats", "walks", "latency")
+    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s", "own_gap_s", "repeats", "walks", "latency")
 
     def __init__(self) -> None:
         self.op: Op | None = None
@@ -41,6 +50,7 @@ class _Track:
         self.request_id = -1
         self.handed_out_s: float | None = None  # None while that request is pending
         self.gap_s: dict[Op, float] = {}
+        self.own_gap_s: dict[Op, float] = {}  # lower envelope of the same samples (module doc)
         self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
         self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
         self.latency = True  # its last request was latency work (decode, prefill), not bulk
@@ -68,6 +78,10 @@ class ArrivalPredictor:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
             old = track.gap_s.get(request.op)
             track.gap_s[request.op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
+            own = track.own_gap_s.get(request.op)
+            track.own_gap_s[request.op] = (
+                sample if own is None or sample < own else own + OWN_GAP_RISE_WEIGHT * (sample - own)
+            )
         elif same_op and position < track.position:
             track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
         elif not same_op and track.op is not None:
@@ -93,6 +107,12 @@ class ArrivalPredictor:
     def gap_s(self, client_id: str, op: Op) -> float | None:
         track = self.tracks.get(client_id)
         return None if track is None else track.gap_s.get(op)
+
+    def own_gap_s(self, client_id: str, op: Op) -> float | None:
+        """The client's own time per layer call of ``op`` without the delays the executor adds
+        (a lower envelope of the pace samples, see the module doc); None before any sample."""
+        track = self.tracks.get(client_id)
+        return None if track is None else track.own_gap_s.get(op)
 
     def _hops(self, track: _Track, target: int, length: int, wrap: bool) -> int | None:
         """Layers ``track``'s client still has to walk to reach position ``target``; None when it is

@@ -194,6 +194,7 @@ class Scheduler:
         self.config = config
         self._row_budget = config.row_budget
         self._min_chunk_rows = min(config.min_chunk_rows, config.row_budget)
+        self._last_delay_budget_s: float | None = None  # the decode guard's, at the last batch (stats)
         self._aging_s = config.aging_ms / 1000.0
         self._lockstep_timeout_s = config.lockstep_timeout_ms / 1000.0
         self._groups: dict[tuple[str, Op], _Group] = {}  # only groups with pending requests
@@ -287,10 +288,12 @@ class Scheduler:
         client.entries.append(entry)
         self._entries[request.request_id] = entry
         self._pending_rows += request.rows
-        position = self._arrivals.arrived(request, self._lane_of(request.latency_class, request.rows) == LATENCY)
-        self._guard.arrived(
-            request.client_id, request.op, request.latency_class is LatencyClass.DECODE, position, request.arrival_s
-        )
+        latency = self._lane_of(request.latency_class, request.rows) == LATENCY
+        position = self._arrivals.arrived(request, latency)
+        # A decoder is a client decoding decode-sized requests: one that labels bulk work "decode"
+        # gets no decoder's protection for it (nor does its pace count as a decoder's).
+        is_decode = latency and request.latency_class is LatencyClass.DECODE
+        self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s)
 
     def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
         """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,
@@ -467,7 +470,7 @@ class Scheduler:
 
     def _delay_budget_s(self, now_s: float, exclude: str | None = None) -> float | None:
         calls = self._arrivals.pass_length(Op.FORWARD)
-        return self._guard.delay_budget_s(now_s, lambda c: self._arrivals.gap_s(c, Op.FORWARD), calls, exclude)
+        return self._guard.delay_budget_s(now_s, lambda c: self._arrivals.own_gap_s(c, Op.FORWARD), calls, exclude)
 
     def next_wakeup(self, now_s: float) -> float | None:
         """Earliest time (never before ``now_s``) at which ``next_batch`` may return a batch without
@@ -493,7 +496,7 @@ class Scheduler:
         group = lead.group
         aged_before_s = now_s - self._aging_s
         bulk_limit = self._row_budget
-        budget_s = self._delay_budget_s(now_s)
+        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s)
         if budget_s is not None:
             fits = self._cost.rows_within(group.key, budget_s)
             if fits is not None:
@@ -507,6 +510,8 @@ class Scheduler:
             ),
         )
         lane = self._lane(lead)
+        if lane == BULK:
+            self._guard.bulk_ran(now_s)
         self._virtual[lane] = max(self._virtual[lane], lead.client.tag)
         self._lane_batches[lane] += 1
         slices: list[RowSlice] = []
@@ -623,5 +628,6 @@ class Scheduler:
             "wait_rule": self._tuner.stats() if self._tuner is not None else {"rule": self._fixed_rule},
             "decode_guard": self._guard.stats(),
             "chunks_cut_for_decode": self._chunks_cut,
+            "last_delay_budget_ms": None if self._last_delay_budget_s is None else 1e3 * self._last_delay_budget_s,
             "batches_led_by_lane": {"latency": self._lane_batches[LATENCY], "bulk": self._lane_batches[BULK]},
         }
