@@ -178,11 +178,11 @@ def test_decode_guard_budget_from_slowdown_or_slo():
     assert slo.bulk_share == pytest.approx(0.05)
 
 
-def test_without_a_target_chunks_fit_a_decoders_own_pace_not_its_starved_one():
-    """No ``decode_slo_ms``: the budget is slowdown x the decoder's own time per call, from its
-    fastest token (over its calls per token) when its observed pace is slower: tokens slowed by
-    bulk work never raise that floor, so a starved decoder does not buy the flood longer chunks;
-    a decoder really slower when nothing else runs (a longer context) is followed."""
+def test_without_a_target_a_flood_is_cut_to_a_decoders_own_pace_not_its_starved_one():
+    """No ``decode_slo_ms``: for a client with a backlog, the budget is slowdown x the decoder's
+    own time per call, from its fastest token (over its calls per token) when its observed pace is
+    slower: tokens slowed by bulk work never raise that floor, so a starved decoder does not buy
+    the flood longer chunks; a decoder really slower when nothing else runs is followed."""
     guard = DecodeGuard(slo_s=None, slowdown=1.0)
     now = 0.0
     for _ in range(5):  # alone: 10 ms tokens
@@ -194,8 +194,11 @@ def test_without_a_target_chunks_fit_a_decoders_own_pace_not_its_starved_one():
         now += 0.100
     assert guard._decoders["d"].floor_token_s == pytest.approx(0.010)
     starved_pace = {"d": 0.020}  # what its pace looks like while starved: 20 ms per call
-    assert guard.delay_budget_s(now, starved_pace.get, 10) == pytest.approx(0.001)  # 10 ms / 10 calls
-    assert guard.delay_budget_s(now, {"d": 0.0005}.get, 10) == pytest.approx(0.0005)  # its pace, when faster
+    # A product for a client with a backlog (a flood) fits the decoder's own pace: 10 ms / 10 calls ...
+    assert guard.delay_budget_s(now, starved_pace.get, 10, backlog=True) == pytest.approx(0.001)
+    assert guard.delay_budget_s(now, {"d": 0.0005}.get, 10, backlog=True) == pytest.approx(0.0005)  # or its pace
+    # ... other bulk work (a fine-tuning client walking its layers) its pace as seen, as before.
+    assert guard.delay_budget_s(now, starved_pace.get, 10) == pytest.approx(0.020)
     assert guard.bulk_share == 1.0  # no target: nothing is paced
     for _ in range(60):  # alone but really slower now (30 ms tokens, no bulk batch ran)
         guard.arrived("d", Op.FORWARD, True, 0, now)

@@ -21,16 +21,20 @@ request labelled decode that is larger than a decode-sized share):
     ``MISS_FACTOR``, every token within it by ``HIT_FACTOR``, chosen so that the share settles
     where 1 token in 20 misses (the target is met at p95: ``HIT_FACTOR ** 19 * MISS_FACTOR == 1``).
     It never goes below ``MIN_BULK_SHARE``, so fine-tuning always progresses.
-  - Without a target: ``decode_slowdown`` times the decoder's own time per call: the lower
-    envelope of its pace (``ArrivalPredictor.own_gap_s``), or its token-time floor over its calls
-    per token if less (``floor_token_s``: its fastest token, raised only by tokens no bulk batch
-    overlapped). Not its plain average pace: one client's bulk work also takes the *cores* a
+  - Without a target: ``decode_slowdown`` times the decoder's time per call: its pace as the
+    executor sees it, or, for a product serving a client with a backlog (``backlog``: several
+    requests queued, a flood), its *own* pace: the lower envelope of its pace samples
+    (``ArrivalPredictor.own_gap_s``) or its token-time floor over its calls per token if less
+    (``floor_token_s``: its fastest token, raised only by tokens no bulk batch overlapped).
+    Not its plain pace for a flood: one client's bulk work also takes the *cores* a
     decoder in another process needs for its own share of every token, so a starved decoder
     looks slow, and a budget from its pace would allow the long products that starve it.
     Measured (issue 11, clients as processes on this 2-core machine, a bystander decoding beside
     a client flooding 16,384-row requests): p95 per-token x40-55 of its time alone with the plain
     pace (its calls queued 0.15 ms in the executor; the "pace" the server saw was 34 ms a call),
-    x6 with this budget. What is left is cores, not queueing: with ``decode_slo_ms`` (bulk work
+    x6-8 with this budget for a client with a backlog (``backlog``; fine-tuning walks keep the
+    pace as seen: cutting them too left fine-tuning 10% of its solo rate beside 6 decoders, 40%
+    without). What is left is cores, not queueing: with ``decode_slo_ms`` (bulk work
     then paced by ``bulk_share``) x3.9 at a 60 ms target, at a quarter of the flood's rows/s.
 
   No active decoder: no budget (bulk rows go in chunks of ``row_budget``).
@@ -251,10 +255,15 @@ class DecodeGuard:
         """The longest token time (EWMA) among active decoders; 0 if none is known."""
         return max((self._decoders[c].token_s or 0.0 for c in self.active(now_s)), default=0.0)
 
-    def delay_budget_s(self, now_s: float, gap_of, calls_per_token: int, exclude: str | None = None) -> float | None:
+    def delay_budget_s(
+        self, now_s: float, gap_of, calls_per_token: int, exclude: str | None = None, backlog: bool = False
+    ) -> float | None:
         """How long one product may delay an active decoder's layer call (seconds); None when no
         decoder (other than ``exclude``) is active or none has a measured pace yet.
-        ``gap_of(client_id)``: the client's own time per layer call (or None)."""
+        ``gap_of(client_id)``: the client's own time per layer call (or None). ``backlog``: the
+        product serves a client that keeps several requests queued (a flood, not a fine-tuning
+        walk): without a target, the decoder's pace is then taken no slower than its token-time
+        floor per call (see the module doc)."""
         budget = math.inf
         for client_id in self.active(now_s):
             if client_id == exclude:
@@ -264,7 +273,7 @@ class DecodeGuard:
                 continue
             if self.slo_s is None:
                 floor_s = self._decoders[client_id].floor_token_s
-                if floor_s is not None and calls_per_token > 0:
+                if backlog and floor_s is not None and calls_per_token > 0:
                     # Its time per call when nothing slowed it: a starved decoder's pace would
                     # otherwise allow the long products that starve it (see the module doc).
                     gap_s = min(gap_s, floor_s / calls_per_token)

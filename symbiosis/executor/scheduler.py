@@ -468,9 +468,16 @@ class Scheduler:
     def _decoders_active(self, now_s: float, other_than: str) -> bool:
         return any(c != other_than for c in self._guard.active(now_s))
 
-    def _delay_budget_s(self, now_s: float, exclude: str | None = None) -> float | None:
+    def _delay_budget_s(self, now_s: float, exclude: str | None = None, backlog: bool = False) -> float | None:
+        """The decode guard's budget (``pacing.DecodeGuard.delay_budget_s``). A product for a client
+        with a ``backlog`` (several requests queued: a flood) is measured against the decoders'
+        own pace (lower envelope, token-time floor), which a starved decoder cannot inflate; other
+        bulk work (a fine-tuning client walking its layers, one request at a time) against their
+        pace as seen, as it always was: cutting that to the decoders' fastest pace left fine-tuning
+        10% of its solo rate beside 6 decoders (40% before), for p95 x1.6 instead of x1.8."""
         calls = self._arrivals.pass_length(Op.FORWARD)
-        return self._guard.delay_budget_s(now_s, lambda c: self._arrivals.own_gap_s(c, Op.FORWARD), calls, exclude)
+        gap_of = self._arrivals.own_gap_s if backlog else self._arrivals.gap_s
+        return self._guard.delay_budget_s(now_s, lambda c: gap_of(c, Op.FORWARD), calls, exclude, backlog)
 
     def next_wakeup(self, now_s: float) -> float | None:
         """Earliest time (never before ``now_s``) at which ``next_batch`` may return a batch without
@@ -496,7 +503,8 @@ class Scheduler:
         group = lead.group
         aged_before_s = now_s - self._aging_s
         bulk_limit = self._row_budget
-        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s)
+        backlog = len(lead.client.entries) > 1
+        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=backlog)
         if budget_s is not None:
             fits = self._cost.rows_within(group.key, budget_s)
             if fits is not None:
