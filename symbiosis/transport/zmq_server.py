@@ -537,7 +537,12 @@ class ZmqServer:
         rows = LaneRoutes.rows(route, req, payload)
         if rows is None:
             return False
-        result = self._service.try_alone(session.client_id, route.layer_id, route.op, rows, route.latency_class)
+        try:
+            result = self._service.try_alone(session.client_id, route.layer_id, route.op, rows, route.latency_class)
+        except SymbiosisError as exc:  # e.g. a sharded executor's dead rank: typed, as on the general path
+            route.counts["errors"] += 1
+            self._lane_send(lane, P.error_reply(req.request_id, exc.code, str(exc)))
+            return True
         if result is None:
             return False
         counts = route.counts

@@ -186,7 +186,10 @@ def call_and_wait(address: str, client_id: str, layer_id: str) -> None:
     """Spawn-process entry: connect and make one call that the test's fake never completes."""
     from symbiosis.transport.schemes import open_transport
 
-    transport = open_transport(address, client_id=client_id, timeout_s=120)
+    # shm: every payload through a segment (small ones would ride the lane inline), since the
+    # tests check that a dead client's segments are unmapped
+    options = {"inline_threshold": 0} if address.startswith("shm+") else {}
+    transport = open_transport(address, client_id=client_id, timeout_s=120, **options)
     transport.call(layer_id, Op.FORWARD, torch.randn(4, 16), LatencyClass.PREFILL)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
+from symbiosis.errors import ExecutorUnavailableError, ProtocolError, ShapeError, UnknownLayerError
 from symbiosis.executor.executor import BaseExecutor
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights, LayerWeights
@@ -141,3 +141,18 @@ def test_shared_memory_small_calls_inline_large_calls_in_segments(
             transport.call("q", Op.FORWARD, small, LatencyClass.DECODE), executor.run("q", Op.FORWARD, small)
         )
         assert len(transport._free) == 1
+
+
+def test_an_executor_error_on_the_fast_path_reaches_the_client_typed(
+    executor: BaseExecutor, addresses: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded executor's ``try_alone`` raises ``ExecutorUnavailableError`` for a dead rank: the
+    client must get that error (and re-handshake), not a generic one."""
+
+    def unavailable(*args: object, **kwargs: object) -> None:
+        raise ExecutorUnavailableError("shard 1 of 2 is unavailable")
+
+    with open_transport(addresses["ipc"], connect_timeout_s=0.5) as transport:
+        monkeypatch.setattr(executor, "try_alone", unavailable)
+        with pytest.raises(ExecutorUnavailableError, match="shard 1 of 2"):
+            transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
