@@ -134,7 +134,11 @@ def clients_for(scenario: str, args: argparse.Namespace) -> list[ClientSpec]:
     }[scenario]
 
 
-def runs_in(variant: str, scenario: str) -> bool:
+def runs_in(variant: str, scenario: str, slo_given: bool = False) -> bool:
+    """Whether ``variant`` runs in ``scenario``; the SLO variant runs under the flood too when its
+    target is given (``--decode-slo-ms``: the derived one comes from the mixed scenario)."""
+    if variant == SLO_VARIANT and slo_given and scenario in FLOOD_SCENARIOS:
+        return True
     return scenario in VARIANT_SCENARIOS.get(variant, SCENARIOS)
 
 
@@ -466,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for scenario in scenarios:
                 shift = repeat % len(variants)
                 for variant in variants[shift:] + variants[:shift]:
-                    if variant != "remote" and not runs_in(variant, scenario):
+                    if variant != "remote" and not runs_in(variant, scenario, args.decode_slo_ms is not None):
                         continue
                     config = None
                     if variant != "remote":

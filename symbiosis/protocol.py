@@ -245,6 +245,36 @@ def validate_request(header: Request, payload_nbytes: int, specs: Mapping[str, L
     return spec
 
 
+class CallShape(msgspec.Struct, frozen=True):
+    """What every valid request of one (layer, op, dtype, latency class) sends and gets back
+    (``call_shape``): checked once, it leaves only the row count to check per call."""
+
+    op: Op
+    in_width: int
+    out_width: int
+    itemsize: int
+    max_rows: int  # most rows whose rows and result both fit ``Limits.max_payload_bytes``
+
+
+def call_shape(
+    layer_id: str, op: str, dtype: str, latency_class: str, specs: Mapping[str, LayerSpec], limits: Limits
+) -> CallShape | None:
+    """The ``CallShape`` of requests with this header, or None if ``validate_request`` refuses a
+    one-row request of it (the caller then sends or serves it the general way, which says why).
+    The lane fast paths of both sides use it (``transport/lane_routes.py``, ``ZmqTransport``)."""
+    spec, op_enum, itemsize = specs.get(layer_id), OPS_BY_VALUE.get(op), ITEMSIZE.get(dtype)
+    if spec is None or op_enum is None or itemsize is None:
+        return None
+    in_width, out_width = op_enum.input_width(spec), op_enum.output_width(spec)
+    one_row = Request(PROTOCOL_VERSION, "", 1, layer_id, op, dtype, [1, in_width], latency_class)
+    try:
+        validate_request(one_row, in_width * itemsize, {layer_id: spec}, limits)
+    except (ProtocolError, ShapeError, UnknownLayerError):
+        return None
+    max_rows = limits.max_payload_bytes // (max(in_width, out_width) * itemsize)
+    return CallShape(op_enum, in_width, out_width, itemsize, max_rows)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Wire name of a torch dtype (``torch.float32`` -> ``"float32"``), allowed or not."""
     name = WIRE_NAMES.get(dtype)

@@ -35,7 +35,7 @@ request labelled decode that is larger than a decode-sized share):
     x6-8 with this budget for a client with a backlog (``backlog``; fine-tuning walks keep the
     pace as seen: cutting them too left fine-tuning 10% of its solo rate beside 6 decoders, 40%
     without). What is left is cores, not queueing: with ``decode_slo_ms`` (bulk work
-    then paced by ``bulk_share``) x3.9 at a 60 ms target, at a quarter of the flood's rows/s.
+    then paced by ``bulk_share``) x3.5-3.9 at a 60 ms target, the flood at ~1/8 of its rows/s.
 
   No active decoder: no budget (bulk rows go in chunks of ``row_budget``).
 """

@@ -719,25 +719,20 @@ class ZmqTransport:
 
     def _lane_shape(self, layer_id: str, op: Op, dtype: torch.dtype, lane: ClientLane) -> _LaneShape | None:
         """What a valid inline lane call of ``layer_id``/``op`` in ``dtype`` sends and gets back,
-        checked once with the executor's own rules; None if it is not one (the general path
-        sends it anyway and the executor says why)."""
-        spec, wire_dtype, welcome = self._spec(layer_id), P.WIRE_NAMES.get(dtype), self._welcome
+        checked once with the executor's own rules (``protocol.call_shape``); None if it is not
+        one (the general path sends it anyway and the executor says why)."""
+        wire_dtype, welcome = P.WIRE_NAMES.get(dtype), self._welcome
+        spec = self._spec(layer_id)
         if spec is None or wire_dtype is None or welcome is None:
             return None
-        itemsize = P.ITEMSIZE[wire_dtype]
-        in_width, out_width = op.input_width(spec), op.output_width(spec)
-        one_row = P.Request(
-            P.PROTOCOL_VERSION, self.client_id, 1, layer_id, op.value, wire_dtype, [1, in_width], "decode"
-        )
-        try:
-            P.validate_request(one_row, in_width * itemsize, {layer_id: spec}, welcome.limits)
-        except SymbiosisError:
+        call = P.call_shape(layer_id, op, wire_dtype, LatencyClass.DECODE, {layer_id: spec}, welcome.limits)
+        if call is None:
             return None
-        widest_row = max(in_width, out_width) * itemsize
-        max_rows = (
-            min(welcome.limits.max_payload_bytes, lane.max_payload_bytes, self._inline_lane_limit - 1) // widest_row
+        widest_row = max(call.in_width, call.out_width) * call.itemsize
+        room = min(lane.max_payload_bytes, self._inline_lane_limit - 1) // widest_row
+        shape = _LaneShape(
+            wire_dtype, call.in_width, call.out_width, call.out_width * call.itemsize, min(call.max_rows, room)
         )
-        shape = _LaneShape(wire_dtype, in_width, out_width, out_width * itemsize, max_rows)
         self._lane_shapes[(layer_id, op, dtype)] = shape
         return shape
 

@@ -98,11 +98,6 @@ DEFAULT_SEND_STALL_S = 5.0
 DEFAULT_MAX_PENDING_DIST_SETUPS = 8
 DEFAULT_DIST_SETUP_TIMEOUT_S = 10.0
 _FRAME_SLACK = 1024  # ZMQ_MAXMSGSIZE headroom over the largest legal frame: CURVE's box overhead
-#: Reading ZeroMQ messages stops for this long (seconds) per wake-up, so that lanes and ready
-#: products get their turn: a bulk request costs the socket thread milliseconds before it is even
-#: queued (a large payload at an unaligned address is copied, see ``protocol.rows_from_payload``),
-#: and a client keeping several queued could hold a decoding bystander's lane call that long each.
-INTAKE_SLICE_S = 0.002
 #: Messages read from one lane per wake-up (a well-behaved client has one in flight per lane).
 _LANE_BURST = 16
 
@@ -528,17 +523,22 @@ class ZmqServer:
         """The fast path of a lone client's inline lane call (``lane_routes.py``): computed and
         answered here, True; False (nothing done) when anything needs the general path's checks,
         bounds or queue -- which then serves it, or refuses it with the typed error."""
-        if not self._driving or self._close_request is not None or req.client_id != session.client_id:
+        # One session: the only way its client can be alone (checked for real by ``try_alone``);
+        # with several, the general path would redo what this one did before finding it is not.
+        if not self._driving or self._close_request is not None or len(self._sessions) != 1:
+            return False
+        if req.client_id != session.client_id:
             return False
         assert self._lane_routes is not None
-        route = self._lane_routes.route(req, lane.max_message_bytes - HEADER_ROOM_BYTES)
+        route = self._lane_routes.route(req)
         if route is None or (session.inflight and (session.identity, req.request_id) in self._inflight):
             return False
-        rows = LaneRoutes.rows(route, req, payload)
+        rows = LaneRoutes.rows(route, req, payload, lane.max_message_bytes - HEADER_ROOM_BYTES)
         if rows is None:
             return False
+        call = route.shape
         try:
-            result = self._service.try_alone(session.client_id, route.layer_id, route.op, rows, route.latency_class)
+            result = self._service.try_alone(session.client_id, route.layer_id, call.op, rows, route.latency_class)
         except SymbiosisError as exc:  # e.g. a sharded executor's dead rank: typed, as on the general path
             route.counts["errors"] += 1
             self._lane_send(lane, P.error_reply(req.request_id, exc.code, str(exc)))
@@ -550,7 +550,7 @@ class ZmqServer:
         counts["rows"] += rows.shape[0]
         if result.dtype is not route.dtype or result.requires_grad:
             result = result.detach().to(dtype=route.dtype)
-        reply = P.Reply(req.request_id, True, route.wire_dtype, [rows.shape[0], route.out_width])
+        reply = P.Reply(req.request_id, True, route.wire_dtype, [rows.shape[0], call.out_width])
         self._lane_send(lane, reply, P.tensor_payload(result))
         return True
 
@@ -668,14 +668,11 @@ class ZmqServer:
                 self._read_monitor(probes, now)
             woken = self._waker.fileno() in events
             if self._router in events:
-                intake_until = now + INTAKE_SLICE_S
                 for _ in range(256):  # bounded, so completions and timers are not starved
                     if not self._router.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                         break
                     frames = self._router.recv_multipart(_NOBLOCK, copy=False)
                     self._guarded(lambda f=frames: self._on_message(f), frames)
-                    if time.monotonic() >= intake_until:
-                        break  # the rest waits in ZeroMQ's queue: see INTAKE_SLICE_S
             if self._lanes or self._lane_listener is not None:
                 self._serve_lanes(events, now)
             self._run_tasks()

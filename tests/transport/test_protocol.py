@@ -82,3 +82,27 @@ def test_payload_round_trip_without_numpy_dtypes() -> None:
         back = P.tensor_from_payload(bytearray(P.tensor_payload(tensor)), name, [5, 7])
         assert back.dtype == dtype and torch.equal(back, tensor)
     assert P.tensor_from_payload(b"", "bfloat16", [0, 3]).shape == (0, 3)
+
+
+def test_call_shape_is_what_validate_request_allows_for_every_row_count() -> None:
+    specs = {"up": LayerSpec("up", 16, 64, has_bias=False)}
+    limits = P.Limits(max_payload_bytes=64 * 4 * 10)  # results of 10 rows at most
+    forward = P.call_shape("up", "forward", "float32", "decode", specs, limits)
+    assert forward is not None and (forward.in_width, forward.out_width, forward.itemsize) == (16, 64, 4)
+    backward = P.call_shape("up", "backward", "bfloat16", "finetune", specs, limits)
+    assert backward is not None and (backward.in_width, backward.out_width, backward.itemsize) == (64, 16, 2)
+    for shape in (forward, backward):
+        dtype = "float32" if shape is forward else "bfloat16"
+        for n in (shape.max_rows, shape.max_rows + 1):  # the largest allowed, and one more: refused
+            op = "forward" if shape is forward else "backward"
+            request = P.Request(P.PROTOCOL_VERSION, "c", 1, "up", op, dtype, [n, shape.in_width], "decode")
+            allowed = True
+            try:
+                P.validate_request(request, n * shape.in_width * shape.itemsize, specs, limits)
+            except ProtocolError:
+                allowed = False
+            assert allowed == (n == shape.max_rows), (op, n)
+    for bad in (("nope", "forward", "float32", "decode"), ("up", "sideways", "float32", "decode")):
+        assert P.call_shape(*bad, specs, limits) is None
+    assert P.call_shape("up", "forward", "float64", "decode", specs, limits) is None
+    assert P.call_shape("up", "forward", "float32", "urgent", specs, limits) is None
