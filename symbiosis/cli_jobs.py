@@ -14,9 +14,9 @@ from typing import Annotated
 import typer
 
 from symbiosis.jobs.client import ClientOptions
-from symbiosis.jobs.finetune import TrainOptions
 from symbiosis.jobs.methods import METHODS, MethodOptions
 from symbiosis.jobs.publish import PublishOptions
+from symbiosis.jobs.train_options import TrainOptions
 
 
 def _help_of(options: type, name: str) -> str:

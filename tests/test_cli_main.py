@@ -7,6 +7,9 @@ report (exit code 1), with or without ``--debug``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from symbiosis import cli
@@ -166,3 +169,16 @@ def test_serve_on_a_taken_port_is_one_line(tiny_checkpoint, tmp_path, capsys, mo
     args = ["serve", str(tiny_checkpoint("llama")), "--ready-file", str(tmp_path / "nope" / "ready.json")]
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert_one_line_error(code, err, "--ready-file", "does not exist")
+
+
+def test_help_of_every_verb_loads_no_torch_peft_or_transformers():
+    # `symbiosis --help` and `symbiosis serve --help` took ~10 s when every verb's module imported
+    # peft and torch at load time for its option dataclasses; a verb imports them when it runs.
+    probe = (
+        "import sys\n"
+        "from symbiosis.cli import _register_optional_commands\n"
+        "_register_optional_commands()\n"
+        "print(sorted(m for m in ('torch', 'peft', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -41,59 +41,14 @@ from symbiosis.jobs.artifacts import (
     save_loss_plot,
     write_atomically,
 )
-from symbiosis.jobs.base import JobError, _help
+from symbiosis.jobs.base import JobError
 from symbiosis.jobs.client import ClientOptions, SplitClient, load_tokenizer, require_model_dir
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
 from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
+from symbiosis.jobs.train_options import SCHEDULES, TrainOptions  # noqa: F401  (SCHEDULES: re-exported)
 
-SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 TRAINER_STATE = "trainer_state.pt"
-
-
-@dataclass
-class TrainOptions:
-    """How to train; each field's ``metadata["help"]`` is the CLI help text."""
-
-    steps: int = field(default=0, metadata=_help("Optimizer steps to run; 0: derive from --epochs."))
-    epochs: float = field(default=1.0, metadata=_help("Passes over the training split (used when --steps is 0)."))
-    lr: float = field(default=1e-3, metadata=_help("Peak learning rate of AdamW."))
-    lr_schedule: str = field(
-        default="cosine",
-        metadata=_help("Learning-rate schedule after warmup: constant, linear or cosine (decay to 0)."),
-    )
-    warmup_steps: int = field(default=0, metadata=_help("Steps of linear warmup from 0 to --lr."))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
-    batch_size: int = field(default=8, metadata=_help("Examples per micro-batch."))
-    grad_accum: int = field(default=1, metadata=_help("Micro-batches accumulated per optimizer step."))
-    seq_len: int = field(default=512, metadata=_help("Longest example in tokens; longer ones are cut."))
-    max_grad_norm: float = field(
-        default=1.0, metadata=_help("Clip the adapter gradient norm to this (0: no clipping).")
-    )
-    eval_fraction: float = field(default=0.0, metadata=_help("Fraction of the data held out for evaluation (0: none)."))
-    eval_every: int = field(
-        default=0,
-        metadata=_help("Evaluate the held-out loss every N steps (0: only at the end, if there is an eval split)."),
-    )
-    save_every: int = field(default=0, metadata=_help("Write a resumable checkpoint every N steps (0: never)."))
-    keep_checkpoints: int = field(default=2, metadata=_help("How many of the newest checkpoints to keep."))
-    seed: int = field(default=0, metadata=_help("Seed of adapter init, data order and dropout."))
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.lr_schedule not in SCHEDULES:
-            problems.append(f"lr schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
-        for name in ("batch_size", "grad_accum", "seq_len"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        for name in ("steps", "warmup_steps", "eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0")
-        if self.steps == 0 and self.epochs <= 0:
-            problems.append("give --steps N or a positive --epochs")
-        if problems:
-            raise JobError("; ".join(problems))
-
 
 # Options that must be equal for a checkpoint to be resumed exactly.
 _RESUME_KEYS = (

@@ -16,14 +16,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import peft
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from symbiosis.errors import UnsupportedPeftMethodError
 
-TASK = peft.TaskType.CAUSAL_LM
+if TYPE_CHECKING:  # peft and torch load only when a config is built: `symbiosis --help` stays fast
+    import peft
+    from torch import nn
 
 
 def _help(text: str) -> dict[str, str]:
@@ -56,17 +55,24 @@ class MethodOptions:
             raise UnsupportedPeftMethodError(f"num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
 
 
-Builder = Callable[[MethodOptions, nn.Module], dict[str, Any]]
+Builder = Callable[[MethodOptions, "nn.Module"], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Method:
-    """One PEFT method: its peft config class and the keywords our common options map to."""
+    """One PEFT method: its peft config class (by name, so listing methods needs no peft import)
+    and the keywords our common options map to."""
 
     name: str
-    config_class: type[peft.PeftConfig]
+    config_class_name: str
     defaults: Builder
     summary: str
+
+    @property
+    def config_class(self) -> type[peft.PeftConfig]:
+        import peft
+
+        return getattr(peft, self.config_class_name)
 
 
 def _targets(options: MethodOptions) -> list[str] | str:
@@ -120,14 +126,14 @@ def _p_tuning(o: MethodOptions, model: nn.Module) -> dict[str, Any]:
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("lora", peft.LoraConfig, _lora, "low-rank update B·A added to each target linear"),
-        Method("ia3", peft.IA3Config, _ia3, "learned per-channel scaling of attention k/v and MLP input"),
-        Method("adalora", peft.AdaLoraConfig, _adalora, "LoRA with SVD-style rank pruned during training"),
-        Method("loha", peft.LoHaConfig, _loha, "low-rank Hadamard product update"),
-        Method("lokr", peft.LoKrConfig, _lokr, "low-rank Kronecker product update"),
-        Method("prefix", peft.PrefixTuningConfig, _virtual, "learned key/value prefix in every attention layer"),
-        Method("prompt", peft.PromptTuningConfig, _virtual, "learned soft prompt embeddings"),
-        Method("p_tuning", peft.PromptEncoderConfig, _p_tuning, "soft prompt produced by a small MLP encoder"),
+        Method("lora", "LoraConfig", _lora, "low-rank update B·A added to each target linear"),
+        Method("ia3", "IA3Config", _ia3, "learned per-channel scaling of attention k/v and MLP input"),
+        Method("adalora", "AdaLoraConfig", _adalora, "LoRA with SVD-style rank pruned during training"),
+        Method("loha", "LoHaConfig", _loha, "low-rank Hadamard product update"),
+        Method("lokr", "LoKrConfig", _lokr, "low-rank Kronecker product update"),
+        Method("prefix", "PrefixTuningConfig", _virtual, "learned key/value prefix in every attention layer"),
+        Method("prompt", "PromptTuningConfig", _virtual, "learned soft prompt embeddings"),
+        Method("p_tuning", "PromptEncoderConfig", _p_tuning, "soft prompt produced by a small MLP encoder"),
     )
 }
 
@@ -173,7 +179,7 @@ def build_peft_config(
             f"{method.config_class.__name__} ({method.name}) has no option(s) {unknown}; see peft's documentation"
         )
     try:
-        return method.config_class(task_type=TASK, **kwargs)
+        return method.config_class(task_type="CAUSAL_LM", **kwargs)
     except (TypeError, ValueError) as exc:
         raise UnsupportedPeftMethodError(f"invalid {method.name} options: {exc}") from None
 
@@ -182,12 +188,15 @@ def build_peft_config(
 
 
 def _linear_types() -> tuple[type[nn.Module], ...]:
+    from torch import nn
     from transformers.pytorch_utils import Conv1D
 
     return (nn.Linear, Conv1D)
 
 
 def _in_out(module: nn.Module) -> tuple[int, int]:
+    from torch import nn
+
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     return module.nx, module.nf  # Conv1D
