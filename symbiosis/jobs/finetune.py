@@ -46,7 +46,7 @@ from symbiosis.jobs.client import ClientOptions, SplitClient, load_tokenizer, re
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
 from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
-from symbiosis.jobs.train_options import SCHEDULES, TrainOptions  # noqa: F401  (SCHEDULES: re-exported)
+from symbiosis.jobs.train_options import TrainOptions
 
 TRAINER_STATE = "trainer_state.pt"
 

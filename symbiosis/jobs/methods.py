@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from symbiosis.errors import UnsupportedPeftMethodError
+from symbiosis.jobs.base import _help
 
 if TYPE_CHECKING:  # peft and torch load only when a config is built: `symbiosis --help` stays fast
     import peft
     from torch import nn
 
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+TASK = "CAUSAL_LM"  # peft.TaskType.CAUSAL_LM's value (a str enum), named without importing peft
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def build_peft_config(
             f"{method.config_class.__name__} ({method.name}) has no option(s) {unknown}; see peft's documentation"
         )
     try:
-        return method.config_class(task_type="CAUSAL_LM", **kwargs)
+        return method.config_class(task_type=TASK, **kwargs)
     except (TypeError, ValueError) as exc:
         raise UnsupportedPeftMethodError(f"invalid {method.name} options: {exc}") from None
 
