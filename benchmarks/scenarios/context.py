@@ -38,6 +38,10 @@ class Profile:
     efficiency_clients: int
     efficiency_repeats: int
     large_model: bool
+    # The split systems ``split_overhead`` times (None: all of them). Each remote one costs a client
+    # process and an executor process; the suite's own smoke test times fewer, since
+    # ``benchmarks/split_overhead.py``'s smoke covers every transport.
+    split_systems: tuple[str, ...] | None = None
 
 
 QUICK = Profile("tiny", (1, 2), 2, 1, 32, (0, 1, 2), 1, (2,), 8, 8, 3, 2, 3, False)

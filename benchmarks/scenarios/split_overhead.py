@@ -15,7 +15,7 @@ from benchmarks.scenarios.context import Context, common_table, finish
 
 
 def run(ctx: Context) -> dict:
-    from benchmarks.split_overhead import measure, summarize
+    from benchmarks.split_overhead import SYSTEMS, measure, summarize
 
     path = ctx.checkpoint()
     quick = ctx.quick
@@ -28,7 +28,8 @@ def run(ctx: Context) -> dict:
         "decode_steps": 2 if quick else 4,
         "train_steps": 1,
     }
-    measured = measure({model: path}, decode_batches=(1,), threads=ctx.threads, log=ctx.log, **sizes)
+    systems = ctx.profile.split_systems or SYSTEMS
+    measured = measure({model: path}, systems=systems, decode_batches=(1,), threads=ctx.threads, log=ctx.log, **sizes)
     summary = summarize(measured, (1,))
     steps = {"train_step": summary["results"][model]["train"], "decode_step": summary["results"][model]["decode_b1"]}
     for step in steps.values():
@@ -106,6 +107,7 @@ def run(ctx: Context) -> dict:
     config = {
         "model": str(path),
         "decode_batch": 1,
+        "systems": list(systems),
         **sizes,
         "scheduling": "one process per system, rounds rotate the order, one system computes at a time",
     }
