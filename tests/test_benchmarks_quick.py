@@ -37,8 +37,19 @@ SPLIT_TIMING_KEYS = TIMING_KEYS | {"ratio_over_monolithic", "target", "verdict"}
 def test_split_overhead_quick_writes_documented_json(tmp_path):
     from symbiosis.modelzoo import ARCHS
 
+    # --shared-executor: two executor processes (one per model) instead of eight (one per remote
+    # system and model), which is most of this test's time; it also covers that option.
     returned = split_overhead.main(
-        ["--quick", "--output", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--repeats", "2"]
+        [
+            "--quick",
+            "--shared-executor",
+            "--output",
+            str(tmp_path / "out"),
+            "--cache",
+            str(tmp_path / "cache"),
+            "--repeats",
+            "2",
+        ]
     )
 
     written = json.loads((tmp_path / "out" / "split_overhead.json").read_text())
@@ -47,6 +58,7 @@ def test_split_overhead_quick_writes_documented_json(tmp_path):
     assert written["benchmark"] == "split_overhead" == returned["benchmark"]
     assert MACHINE_KEYS <= written["machine"].keys()
     assert written["config"]["preset"] == "tiny"
+    assert written["config"]["executors"] == "one per model, shared by the remote systems"
     measured = set(written["config"]["systems"])
     assert {"monolithic", "inproc", "shm+ipc", "ipc", "tcp"} <= measured
     assert measured | set(written["unavailable"]) == set(split_overhead.SYSTEMS)  # a system not measured says why

@@ -287,6 +287,31 @@ def test_tuner_keeps_the_rule_that_serves_most_and_follows_a_change():
     assert used[-12:].count("none") >= 10
 
 
+def test_tuner_does_not_compare_a_prefill_epoch_with_a_decode_epoch():
+    """The clients start with a prefill (100 rows a request, few requests) during the first trial
+    (convoy), then decode (5 rows a request), where convoy serves 60% more than the other rules.
+    Compared with the decode epoch after it, the prefill made convoy look three times worse and it
+    was hardly tried again (measured with client processes: a 6 s run has ~10 epochs); rows per
+    request tells the phases apart, so convoy is rated on decode epochs only and kept from the
+    first trials on."""
+    tuner = WaitTuner(epoch_s=0.2)
+    now, used = 0.0, []
+    tuner.tick(now)
+    for epoch in range(20):
+        rule = tuner.rule
+        used.append(rule)
+        prefill = epoch == 0
+        rate = 300.0 if prefill else 1000.0 * {"none": 1.0, "predicted": 1.0, "convoy": 1.6}[rule]
+        end = now + tuner.epoch_s
+        while now < end:
+            now += 1.0 / rate
+            tuner.handed_out("a" if int(now * rate) % 2 else "b", 1, 100 if prefill else 5, now)
+        tuner.tick(now)
+    assert used[0] == "convoy" and tuner.chosen == "convoy"
+    assert used[3:].count("convoy") >= 13  # after one trial of each rule (comparing phases: none)
+    assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
+
+
 def test_tuner_ignores_epochs_that_say_nothing():
     tuner = WaitTuner(epoch_s=0.2)
     tuner.tick(0.0)
