@@ -78,8 +78,8 @@ class WaitTuner:
         self.trials = {rule: 0 for rule in RULES}
         self.history: list[tuple[str, int, int]] = []  # the last epochs: (rule, requests/s, rows/s)
         self._last_tried = {rule: -1 for rule in RULES}
-        # (rule, score, {client: log rows per request}) of the last counted epoch
-        self._previous: tuple[str, float, dict[str, float]] | None = None
+        # (rule, score, {client: (requests, log rows per request)}) of the last counted epoch
+        self._previous: tuple[str, float, dict[str, tuple[int, float]]] | None = None
         self._start_s = start_s
         self._epoch_s = epoch_s
         self._requests = 0
@@ -113,7 +113,7 @@ class WaitTuner:
         scored_s = elapsed_s - SETTLE_FRACTION * self._epoch_s
         if elapsed_s <= 2.0 * self._epoch_s and len(self._per_client) >= 2 and self._requests >= MIN_REQUESTS:
             score = math.log(self._requests / scored_s)
-            self._rate(score, {c: math.log(max(rows, 1) / n) for c, (n, rows) in self._per_client.items()})
+            self._rate(score, {c: (n, math.log(max(rows, 1) / n)) for c, (n, rows) in self._per_client.items()})
             self.history.append((self.rule, round(self._requests / scored_s), round(self._rows / scored_s)))
             del self.history[:-HISTORY]
             self.trials[self.rule] += 1
@@ -125,26 +125,18 @@ class WaitTuner:
         self._start_s, self._requests, self._rows = now_s, 0, 0
         self._per_client = {}
 
-    def _rate(self, score: float, rows_per_request: dict[str, float]) -> None:
-        """Rate the epoch just ended: ``score`` and each client's rows per request, as logs."""
+    def _rate(self, score: float, rows_per_request: dict[str, tuple[int, float]]) -> None:
+        """Rate the epoch just ended: ``score`` (a log) and, per client, its requests and its
+        rows per request (a log)."""
         rule = self.rule
         self.ratings.setdefault(rule, 0.0 if not self.ratings else max(self.ratings.values()))
         if self._previous is not None and self._previous[0] != rule:
             other, other_score, other_rows = self._previous
-            if self._same_phase(other_rows, rows_per_request):  # else not comparable
+            if _same_phase(other_rows, rows_per_request):  # else not comparable
                 surprise = (score - other_score) - (self.ratings[rule] - self.ratings[other])
                 self.ratings[rule] += PAIR_WEIGHT * surprise / 2
                 self.ratings[other] -= PAIR_WEIGHT * surprise / 2
         self._previous = (rule, score, rows_per_request)
-
-    def _same_phase(self, before: dict[str, float], now: dict[str, float]) -> bool:
-        """Whether the clients of both epochs asked for rows alike (see module doc)."""
-        weights = {c: self._per_client[c][0] for c in before.keys() & now.keys()}
-        total = sum(weights.values())
-        if not total:
-            return False  # no client in both: nothing says the work was alike
-        change = sum(w * abs(now[c] - before[c]) for c, w in weights.items()) / total
-        return change <= SAME_PHASE
 
     def _next_rule(self) -> str:
         if self.epochs < len(FIRST_TRIALS):
@@ -175,3 +167,14 @@ class WaitTuner:
             "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
             "history": [list(entry) for entry in self.history],
         }
+
+
+def _same_phase(before: dict[str, tuple[int, float]], now: dict[str, tuple[int, float]]) -> bool:
+    """Whether the clients of two epochs asked for rows alike (see module doc): each client's log
+    rows per request moved by at most ``SAME_PHASE`` on average, weighted by its requests now."""
+    common = before.keys() & now.keys()
+    total = sum(now[c][0] for c in common)
+    if not total:
+        return False  # no client in both: nothing says the work was alike
+    change = sum(now[c][0] * abs(now[c][1] - before[c][1]) for c in common) / total
+    return change <= SAME_PHASE
