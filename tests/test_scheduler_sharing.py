@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Callable
 
 import pytest
 
@@ -216,19 +217,30 @@ def test_a_client_labelling_bulk_work_decode_is_no_decoder():
 # ------------------------------------------------------------------------------------ wait tuner
 
 
-def feed(tuner: WaitTuner, epochs: int, rate_of: dict[str, float], start_s: float = 0.0) -> tuple[list[str], float]:
-    """Run ``epochs`` epochs in which two clients complete requests at ``rate_of[rule]`` per second."""
-    now, used = start_s, []
+def run_epochs(
+    tuner: WaitTuner, epochs: int, load: Callable[[int, str], tuple[float, int]], start_s: float = 0.0
+) -> tuple[list[str], list[str | None], float]:
+    """Run ``epochs`` epochs; in epoch ``i`` under rule ``r`` two clients complete requests at
+    ``load(i, r)[0]`` per second, of ``load(i, r)[1]`` rows each. Returns the rule of each epoch,
+    the rule chosen after each, and the clock at the end."""
+    now, used, chosen = start_s, [], []
     tuner.tick(now)
-    for _ in range(epochs):
+    for epoch in range(epochs):
         rule = tuner.rule
         used.append(rule)
-        step = 1.0 / rate_of[rule]
+        rate, rows = load(epoch, rule)
         end = now + tuner.epoch_s
         while now < end:
-            now += step
-            tuner.handed_out("a" if int(now / step) % 2 else "b", 1, 4, now)
+            now += 1.0 / rate
+            tuner.handed_out("a" if int(now * rate) % 2 else "b", 1, rows, now)
         tuner.tick(now)
+        chosen.append(tuner.chosen)
+    return used, chosen, now
+
+
+def feed(tuner: WaitTuner, epochs: int, rate_of: dict[str, float], start_s: float = 0.0) -> tuple[list[str], float]:
+    """Run ``epochs`` epochs in which two clients complete requests at ``rate_of[rule]`` per second."""
+    used, _, now = run_epochs(tuner, epochs, lambda _, rule: (rate_of[rule], 4), start_s)
     return used, now
 
 
@@ -236,17 +248,8 @@ def test_tuner_compares_adjacent_epochs_so_a_drift_in_load_does_not_fool_it():
     """The machine slows down steadily (x0.5 over the run) while 'convoy' is always 30% better
     than the rule next to it: rules tried late look worse on average, never next to each other."""
     tuner = WaitTuner(epoch_s=0.2)
-    now, used = 0.0, []
-    tuner.tick(now)
-    for epoch in range(60):
-        rule = tuner.rule
-        used.append(rule)
-        rate = 2000.0 * (1.0 - epoch / 120) * {"none": 1.0, "predicted": 1.0, "convoy": 1.3}[rule]
-        end = now + tuner.epoch_s
-        while now < end:
-            now += 1.0 / rate
-            tuner.handed_out("a" if int(now * rate) % 2 else "b", 1, 4, now)
-        tuner.tick(now)
+    gain = {"none": 1.0, "predicted": 1.0, "convoy": 1.3}
+    used, _, _ = run_epochs(tuner, 60, lambda epoch, rule: (2000.0 * (1.0 - epoch / 120) * gain[rule], 4))
     assert used[-15:].count("convoy") >= 12
     assert tuner.ratings["convoy"] - max(tuner.ratings["none"], tuner.ratings["predicted"]) == pytest.approx(
         math.log(1.3), abs=0.05
@@ -258,19 +261,12 @@ def test_tuner_is_not_swayed_by_noise_between_epochs():
     better. Over ten runs of 120 epochs, the tuner uses it for most of the second half and ends
     on it, and its choice between trials changes rarely."""
     in_use, switches = [], []
+    gain = {"none": 1.25, "predicted": 1.0, "convoy": 1.0}
     for seed in range(10):
-        rng = random.Random(seed)
-        tuner = WaitTuner(epoch_s=0.2)
-        now, chosen = 0.0, []
-        tuner.tick(now)
-        for _ in range(120):
-            rate = 2000.0 * {"none": 1.25, "predicted": 1.0, "convoy": 1.0}[tuner.rule] * rng.uniform(0.6, 1.4)
-            end = now + tuner.epoch_s
-            while now < end:
-                now += 1.0 / rate
-                tuner.handed_out("a" if int(now * rate) % 2 else "b", 1, 4, now)
-            tuner.tick(now)
-            chosen.append(tuner.chosen)
+        noise = random.Random(seed)
+        _, chosen, _ = run_epochs(
+            WaitTuner(epoch_s=0.2), 120, lambda _, rule, rng=noise: (2000.0 * gain[rule] * rng.uniform(0.6, 1.4), 4)
+        )
         assert chosen[-1] == "none", seed
         in_use.append(chosen[60:].count("none") / 60)
         switches.append(sum(a != b for a, b in zip(chosen, chosen[1:])))
@@ -295,18 +291,8 @@ def test_tuner_does_not_compare_a_prefill_epoch_with_a_decode_epoch():
     request tells the phases apart, so convoy is rated on decode epochs only and kept from the
     first trials on."""
     tuner = WaitTuner(epoch_s=0.2)
-    now, used = 0.0, []
-    tuner.tick(now)
-    for epoch in range(20):
-        rule = tuner.rule
-        used.append(rule)
-        prefill = epoch == 0
-        rate = 300.0 if prefill else 1000.0 * {"none": 1.0, "predicted": 1.0, "convoy": 1.6}[rule]
-        end = now + tuner.epoch_s
-        while now < end:
-            now += 1.0 / rate
-            tuner.handed_out("a" if int(now * rate) % 2 else "b", 1, 100 if prefill else 5, now)
-        tuner.tick(now)
+    gain = {"none": 1.0, "predicted": 1.0, "convoy": 1.6}
+    used, _, _ = run_epochs(tuner, 20, lambda epoch, rule: (300.0, 100) if epoch == 0 else (1000.0 * gain[rule], 5))
     assert used[0] == "convoy" and tuner.chosen == "convoy"
     assert used[3:].count("convoy") >= 13  # after one trial of each rule (comparing phases: none)
     assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])

@@ -82,8 +82,6 @@ class WaitTuner:
         self._previous: tuple[str, float, dict[str, tuple[int, float]]] | None = None
         self._start_s = start_s
         self._epoch_s = epoch_s
-        self._requests = 0
-        self._rows = 0
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
 
     def handed_out(self, client_id: str, requests: int, rows: int, now_s: float) -> None:
@@ -91,8 +89,6 @@ class WaitTuner:
         if self._start_s is None:
             self._start_s = now_s
         if now_s >= self._start_s + SETTLE_FRACTION * self._epoch_s:
-            self._requests += requests
-            self._rows += rows
             counts = self._per_client.get(client_id)
             if counts is None:
                 self._per_client[client_id] = [requests, rows]
@@ -111,10 +107,12 @@ class WaitTuner:
         if elapsed_s < self._epoch_s:
             return
         scored_s = elapsed_s - SETTLE_FRACTION * self._epoch_s
-        if elapsed_s <= 2.0 * self._epoch_s and len(self._per_client) >= 2 and self._requests >= MIN_REQUESTS:
-            score = math.log(self._requests / scored_s)
-            self._rate(score, {c: (n, math.log(max(rows, 1) / n)) for c, (n, rows) in self._per_client.items()})
-            self.history.append((self.rule, round(self._requests / scored_s), round(self._rows / scored_s)))
+        requests = sum(n for n, _ in self._per_client.values())
+        if elapsed_s <= 2.0 * self._epoch_s and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
+            rows = sum(r for _, r in self._per_client.values())
+            score = math.log(requests / scored_s)
+            self._rate(score, {c: (n, math.log(max(r, 1) / n)) for c, (n, r) in self._per_client.items()})
+            self.history.append((self.rule, round(requests / scored_s), round(rows / scored_s)))
             del self.history[:-HISTORY]
             self.trials[self.rule] += 1
             self._last_tried[self.rule] = self.epochs
@@ -122,8 +120,7 @@ class WaitTuner:
             self.rule = self._next_rule()
         else:
             self._previous = None  # what follows an epoch that said nothing is not compared with it
-        self._start_s, self._requests, self._rows = now_s, 0, 0
-        self._per_client = {}
+        self._start_s, self._per_client = now_s, {}
 
     def _rate(self, score: float, rows_per_request: dict[str, tuple[int, float]]) -> None:
         """Rate the epoch just ended: ``score`` (a log) and, per client, its requests and its
