@@ -8,6 +8,10 @@ The executor runs one batch at a time; a batch of ``n`` rows takes ``fixed_s + p
   each request ``gap_s`` after the previous one's result (its own work per layer) and
   ``pass_gap_s`` more between passes;
 - ``Flood``: keeps ``depth`` requests of ``rows`` rows outstanding on one layer, from time 0.
+  With ``host_s_per_row``, each of its results also costs work on the clients' host (copying it,
+  making the next request) for that long per row, and a walker whose own work starts while that
+  work runs takes ``Simulation.contention`` times longer for it: cores the executor does not
+  schedule (clients as processes on one host, measured in issue 11).
 
 Each client records when each of its passes (tokens, steps) ended; ``token_times`` gives the
 time between consecutive pass ends, which is what a client measures as its per-token latency.
@@ -56,6 +60,7 @@ class Flood:
     latency_class: LatencyClass
     layer_id: str = "l3"
     rows_done: int = 0
+    host_s_per_row: float = 0.0
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Simulation:
     clients: list
     fixed_s: float = 50e-6
     per_row_s: float = 1e-6
+    contention: float = 1.0  # how much slower a walker's own work is while a flood's host work runs
     batches: list[tuple[float, float, Batch]] = field(default_factory=list)  # (start, end, batch)
     owners: dict[int, str] = field(default_factory=dict)  # request id -> client id
     scheduler: Scheduler | None = None
@@ -85,6 +91,7 @@ class Simulation:
                 for _ in range(client.depth):
                     heapq.heappush(arrivals, (0.0, next(tiebreak), client, 0))
         now, busy_until, running = 0.0, None, None
+        self._host_busy_until = 0.0
         while now <= until_s:
             while arrivals and arrivals[0][0] <= now:
                 at, _, client, step = heapq.heappop(arrivals)
@@ -131,19 +138,21 @@ class Simulation:
             now = min(events)
         return self
 
-    @staticmethod
-    def _completed(done, end_s: float, arrivals: list, tiebreak) -> None:
+    def _completed(self, done, end_s: float, arrivals: list, tiebreak) -> None:
         client, step, request = done
         if isinstance(client, Flood):
             client.rows_done += request.rows
-            heapq.heappush(arrivals, (end_s, next(tiebreak), client, 0))
+            host_s = client.host_s_per_row * request.rows
+            self._host_busy_until = max(self._host_busy_until, end_s) + host_s
+            heapq.heappush(arrivals, (end_s + host_s, next(tiebreak), client, 0))
             return
+        gap_s = client.gap_s * (self.contention if end_s < self._host_busy_until else 1.0)
         steps = len(client.steps())
         if step + 1 == steps:
             client.pass_ends.append(end_s)
-            heapq.heappush(arrivals, (end_s + client.gap_s + client.pass_gap_s, next(tiebreak), client, 0))
+            heapq.heappush(arrivals, (end_s + gap_s + client.pass_gap_s, next(tiebreak), client, 0))
         else:
-            heapq.heappush(arrivals, (end_s + client.gap_s, next(tiebreak), client, step + 1))
+            heapq.heappush(arrivals, (end_s + gap_s, next(tiebreak), client, step + 1))
 
     def busy_fraction(self, client_id: str, since_s: float = 0.0) -> float:
         """Share of the executor's time (since ``since_s``) spent on ``client_id``'s rows."""

@@ -7,7 +7,10 @@ the next layer's input. So from arrivals alone one can learn:
 
 - the layer order per op: a layer first seen right after layer ``p`` of the same client and op
   gets position ``p + 1``; a client's first request of an op gets 0 (clients start a pass at the
-  first layer, so the first pass anyone walks fixes the order);
+  first layer, so the first pass anyone walks fixes the order), but only provisionally: a client
+  that calls one layer again and again (a flood) may come first, and a layer whose 0 came that
+  way takes ``p + 1`` from the first client that walks onto it (else a decoder's pass would look
+  cut in two there, and its token time half what it is);
 - each client's pace per op (``gap``): an EWMA of the time from one of its requests being handed
   out to its next request arriving, divided by the positions it advanced;
 - each client's *own* time per layer call (``own_gap``): the same samples, but a lower envelope
@@ -42,10 +45,22 @@ OWN_GAP_RISE_WEIGHT = 0.05
 class _Track:
     """One client's last request (op, learned position, hand-out time) and its pace per op."""
 
-    __slots__ = ("op", "position", "request_id", "handed_out_s", "gap_s", "own_gap_s", "repeats", "walks", "latency")
+    __slots__ = (
+        "op",
+        "layer_id",
+        "position",
+        "request_id",
+        "handed_out_s",
+        "gap_s",
+        "own_gap_s",
+        "repeats",
+        "walks",
+        "latency",
+    )
 
     def __init__(self) -> None:
         self.op: Op | None = None
+        self.layer_id: str | None = None
         self.position = -1
         self.request_id = -1
         self.handed_out_s: float | None = None  # None while that request is pending
@@ -61,6 +76,7 @@ class ArrivalPredictor:
 
     def __init__(self) -> None:
         self.positions: dict[Op, dict[str, int]] = {op: {} for op in Op}
+        self._provisional: dict[Op, set[str]] = {op: set() for op in Op}  # positions no walk has set yet
         self.tracks: dict[str, _Track] = {}
 
     def arrived(self, request: PendingRequest, latency: bool = True) -> int:
@@ -72,8 +88,17 @@ class ArrivalPredictor:
         positions = self.positions[request.op]
         same_op = track.op is request.op
         position = positions.get(request.layer_id)
-        if position is None:
+        provisional = self._provisional[request.op]
+        moved_on = same_op and request.layer_id != track.layer_id
+        if moved_on and track.layer_id in provisional:
+            provisional.discard(track.layer_id)  # a pass really starts there: a client walked on from it
+        if moved_on and request.layer_id in provisional:
+            provisional.discard(request.layer_id)  # a walk reached it: its place is after the last layer
+            position = positions[request.layer_id] = track.position + 1
+        elif position is None:
             position = positions[request.layer_id] = track.position + 1 if same_op else 0
+            if not same_op:
+                provisional.add(request.layer_id)
         if same_op and position > track.position and track.handed_out_s is not None:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
             old = track.gap_s.get(request.op)
@@ -89,6 +114,7 @@ class ArrivalPredictor:
         track.walks = not same_op or position != track.position
         track.latency = latency
         track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
+        track.layer_id = request.layer_id
         return position
 
     def handed_out(self, request: PendingRequest, now_s: float) -> None:

@@ -34,8 +34,14 @@ request labelled decode that is larger than a decode-sized share):
     pace (its calls queued 0.15 ms in the executor; the "pace" the server saw was 34 ms a call),
     x6-8 with this budget for a client with a backlog (``backlog``; fine-tuning walks keep the
     pace as seen: cutting them too left fine-tuning 10% of its solo rate beside 6 decoders, 40%
-    without). What is left is cores, not queueing: with ``decode_slo_ms`` (bulk work
-    then paced by ``bulk_share``) x3.5-3.9 at a 60 ms target, the flood at ~1/8 of its rows/s.
+    without). What is left is cores, not queueing: the bystander's requests waited ~0.07 ms in
+    the queue while its tokens took twice as long. So a flood is also *paced* without a target:
+    ``backlog_share``, the most of the wall clock it may use while decoders are active, follows
+    the same feedback as ``bulk_share`` against each decoder's own target, ``1 + slowdown``
+    times its token-time floor, halving at a miss (``FLOOD_MISS_FACTOR``) so that a flood that
+    starts beside a decoder is brought down within a few of its tokens. Measured (same setting,
+    ``benchmarks.batching --clients-as processes``): bystander p95 x2.2-2.8 of alone, was
+    x7.7-7.8, the flood at ~1/4 of its rows/s; threads x2.4-2.9, was x4.3-4.6.
 
   No active decoder: no budget (bulk rows go in chunks of ``row_budget``).
 """
@@ -58,6 +64,10 @@ TOKEN_EWMA_WEIGHT = 0.2
 MIN_BULK_SHARE = 0.05
 MISS_FACTOR = 0.8
 HIT_FACTOR = MISS_FACTOR ** (-1.0 / 19.0)  # 19 hits undo one miss: the share settles at 5% misses (p95)
+# The same feedback on a flood's share (no target): it halves at a miss, so a flood that starts
+# beside a decoder is brought down within a few tokens (each a miss the decoder's p95 counts).
+FLOOD_MISS_FACTOR = 0.5
+FLOOD_HIT_FACTOR = FLOOD_MISS_FACTOR ** (-1.0 / 19.0)
 
 
 class _Fit:
@@ -179,6 +189,8 @@ class DecodeGuard:
         self.slo_s = slo_s
         self.slowdown = slowdown
         self.bulk_share = 1.0
+        self.backlog_share = 1.0  # without a target: the most of the time a flood may use (module doc)
+        self.backlog_misses = 0  # token samples over (1 + slowdown) x the decoder's floor, without a target
         self.tokens_seen = 0
         self.slo_misses = 0  # token samples whose rough p95 was over the target
         self._decoders: dict[str, _Decoder] = {}
@@ -228,6 +240,8 @@ class DecodeGuard:
             decoder.token_dev_s += TOKEN_EWMA_WEIGHT * (deviation - decoder.token_dev_s)
         self.tokens_seen += 1
         floor = decoder.floor_token_s
+        if self.slo_s is None and floor is not None:
+            self._follow_own_target(token_s, (1.0 + self.slowdown) * floor)
         if floor is None or token_s < floor:
             decoder.floor_token_s = token_s
         elif clean:  # rises only with tokens no bulk work touched: contention must not raise the bar
@@ -239,6 +253,15 @@ class DecodeGuard:
             self.bulk_share = max(MIN_BULK_SHARE, self.bulk_share * MISS_FACTOR)
         else:
             self.bulk_share = min(1.0, self.bulk_share * HIT_FACTOR)
+
+    def _follow_own_target(self, token_s: float, own_target_s: float) -> None:
+        """Without a target: the same feedback as ``bulk_share``, on ``backlog_share``, against
+        the decoder's own target (``1 + slowdown`` times its token-time floor)."""
+        if token_s > own_target_s:
+            self.backlog_misses += 1
+            self.backlog_share = max(MIN_BULK_SHARE, self.backlog_share * FLOOD_MISS_FACTOR)
+        else:
+            self.backlog_share = min(1.0, self.backlog_share * FLOOD_HIT_FACTOR)
 
     # ---- questions ------------------------------------------------------------------------------
 
@@ -284,11 +307,15 @@ class DecodeGuard:
 
     def stats(self) -> dict:
         tokens = [d.token_s for d in self._decoders.values() if d.token_s is not None]
+        floors = [d.floor_token_s for d in self._decoders.values() if d.floor_token_s is not None]
         return {
             "decode_slo_ms": None if self.slo_s is None else 1e3 * self.slo_s,
             "decoders_tracked": len(self._decoders),
             "bulk_share": self.bulk_share,
+            "backlog_share": self.backlog_share,
+            "token_samples_over_own_target": self.backlog_misses,
             "token_samples": self.tokens_seen,
             "token_samples_over_slo": self.slo_misses,
             "token_ms_ewma_max": 1e3 * max(tokens) if tokens else None,
+            "token_ms_floor_min": 1e3 * min(floors) if floors else None,
         }

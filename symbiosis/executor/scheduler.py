@@ -55,7 +55,11 @@ it is free: base layers are row-independent, so any row chunking gives the same 
 target, the share bulk work is owed, and the most of the wall clock it may use while decoders are
 active (a second credit), are ``bulk_share``: a share that feedback from the decoders' measured
 token times keeps as large as the target allows (never below ``MIN_BULK_SHARE``), so fine-tuning
-gets everything the target leaves.
+gets everything the target leaves. Without a target, a client with a backlog (a flood: several
+requests queued) is paced the same way, on its own share (``backlog_share``) and against each
+decoder's own pace (``1 + decode_slowdown`` times its fastest token), since its work also takes
+the cores the decoders' clients need; its rows riding along in a batch led by a decoder spend the
+same allowance, and wait while it is spent.
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
 """
@@ -457,13 +461,33 @@ class Scheduler:
         share = self._guard.bulk_share if targeted else bulk_clients / max(1, len(active))
         self._owed_share = min(MAX_OWED_SHARE, max(MIN_BULK_SHARE, share))
         decoding = self._decoders_active(now_s, entry.client.client_id)
-        allowed_rate = self._guard.bulk_share
+        allowed_rate = self._allowance_rate()
         self._allowed.refill(now_s, allowed_rate, filling=decoding)
-        if targeted and decoding and self._allowed.credit_s <= 0:
+        # Paced while decoders are active: all bulk work to a target's share; without a target, a
+        # client with a backlog (a flood) to the share that keeps decoders near their own pace.
+        if (targeted or self._floods(entry)) and decoding and self._allowed.credit_s <= 0:
             return None, self._allowed.positive_at_s(now_s, allowed_rate)
         if latency_waiting and self._owed_s <= 0:
             return None, math.inf  # latency work leads; its completion re-plans
         return entry, now_s
+
+    def _allowance_rate(self) -> float:
+        """The share of the wall clock that paced bulk work may use while decoders are active."""
+        return self._guard.bulk_share if self._guard.slo_s is not None else self._guard.backlog_share
+
+    @staticmethod
+    def _floods(entry: _Entry) -> bool:
+        """``entry``'s client keeps several requests queued: a flood, not a client walking its layers."""
+        return len(entry.client.entries) > 1
+
+    def _flood_held_back(self, entry: _Entry, now_s: float) -> bool:
+        """Without a target, bulk rows of a flood may not ride along in a batch led by other work
+        while its allowance is spent (they would take the time the allowance denies it)."""
+        if self._guard.slo_s is not None or self._lane(entry) != BULK or not self._floods(entry):
+            return False
+        decoding = self._decoders_active(now_s, entry.client.client_id)
+        self._allowed.refill(now_s, self._allowance_rate(), filling=decoding)
+        return decoding and self._allowed.credit_s <= 0
 
     def _decoders_active(self, now_s: float, other_than: str) -> bool:
         return any(c != other_than for c in self._guard.active(now_s))
@@ -503,7 +527,7 @@ class Scheduler:
         group = lead.group
         aged_before_s = now_s - self._aging_s
         bulk_limit = self._row_budget
-        backlog = len(lead.client.entries) > 1
+        backlog = self._floods(lead)
         budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=backlog)
         if budget_s is not None:
             fits = self._cost.rows_within(group.key, budget_s)
@@ -523,18 +547,22 @@ class Scheduler:
         self._virtual[lane] = max(self._virtual[lane], lead.client.tag)
         self._lane_batches[lane] += 1
         slices: list[RowSlice] = []
-        rows = 0
+        rows = flood_rows = 0
         for entry in [lead, *others]:
             remaining = entry.remaining
             room = self._row_budget - rows
             if self._lane(entry) == LATENCY:
                 take = min(remaining, room)
+            elif entry is not lead and lane == LATENCY and self._flood_held_back(entry, now_s):
+                continue
             else:
                 take = min(remaining, room, max(0, bulk_limit - rows))
                 if entry is lead:  # the lead always progresses
                     take = max(take, min(remaining, room, self._min_chunk_rows))
                 if take < min(remaining, room):
                     self._chunks_cut += 1 if take > 0 else 0
+                if lane == LATENCY and self._guard.slo_s is None and self._floods(entry):
+                    flood_rows += take
             if take == 0 and remaining > 0:
                 continue
             self._hand_out(entry, take, now_s)
@@ -546,6 +574,8 @@ class Scheduler:
         if estimate_s is None:
             estimate_s = NOMINAL_PRODUCT_S
         self._charge(lane, estimate_s)  # now with an estimate, corrected by batch_done
+        if flood_rows:  # a flood's rows riding along spend its allowance (their share of the estimate)
+            self._allowed.spend(estimate_s * flood_rows / rows)
         self._last_fill = (group.key, lane, estimate_s)
         self._batches += 1
         self._rows_served += rows
