@@ -465,7 +465,7 @@ class Scheduler:
         self._allowed.refill(now_s, allowed_rate, filling=decoding)
         # Paced while decoders are active: all bulk work to a target's share; without a target, a
         # client with a backlog (a flood) to the share that keeps decoders near their own pace.
-        if (targeted or self._floods(entry)) and decoding and self._allowed.credit_s <= 0:
+        if (targeted or self._is_flood(entry)) and decoding and self._allowed.credit_s <= 0:
             return None, self._allowed.positive_at_s(now_s, allowed_rate)
         if latency_waiting and self._owed_s <= 0:
             return None, math.inf  # latency work leads; its completion re-plans
@@ -476,14 +476,14 @@ class Scheduler:
         return self._guard.bulk_share if self._guard.slo_s is not None else self._guard.backlog_share
 
     @staticmethod
-    def _floods(entry: _Entry) -> bool:
+    def _is_flood(entry: _Entry) -> bool:
         """``entry``'s client keeps several requests queued: a flood, not a client walking its layers."""
         return len(entry.client.entries) > 1
 
     def _flood_held_back(self, entry: _Entry, now_s: float) -> bool:
         """Without a target, bulk rows of a flood may not ride along in a batch led by other work
         while its allowance is spent (they would take the time the allowance denies it)."""
-        if self._guard.slo_s is not None or self._lane(entry) != BULK or not self._floods(entry):
+        if self._guard.slo_s is not None or self._lane(entry) != BULK or not self._is_flood(entry):
             return False
         decoding = self._decoders_active(now_s, entry.client.client_id)
         self._allowed.refill(now_s, self._allowance_rate(), filling=decoding)
@@ -527,7 +527,7 @@ class Scheduler:
         group = lead.group
         aged_before_s = now_s - self._aging_s
         bulk_limit = self._row_budget
-        backlog = self._floods(lead)
+        backlog = self._is_flood(lead)
         budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=backlog)
         if budget_s is not None:
             fits = self._cost.rows_within(group.key, budget_s)
@@ -561,7 +561,7 @@ class Scheduler:
                     take = max(take, min(remaining, room, self._min_chunk_rows))
                 if take < min(remaining, room):
                     self._chunks_cut += 1 if take > 0 else 0
-                if lane == LATENCY and self._guard.slo_s is None and self._floods(entry):
+                if lane == LATENCY and self._guard.slo_s is None and self._is_flood(entry):
                     flood_rows += take
             if take == 0 and remaining > 0:
                 continue
