@@ -10,7 +10,11 @@ in-process ``BaseExecutor`` on the same weights: the floor), ``ipc``, ``tcp`` an
 The measured client is its executor's only one: the client child keeps one remote transport open
 at a time (closing it before opening another), because an executor with other clients connected,
 even idle ones, queues every request through its scheduler instead of serving it at once
-(``Scheduler.alone``; that path costs ~150 µs more per call here).
+(``Scheduler.alone``). That shared path is what every client pays while others are connected
+(a server beside fine-tuning jobs, a decoder beside a flood), so it has cases of its own:
+``ipc+joined`` and ``shm+ipc+joined`` open a second transport to the same executor, make one call
+on it and leave it idle while the first one is timed (not in the default list; ask for them with
+``--transports``).
 
 A/B in one run: ``--baseline DIR`` names a folder holding another copy of the ``symbiosis``
 package (e.g. the code before a change, copied with ``cp -r symbiosis DIR/``). Each variant gets
@@ -45,6 +49,7 @@ from benchmarks.timing import percentile
 NAME = "roundtrip"
 REPO = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("inproc", "ipc", "tcp", "shm+ipc")
+JOINED = "+joined"  # a transport name with this suffix: another client is joined, idle (module doc)
 HIDDENS = (64, 4096)
 ROWS = (1, 16)
 MARK = "@@ "  # protocol lines between parent and children; anything else on stdout is ignored
@@ -103,21 +108,25 @@ def _client(addresses: list[str]) -> None:
     ipc, tcp = addresses
     remote = {"ipc": ipc, "tcp": tcp, "shm+ipc": "shm+" + ipc}
     inproc = InProcTransport(_make_executor(0))
-    opened: dict[str, Any] = {}  # at most one remote transport at a time: see the module doc
+    opened: dict[str, list[Any]] = {}  # one case's remote transports at a time: see the module doc
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         name = command["transport"]
+        rows = torch.randn(command["rows"], command["hidden"])
+        layer = f"h{command['hidden']}"
         if name == "inproc":
             transport = inproc
         else:
             for other in [n for n in opened if n != name]:
-                opened.pop(other).close()  # its Goodbye ends its session: the next one is alone again
+                for stale in opened.pop(other):
+                    stale.close()  # its Goodbye ends its session: the next one is alone again
             if name not in opened:
-                opened[name] = open_transport(remote[name])
-            transport = opened[name]
-        rows = torch.randn(command["rows"], command["hidden"])
-        layer = f"h{command['hidden']}"
+                base = name.removesuffix(JOINED)
+                opened[name] = [open_transport(remote[base]) for _ in range(2 if name.endswith(JOINED) else 1)]
+                for idle in opened[name][1:]:
+                    idle.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)  # joined, then idle
+            transport = opened[name][0]
         for _ in range(command["warmup"]):
             transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
         samples = []
@@ -126,8 +135,9 @@ def _client(addresses: list[str]) -> None:
             transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
             samples.append(time.perf_counter_ns() - start)
         print(MARK + json.dumps({"samples_ns": samples}), flush=True)
-    for transport in opened.values():
-        transport.close()
+    for transports in opened.values():
+        for transport in transports:
+            transport.close()
     inproc.close()
     inproc.service.close()
 
@@ -222,7 +232,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--warmup", type=int, default=20, help="Untimed calls before every block (default: %(default)s)."
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (default: %(default)s).")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="Comma-separated subset of %(default)s.")
+    parser.add_argument(
+        "--transports",
+        default=",".join(TRANSPORTS),
+        help=f"Comma-separated subset of %(default)s, and of those but inproc with {JOINED!r} (another client joined).",
+    )
     parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
     parser.add_argument("--output", type=Path, default=None, help=f"Also write the JSON to {NAME}.json in this folder.")
     args = parser.parse_args(argv)
@@ -232,7 +246,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not (args.baseline / "symbiosis" / "__init__.py").exists():
             raise SystemExit(f"{args.baseline} holds no symbiosis package")
         variants["baseline"] = args.baseline.resolve()
-    cases = [(t, int(h), r) for t in args.transports.split(",") for h in args.hiddens.split(",") for r in ROWS]
+    transports = args.transports.split(",")
+    known = {*TRANSPORTS, *(t + JOINED for t in TRANSPORTS if t != "inproc")}
+    if unknown := [t for t in transports if t not in known]:
+        parser.error(f"unknown transports {unknown}; choose from {sorted(known)}")
+    cases = [(t, int(h), r) for t in transports for h in args.hiddens.split(",") for r in ROWS]
     per_block = max(1, args.calls // args.blocks)
     started = time.monotonic()
     children: list[_Child] = []

@@ -112,3 +112,20 @@ def test_serving_quick_writes_documented_json(tmp_path):
     assert summary["cold_loads_in_warm_rounds"] == 0 and summary["cold_load_ms_per_adapter"] > 0
     assert {"inference_alone", "inference_with_finetune", "finetune_steps_per_s_alone"} <= summary["coserve"].keys()
     assert "Serving" in "\n".join(report.serving_section(written, tmp_path, tmp_path))
+
+
+@pytest.mark.slow
+def test_roundtrip_times_a_joined_client_case(tmp_path, capsys):
+    """``ipc+joined``: the measured client shares the executor with another, idle client (the
+    scheduler's path instead of the lone-client one); an unknown transport is refused up front."""
+    from benchmarks import roundtrip
+
+    cases = "--transports ipc,ipc+joined --hiddens 64 --calls 40 --blocks 2 --warmup 2".split()
+    written = roundtrip.main([*cases, "--output", str(tmp_path)])
+    assert json.loads((tmp_path / "roundtrip.json").read_text())["results"] == written["results"]
+    assert set(written["results"]) == {f"{t}/h64/r{r}" for t in ("ipc", "ipc+joined") for r in (1, 16)}
+    timings = [entry["current"] for entry in written["results"].values()]
+    assert all(t["n"] == 40 and t["median_us"] > 0 for t in timings)
+    with pytest.raises(SystemExit):
+        roundtrip.main(["--transports", "inproc+joined"])
+    assert "unknown transports ['inproc+joined']" in capsys.readouterr().err
