@@ -40,8 +40,8 @@ request labelled decode that is larger than a decode-sized share):
     the same feedback as ``bulk_share`` against each decoder's own target, ``1 + slowdown``
     times its token-time floor, halving at a miss (``FLOOD_MISS_FACTOR``) so that a flood that
     starts beside a decoder is brought down within a few of its tokens. Measured (same setting,
-    ``benchmarks.batching --clients-as processes``): bystander p95 x2.2-2.8 of alone, was
-    x7.7-7.8, the flood at ~1/4 of its rows/s; threads x2.4-2.9, was x4.3-4.6.
+    ``benchmarks.batching --clients-as processes``, four runs): bystander p95 x2.2-2.8 of alone,
+    was x7.7-10.9, the flood at ~1/4 of its rows/s; threads x2.4-3.3, was x4.3-4.6.
 
   No active decoder: no budget (bulk rows go in chunks of ``row_budget``).
 """
