@@ -460,13 +460,11 @@ class Scheduler:
         targeted = self._guard.slo_s is not None
         share = self._guard.bulk_share if targeted else bulk_clients / max(1, len(active))
         self._owed_share = min(MAX_OWED_SHARE, max(MIN_BULK_SHARE, share))
-        decoding = self._decoders_active(now_s, entry.client.client_id)
-        allowed_rate = self._allowance_rate()
-        self._allowed.refill(now_s, allowed_rate, filling=decoding)
+        spent = self._allowance_spent(entry, now_s)  # (this also fills the allowance up to now)
         # Paced while decoders are active: all bulk work to a target's share; without a target, a
         # client with a backlog (a flood) to the share that keeps decoders near their own pace.
-        if (targeted or self._is_flood(entry)) and decoding and self._allowed.credit_s <= 0:
-            return None, self._allowed.positive_at_s(now_s, allowed_rate)
+        if spent and (targeted or self._is_flood(entry)):
+            return None, self._allowed.positive_at_s(now_s, self._allowance_rate())
         if latency_waiting and self._owed_s <= 0:
             return None, math.inf  # latency work leads; its completion re-plans
         return entry, now_s
@@ -480,11 +478,9 @@ class Scheduler:
         """``entry``'s client keeps several requests queued: a flood, not a client walking its layers."""
         return len(entry.client.entries) > 1
 
-    def _flood_held_back(self, entry: _Entry, now_s: float) -> bool:
-        """Without a target, bulk rows of a flood may not ride along in a batch led by other work
-        while its allowance is spent (they would take the time the allowance denies it)."""
-        if self._guard.slo_s is not None or self._lane(entry) != BULK or not self._is_flood(entry):
-            return False
+    def _allowance_spent(self, entry: _Entry, now_s: float) -> bool:
+        """Decoders other than ``entry``'s client are active and paced bulk work has no time left
+        (the allowance filled up to ``now_s`` first)."""
         decoding = self._decoders_active(now_s, entry.client.client_id)
         self._allowed.refill(now_s, self._allowance_rate(), filling=decoding)
         return decoding and self._allowed.credit_s <= 0
@@ -553,15 +549,18 @@ class Scheduler:
             room = self._row_budget - rows
             if self._lane(entry) == LATENCY:
                 take = min(remaining, room)
-            elif entry is not lead and lane == LATENCY and self._flood_held_back(entry, now_s):
-                continue
             else:
+                # Without a target, a flood's rows riding along in a decoder's batch are paced like
+                # its own batches: they wait while its allowance is spent, else they spend it.
+                flood_riding = lane == LATENCY and self._guard.slo_s is None and self._is_flood(entry)
+                if flood_riding and self._allowance_spent(entry, now_s):
+                    continue
                 take = min(remaining, room, max(0, bulk_limit - rows))
                 if entry is lead:  # the lead always progresses
                     take = max(take, min(remaining, room, self._min_chunk_rows))
                 if take < min(remaining, room):
                     self._chunks_cut += 1 if take > 0 else 0
-                if lane == LATENCY and self._guard.slo_s is None and self._is_flood(entry):
+                if flood_riding:
                     flood_rows += take
             if take == 0 and remaining > 0:
                 continue
