@@ -34,14 +34,16 @@ request labelled decode that is larger than a decode-sized share):
     pace (its calls queued 0.15 ms in the executor; the "pace" the server saw was 34 ms a call),
     x6-8 with this budget for a client with a backlog (``backlog``; fine-tuning walks keep the
     pace as seen: cutting them too left fine-tuning 10% of its solo rate beside 6 decoders, 40%
-    without). What is left is cores, not queueing: the bystander's requests waited ~0.07 ms in
-    the queue while its tokens took twice as long. So a flood is also *paced* without a target:
+    without). What is left is not in the queue: the bystander's requests waited ~0.07 ms there
+    while its tokens took twice as long (waiting unread while the server's socket thread read the
+    flood's requests and ran its chunks, the flood's CPU on the host, the shared path per call).
+    So a flood is also *paced* without a target:
     ``backlog_share``, the most of the wall clock it may use while decoders are active, follows
     the same feedback as ``bulk_share`` against each decoder's own target, ``1 + slowdown``
     times its token-time floor, halving at a miss (``FLOOD_MISS_FACTOR``) so that a flood that
     starts beside a decoder is brought down within a few of its tokens. Measured (same setting,
     ``benchmarks.batching --clients-as processes``, four runs): bystander p95 x2.2-2.8 of alone,
-    was x7.7-10.9, the flood at ~1/4 of its rows/s; threads x2.4-3.3, was x4.3-4.6.
+    was x7.7-10.9, the flood at ~1/4-1/5 of its rows/s; threads x2.4-3.3, was x4.3-4.6.
 
   No active decoder: no budget (bulk rows go in chunks of ``row_budget``).
 """

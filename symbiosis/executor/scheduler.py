@@ -57,9 +57,9 @@ active (a second credit), are ``bulk_share``: a share that feedback from the dec
 token times keeps as large as the target allows (never below ``MIN_BULK_SHARE``), so fine-tuning
 gets everything the target leaves. Without a target, a client with a backlog (a flood: several
 requests queued) is paced the same way, on its own share (``backlog_share``) and against each
-decoder's own pace (``1 + decode_slowdown`` times its fastest token), since its work also takes
-the cores the decoders' clients need; its rows riding along in a batch led by a decoder spend the
-same allowance, and wait while it is spent.
+decoder's own pace (``1 + decode_slowdown`` times its fastest token), since it slows decoders
+outside the queue too (the server's socket thread, the host's cores); its rows riding along in a
+batch led by a decoder spend the same allowance, and wait while it is spent.
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
 """

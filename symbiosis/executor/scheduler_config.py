@@ -111,8 +111,9 @@ class SchedulerConfig:
             "Without --decode-slo-ms: the longest one product may delay an active decode client's layer call, "
             "as a multiple of that client's own time per call (learned); bulk rows are cut into chunks that "
             "fit; and a client flooding the executor (several requests queued) is paced so that a decode "
-            "client's tokens stay within (1 + this) times its fastest token at p95 (its work also takes the "
-            "cores the decoders' clients need). 1.0 bounds a decode step at about twice its time alone."
+            "client's tokens stay within (1 + this) times its fastest token at p95 (a flood slows decoders "
+            "outside the queue too: the server's socket thread, the host's cores). 1.0 bounds a decode step "
+            "at about twice its time alone."
         ),
     )
     decode_share_rows: int = field(
