@@ -67,8 +67,9 @@ def test_a_flood_cannot_raise_a_bystanders_wait_beyond_one_product(policy, label
 
 @pytest.mark.parametrize("policy", ["immediate", "opportunistic"])
 def test_a_flood_that_takes_the_hosts_cores_is_paced_to_keep_a_decoder_near_its_own_pace(policy, monkeypatch):
-    """Clients as processes on one host: a flood's own work on each result takes cores a decoder
-    needs, which no chunking at the executor sees (measured, issue 11: a bystander's p95 x7.7).
+    """Clients as processes on one host: a flood also slows a decoder outside the executor's queue,
+    where no chunking reaches (measured, issue 11: a bystander's p95 x7.7 while its requests waited
+    ~0.07 ms in the queue); modelled here as the flood's work on each result slowing the decoder's own.
     Without a target, the flood's share of the executor's time while a decoder is active follows
     that decoder's tokens against (1 + decode_slowdown) x its fastest token
     (``DecodeGuard.backlog_share``): the bystander stays within 3x its p95 alone (the issue's
