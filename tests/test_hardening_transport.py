@@ -36,6 +36,7 @@ from symbiosis import protocol as P
 from symbiosis.errors import ExecutorBusyError, ExecutorTimeoutError
 from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.zmq import ZmqServer
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 from tests.transport.fakes import FakeExecutorService, assert_same_product, serve_in_process
 
@@ -49,7 +50,7 @@ class Peer:
 
     def __init__(self, address: str, client_id: str = "evil", rcvhwm: int | None = None) -> None:
         self.client_id = client_id
-        self.ctx = zmq.Context()
+        self.ctx = new_context(linger_ms=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if rcvhwm is not None:  # a peer that stops reading: ZeroMQ then stops reading its socket too

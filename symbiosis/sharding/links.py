@@ -44,6 +44,7 @@ from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.sharding import messages as M
 from symbiosis.transport.waker import Waker
+from symbiosis.transport.zmq_context import new_context
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class PeerLinks:
         self.world_size = world_size
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
-        self._ctx = zmq.Context()
+        self._ctx = new_context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # answers to a gone peer fail, never queue
         self._router.setsockopt(zmq.SNDHWM, 0)

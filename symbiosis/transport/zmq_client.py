@@ -52,6 +52,7 @@ from symbiosis.errors import (
 from symbiosis.transport.lane import ClientLane, connect_tcp
 from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import OPS_BY_VALUE, LatencyClass, LayerSpec, Op, spec_of
 
 log = logging.getLogger(__name__)
@@ -395,7 +396,7 @@ class ZmqTransport:
         self.use_lane = lane and self._lanes_supported
         self._spec_cache: dict[str, LayerSpec | None] = {}  # layer or sibling group id -> spec
         self._lane_shapes: dict[tuple[str, Op, torch.dtype], _LaneShape] = {}  # see ``_call_on_lane_inline``
-        self._ctx = zmq.Context()
+        self._ctx = new_context()
         self._request_ids = itertools.count(1)
         self._conn_lock = threading.Lock()
         self._closed = False

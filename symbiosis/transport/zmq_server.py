@@ -83,6 +83,7 @@ from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class ZmqServer:
         self._fingerprint = self._service.fingerprint
         # Told to clients in Welcome; services without the attribute (sharded) store full precision.
         self._quantization = getattr(self._service, "quantization", None) or ""
-        self._ctx = zmq.Context()
+        self._ctx = new_context()
         self._router = self._ctx.socket(zmq.ROUTER)
         try:
             if self._curve is not None:  # the ZAP handler first: a CURVE server without one admits any key

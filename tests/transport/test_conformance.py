@@ -39,6 +39,7 @@ from symbiosis.errors import (
 from symbiosis.transport.base import Transport
 from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.zmq import ZmqServer, ZmqTransport
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, Op
 
 from .fakes import (
@@ -102,7 +103,7 @@ class RawPeer:
     """A bare DEALER socket, for sending what no well-behaved client would."""
 
     def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = new_context(linger_ms=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)

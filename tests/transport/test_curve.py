@@ -35,6 +35,7 @@ from symbiosis.transport.security import (
     load_secret_key,
 )
 from symbiosis.transport.zmq import ZmqServer
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, Op
 from tests.cli_helpers import run_cli
 
@@ -165,7 +166,7 @@ def test_curve_client_refuses_a_plain_server(fake: FakeExecutorService, keys: Pa
 
 
 def test_raw_plain_peer_gets_nothing(curve_server: ZmqServer, fake: FakeExecutorService) -> None:
-    ctx = zmq.Context()
+    ctx = new_context(linger_ms=0)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

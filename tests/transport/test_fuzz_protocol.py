@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from symbiosis import protocol as P
 from symbiosis.errors import ERRORS_BY_CODE, ProtocolError, SymbiosisError
 from symbiosis.transport.zmq import ZmqServer
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LayerSpec
 
 from .fakes import FakeExecutorService
@@ -201,7 +202,7 @@ class Peer:
     """
 
     def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
+        self.ctx = new_context(linger_ms=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)

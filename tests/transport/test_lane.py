@@ -28,6 +28,7 @@ from symbiosis.transport import lane_listener
 from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.shm_broker import ask_lane
 from symbiosis.transport.zmq import ZmqServer
+from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 from .fakes import DEFAULT_SPECS, FakeExecutorService, assert_same_product
@@ -231,7 +232,7 @@ class LanePeer:
 
     def __init__(self, address: str, client_id: str = "lane-peer") -> None:
         self.client_id = client_id
-        self.ctx = zmq.Context()
+        self.ctx = new_context(linger_ms=0)
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(address)
