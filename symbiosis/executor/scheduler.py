@@ -198,7 +198,7 @@ class Scheduler:
         self.config = config
         self._row_budget = config.row_budget
         self._min_chunk_rows = min(config.min_chunk_rows, config.row_budget)
-        self._last_delay_budget_s: float | None = None  # the decode guard's, at the last batch (stats)
+        self._last_delay_budget_s: float | None = None  # the decode guard's, at the last batch with bulk rows (stats)
         self._aging_s = config.aging_ms / 1000.0
         self._lockstep_timeout_s = config.lockstep_timeout_ms / 1000.0
         self._groups: dict[tuple[str, Op], _Group] = {}  # only groups with pending requests
@@ -522,13 +522,7 @@ class Scheduler:
     def _fill(self, lead: _Entry, now_s: float) -> Batch:
         group = lead.group
         aged_before_s = now_s - self._aging_s
-        bulk_limit = self._row_budget
-        backlog = self._is_flood(lead)
-        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=backlog)
-        if budget_s is not None:
-            fits = self._cost.rows_within(group.key, budget_s)
-            if fits is not None:
-                bulk_limit = min(self._row_budget, max(self._min_chunk_rows, fits))
+        bulk_limit: int | None = None  # at the first bulk entry: a batch of latency rows never needs it
         others = sorted(
             (e for e in group.entries if e is not lead),
             key=lambda e: (
@@ -555,6 +549,8 @@ class Scheduler:
                 flood_riding = lane == LATENCY and self._guard.slo_s is None and self._is_flood(entry)
                 if flood_riding and self._allowance_spent(entry, now_s):
                     continue
+                if bulk_limit is None:
+                    bulk_limit = self._bulk_limit(lead, now_s)
                 take = min(remaining, room, max(0, bulk_limit - rows))
                 if entry is lead:  # the lead always progresses
                     take = max(take, min(remaining, room, self._min_chunk_rows))
@@ -579,6 +575,16 @@ class Scheduler:
         self._batches += 1
         self._rows_served += rows
         return Batch(layer_id=group.layer_id, op=group.op, slices=tuple(slices))
+
+    def _bulk_limit(self, lead: _Entry, now_s: float) -> int:
+        """The most bulk rows a batch led by ``lead`` may carry: the rows its product can run in the
+        decode guard's delay budget (not fewer than a minimal chunk), else the row budget. Only
+        asked for batches that carry bulk rows: the budget costs more than a decode row's product."""
+        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=self._is_flood(lead))
+        if budget_s is None:
+            return self._row_budget
+        fits = self._cost.rows_within(lead.group.key, budget_s)
+        return self._row_budget if fits is None else min(self._row_budget, max(self._min_chunk_rows, fits))
 
     def _hand_out(self, entry: _Entry, take: int, now_s: float) -> None:
         request = entry.request

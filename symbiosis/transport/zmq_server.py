@@ -80,7 +80,7 @@ from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, MAX_MESSAGE_BYTES, ExecutorLane, LaneClosed, aligned_buffer
 from symbiosis.transport.lane_listener import LaneListener
-from symbiosis.transport.lane_routes import LaneRoutes
+from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
@@ -521,39 +521,53 @@ class ZmqServer:
         self._on_request(session.identity, session, msg, [payload] if inline or payload.nbytes else [], lane)  # type: ignore[arg-type]
 
     def _serve_lane_call_now(self, lane: ExecutorLane, session: Session, req: P.Request, payload: memoryview) -> bool:
-        """The fast path of a lone client's inline lane call (``lane_routes.py``): computed and
-        answered here, True; False (nothing done) when anything needs the general path's checks,
-        bounds or queue -- which then serves it, or refuses it with the typed error."""
-        # One session: the only way its client can be alone (checked for real by ``try_alone``);
-        # with several, the general path would redo what this one did before finding it is not.
-        if not self._driving or self._close_request is not None or len(self._sessions) != 1:
-            return False
-        if req.client_id != session.client_id:
+        """The short path of an inline lane call whose header matches a known route
+        (``lane_routes.py``): computed and answered here when its client is alone, else queued for
+        the executor without checking again what the route vouches for; True when done (answered,
+        queued, or refused with its typed error). False (nothing done) when anything needs the
+        general path's checks -- which then serves it, or refuses it with the typed error."""
+        if self._close_request is not None or req.client_id != session.client_id:
             return False
         assert self._lane_routes is not None
         route = self._lane_routes.route(req)
-        if route is None or (session.inflight and (session.identity, req.request_id) in self._inflight):
+        key = (session.identity, req.request_id)
+        if route is None or (session.inflight and key in self._inflight):
             return False
         rows = LaneRoutes.rows(route, req, payload, lane.max_message_bytes - HEADER_ROOM_BYTES)
         if rows is None:
             return False
-        call = route.shape
+        counts = route.counts
         try:
-            result = self._service.try_alone(session.client_id, route.layer_id, call.op, rows, route.latency_class)
-        except SymbiosisError as exc:  # e.g. a sharded executor's dead rank: typed, as on the general path
-            route.counts["errors"] += 1
+            result = (
+                self._service.try_alone(session.client_id, route.layer_id, route.shape.op, rows, route.latency_class)
+                if self._driving
+                else None
+            )
+            if result is None:
+                self._queue_routed(key, lane, session, req, route, rows)
+                return True
+        except SymbiosisError as exc:  # typed, as on the general path (busy, a sharded executor's dead rank, ...)
+            counts["errors"] += 1
             self._lane_send(lane, P.error_reply(req.request_id, exc.code, str(exc)))
             return True
-        if result is None:
-            return False
-        counts = route.counts
         counts["requests"] += 1
         counts["rows"] += rows.shape[0]
         if result.dtype is not route.dtype or result.requires_grad:
             result = result.detach().to(dtype=route.dtype)
-        reply = P.Reply(req.request_id, True, route.wire_dtype, [rows.shape[0], call.out_width])
+        reply = P.Reply(req.request_id, True, route.wire_dtype, [rows.shape[0], route.shape.out_width])
         self._lane_send(lane, reply, P.tensor_payload(result))
         return True
+
+    def _queue_routed(
+        self, key: RequestKey, lane: ExecutorLane, session: Session, req: P.Request, route: Route, rows: torch.Tensor
+    ) -> None:
+        """Queue a routed lane call for the executor (its client is not alone): what
+        ``_on_request`` does after its checks, which the route already made."""
+        if session.inflight or session.unsent.nbytes or session.backlog:  # one alone is always admitted
+            self._admit(session, req)
+        entry = _InFlight(session, req, self._specs[route.layer_id], self._channels["inline"], None, lane)
+        self._submit(key, entry, rows.clone())  # the rows lie in the lane buffer, which the next message overwrites
+        self._track(key, entry, route.counts)
 
     def _send_frames(self, frames: list[Any], copy: bool) -> bool:
         """Send one message now; False if the peer's send queue is full (``send_hwm``). A peer
@@ -875,12 +889,20 @@ class ZmqServer:
             self._count(stats_key, "errors")
             self._answer(identity, lane, P.error_reply(rid, exc.code, str(exc)))
             return
-        entry.cost = _cost(req, entry.spec)
+        counts = self._stats.get(stats_key)
+        if counts is None:
+            counts = self._stats[stats_key] = {"requests": 0, "rows": 0, "errors": 0}
+        self._track(key, entry, counts)
+
+    def _track(self, key: RequestKey, entry: _InFlight, counts: dict[str, int]) -> None:
+        """Book a request handed to the executor: in flight, on its session's account, counted."""
+        entry.cost = _cost(entry.request, entry.spec)
+        session = entry.session
         session.inflight += 1
         session.inflight_bytes += entry.cost
         self._inflight[key] = entry
-        self._count(stats_key, "requests")
-        self._count(stats_key, "rows", req.shape[0])
+        counts["requests"] += 1
+        counts["rows"] += entry.request.shape[0]
 
     def _admit(self, session: Session, req: P.Request) -> None:
         """Refuse ``req`` (``ExecutorBusyError``) if it would take ``session`` past its bounds."""
