@@ -300,27 +300,54 @@ def test_tuner_compares_adjacent_epochs_so_a_drift_in_load_does_not_fool_it():
     )
 
 
+def run_client_epochs(
+    tuner: WaitTuner, epochs: int, load: Callable[[int, str], dict[str, tuple[float, int]]]
+) -> list[str]:
+    """Run ``epochs`` epochs; in epoch ``i`` under rule ``r`` each client ``c`` of ``load(i, r)``
+    completes requests at ``load(i, r)[c][0]`` per second, of ``load(i, r)[c][1]`` rows each.
+    Returns the rule of each epoch."""
+    now, used = 0.0, []
+    tuner.tick(now)
+    for epoch in range(epochs):
+        rule = tuner.rule
+        used.append(rule)
+        end = (epoch + 1) * tuner.epoch_s  # exact with an epoch_s like 0.25: each tick ends an epoch
+        events = sorted(
+            (now + (k - 0.5) / rate, client, rows)
+            for client, (rate, rows) in load(epoch, rule).items()
+            for k in range(1, int((end - now) * rate) + 1)
+        )
+        for at, client, rows in events:
+            tuner.handed_out(client, 1, rows, at)
+        now = end
+        tuner.tick(now)
+    return used
+
+
 def test_tuner_is_not_swayed_by_noise_between_epochs():
     """Each epoch's rate is off by up to +-40% at random (a shared machine); 'none' is truly 25%
-    better. Over ten runs of 120 epochs, the tuner uses it for most of the second half and ends
-    on it, and its choice between trials changes rarely."""
-    in_use, switches = [], []
+    better. Over thirty runs of 120 epochs, the tuner uses it for most of the second half and ends
+    on it (all but one or two runs: noise this large can hide a 25% gain for a while), and its
+    choice between trials changes rarely. (Thirty seeds, not ten: with ten, one seed more or less
+    on the wrong rule moved the mean by 0.08.)"""
+    in_use, switches, ends = [], [], []
     gain = {"none": 1.25, "predicted": 1.0, "convoy": 1.0}
-    for seed in range(10):
+    for seed in range(30):
         noise = random.Random(seed)
         _, chosen, _ = run_epochs(
             WaitTuner(epoch_s=0.2), 120, lambda _, rule, rng=noise: (2000.0 * gain[rule] * rng.uniform(0.6, 1.4), 4)
         )
-        assert chosen[-1] == "none", seed
+        ends.append(chosen[-1])
         in_use.append(chosen[60:].count("none") / 60)
         switches.append(sum(a != b for a, b in zip(chosen, chosen[1:])))
-    assert statistics.fmean(in_use) >= 0.8 and max(switches) <= 6
+    assert ends.count("none") >= 28, ends
+    assert statistics.fmean(in_use) >= 0.85 and max(switches) <= 6
 
 
 def test_tuner_keeps_the_rule_that_serves_most_and_follows_a_change():
     tuner = WaitTuner(epoch_s=0.2)
     used, now = feed(tuner, 40, {"none": 1000.0, "predicted": 1100.0, "convoy": 2000.0})
-    assert sorted(used[:3]) == sorted(RULES)  # each rule tried once first
+    assert used[: len(FIRST_TRIALS)] == list(FIRST_TRIALS) and set(FIRST_TRIALS) == set(RULES)  # each rule tried first
     assert used[-12:].count("convoy") >= 10  # then mostly the best, with a rare trial of the others
     # The load changes: waiting stops paying. Within a few trials the tuner stops waiting.
     used, _ = feed(tuner, 60, {"none": 2000.0, "predicted": 1500.0, "convoy": 800.0}, start_s=now)
@@ -328,18 +355,55 @@ def test_tuner_keeps_the_rule_that_serves_most_and_follows_a_change():
 
 
 def test_tuner_does_not_compare_a_prefill_epoch_with_a_decode_epoch():
-    """The clients start with a prefill (100 rows a request, few requests) during the first trial
-    (convoy), then decode (5 rows a request), where convoy serves 60% more than the other rules.
-    Compared with the decode epoch after it, the prefill made convoy look three times worse and it
-    was hardly tried again (measured with client processes: a 6 s run has ~10 epochs); rows per
-    request tells the phases apart, so convoy is rated on decode epochs only and kept from the
-    first trials on."""
+    """The clients prefill (100 rows a request, few requests) for two epochs, then decode (5 rows
+    a request), where convoy serves 60% more than the other rules. Compared with the decode epoch
+    after it, a prefill epoch made its rule look three times worse (measured with client
+    processes: the convoy rule, tried first during the prefill, was hardly tried again in a 6 s
+    run of ~10 epochs); rows per request tells the phases apart, so the rules are rated on decode
+    epochs only and convoy is kept from the first trials on."""
     tuner = WaitTuner(epoch_s=0.2)
     gain = {"none": 1.0, "predicted": 1.0, "convoy": 1.6}
-    used, _, _ = run_epochs(tuner, 20, lambda epoch, rule: (300.0, 100) if epoch == 0 else (1000.0 * gain[rule], 5))
-    assert used[0] == "convoy" and tuner.chosen == "convoy"
-    assert used[3:].count("convoy") >= 13  # after one trial of each rule (comparing phases: none)
+    used, _, _ = run_epochs(tuner, 20, lambda epoch, rule: (300.0, 100) if epoch < 2 else (1000.0 * gain[rule], 5))
+    assert used[1] == "convoy" and tuner.chosen == "convoy"  # convoy's first trial was a prefill epoch
+    assert used[len(FIRST_TRIALS) :].count("convoy") >= 13
     assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
+
+
+def test_tuner_rates_each_clients_speed_not_the_total_a_racing_small_client_inflates():
+    """Clients of batch 1 and 16 (most of the tokens). Not waiting lets the small one race ahead
+    (1100 steps/s) while the large one crawls (150); the convoy steps both at 500/s: fewer
+    requests in all, but every large step is faster and the mean step time lower. Rated on total
+    requests/s the tuner chose not waiting (measured with client processes: x1.6 fewer tokens/s
+    than the convoy); rated client by client it keeps the convoy."""
+    tuner = WaitTuner(epoch_s=0.25)
+
+    def load(_, rule):
+        return (
+            {"small": (500.0, 1), "large": (500.0, 16)}
+            if rule == "convoy"
+            else {"small": (1100.0, 1), "large": (150.0, 16)}
+        )
+
+    used = run_client_epochs(tuner, 40, load)
+    assert tuner.chosen == "convoy" and used[-12:].count("convoy") >= 10
+    assert tuner.ratings["convoy"] - tuner.ratings["none"] == pytest.approx(
+        0.5 * math.log(500 / 1100 * 500 / 150), abs=0.05
+    )
+
+
+def test_tuner_does_not_credit_a_rule_with_the_clients_that_joined_under_it():
+    """Every rule serves each client alike, and a client joins every epoch for the first ten
+    (with a slow first epoch: its start). Rated on the total, each rule got the credit of the
+    clients that joined while it ran; compared client by client, and without a client's first
+    epoch, the ratings stay level."""
+    tuner = WaitTuner(epoch_s=0.25)
+
+    def load(epoch, _):  # c0 and c1 from the start, then c2 at epoch 1, c3 at epoch 2, ...
+        present = range(min(epoch, 10) + 2)
+        return {f"c{k}": (100.0 if epoch == max(0, k - 1) else 400.0, 4) for k in present}
+
+    run_client_epochs(tuner, 30, load)
+    assert max(tuner.ratings.values()) - min(tuner.ratings.values()) < 0.02
 
 
 def test_tuner_ignores_epochs_that_say_nothing():

@@ -13,13 +13,21 @@ tries three waiting *rules* in turn and keeps the one that serves most:
   walk the same op and can come), up to ``lockstep_timeout_ms``.
 
 A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if
-that is longer (a rule needs a few passes to show: a convoy forms over one). Its score is
-``log(requests/s)`` over the epoch after its first quarter (the settling of the previous rule's
-convoys): for a closed loop of clients, requests per second is the inverse of their mean step
-time, and in a steady state proportional to their rows (tokens) per second too. (Rows per second
-is not scored: it swings five-fold between a prefill phase and decoding, which would credit
-whichever rule ran during a prefill.) An epoch counts only if two clients or more were served in
-it (alone, nothing can be batched) and it did not overrun (an idle executor says nothing about a rule).
+that is longer (a rule needs a few passes to show: a convoy forms over one). What it measures is
+each client's requests per second over the epoch after its first quarter (the settling of the
+previous rule's convoys): for a client in a closed loop, the inverse of its step time. Two epochs
+are compared *client by client*: the mean over the clients served in both of the log of each
+one's speed-up (a geometric mean), so that a rule that speeds every client up by x rates x.
+Not the total requests per second: with clients of different batch sizes, a rule that lets the
+small ones race ahead raises the total while the large ones (most of the tokens) slow down --
+measured with client processes of batch 1-16, the total rated "none" above the convoy rule that
+served x1.6 more tokens/s at a lower mean step time. Not rows per second either: it swings
+five-fold between a prefill phase and decoding. A client's first epoch is not compared (it holds
+the client's start: allocations, a prefill, a cold cache -- whatever the rule), nor is a client
+that completed fewer than ``MIN_CLIENT_REQUESTS`` in either epoch (its rate is noise); and a
+client joining or leaving no longer moves the score. An epoch counts only if two clients or more
+were served in it (alone, nothing can be batched) and it did not overrun (an idle executor says
+nothing about a rule).
 
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average
@@ -37,15 +45,17 @@ whichever it was. Measured (client processes on this 2-core host, 8 decoders of 
 1-16): the convoy rule, tried first during the prefill, was rated far below "none" and hardly
 tried again, although it served x1.6 more tokens/s when fixed.
 
-The first three epochs try each rule once. The rule in use starts as ``START_RULE`` (convoy:
-on the host this was measured on, clients as threads and as processes both gain from convoys, see
-README) and changes only when another is rated better by ``SWITCH_MARGIN`` (x1.15: on a shared
-machine adjacent epochs differ by up to x2, and a switch needs two or more comparisons pointing
-the same way at ``PAIR_WEIGHT`` 0.25); every ``EXPLORE_EVERY``-th epoch tries the rule least
-recently tried, so the choice follows a change of load or clients. A rule rated clearly worse than
-the one in use (by more than ``CLEARLY_WORSE``, x1.25) is tried only every
-``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs every client a slow epoch,
-which is what a p95 latency sees first.
+The first epochs try each rule (``FIRST_TRIALS``): "none" first, as the clients' start is compared
+with nothing (see above) and not waiting costs that start the least; then convoy, and none again,
+so that convoy, which gains or loses the most, is compared twice; then predicted. The rule in use
+then starts as ``START_RULE`` (convoy: on the host this was measured on, clients as threads and as
+processes both gain from convoys, see README) and changes only when another is rated better by
+``SWITCH_MARGIN`` (x1.15: on a shared machine adjacent epochs differ by up to x2, and a switch
+needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25); every
+``EXPLORE_EVERY``-th epoch tries the rule least recently tried, so the choice follows a change of
+load or clients. A rule rated clearly worse than the one in use (by more than ``CLEARLY_WORSE``,
+x1.25) is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs
+every client a slow epoch, which is what a p95 latency sees first.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from __future__ import annotations
 import math
 
 RULES: tuple[str, ...] = ("none", "predicted", "convoy")
-FIRST_TRIALS: tuple[str, ...] = ("convoy", "none", "predicted")
+FIRST_TRIALS: tuple[str, ...] = ("none", "convoy", "none", "predicted")
 EXPLORE_EVERY = 5
 RARE_FACTOR = 4
 CLEARLY_WORSE = math.log(1.25)
@@ -62,6 +72,7 @@ PAIR_WEIGHT = 0.25
 START_RULE = "convoy"
 SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
+MIN_CLIENT_REQUESTS = 3
 SAME_PHASE = math.log(1.5)
 HISTORY = 40
 
@@ -78,8 +89,9 @@ class WaitTuner:
         self.trials = {rule: 0 for rule in RULES}
         self.history: list[tuple[str, int, int]] = []  # the last epochs: (rule, requests/s, rows/s)
         self._last_tried = {rule: -1 for rule in RULES}
-        # (rule, score, {client: (requests, log rows per request)}) of the last counted epoch
-        self._previous: tuple[str, float, dict[str, tuple[int, float]]] | None = None
+        # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
+        self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
+        self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._start_s = start_s
         self._epoch_s = epoch_s
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
@@ -110,8 +122,9 @@ class WaitTuner:
         requests = sum(n for n, _ in self._per_client.values())
         if elapsed_s <= 2.0 * self._epoch_s and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
             rows = sum(r for _, r in self._per_client.values())
-            score = math.log(requests / scored_s)
-            self._rate(score, {c: (n, math.log(max(r, 1) / n)) for c, (n, r) in self._per_client.items()})
+            self._rate(
+                {c: (n, math.log(max(r, 1) / n), math.log(n / scored_s)) for c, (n, r) in self._per_client.items()}
+            )
             self.history.append((self.rule, round(requests / scored_s), round(rows / scored_s)))
             del self.history[:-HISTORY]
             self.trials[self.rule] += 1
@@ -122,18 +135,26 @@ class WaitTuner:
             self._previous = None  # what follows an epoch that said nothing is not compared with it
         self._start_s, self._per_client = now_s, {}
 
-    def _rate(self, score: float, rows_per_request: dict[str, tuple[int, float]]) -> None:
-        """Rate the epoch just ended: ``score`` (a log) and, per client, its requests and its
-        rows per request (a log)."""
+    def _rate(self, clients: dict[str, tuple[int, float, float]]) -> None:
+        """Rate the epoch just ended from ``clients``: per client its requests, its rows per
+        request (a log) and its requests per second (a log)."""
         rule = self.rule
         self.ratings.setdefault(rule, 0.0 if not self.ratings else max(self.ratings.values()))
         if self._previous is not None and self._previous[0] != rule:
-            other, other_score, other_rows = self._previous
-            if _same_phase(other_rows, rows_per_request):  # else not comparable
-                surprise = (score - other_score) - (self.ratings[rule] - self.ratings[other])
+            other, before = self._previous
+            compared = [
+                c
+                for c in before.keys() & clients.keys() & self._settled
+                if min(before[c][0], clients[c][0]) >= MIN_CLIENT_REQUESTS
+            ]
+            if compared and _same_phase({c: before[c] for c in compared}, {c: clients[c] for c in compared}):
+                speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
+                surprise = speedup - (self.ratings[rule] - self.ratings[other])
                 self.ratings[rule] += PAIR_WEIGHT * surprise / 2
                 self.ratings[other] -= PAIR_WEIGHT * surprise / 2
-        self._previous = (rule, score, rows_per_request)
+        if self._previous is not None:
+            self._settled = set(self._previous[1])
+        self._previous = (rule, clients)
 
     def _next_rule(self) -> str:
         if self.epochs < len(FIRST_TRIALS):
@@ -166,7 +187,7 @@ class WaitTuner:
         }
 
 
-def _same_phase(before: dict[str, tuple[int, float]], now: dict[str, tuple[int, float]]) -> bool:
+def _same_phase(before: dict[str, tuple[int, float, float]], now: dict[str, tuple[int, float, float]]) -> bool:
     """Whether the clients of two epochs asked for rows alike (see module doc): each client's log
     rows per request moved by at most ``SAME_PHASE`` on average, weighted by its requests now."""
     common = before.keys() & now.keys()
