@@ -221,7 +221,7 @@ def aggregate(runs: Sequence[dict]) -> dict:
             client[key] = timing.median_or_nan([run["per_client"][index][key] for run in runs])
         per_client.append(client)
     result["per_client"] = per_client
-    result["wait_rules"] = [(run.get("wait_rule") or {}).get("rule") for run in runs]
+    result["wait_rules"] = [_rule_in_use(run) for run in runs]
     result["runs"] = runs
     return result
 
@@ -562,8 +562,15 @@ def _brief(run: dict) -> str:
     ):
         if run.get(key) is not None:
             parts.append(f"{label} {run[key]:.1f}")
-    rule = (run.get("wait_rule") or {}).get("rule")
+    rule = _rule_in_use(run)
     return " ".join(parts) + (f" rule {rule}" if rule else "")
+
+
+def _rule_in_use(run: dict) -> str | None:
+    """The waiting rule a run ended with: the one the tuner uses between its trials (a run that
+    ends during a trial epoch would otherwise name the rule on trial), else the policy's own."""
+    wait_rule = run.get("wait_rule") or {}
+    return wait_rule.get("chosen") or wait_rule.get("rule")
 
 
 def plot(path: Path, result: dict) -> None:

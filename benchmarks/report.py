@@ -207,10 +207,14 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
                 f"{v} {_num(f['tokens_per_s'], 1, '.0f')} tokens/s, {_num(f['latency_ms_mean'], 1, '.0f')} ms mean"
                 for v, f in inference.items()
             )
-            rules = inference.get("opportunistic", {}).get("wait_rules")
+            rules = [str(rule) for rule in inference.get("opportunistic", {}).get("wait_rules") or []]
             lines.append(
                 f"- Heterogeneous clients (8, batch 1-16, LoRA r=8 and r=64): {figures}"
-                + (f"; opportunistic's rule at the end of each run: {', '.join(map(str, rules))}." if rules else ".")
+                + (
+                    f"; opportunistic's rule in use (between trials) at the end of each run: {', '.join(rules)}."
+                    if rules
+                    else "."
+                )
             )
         for v, f in summary["mixed"].items():
             slo = (
