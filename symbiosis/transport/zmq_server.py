@@ -889,10 +889,7 @@ class ZmqServer:
             self._count(stats_key, "errors")
             self._answer(identity, lane, P.error_reply(rid, exc.code, str(exc)))
             return
-        counts = self._stats.get(stats_key)
-        if counts is None:
-            counts = self._stats[stats_key] = {"requests": 0, "rows": 0, "errors": 0}
-        self._track(key, entry, counts)
+        self._track(key, entry, self._counts(stats_key))
 
     def _track(self, key: RequestKey, entry: _InFlight, counts: dict[str, int]) -> None:
         """Book a request handed to the executor: in flight, on its session's account, counted."""
@@ -1042,10 +1039,14 @@ class ZmqServer:
         self._router.close()
 
     def _count(self, layer_id: str, field: str, n: int = 1) -> None:
+        self._counts(layer_id)[field] += n
+
+    def _counts(self, layer_id: str) -> dict[str, int]:
+        """The per-layer stats entry of ``layer_id`` (requests, rows, errors), made on first use."""
         counts = self._stats.get(layer_id)
         if counts is None:
             counts = self._stats[layer_id] = {"requests": 0, "rows": 0, "errors": 0}
-        counts[field] += n
+        return counts
 
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's IntFlag arithmetic costs microseconds per message

@@ -9,6 +9,7 @@ these tests are its coverage. Small shared-memory calls riding the lane inline a
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -86,8 +87,17 @@ def test_lone_client_calls_are_exact_and_served_at_once(
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
-def test_invalid_requests_get_their_typed_errors(executor: BaseExecutor, addresses: dict[str, str], kind: str) -> None:
-    with open_transport(addresses[kind]) as transport:
+@pytest.mark.parametrize("joined", [False, True], ids=["alone", "joined"])
+def test_invalid_requests_get_their_typed_errors(
+    executor: BaseExecutor, addresses: dict[str, str], kind: str, joined: bool
+) -> None:
+    """Alone, and with another client joined (its calls are queued, not served at once: the short
+    path skips only the checks its route made), every invalid request gets its typed error."""
+    with contextlib.ExitStack() as stack:
+        transport = stack.enter_context(open_transport(addresses[kind]))
+        if joined:  # another client (even an idle one) means the scheduler decides
+            stack.enter_context(open_transport(addresses["ipc"]))
+        before = alone_batches(executor)
         with pytest.raises(ShapeError):
             transport.call("q", Op.FORWARD, torch.randn(2, 31), LatencyClass.DECODE)
         with pytest.raises(UnknownLayerError):
@@ -119,6 +129,7 @@ def test_invalid_requests_get_their_typed_errors(executor: BaseExecutor, address
         assert_same_product(
             transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), executor.run("q", Op.FORWARD, rows)
         )
+        assert (alone_batches(executor) == before) == joined  # joined: queued, never served alone
 
 
 def test_two_clients_are_queued_and_batched_not_served_alone(executor: BaseExecutor, addresses: dict[str, str]) -> None:
