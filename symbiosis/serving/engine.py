@@ -149,7 +149,10 @@ class GenerationEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
-        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self._accepts_logits_to_keep = "logits_to_keep" in parameters
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40).
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -311,8 +314,8 @@ class GenerationEngine:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 position_ids=positions.to(self.device),
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_keyword: cache},
                 **kwargs,
             )
         finally:
