@@ -5,7 +5,7 @@ it pays when the executor (or the CPU it shares with its clients) is the bottlen
 latency when it is not. Which one holds depends on where the clients run (see README): client
 threads in one process take turns on one interpreter lock, client processes on one host share
 the cores, remote clients share nothing but the executor. So instead of guessing, the scheduler
-tries three waiting *rules* in turn and keeps the one that serves most:
+tries three waiting *rules* in turn and keeps the one under which its clients step fastest:
 
 - ``none``: serve at once (the immediate policy);
 - ``predicted``: hold only for clients predicted to arrive within the request's wait budget;
@@ -147,7 +147,7 @@ class WaitTuner:
                 for c in before.keys() & clients.keys() & self._settled
                 if min(before[c][0], clients[c][0]) >= MIN_CLIENT_REQUESTS
             ]
-            if compared and _same_phase({c: before[c] for c in compared}, {c: clients[c] for c in compared}):
+            if compared and _same_phase(before, clients, compared):
                 speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
                 surprise = speedup - (self.ratings[rule] - self.ratings[other])
                 self.ratings[rule] += PAIR_WEIGHT * surprise / 2
@@ -187,12 +187,14 @@ class WaitTuner:
         }
 
 
-def _same_phase(before: dict[str, tuple[int, float, float]], now: dict[str, tuple[int, float, float]]) -> bool:
-    """Whether the clients of two epochs asked for rows alike (see module doc): each client's log
-    rows per request moved by at most ``SAME_PHASE`` on average, weighted by its requests now."""
-    common = before.keys() & now.keys()
-    total = sum(now[c][0] for c in common)
+def _same_phase(
+    before: dict[str, tuple[int, float, float]], now: dict[str, tuple[int, float, float]], clients: list[str]
+) -> bool:
+    """Whether ``clients`` (served in both epochs) asked for rows alike (see module doc): each
+    one's log rows per request moved by at most ``SAME_PHASE`` on average, weighted by its
+    requests now."""
+    total = sum(now[c][0] for c in clients)
     if not total:
         return False  # no client in both: nothing says the work was alike
-    change = sum(now[c][0] * abs(now[c][1] - before[c][1]) for c in common) / total
+    change = sum(now[c][0] * abs(now[c][1] - before[c][1]) for c in clients) / total
     return change <= SAME_PHASE
