@@ -12,27 +12,22 @@ from __future__ import annotations
 
 import torch
 from peft import PrefixTuningConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
+
+from symbiosis.modelzoo import preset_config
 
 
 def test_prefix_tuning_generation_uses_its_prefix() -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    base = LlamaForCausalLM(config).eval()
+    base = AutoModelForCausalLM.from_config(preset_config("llama", "tiny")).eval()
     ids = torch.randint(3, 120, (1, 6))
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}  # 8 tokens, even past an eos
     with torch.no_grad():
-        plain = base.generate(ids, max_new_tokens=8, do_sample=False)
+        plain = base.generate(ids, **greedy)
         model = get_peft_model(base, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)).eval()
         for parameter in model.prompt_encoder.parameters():  # a prefix far from zero: it must show
             parameter.copy_(torch.randn_like(parameter) * 5)
-        prefixed = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        prefixed = model.generate(input_ids=ids, **greedy)
         with model.disable_adapter():
-            assert torch.equal(model.generate(input_ids=ids, max_new_tokens=8, do_sample=False), plain)
+            assert torch.equal(model.generate(input_ids=ids, **greedy), plain)
     assert not torch.equal(prefixed, plain), "prefix tuning's generate ignored the prefix"
