@@ -538,6 +538,8 @@ class ZmqServer:
             return False
         counts = route.counts
         try:
+            # Asked whatever the number of sessions: a client that reconnected has two until the
+            # old one ends, and is still alone (test_an_executor_error_on_the_fast_path_...).
             result = (
                 self._service.try_alone(session.client_id, route.layer_id, route.shape.op, rows, route.latency_class)
                 if self._driving
