@@ -284,7 +284,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 #: torch dtype -> wire name, for the allowed ones (a dict lookup, not a string operation, per call).
 WIRE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 #: numpy has no bfloat16: its bytes are exposed as int16 (same size) to get a buffer.
-_BUFFER_DTYPES = {torch.bfloat16: torch.int16}
+BUFFER_DTYPES = {torch.bfloat16: torch.int16}
 
 
 def tensor_payload(tensor: torch.Tensor) -> memoryview:
@@ -293,7 +293,7 @@ def tensor_payload(tensor: torch.Tensor) -> memoryview:
         raise ValueError("tensor_payload needs a contiguous CPU tensor")
     if tensor.numel() == 0:
         return memoryview(b"")
-    as_dtype = _BUFFER_DTYPES.get(tensor.dtype)
+    as_dtype = BUFFER_DTYPES.get(tensor.dtype)
     return memoryview((tensor if as_dtype is None else tensor.view(as_dtype)).numpy()).cast("B")
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,7 +51,7 @@ from symbiosis.errors import (
     UnknownLayerError,
 )
 from symbiosis.executor.requests import Batch, PendingRequest
-from symbiosis.executor.runner import apply_op, run_batch
+from symbiosis.executor.runner import apply_op, out_fits_product, run_batch
 from symbiosis.executor.scheduler import Scheduler
 from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.vocabulary import LatencyClass, Op
@@ -59,6 +60,8 @@ ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
 # with more ready: a latency-sensitive request may be waiting unread behind a run of bulk chunks.
 DRIVER_SLICE_S = 0.002
+#: The lone-client path times one product in this many for the cost model (``_run_alone``).
+ALONE_TIMING_EVERY = 4
 
 
 @dataclass
@@ -132,6 +135,15 @@ class ExecutionEngine:
         # same cores) is not taken for the product's cost; elsewhere, the clock.
         cpu = self.device.type == "cpu" and clock is time.monotonic
         self._product_clock = time.thread_time if cpu else clock
+        self._on_cpu = self.device.type == "cpu"
+        # The lone-client path, whose every call is a few µs of Python on top of a tiny product
+        # (a decode row), keeps what it can from one call to the next: which ``out`` suits which
+        # rows (the lane slots of ``transport/lane_routes.py`` pass the same tensors every time),
+        # and it times one call in ``ALONE_TIMING_EVERY`` for the cost model (a CPU clock is a
+        # system call, two per call were ~5% of a 1-row round trip).
+        # Weak references: a remembered tensor may lie in a shared-memory segment that must close.
+        self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
+        self._alone_calls = 0
         self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
         self._thread.start()
 
@@ -292,7 +304,7 @@ class ExecutionEngine:
             if not alone:
                 return None
             self._computing = True
-        if rows.dtype is self.dtype and rows.device == self.device:
+        if rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device):
             local = rows  # the usual case: no no-op ``to`` there and back (~1 µs each)
         else:
             out = None  # the product is cast back to the rows' dtype anyway
@@ -303,12 +315,23 @@ class ExecutionEngine:
         """The lone-client fast path of ``call`` (``_computing`` already taken): no scheduler
         round, no future — the product (into ``out`` when given and suitable, see ``apply_op``),
         the counters, and the result in the caller's dtype."""
+        layer = self.weights.layers[layer_id]
+        out_fits = None
+        if out is not None:
+            known = self._alone_out_fits.get((layer_id, op))
+            if known is not None and known[0] is layer and known[1]() is out and known[2]() is local:
+                out_fits = known[3]
+            else:
+                out_fits = out_fits_product(layer, op, local, out)
+                self._alone_out_fits[(layer_id, op)] = (layer, weakref.ref(out), weakref.ref(local), out_fits)
+        self._alone_calls += 1
+        timed = self._alone_calls % ALONE_TIMING_EVERY == 1
         started = self._clock()
-        cpu_started = self._product_clock()
+        cpu_started = self._product_clock() if timed else 0.0
         try:
-            result = apply_op(self.weights.layers[layer_id], op, local, out)
+            result = apply_op(layer, op, local, out, out_fits)
         finally:
-            cost = self._product_clock() - cpu_started
+            cost = self._product_clock() - cpu_started if timed else None
             with self._lock:
                 counters = self._per_layer[layer_id]
                 counters.requests += 1

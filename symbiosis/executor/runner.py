@@ -15,7 +15,9 @@ from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
 
-def apply_op(layer: StoredLayer, op: Op, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_op(
+    layer: StoredLayer, op: Op, rows: torch.Tensor, out: torch.Tensor | None = None, out_fits: bool | None = None
+) -> torch.Tensor:
     """``rows`` [n, width] in the weights' dtype/device -> result [n, out_width].
 
     forward ``x Wᵀ + b``; backward ``g W`` (∂(xWᵀ+b)/∂x = W, so no saved input is needed);
@@ -29,25 +31,38 @@ def apply_op(layer: StoredLayer, op: Op, rows: torch.Tensor, out: torch.Tensor |
     A quantized layer (``quantized.py``) computes the same ops against its dequantized weight
     with its own kernels, and never writes into ``out`` (the caller copies, as for any result
     that is not ``out``).
+
+    ``out_fits``: whether ``out`` suits (``out_fits(layer, op, rows, out)``), when the caller
+    already knows it for these very tensors; None: checked here.
     """
     if type(layer) is not LayerWeights:
         return layer.apply(op, rows)
     weight = layer.weight
-    if out is not None and not _fits(out, rows, weight, weight.shape[1] if op is Op.BACKWARD else weight.shape[0]):
+    if out is not None and not (out_fits if out_fits is not None else out_fits_product(layer, op, rows, out)):
         out = None
     if op is Op.FORWARD:
         if layer.bias is None:
-            return rows @ weight.t() if out is None else torch.mm(rows, weight.t(), out=out)
+            return rows @ layer.weight_t if out is None else torch.mm(rows, layer.weight_t, out=out)
         return (
-            torch.addmm(layer.bias, rows, weight.t())
+            torch.addmm(layer.bias, rows, layer.weight_t)
             if out is None
-            else torch.addmm(layer.bias, rows, weight.t(), out=out)
+            else torch.addmm(layer.bias, rows, layer.weight_t, out=out)
         )
     if op is Op.BACKWARD:
         return rows @ weight if out is None else torch.mm(rows, weight, out=out)
     if op is Op.NOISE:
-        return rows @ weight.t() if out is None else torch.mm(rows, weight.t(), out=out)
+        return rows @ layer.weight_t if out is None else torch.mm(rows, layer.weight_t, out=out)
     raise ValueError(f"unknown op {op!r}")
+
+
+def out_fits_product(layer: StoredLayer, op: Op, rows: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``apply_op`` may write the product of ``rows`` into ``out``: a fact of these
+    tensors' dtypes, devices, shapes and memory, so a caller passing the same tensors again may
+    pass it back as ``out_fits`` (the checks are ~15 torch calls)."""
+    if type(layer) is not LayerWeights:
+        return False
+    weight = layer.weight
+    return _fits(out, rows, weight, weight.shape[1] if op is Op.BACKWARD else weight.shape[0])
 
 
 def _fits(out: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, width: int) -> bool:

@@ -18,7 +18,7 @@ the members' own packs (``StackedWeights``), so a group's product runs member by
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +50,12 @@ class LayerWeights:
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
+    # ``weight.t()``, made once: a forward product uses it, and making the view is a torch call
+    # per product (a few µs of a lone decode call, see ``runner.apply_op``).
+    weight_t: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_t", self.weight.t())
 
     kernel = "matmul"  # what computes its products (stats)
 

@@ -357,6 +357,7 @@ class _LaneShape:
     out_width: int
     out_row_bytes: int
     max_rows: int  # rows and result fit the payload cap, one lane message and ``_inline_lane_limit``
+    buffer_dtype: torch.dtype | None  # what the rows are viewed as to export their bytes (bfloat16: int16)
 
 
 class ZmqTransport:
@@ -432,16 +433,21 @@ class ZmqTransport:
     def call(self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
         started = time.monotonic()
         deadline = started + self.timeout_s
-        staged = self._stage(rows)
         op = op if type(op) is Op else Op(op)  # the enum call costs more than the check
         latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
+        staged = rows
         try:  # the first attempt without tenacity: building a Retrying costs ~30 µs per call
-            result = self._call_on_lane_inline(layer_id, op, staged, latency_class, deadline)
-            if result is None:
-                result = self._call_once(layer_id, op, staged, latency_class, deadline)
+            # The fast path takes only rows that staging would leave as they are (CPU,
+            # contiguous, no grad), and its result is in their dtype: nothing to do around it.
+            result = self._call_on_lane_inline(layer_id, op, rows, latency_class, deadline)
+            if result is not None:
+                return result
+            staged = self._stage(rows)
+            result = self._call_once(layer_id, op, staged, latency_class, deadline)
         except ExecutorUnavailableError:
             if self._closed:
                 raise
+            staged = self._stage(rows)
             result = self._call_retrying(layer_id, op, staged, latency_class, started, deadline)
         if result.dtype is rows.dtype and rows.is_cpu:  # the usual case: skip a no-op ``to`` (~1 µs)
             return result
@@ -673,14 +679,16 @@ class ZmqTransport:
         lane = conn.lane
         if lane is None or lane.closed or rows.requires_grad or not rows.is_cpu:
             return None
-        shape = self._lane_shapes.get((layer_id, op, rows.dtype))
+        dtype = rows.dtype
+        shape = self._lane_shapes.get((layer_id, op, dtype))
         if shape is None:
-            shape = self._lane_shape(layer_id, op, rows.dtype, lane)
+            shape = self._lane_shape(layer_id, op, dtype, lane)
             if shape is None:
                 return None
-        if rows.dim() != 2 or rows.shape[1] != shape.in_width or not rows.is_contiguous():
+        size = rows.shape
+        if len(size) != 2 or size[1] != shape.in_width or not rows.is_contiguous():
             return None
-        n = rows.shape[0]
+        n = size[0]
         if not 0 < n <= shape.max_rows or not lane.lock.acquire(blocking=False):
             return None
         request_id = next(self._request_ids)
@@ -698,8 +706,19 @@ class ZmqTransport:
         )
         try:
             try:
+                # ``tensor_payload`` without its checks, made above (CPU, contiguous, n > 0); the
+                # result is received straight into a tensor of its own (``ClientLane.exchange``).
+                as_buffer = shape.buffer_dtype
+                payload = memoryview((rows if as_buffer is None else rows.view(as_buffer)).numpy())
+                result = torch.empty((n, shape.out_width), dtype=dtype)
+                into = memoryview((result if as_buffer is None else result.view(as_buffer)).numpy())
                 reply, payload = lane.exchange(
-                    header, P.tensor_payload(rows), request_id, n * shape.out_row_bytes, deadline - time.monotonic()
+                    header,
+                    payload.cast("B"),
+                    request_id,
+                    n * shape.out_row_bytes,
+                    deadline - time.monotonic(),
+                    into.cast("B"),
                 )
             finally:
                 lane.lock.release()
@@ -709,14 +728,11 @@ class ZmqTransport:
             conn.fail(str(exc))  # the executor closed the lane: its session ended or it is gone
             raise
         if not reply.ok:
-            return self._finish(conn, reply, [payload], None)  # raises the reply's typed error
-        if (
-            reply.dtype != shape.wire_dtype
-            or reply.shape != [n, shape.out_width]
-            or payload.nbytes != n * shape.out_row_bytes
-        ):
-            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {payload.nbytes} bytes")
-        return P.tensor_from_payload(payload, shape.wire_dtype, reply.shape)
+            return self._finish(conn, reply, [] if payload is None else [payload], None)  # raises its typed error
+        nbytes = n * shape.out_row_bytes if payload is None else payload.nbytes
+        if reply.dtype != shape.wire_dtype or reply.shape != [n, shape.out_width] or nbytes != n * shape.out_row_bytes:
+            raise ProtocolError(f"malformed reply: dtype {reply.dtype!r}, shape {reply.shape}, {nbytes} bytes")
+        return result if payload is None else P.tensor_from_payload(payload, shape.wire_dtype, reply.shape)
 
     def _lane_shape(self, layer_id: str, op: Op, dtype: torch.dtype, lane: ClientLane) -> _LaneShape | None:
         """What a valid inline lane call of ``layer_id``/``op`` in ``dtype`` sends and gets back,
@@ -732,7 +748,12 @@ class ZmqTransport:
         widest_row = max(call.in_width, call.out_width) * call.itemsize
         room = min(lane.max_payload_bytes, self._inline_lane_limit - 1) // widest_row
         shape = _LaneShape(
-            wire_dtype, call.in_width, call.out_width, call.out_width * call.itemsize, min(call.max_rows, room)
+            wire_dtype,
+            call.in_width,
+            call.out_width,
+            call.out_width * call.itemsize,
+            min(call.max_rows, room),
+            P.BUFFER_DTYPES.get(dtype),
         )
         self._lane_shapes[(layer_id, op, dtype)] = shape
         return shape

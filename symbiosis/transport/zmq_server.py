@@ -78,7 +78,7 @@ from symbiosis.errors import (
 )
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
-from symbiosis.transport.lane import HEADER_ROOM_BYTES, MAX_MESSAGE_BYTES, ExecutorLane, LaneClosed, aligned_buffer
+from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
@@ -248,7 +248,7 @@ class ZmqServer:
         self._lanes: dict[int, ExecutorLane] = {}  # by file descriptor
         self._lane_listener: LaneListener | None = None  # tcp lanes (lane_listener.py)
         self._sessions_by_token: dict[str, Session] = {}
-        self._lane_buffer: memoryview | None = None  # where every lane message is read (socket thread)
+        self._lane_buffer: memoryview | None = None  # where every same-host lane message is read (socket thread)
         self._poller: zmq.Poller | None = None
         self._backlogged: set[bytes] = set()  # identities whose session has a backlog
         self._trims: list[float] = []  # when to hand freed heap back to the OS
@@ -440,7 +440,8 @@ class ZmqServer:
         if session.lane is not None:
             self._drop_lane(session.lane)
         if self._lane_buffer is None:
-            self._lane_buffer = aligned_buffer(MAX_MESSAGE_BYTES)
+            assert self._lane_routes is not None
+            self._lane_buffer = self._lane_routes.receive_buffer  # its slots are views of it (lane_routes.py)
         session.lane = lane
         self._lanes[lane.fd] = lane
         self._poller.register(lane.fd, zmq.POLLIN)
@@ -516,11 +517,13 @@ class ZmqServer:
             )
             return
         inline = msg.shm_name is None and msg.dist_tag is None  # an inline request always has its payload, maybe empty
-        if inline and self._serve_lane_call_now(lane, session, msg, payload):
+        if inline and self._serve_lane_call_now(lane, session, msg, payload, header.nbytes):
             return
         self._on_request(session.identity, session, msg, [payload] if inline or payload.nbytes else [], lane)  # type: ignore[arg-type]
 
-    def _serve_lane_call_now(self, lane: ExecutorLane, session: Session, req: P.Request, payload: memoryview) -> bool:
+    def _serve_lane_call_now(
+        self, lane: ExecutorLane, session: Session, req: P.Request, payload: memoryview, header_nbytes: int
+    ) -> bool:
         """The short path of an inline lane call whose header matches a known route
         (``lane_routes.py``): computed and answered here when its client is alone, else queued for
         the executor without checking again what the route vouches for; True when done (answered,
@@ -528,12 +531,18 @@ class ZmqServer:
         general path's checks -- which then serves it, or refuses it with the typed error."""
         if self._close_request is not None or req.client_id != session.client_id:
             return False
-        assert self._lane_routes is not None
-        route = self._lane_routes.route(req)
+        routes = self._lane_routes
+        assert routes is not None
+        route = routes.route(req)
         key = (session.identity, req.request_id)
         if route is None or (session.inflight and key in self._inflight):
             return False
-        rows = LaneRoutes.rows(route, req, payload, lane.max_message_bytes - HEADER_ROOM_BYTES)
+        max_result_bytes = lane.max_message_bytes - HEADER_ROOM_BYTES
+        if lane.stream:  # a tcp lane's message lies anywhere in its own inbox
+            slot, rows = None, LaneRoutes.rows(route, req, payload, max_result_bytes)
+        else:
+            slot = routes.slot(route, req, payload, header_nbytes, max_result_bytes)
+            rows = None if slot is None else slot.rows
         if rows is None:
             return False
         counts = route.counts
@@ -541,7 +550,14 @@ class ZmqServer:
             # Asked whatever the number of sessions: a client that reconnected has two until the
             # old one ends, and is still alone (test_an_executor_error_on_the_fast_path_...).
             result = (
-                self._service.try_alone(session.client_id, route.layer_id, route.shape.op, rows, route.latency_class)
+                self._service.try_alone(
+                    session.client_id,
+                    route.layer_id,
+                    route.shape.op,
+                    rows,
+                    route.latency_class,
+                    None if slot is None else slot.out,
+                )
                 if self._driving
                 else None
             )
@@ -552,11 +568,15 @@ class ZmqServer:
             counts["errors"] += 1
             self._lane_send(lane, P.error_reply(req.request_id, exc.code, str(exc)))
             return True
+        n = req.shape[0]
         counts["requests"] += 1
-        counts["rows"] += rows.shape[0]
+        counts["rows"] += n
+        if slot is not None and result is slot.out:  # the product was written into the reply buffer
+            self._lane_send(lane, P.Reply(req.request_id, True, route.wire_dtype, slot.reply_shape), slot.out_bytes)
+            return True
         if result.dtype is not route.dtype or result.requires_grad:
             result = result.detach().to(dtype=route.dtype)
-        reply = P.Reply(req.request_id, True, route.wire_dtype, [rows.shape[0], route.shape.out_width])
+        reply = P.Reply(req.request_id, True, route.wire_dtype, [n, route.shape.out_width])
         self._lane_send(lane, reply, P.tensor_payload(result))
         return True
 

@@ -176,3 +176,56 @@ def test_an_executor_error_on_the_fast_path_reaches_the_client_typed(
         monkeypatch.setattr(executor, "try_alone", unavailable)
         with pytest.raises(ExecutorUnavailableError, match="shard 1 of 2"):
             transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
+
+
+@pytest.mark.parametrize("kind", ["ipc", "shm"])
+def test_reused_slots_never_mix_one_call_with_another(
+    executor: BaseExecutor, addresses: dict[str, str], kind: str
+) -> None:
+    """Same-host lane calls are computed in views the server keeps (``LaneRoutes.slot``): the rows
+    of the next call land where the last one's were, and every result is written to one reply
+    buffer. Calls of row counts that come and go, on layers with and without a bias, each get
+    their own product, and a result stays the caller's after later calls."""
+    made = []
+    with open_transport(addresses[kind]) as transport:
+        for n in (1, 2, 1, 3, 2, 1, 1):
+            for layer in ("q", "o"):
+                rows = torch.randn(n, SPECS[layer].in_features)
+                made.append((layer, rows, transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)))
+        slots = sum(server._lane_routes._slot_count for server in executor._servers)
+        assert slots == 6  # (q, o) x (1, 2, 3 rows): one each, made once and reused
+    for layer, rows, got in made:
+        assert_same_product(got, executor.run(layer, Op.FORWARD, rows), (layer, rows.shape))
+
+
+def test_a_slot_views_the_payload_where_its_header_length_puts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message's payload starts after its header, rounded up to 64 bytes: requests of one route
+    whose headers differ in length (here the client id; a growing request id does it too) get
+    slots over different places, each holding exactly the rows sent. Past ``MAX_SLOTS`` all are
+    dropped and made again as used."""
+    from symbiosis.transport import lane_routes
+    from symbiosis.transport.lane import frame, payload_start, split
+
+    routes = lane_routes.LaneRoutes(dict(SPECS), P.Limits(), {})
+    buffer = routes.receive_buffer
+
+    def slot_for(client_id: str, rows: torch.Tensor):
+        req = P.Request(P.PROTOCOL_VERSION, client_id, 7, "q", "forward", "float32", list(rows.shape), "decode")
+        header = P.encode(req)
+        message = b"".join(bytes(part) for part in frame(header, P.tensor_payload(rows)))
+        buffer[: len(message)] = message  # what the server's receive does
+        _, payload = split(buffer[: len(message)])
+        slot = routes.slot(routes.route(req), req, payload, len(header), 1 << 20)
+        assert slot is not None and torch.equal(slot.rows, rows)
+        return slot, payload_start(len(header))
+
+    rows = torch.randn(2, 32)
+    short, short_start = slot_for("c", rows)
+    long, long_start = slot_for("c" * 100, rows)
+    assert short_start != long_start and short is not long
+    again, _ = slot_for("c", torch.randn(2, 32))
+    assert again is short  # the same place: the same views
+    monkeypatch.setattr(lane_routes, "MAX_SLOTS", 3)
+    for n in (1, 3, 4, 5):  # the fourth new slot drops the others
+        slot_for("c", torch.randn(n, 32))
+    assert routes._slot_count <= 3
