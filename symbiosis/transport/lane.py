@@ -334,10 +334,14 @@ class ClientLane:
                 return head[_LENGTHS.size : _LENGTHS.size + header_nbytes], True
         if nbytes <= start:
             return head[:nbytes], False
-        # Not a result where the last one was: the message, put back together in order.
-        spilled = nbytes - start - into.nbytes
-        parts = [head[:start], into[: nbytes - start]] + ([head[start : start + spilled]] if spilled > 0 else [])
-        return memoryview(b"".join(parts)), False
+        # Not a result where the last one was: the message, put back together in order, in fresh
+        # aligned memory (a result wrapped from it is then writable and needs no copy).
+        message = aligned_buffer(nbytes)
+        message[:start] = head[:start]
+        in_into = min(nbytes - start, into.nbytes)
+        message[start : start + in_into] = into[:in_into]
+        message[start + in_into :] = head[start : start + nbytes - start - in_into]
+        return message, False
 
     def _set_timeout(self, timeout_s: float) -> None:
         seconds = int(timeout_s)
