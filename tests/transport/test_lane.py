@@ -10,6 +10,7 @@ connections that never ask are closed).
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -27,6 +28,7 @@ from symbiosis.transport import lane as L
 from symbiosis.transport import lane_listener
 from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.shm_broker import ask_lane
+from symbiosis.transport.shm_channel import ShmChannel
 from symbiosis.transport.zmq import ZmqServer
 from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
@@ -370,13 +372,45 @@ def test_a_lane_only_for_the_token_of_a_live_session(serve) -> None:
         L.connect_tcp("127.0.0.1", port, "0" * 32, 5.0)
     for address in (server.address, tcp.address):
         peer = LanePeer(address)
-        peer.dealer.send(P.encode(P.Goodbye(peer.client_id)))  # the session ends: its lane closes, no new one
+        try:  # closed whatever happens: an open DEALER would hang pytest's exit in Context.term
+            peer.dealer.send(P.encode(P.Goodbye(peer.client_id)))  # the session ends: its lane closes, no new one
+            assert peer.receive() == b""
+            with pytest.raises(ExecutorUnavailableError):
+                ask_again(peer, port)
+        finally:
+            peer.close()
+
+
+def ask_again(peer: LanePeer, port: int) -> None:
+    """Ask for another lane with ``peer``'s token (closing whatever is given)."""
+    if peer.stream:
+        L.connect_tcp("127.0.0.1", port, peer.welcome.session_token, 5.0).close()
+    else:
+        os.close(ask_lane(peer.welcome.shm_socket, peer.welcome.session_token, 5.0)[0])
+
+
+@pytest.mark.xfail(strict=True, reason="ZmqServer._end_session closes the lane before the channels forget the token")
+def test_a_session_forgets_its_token_before_its_lane_closes(serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the test above failed about once in 150 runs under load: the broker decides on a thread
+    of its own, so if the server closed a session's lane before its shared-memory channel forgot
+    the token, a client that saw its lane close could ask at once and still be given a new one.
+    Holding the socket thread in ``ShmChannel.end_session`` (as a busy machine may) makes that
+    window wide enough to hit every time."""
+    real_end_session = ShmChannel.end_session
+
+    def slow_end_session(channel: ShmChannel, session: object) -> None:
+        time.sleep(0.3)
+        real_end_session(channel, session)
+
+    monkeypatch.setattr(ShmChannel, "end_session", slow_end_session)
+    server, _ = serve("ipc")
+    peer = LanePeer(server.address)
+    try:
+        peer.dealer.send(P.encode(P.Goodbye(peer.client_id)))
         assert peer.receive() == b""
         with pytest.raises(ExecutorUnavailableError):
-            if peer.stream:
-                L.connect_tcp("127.0.0.1", port, peer.welcome.session_token, 5.0)
-            else:
-                ask_lane(peer.welcome.shm_socket, peer.welcome.session_token, 5.0)
+            ask_again(peer, 0)
+    finally:
         peer.close()
 
 
