@@ -46,8 +46,12 @@ stays; a client that only decodes small batches on a small host may set
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
 SHARED_HOST_POLICY = "PASSIVE"
@@ -70,3 +74,27 @@ def configure_for_command(argv: Sequence[str]) -> str | None:
     if shares_host_with_executor(argv):
         os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
     return os.environ.get(WAIT_POLICY_VARIABLE)
+
+
+def with_torch_threads(target: Callable[..., T]) -> Callable[..., T]:
+    """``target``, to run in a new thread with the torch intra-op thread count of the thread that
+    calls this (give it to ``threading.Thread``).
+
+    Why. OpenMP keeps its thread count per thread. A thread torch did not start -- the server's
+    socket thread, which runs a lone client's products, the engine's compute thread, the API
+    server's model thread -- begins with OpenMP's default (one thread per core), not what
+    ``torch.set_num_threads`` set, and MKL's matrix products do not correct it (torch's own
+    parallel loops do, at their first use in the thread). So in a process limited to one thread,
+    a 2-row product in such a thread still ran on a team of two; measured on this 2-core host
+    with one other busy process: 20 ms instead of 4 µs (the team waits for a core), and 16 ms a
+    call on the tcp lane of ``benchmarks/roundtrip.py`` at 16 rows."""
+    import torch
+
+    count = torch.get_num_threads()
+
+    @functools.wraps(target)
+    def run(*args: object, **kwargs: object) -> T:
+        torch.set_num_threads(count)
+        return target(*args, **kwargs)
+
+    return run

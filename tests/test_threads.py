@@ -40,3 +40,92 @@ def test_the_command_line_does_not_import_torch_before_configuring():
     code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# ---- threads we start run with the process's torch thread count ------------------------------
+
+
+def _openmp_threads_here():
+    """``omp_get_max_threads`` of the OpenMP runtime torch loaded, read without torch (torch's
+    own getter would first set the thread up, which is what is under test); None if not found."""
+    import ctypes
+
+    import torch  # noqa: F401  (loads the runtime)
+
+    with open("/proc/self/maps") as maps:
+        paths = [line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line]
+    if not paths:
+        return None
+    return ctypes.CDLL(paths[0]).omp_get_max_threads
+
+
+@pytest.fixture
+def three_torch_threads():
+    """The process set to 3 intra-op threads (not this 2-core host's default), restored after."""
+    import torch
+
+    getter = _openmp_threads_here()
+    if getter is None:
+        pytest.skip("no OpenMP runtime found in this process")
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield getter
+    torch.set_num_threads(before)
+
+
+def _in_a_thread(target):
+    import threading
+
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(target()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_a_thread_started_through_with_torch_threads_gets_the_starters_count(three_torch_threads):
+    import threading
+
+    from symbiosis.threads import with_torch_threads
+
+    seen = []
+    thread = threading.Thread(target=with_torch_threads(lambda: seen.append(three_torch_threads())))
+    thread.start()
+    thread.join()
+    assert seen == [3]
+    if _in_a_thread(three_torch_threads) == 3:
+        pytest.skip("OpenMP's default is 3 threads here: a plain thread would pass too")
+
+
+def test_the_servers_socket_thread_multiplies_with_the_processes_thread_count(
+    three_torch_threads, tmp_path, monkeypatch
+):
+    """A lone client's products run in the server's socket thread (``ZmqServer``): with the
+    process limited to some thread count, so are they (before, they ran on OpenMP's default)."""
+    import torch
+
+    from symbiosis.executor import engine
+    from symbiosis.executor.executor import BaseExecutor
+    from symbiosis.executor.scheduler import SchedulerConfig
+    from symbiosis.executor.weights import BaseModelWeights, LayerWeights
+    from symbiosis.transport.schemes import open_transport
+    from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+
+    counts = []
+    real_apply_op = engine.apply_op
+
+    def counting_apply_op(*args, **kwargs):
+        counts.append(three_torch_threads())
+        return real_apply_op(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "apply_op", counting_apply_op)
+    spec = LayerSpec("q", 16, 16, has_bias=False)
+    weights = BaseModelWeights({"q": spec}, {"q": LayerWeights(torch.randn(16, 16), None)}, "threads-test", "test")
+    executor = BaseExecutor(weights, SchedulerConfig(policy="immediate"))
+    try:
+        address = executor.serve(f"ipc://{tmp_path}/executor.sock").address
+        with open_transport(address) as transport:
+            transport.call("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.DECODE)
+    finally:
+        executor.close(drain=False)
+    assert counts == [3]

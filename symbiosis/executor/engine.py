@@ -54,6 +54,7 @@ from symbiosis.executor.requests import Batch, PendingRequest
 from symbiosis.executor.runner import apply_op, out_fits_product, run_batch
 from symbiosis.executor.scheduler import Scheduler
 from symbiosis.executor.weights import BaseModelWeights
+from symbiosis.threads import with_torch_threads
 from symbiosis.vocabulary import LatencyClass, Op
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -144,7 +145,7 @@ class ExecutionEngine:
         # Weak references: a remembered tensor may lie in a shared-memory segment that must close.
         self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
         self._alone_calls = 0
-        self._thread = threading.Thread(target=self._loop, name="symbiosis-executor", daemon=True)
+        self._thread = threading.Thread(target=with_torch_threads(self._loop), name="symbiosis-executor", daemon=True)
         self._thread.start()
 
     # ---- front ---------------------------------------------------------------------------------

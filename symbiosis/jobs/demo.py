@@ -39,6 +39,7 @@ from symbiosis.jobs.finetune import FinetuneRun, StepRecord, TrainOptions
 from symbiosis.jobs.methods import MethodOptions, build_peft_config
 from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
 from symbiosis.jobs.tasks import exact_match_accuracy, get_task, make_split
+from symbiosis.threads import with_torch_threads
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,7 @@ def _run_thread(target, state: ClientState) -> threading.Thread:
             state.status = "failed"
             state.error = f"{type(exc).__name__}: {exc}"
 
-    thread = threading.Thread(target=body, name=f"demo-{state.name}", daemon=True)
+    thread = threading.Thread(target=with_torch_threads(body), name=f"demo-{state.name}", daemon=True)
     thread.start()
     return thread
 

@@ -31,6 +31,7 @@ from symbiosis.serving.detokenize import IncrementalText
 from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
 from symbiosis.serving.lora import AdapterContext, LoraAdapter, RowAdapters
 from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
+from symbiosis.threads import with_torch_threads
 
 
 class ServerOverloadedError(SymbiosisError):
@@ -166,7 +167,7 @@ class GenerationEngine:
         self.executor_ok = True
         self.last_error: str | None = None
         self.bytes_per_token = self._measure_cache_bytes_per_token()
-        self._thread = threading.Thread(target=self._loop, name="symbiosis-api-engine", daemon=True)
+        self._thread = threading.Thread(target=with_torch_threads(self._loop), name="symbiosis-api-engine", daemon=True)
         self._thread.start()
 
     # ---- API side (any thread) --------------------------------------------------------------------

@@ -44,6 +44,7 @@ from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError
 from symbiosis.executor.weights import LayerWeights
 from symbiosis.sharding import messages as M
 from symbiosis.sharding.placement import Layout, SpecRegistry, row_range
+from symbiosis.threads import with_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,9 @@ class GatherSequencer:
         self.gathers = 0
         self.gathered_bytes = 0
         self.gather_s = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"shard-gather(rank {rank})", daemon=True)
+        self._thread = threading.Thread(
+            target=with_torch_threads(self._run), name=f"shard-gather(rank {rank})", daemon=True
+        )
         self._thread.start()
 
     # ---- any thread ------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from zmq.utils.monitor import recv_monitor_message
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.sharding import messages as M
+from symbiosis.threads import with_torch_threads
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
 
@@ -134,7 +135,9 @@ class PeerLinks:
             monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             dealer.connect(address)
             self._peers[peer] = _Peer(peer, dealer, monitor)
-        self._thread = threading.Thread(target=self._run, name=f"shard-links(rank {self.rank})", daemon=True)
+        self._thread = threading.Thread(
+            target=with_torch_threads(self._run), name=f"shard-links(rank {self.rank})", daemon=True
+        )
         self._thread.start()
         self.broadcast(me)
 

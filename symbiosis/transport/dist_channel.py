@@ -91,6 +91,7 @@ import torch.distributed as dist
 
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorBusyError, ExecutorUnavailableError, ProtocolError
+from symbiosis.threads import with_torch_threads
 from symbiosis.transport.channels import Accepted, ChannelHost, RequestKey, Session
 from symbiosis.vocabulary import LayerSpec
 
@@ -224,7 +225,9 @@ class _PairWorker:
         self._unposted: list[tuple[Callable[[Any], Any], Callable[[], None] | None]] = []
         # (work, on_done) to wait for; on_done None marks a send. (None, group) ends the thread.
         self._waits: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"dist-pair({session.client_id})", daemon=True)
+        self._thread = threading.Thread(
+            target=with_torch_threads(self._run), name=f"dist-pair({session.client_id})", daemon=True
+        )
         self._thread.start()
 
     # ---- socket thread -------------------------------------------------------------------

@@ -161,7 +161,7 @@ class ExecutorLane:
     because a message may arrive in pieces. Either way a payload is valid until the next
     ``receive``. ``session`` is None while a tcp lane has not said whose it is."""
 
-    __slots__ = ("_have", "_inbox", "_taken", "fd", "max_message_bytes", "session", "sock", "stream")
+    __slots__ = ("_have", "_inbox", "_taken", "fd", "max_message_bytes", "session", "slots", "sock", "stream")
 
     def __init__(self, sock: socket.socket, session: object, max_message_bytes: int, stream: bool = False) -> None:
         self.sock = sock
@@ -172,6 +172,12 @@ class ExecutorLane:
         self._inbox: memoryview | None = None  # tcp: bytes received, from the next message's start
         self._have = 0
         self._taken = 0  # tcp: bytes of the message handed out last (dropped at the next receive)
+        self.slots: dict = {}  # tcp: the server's views of this lane's inbox (``lane_routes.LaneRoutes.slot``)
+
+    @property
+    def inbox(self) -> memoryview | None:
+        """tcp: where every message this lane hands out starts (at offset 0); None before the first."""
+        return self._inbox
 
     def receive(self, buffer: memoryview) -> tuple[memoryview, memoryview] | None:
         """The next message's (header, payload); None when no whole message is waiting.

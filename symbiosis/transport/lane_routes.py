@@ -8,37 +8,40 @@ path of a request (``ZmqServer._on_request``: channel, admission, in-flight entr
 call of one layer. A ``Route`` is that part, checked once by ``protocol.validate_request`` and
 kept: what is left per call is the row count, the payload size and the sender.
 
-Only what a ``Route`` cannot vouch for is checked per call (``LaneRoutes.rows``); anything else —
+Only what a ``Route`` cannot vouch for is checked per call (``LaneRoutes.slot``); anything else —
 an unknown layer, a bad dtype, a request that is not alone, shared memory or dist payloads, a
 result too large for the lane — goes the general way, which gives the typed error or queues it.
 The two paths compute the same product with the same kernel (``apply_op``), so the bits agree.
 
-Same-host lanes go one step further (``LaneRoutes.slot``). Every datagram is read into one
-receive buffer, at its start, so the payload of a call with a given header length and row count
-always lies at the same place; a ``Slot`` keeps the tensor over that place and another over the
-reply buffer, made once. A call then costs no tensor construction at all: its rows are the slot's
-view, the product is written into the slot's result view (``apply_op``'s ``out``), and those bytes
-are sent. Measured on the 1-row round trip over ipc (``benchmarks/roundtrip.py``): making the two
-tensors and the payload views per call was ~25 µs of the server's ~80.
+Lane calls go one step further (``LaneRoutes.slot``). Every message is read to the start of a
+buffer -- for same-host lanes one receive buffer of the server's, for a tcp lane its own inbox --
+so the payload of a call with a given header length and row count always lies at the same place;
+a ``Slot`` keeps the tensor over that place and another over the reply buffer, made once. A call
+then costs no tensor construction at all: its rows are the slot's view, the product is written
+into the slot's result view (``apply_op``'s ``out``), and those bytes are sent. Measured on the
+1-row round trip over ipc (``benchmarks/roundtrip.py``): making the two tensors and the payload
+views per call was ~25 µs of the server's ~80.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.transport.lane import MAX_MESSAGE_BYTES, aligned_buffer, payload_start
+from symbiosis.transport.lane import MAX_MESSAGE_BYTES, ExecutorLane, aligned_buffer, payload_start
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, LatencyClass, LayerSpec
 
 #: Routes kept per server: one per (layer, op, dtype, latency class) a client used. Bounded so
 #: that a client cycling through header variants cannot grow it; past it, calls go the general way.
 MAX_ROUTES = 4096
-#: Slots kept per server, over all routes: one per (route, row count, header length) used. Decode
-#: uses a few row counts per layer; a client whose every call has a new row count (prefill of
-#: ever new lengths) would fill them, so they are all dropped when full and made again as used.
+#: Slots kept over the same-host receive buffer: one per (route, row count, header length) used.
+#: Decode uses a few row counts per layer; a client whose every call has a new row count (prefill
+#: of ever new lengths) would fill them, so they are all dropped when full and made again as used.
 MAX_SLOTS = 1024
+#: The same, per tcp lane (over its own inbox).
+MAX_SLOTS_PER_TCP_LANE = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,6 @@ class Route:
     dtype: torch.dtype
     wire_dtype: str
     counts: dict[str, int]  # the server's per-layer stats entry (requests, rows, errors)
-    slots: dict[tuple[int, int], Slot] = field(default_factory=dict)  # by (rows, header length)
 
 
 class LaneRoutes:
@@ -76,7 +78,9 @@ class LaneRoutes:
         self._routes: dict[tuple[str, str, str, str, int], Route] = {}
         self._receive_buffer: memoryview | None = None
         self._reply_buffer: memoryview | None = None
-        self._slot_count = 0
+        # Over the receive buffer, by (id of the route, rows, header length): a route is never
+        # dropped, so its id names it for the server's life.
+        self._slots: dict[tuple[int, int, int], Slot] = {}
 
     @property
     def receive_buffer(self) -> memoryview:
@@ -104,31 +108,19 @@ class LaneRoutes:
                 )
         return route
 
-    @staticmethod
-    def rows(route: Route, req: P.Request, payload: memoryview, max_result_bytes: int) -> torch.Tensor | None:
-        """The rows of ``req`` over ``payload`` (no copy) if its shape and payload are what its
-        route takes and its result fits ``max_result_bytes`` (the lane's message); None otherwise
-        (the general path then checks it in full)."""
-        shape, call = req.shape, route.shape
-        if len(shape) != 2 or shape[1] != call.in_width:
-            return None
-        n = shape[0]
-        count = n * call.in_width
-        if not 0 < n <= call.max_rows or count * call.itemsize != payload.nbytes:
-            return None
-        if n * call.out_width * call.itemsize > max_result_bytes:
-            return None
-        rows = torch.frombuffer(payload, dtype=route.dtype, count=count)
-        if rows.data_ptr() % 64:  # lane payloads start aligned; anything else is copied the general way
-            return None
-        return rows.view(n, call.in_width)
-
     def slot(
-        self, route: Route, req: P.Request, payload: memoryview, header_nbytes: int, max_result_bytes: int
+        self,
+        route: Route,
+        req: P.Request,
+        payload: memoryview,
+        header_nbytes: int,
+        max_result_bytes: int,
+        lane: ExecutorLane,
     ) -> Slot | None:
-        """The slot of ``req``, a call read from a same-host lane into ``receive_buffer`` (so its
-        ``payload`` lies right after its header of ``header_nbytes``), if its shape and payload are
-        what its route takes and its result fits ``max_result_bytes``; None otherwise (as ``rows``)."""
+        """The slot of ``req``, a call ``lane`` read to the start of its buffer (``receive_buffer``,
+        or a tcp lane's inbox: its ``payload`` lies right after its header of ``header_nbytes``),
+        if its shape and payload are what its route takes and its result fits
+        ``max_result_bytes``; None otherwise (the general path then checks it in full)."""
         shape, call = req.shape, route.shape
         if len(shape) != 2 or shape[1] != call.in_width:
             return None
@@ -137,25 +129,28 @@ class LaneRoutes:
             return None
         if n * call.out_width * call.itemsize > max_result_bytes:
             return None
-        slot = route.slots.get((n, header_nbytes))
-        return self._new_slot(route, n, header_nbytes) if slot is None else slot
+        key = (id(route), n, header_nbytes)
+        slots = lane.slots if lane.stream else self._slots
+        slot = slots.get(key)
+        if slot is None:
+            buffer = lane.inbox if lane.stream else self.receive_buffer
+            if buffer is None:
+                return None
+            if len(slots) >= (MAX_SLOTS_PER_TCP_LANE if lane.stream else MAX_SLOTS):
+                slots.clear()
+            slot = slots[key] = self._new_slot(route, n, header_nbytes, buffer)
+        return slot
 
-    def _new_slot(self, route: Route, n: int, header_nbytes: int) -> Slot:
-        if self._slot_count >= MAX_SLOTS:
-            for kept in self._routes.values():
-                kept.slots.clear()
-            self._slot_count = 0
+    def _new_slot(self, route: Route, n: int, header_nbytes: int, buffer: memoryview) -> Slot:
         if self._reply_buffer is None:
             self._reply_buffer = aligned_buffer(MAX_MESSAGE_BYTES)
         call = route.shape
         start = payload_start(header_nbytes)
-        rows_view = self.receive_buffer[start : start + n * call.in_width * call.itemsize]
+        rows_view = buffer[start : start + n * call.in_width * call.itemsize]
         out_bytes = self._reply_buffer[: n * call.out_width * call.itemsize]
-        slot = route.slots[(n, header_nbytes)] = Slot(
+        return Slot(
             torch.frombuffer(rows_view, dtype=route.dtype).view(n, call.in_width),
             torch.frombuffer(out_bytes, dtype=route.dtype).view(n, call.out_width),
             out_bytes,
             [n, call.out_width],
         )
-        self._slot_count += 1
-        return slot

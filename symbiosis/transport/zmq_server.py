@@ -76,6 +76,7 @@ from symbiosis.errors import (
     SymbiosisError,
     UnsafeBindError,
 )
+from symbiosis.threads import with_torch_threads
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed
@@ -304,7 +305,9 @@ class ZmqServer:
             self._ctx.term()
             raise
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._thread = threading.Thread(target=self._run, name=f"ZmqServer({self._address})", daemon=True)
+        self._thread = threading.Thread(
+            target=with_torch_threads(self._run), name=f"ZmqServer({self._address})", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -537,26 +540,17 @@ class ZmqServer:
         key = (session.identity, req.request_id)
         if route is None or (session.inflight and key in self._inflight):
             return False
-        max_result_bytes = lane.max_message_bytes - HEADER_ROOM_BYTES
-        if lane.stream:  # a tcp lane's message lies anywhere in its own inbox
-            slot, rows = None, LaneRoutes.rows(route, req, payload, max_result_bytes)
-        else:
-            slot = routes.slot(route, req, payload, header_nbytes, max_result_bytes)
-            rows = None if slot is None else slot.rows
-        if rows is None:
+        slot = routes.slot(route, req, payload, header_nbytes, lane.max_message_bytes - HEADER_ROOM_BYTES, lane)
+        if slot is None:
             return False
+        rows = slot.rows
         counts = route.counts
         try:
             # Asked whatever the number of sessions: a client that reconnected has two until the
             # old one ends, and is still alone (test_an_executor_error_on_the_fast_path_...).
             result = (
                 self._service.try_alone(
-                    session.client_id,
-                    route.layer_id,
-                    route.shape.op,
-                    rows,
-                    route.latency_class,
-                    None if slot is None else slot.out,
+                    session.client_id, route.layer_id, route.shape.op, rows, route.latency_class, slot.out
                 )
                 if self._driving
                 else None
@@ -571,7 +565,7 @@ class ZmqServer:
         n = req.shape[0]
         counts["requests"] += 1
         counts["rows"] += n
-        if slot is not None and result is slot.out:  # the product was written into the reply buffer
+        if result is slot.out:  # the product was written into the reply buffer
             self._lane_send(lane, P.Reply(req.request_id, True, route.wire_dtype, slot.reply_shape), slot.out_bytes)
             return True
         if result.dtype is not route.dtype or result.requires_grad:
@@ -1028,11 +1022,14 @@ class ZmqServer:
             self._forget(key)
         session.backlog.clear()  # the results it holds go now
         self._backlogged.discard(identity)
+        # The channels first: shm names are gone once the executor hears, and the segment broker
+        # (its own thread) forgets the session's token before its lane closes -- else a client that
+        # saw its lane close could ask at once and be handed a new one for an ended session.
+        for channel in self._channels.values():
+            channel.end_session(session)
         if session.lane is not None:
             self._drop_lane(session.lane)
         self._schedule_trim(time.monotonic())
-        for channel in self._channels.values():  # first, so e.g. shm names are gone once the executor hears
-            channel.end_session(session)
         identities = self._identities_by_client.get(session.client_id, set())
         identities.discard(identity)
         if not identities:

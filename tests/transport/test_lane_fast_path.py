@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -178,21 +179,24 @@ def test_an_executor_error_on_the_fast_path_reaches_the_client_typed(
             transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
 
 
-@pytest.mark.parametrize("kind", ["ipc", "shm"])
+@pytest.mark.parametrize("kind", ["ipc", "shm", "tcp"])
 def test_reused_slots_never_mix_one_call_with_another(
     executor: BaseExecutor, addresses: dict[str, str], kind: str
 ) -> None:
-    """Same-host lane calls are computed in views the server keeps (``LaneRoutes.slot``): the rows
-    of the next call land where the last one's were, and every result is written to one reply
-    buffer. Calls of row counts that come and go, on layers with and without a bias, each get
-    their own product, and a result stays the caller's after later calls."""
+    """Lane calls are computed in views the server keeps (``LaneRoutes.slot``): the rows of the
+    next call land where the last one's were, and every result is written to one reply buffer.
+    Calls of row counts that come and go, on layers with and without a bias, each get their own
+    product, and a result stays the caller's after later calls."""
     made = []
     with open_transport(addresses[kind]) as transport:
         for n in (1, 2, 1, 3, 2, 1, 1):
             for layer in ("q", "o"):
                 rows = torch.randn(n, SPECS[layer].in_features)
                 made.append((layer, rows, transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)))
-        slots = sum(server._lane_routes._slot_count for server in executor._servers)
+        slots = sum(
+            len(server._lane_routes._slots) + sum(len(lane.slots) for lane in server._lanes.values())
+            for server in executor._servers
+        )
         assert slots == 6  # (q, o) x (1, 2, 3 rows): one each, made once and reused
     for layer, rows, got in made:
         assert_same_product(got, executor.run(layer, Op.FORWARD, rows), (layer, rows.shape))
@@ -208,6 +212,7 @@ def test_a_slot_views_the_payload_where_its_header_length_puts_it(monkeypatch: p
 
     routes = lane_routes.LaneRoutes(dict(SPECS), P.Limits(), {})
     buffer = routes.receive_buffer
+    same_host_lane = types.SimpleNamespace(stream=False)
 
     def slot_for(client_id: str, rows: torch.Tensor):
         req = P.Request(P.PROTOCOL_VERSION, client_id, 7, "q", "forward", "float32", list(rows.shape), "decode")
@@ -215,7 +220,7 @@ def test_a_slot_views_the_payload_where_its_header_length_puts_it(monkeypatch: p
         message = b"".join(bytes(part) for part in frame(header, P.tensor_payload(rows)))
         buffer[: len(message)] = message  # what the server's receive does
         _, payload = split(buffer[: len(message)])
-        slot = routes.slot(routes.route(req), req, payload, len(header), 1 << 20)
+        slot = routes.slot(routes.route(req), req, payload, len(header), 1 << 20, same_host_lane)
         assert slot is not None and torch.equal(slot.rows, rows)
         return slot, payload_start(len(header))
 
@@ -228,4 +233,4 @@ def test_a_slot_views_the_payload_where_its_header_length_puts_it(monkeypatch: p
     monkeypatch.setattr(lane_routes, "MAX_SLOTS", 3)
     for n in (1, 3, 4, 5):  # the fourth new slot drops the others
         slot_for("c", torch.randn(n, 32))
-    assert routes._slot_count <= 3
+    assert len(routes._slots) <= 3
