@@ -64,7 +64,11 @@ FREELY_HANDED_OUT = 2
 #: (``lane.py``) like an ``ipc://`` call, not through a segment: for a decode step's few rows the
 #: segment costs more (a lease from the pool, a second header, the server's mapping lookup, and
 #: the result copied out anyway below ``HANDOUT_MIN_BYTES``) than the bytes the lane copies.
-INLINE_THRESHOLD = 64 << 10
+#: Up to about what one lane message carries with Linux's default socket buffer limit (~200 KiB):
+#: at 64 KiB, a decode step of 16 sequences on a hidden-512 llama (results of 96-128 KiB) went
+#: through segments and ran x1.72-2.01 of monolithic against x1.55-1.84 over ipc's lane; at
+#: 192 KiB x1.58-1.64, with ipc (``benchmarks.split_overhead --systems shm+ipc ipc``, 2026-11-25).
+INLINE_THRESHOLD = 192 << 10
 
 assert MIN_BUFFER_BYTES % ALIGNMENT == 0
 
