@@ -46,10 +46,11 @@ MAX_SLOTS_PER_TCP_LANE = 256
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """Where a same-host lane call of one route, row count and header length has its rows and
-    its result: views of the server's receive and reply buffers, made once (module doc)."""
+    """Where a lane call of one route, row count and header length has its rows and its result:
+    views of the buffer the lane reads into (the server's receive buffer, or a tcp lane's inbox)
+    and of the server's reply buffer, made once (module doc)."""
 
-    rows: torch.Tensor  # [n, in_width], over the receive buffer where such a call's payload lands
+    rows: torch.Tensor  # [n, in_width], where such a call's payload lands
     out: torch.Tensor  # [n, out_width], over the reply buffer, in the route's dtype
     out_bytes: memoryview  # out's bytes: the reply's payload
     reply_shape: list[int]  # [n, out_width], for the reply header

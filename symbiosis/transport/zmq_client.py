@@ -435,7 +435,7 @@ class ZmqTransport:
         deadline = started + self.timeout_s
         op = op if type(op) is Op else Op(op)  # the enum call costs more than the check
         latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
-        staged = rows
+        staged = None
         try:  # the first attempt without tenacity: building a Retrying costs ~30 µs per call
             # The fast path takes only rows that staging would leave as they are (CPU,
             # contiguous, no grad), and its result is in their dtype: nothing to do around it.
@@ -447,7 +447,8 @@ class ZmqTransport:
         except ExecutorUnavailableError:
             if self._closed:
                 raise
-            staged = self._stage(rows)
+            if staged is None:
+                staged = self._stage(rows)
             result = self._call_retrying(layer_id, op, staged, latency_class, started, deadline)
         if result.dtype is rows.dtype and rows.is_cpu:  # the usual case: skip a no-op ``to`` (~1 µs)
             return result
@@ -706,19 +707,17 @@ class ZmqTransport:
         )
         try:
             try:
-                # ``tensor_payload`` without its checks, made above (CPU, contiguous, n > 0); the
-                # result is received straight into a tensor of its own (``ClientLane.exchange``).
+                # ``tensor_payload`` without its checks, made above (CPU, contiguous, n > 0). On a
+                # same-host lane the result is received straight into a tensor of its own
+                # (``ClientLane.exchange``); a tcp lane reads a stream, so it is wrapped after.
                 as_buffer = shape.buffer_dtype
                 payload = memoryview((rows if as_buffer is None else rows.view(as_buffer)).numpy())
-                result = torch.empty((n, shape.out_width), dtype=dtype)
-                into = memoryview((result if as_buffer is None else result.view(as_buffer)).numpy())
+                result = into = None
+                if not lane.stream:
+                    result = torch.empty((n, shape.out_width), dtype=dtype)
+                    into = memoryview((result if as_buffer is None else result.view(as_buffer)).numpy()).cast("B")
                 reply, payload = lane.exchange(
-                    header,
-                    payload.cast("B"),
-                    request_id,
-                    n * shape.out_row_bytes,
-                    deadline - time.monotonic(),
-                    into.cast("B"),
+                    header, payload.cast("B"), request_id, n * shape.out_row_bytes, deadline - time.monotonic(), into
                 )
             finally:
                 lane.lock.release()
