@@ -11,7 +11,9 @@ What it measures (issue 9's targets), all in one run, rounds interleaved:
   all in the pool) and cold (16 adapters never used before: each round reads them from disk).
 * **Co-serving:** Poisson arrivals (``--rate``) against the shm server, alone and while 2
   fine-tuning clients (LoRA, batch 4 x 64 tokens) train on the same executor: p50/p95
-  time-to-first-token and inter-token latency, and the fine-tuning steps/s kept.
+  time-to-first-token and inter-token latency, and the fine-tuning steps/s kept. The jobs run at
+  the background CPU priority ``symbiosis finetune --executor`` takes by default
+  (``--finetune-cpu-priority normal`` for the old setting).
 
 The load generator runs in this process, so its CPU time is part of what the servers compete
 with on a small host. By default it is a plain streaming HTTP client (``httpx2``, the library
@@ -52,6 +54,7 @@ from benchmarks.results import command_line, machine_info, print_summary, write_
 from benchmarks.timing import percentile, ratio
 from benchmarks.workers import Worker, process_env, serve_worker, stop_process
 from symbiosis.executor.process import ExecutorProcess
+from symbiosis.threads import enter_background_priority
 
 MODULE = "benchmarks.serving"
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -326,7 +329,10 @@ class HfMixedBatch:
 
 def finetune_worker(spec: dict) -> None:
     """Worker: a split LoRA client of the executor at ``spec['address']``; each ``go`` trains for
-    ``spec['seconds']`` and reports the steps done."""
+    ``spec['seconds']`` and reports the steps done. At the CPU priority ``symbiosis finetune
+    --executor`` takes by default (background: ``symbiosis/threads.py``)."""
+    if spec.get("cpu_priority", "background") == "background":
+        enter_background_priority()  # before torch and pyzmq start their threads
 
     def setup():
         quiet_libraries()
@@ -508,6 +514,7 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
         "batch": 4,
         "seq_len": 64,
         "seconds": args.coserve_seconds,
+        "cpu_priority": args.finetune_cpu_priority,
     }
     workers.extend(Worker(MODULE, {**spec, "seed": i, "role": f"finetune{i}"}, threads=1) for i in range(2))
     for worker in workers:
@@ -696,6 +703,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[],
         help="Extra option for the executor process (`symbiosis serve`), e.g. --serve-arg=--max-wait-ms=2; repeatable.",
     )
+    parser.add_argument(
+        "--finetune-cpu-priority",
+        choices=("background", "normal"),
+        default="background",
+        help="CPU priority of the co-serving fine-tuning jobs (default: that of `symbiosis finetune --executor`).",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every process.")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 5)
@@ -714,7 +727,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "benchmark": "serving",
         "command": command_line(argv, MODULE),
         "machine": {**machine, "load_average_1_5_15min_at_end": list(end_load)},
-        "config": {"threads_per_process": args.threads, "load_client": args.load_client, "serve_args": args.serve_arg},
+        "config": {
+            "threads_per_process": args.threads,
+            "load_client": args.load_client,
+            "serve_args": args.serve_arg,
+            "finetune_cpu_priority": args.finetune_cpu_priority,
+        },
         "wall_s": time.time() - started,
         "summary": summary,
         "measured": measured,

@@ -8,6 +8,7 @@ prints as one line (exit 2); ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from pathlib import Path
 from typing import Annotated
 
@@ -17,6 +18,7 @@ from symbiosis.jobs.client import ClientOptions
 from symbiosis.jobs.methods import METHODS, MethodOptions
 from symbiosis.jobs.publish import PublishOptions
 from symbiosis.jobs.train_options import TrainOptions
+from symbiosis.threads import AUTO, BACKGROUND, NORMAL
 
 
 def _help_of(options: type, name: str) -> str:
@@ -31,6 +33,16 @@ def _default_of(options: type, name: str):
 _METHOD_HELP = "PEFT method: " + ", ".join(f"{name} ({m.summary})" for name, m in METHODS.items()) + "."
 
 # Shared client flags.
+
+
+class CpuPriority(enum.StrEnum):
+    """``finetune --cpu-priority`` (applied in ``threads.configure_for_command``)."""
+
+    AUTO = AUTO
+    BACKGROUND = BACKGROUND
+    NORMAL = NORMAL
+
+
 ExecutorOpt = Annotated[str | None, typer.Option("--executor", help=_help_of(ClientOptions, "executor"))]
 EmbeddedOpt = Annotated[bool, typer.Option("--embedded", help=_help_of(ClientOptions, "embedded"))]
 DeviceOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "device"))]
@@ -160,8 +172,20 @@ def finetune_command(
             help="API key of the server (an unrestricted one); also read from SYMBIOSIS_API_KEY.",
         ),
     ] = None,
+    cpu_priority: Annotated[
+        CpuPriority,
+        typer.Option(
+            help=(
+                "CPU priority of this job on its host. 'background' (SCHED_IDLE on Linux, else nice 19): "
+                "serving clients and the executor on the same host get the cores the moment they need them, the "
+                "job every cycle left over (it cannot be raised again). 'auto' (default): background with "
+                "--executor, normal with --embedded. Set before torch starts its threads."
+            ),
+        ),
+    ] = CpuPriority.AUTO,
 ) -> None:
     """Fine-tune a PEFT adapter on a split client of the base executor; writes a standard PEFT adapter folder."""
+    del cpu_priority  # applied by cli.main before torch is imported (threads.configure_for_command)
     from symbiosis.jobs.finetune import FinetuneOptions, finetune
 
     options = FinetuneOptions(

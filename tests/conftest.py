@@ -12,7 +12,18 @@ from collections.abc import Callable
 
 import pytest
 
+from symbiosis import threads
 from symbiosis.modelzoo import make_model
+
+
+@pytest.fixture(autouse=True)
+def background_priority_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``symbiosis.cli.main`` run in-process (``finetune --executor ...``) would move the test
+    process, and every process it starts later, to the background CPU class for good: record the
+    call instead. Tests that check the real thing run it in a child process."""
+    calls: list[str] = []
+    monkeypatch.setattr(threads, "enter_background_priority", lambda: calls.append("background") or "recorded")
+    return calls
 
 
 @pytest.fixture(scope="session")

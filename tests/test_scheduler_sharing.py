@@ -251,6 +251,29 @@ def test_without_a_target_a_flood_is_cut_to_a_decoders_own_pace_not_its_starved_
     assert guard._decoders["d"].floor_token_s == pytest.approx(0.030, rel=0.05)
 
 
+def test_a_decoders_prefill_pass_keeps_it_protected():
+    """A serving client admits new sequences with a prefill pass between its decode passes, and its
+    running sequences wait for that pass too: bulk products must stay within their budget then."""
+    guard = DecodeGuard(slo_s=None, slowdown=1.0)
+    gaps = {"d": 0.001}
+    guard.arrived("d", Op.FORWARD, True, 0, 0.0)
+    guard.handed_out("d", 0.001)
+    guard.arrived("d", Op.FORWARD, False, 0, 1.0, is_latency=True)  # a prefill pass a second later
+    assert guard.active(1.0) == ["d"]
+    assert guard.delay_budget_s(1.0, gaps.get, 10) == pytest.approx(0.001)
+    guard.arrived("d", Op.FORWARD, False, 0, 2.0, is_latency=False)  # bulk work (a long prompt): not protected
+    guard.handed_out("d", 2.0)
+    assert guard.active(3.0) == []
+    guard.arrived("p", Op.FORWARD, False, 0, 3.0, is_latency=True)  # only ever prefilled: no decoder
+    assert guard.active(3.0) == []
+
+    scheduler = Scheduler(SchedulerConfig(policy="immediate", decode_share_rows=256))
+    scheduler.add(PendingRequest(1, "server", "l0", Op.FORWARD, 4, LatencyClass.DECODE, 0.0))
+    scheduler.next_batch(0.0)
+    scheduler.add(PendingRequest(2, "server", "l0", Op.FORWARD, 16, LatencyClass.PREFILL, 1.0))
+    assert scheduler._guard.active(1.0) == ["server"]
+
+
 def test_a_client_labelling_bulk_work_decode_is_no_decoder():
     scheduler = Scheduler(SchedulerConfig(policy="immediate", decode_share_rows=256))
     scheduler.add(PendingRequest(1, "flooder", "l0", Op.FORWARD, 16384, LatencyClass.DECODE, 0.0))

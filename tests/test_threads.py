@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from symbiosis.threads import SHARED_HOST_POLICY, configure_for_command, shares_host_with_executor
+from symbiosis.threads import (
+    SHARED_HOST_POLICY,
+    configure_for_command,
+    cpu_priority_for_command,
+    shares_host_with_executor,
+)
 
 
 @pytest.mark.parametrize(
@@ -129,3 +135,48 @@ def test_the_servers_socket_thread_multiplies_with_the_processes_thread_count(
     finally:
         executor.close(drain=False)
     assert counts == [3]
+
+
+# ---- CPU priority of fine-tuning jobs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, priority",
+    [
+        (["finetune", "--executor", "ipc:///tmp/x.sock", "--model", "M"], "background"),
+        (["finetune", "--executor=shm+ipc:///tmp/x.sock", "--cpu-priority", "auto"], "background"),
+        (["finetune", "--executor", "ipc:///tmp/x.sock", "--cpu-priority", "normal"], "normal"),
+        (["finetune", "--executor", "ipc:///tmp/x.sock", "--cpu-priority=normal"], "normal"),
+        (["finetune", "--embedded", "--model", "M"], "normal"),
+        (["generate", "--executor", "ipc:///tmp/x.sock"], "normal"),  # latency work
+        (["generate", "--executor", "ipc:///tmp/x.sock", "--cpu-priority", "background"], "background"),
+        (["api", "--executor", "ipc:///tmp/x.sock"], "normal"),
+        (["serve", "M"], "normal"),
+        (["finetune", "--executor", "ipc:///tmp/x.sock", "--cpu-priority", "bogus"], "normal"),  # typer rejects it
+    ],
+)
+def test_fine_tuning_next_to_an_executor_runs_in_the_background(argv, priority):
+    assert cpu_priority_for_command(argv) == priority
+
+
+def test_configure_applies_the_background_class_to_finetune_only(background_priority_calls, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    configure_for_command(["api", "--executor", "ipc:///tmp/x.sock"])
+    assert background_priority_calls == []
+    configure_for_command(["finetune", "--executor", "ipc:///tmp/x.sock", "--model", "M"])
+    assert background_priority_calls == ["background"]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_background_class_is_the_oss_idle_class_and_threads_started_later_inherit_it():
+    code = (
+        "import os, threading\n"
+        "from symbiosis.threads import enter_background_priority\n"
+        "print(enter_background_priority())\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0) == os.SCHED_IDLE))\n"
+        "t.start(); t.join()\n"
+        "print(os.sched_getscheduler(0) == os.SCHED_IDLE, seen[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["SCHED_IDLE", "True", "True"]

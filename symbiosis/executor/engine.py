@@ -60,7 +60,7 @@ from symbiosis.vocabulary import LatencyClass, Op
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
 # with more ready: a latency-sensitive request may be waiting unread behind a run of bulk chunks.
-DRIVER_SLICE_S = 0.002
+DRIVER_SLICE_S = 0.0005
 #: The lone-client path times one product in this many for the cost model (``_run_alone``).
 ALONE_TIMING_EVERY = 4
 
@@ -207,15 +207,15 @@ class ExecutionEngine:
         driver reads its sockets (a decode request may be waiting there behind a run of bulk
         chunks) and calls again at once."""
         with self._cond:
-            started = self._clock()
+            started = now = self._clock()
             while self._running and not self._computing:
-                now = self._clock()
-                if now - started >= DRIVER_SLICE_S:
-                    return now
                 batch = self.scheduler.next_batch(now)
                 if batch is None:
                     return self.scheduler.next_wakeup(now)
                 self._run_locked(batch, "driver")
+                now = self._clock()
+                if now - started >= DRIVER_SLICE_S:
+                    return now
             return None
 
     def _wake_others(self) -> None:

@@ -200,7 +200,15 @@ class DecodeGuard:
 
     # ---- events ---------------------------------------------------------------------------------
 
-    def arrived(self, client_id: str, op: Op, is_decode: bool, position: int, arrival_s: float) -> None:
+    def arrived(
+        self, client_id: str, op: Op, is_decode: bool, position: int, arrival_s: float, is_latency: bool | None = None
+    ) -> None:
+        """A forward or backward request arrived. ``is_decode``: decode-sized decode work (it makes
+        its client a decoder); ``is_latency`` (default: ``is_decode``): latency work of any class. A
+        decoder's prefill-sized prefill pass keeps it decoding: a serving client admits new sequences
+        between its decode passes, and its running sequences wait for that pass too."""
+        if is_latency is None:
+            is_latency = is_decode
         decoder = self._decoders.get(client_id)
         if op is not Op.FORWARD:
             if decoder is not None:
@@ -212,12 +220,12 @@ class DecodeGuard:
             decoder = self._decoders[client_id] = _Decoder()
         decoder.last_event_s = arrival_s
         if position <= decoder.pass_position or decoder.pass_start_s is None:  # a new pass (token) starts
-            if is_decode and decoder.decoding and decoder.pass_start_s is not None:
+            if is_latency and decoder.decoding and decoder.pass_start_s is not None:
                 clean = self._bulk_ran_s < decoder.pass_start_s  # no bulk batch started during this token
                 self._token(decoder, arrival_s - decoder.pass_start_s, clean)
             decoder.pass_start_s = arrival_s
         decoder.pass_position = position
-        decoder.decoding = is_decode
+        decoder.decoding = is_latency
         decoder.pending = True
 
     def handed_out(self, client_id: str, now_s: float) -> None:

@@ -297,7 +297,7 @@ class Scheduler:
         # A decoder is a client decoding decode-sized requests: one that labels bulk work "decode"
         # gets no decoder's protection for it (nor does its pace count as a decoder's).
         is_decode = latency and request.latency_class is LatencyClass.DECODE
-        self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s)
+        self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=latency)
 
     def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
         """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,
