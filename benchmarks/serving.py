@@ -331,7 +331,7 @@ def finetune_worker(spec: dict) -> None:
     """Worker: a split LoRA client of the executor at ``spec['address']``; each ``go`` trains for
     ``spec['seconds']`` and reports the steps done. At the CPU priority ``symbiosis finetune
     --executor`` takes by default (background: ``symbiosis/threads.py``)."""
-    if spec.get("cpu_priority", "background") == "background":
+    if spec["cpu_priority"] == "background":
         enter_background_priority()  # before torch and pyzmq start their threads
 
     def setup():

@@ -32,8 +32,6 @@ def _default_of(options: type, name: str):
 
 _METHOD_HELP = "PEFT method: " + ", ".join(f"{name} ({m.summary})" for name, m in METHODS.items()) + "."
 
-# Shared client flags.
-
 
 class CpuPriority(enum.StrEnum):
     """``finetune --cpu-priority`` (applied in ``threads.configure_for_command``)."""
@@ -43,6 +41,7 @@ class CpuPriority(enum.StrEnum):
     NORMAL = NORMAL
 
 
+# Shared client flags.
 ExecutorOpt = Annotated[str | None, typer.Option("--executor", help=_help_of(ClientOptions, "executor"))]
 EmbeddedOpt = Annotated[bool, typer.Option("--embedded", help=_help_of(ClientOptions, "embedded"))]
 DeviceOpt = Annotated[str, typer.Option(help=_help_of(ClientOptions, "device"))]

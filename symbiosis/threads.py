@@ -88,9 +88,9 @@ def configure_for_command(argv: Sequence[str]) -> str | None:
 # wakes, and leaves the job every cycle nobody else wants; ``nice 19`` is the weaker fallback
 # where SCHED_IDLE is missing. Measured (2026-11-25, this 2-core machine, one torch thread per
 # process, ``benchmarks/serving.py``'s co-serving phase: Poisson requests to ``symbiosis api``
-# over shm beside 2 LoRA jobs of 4 x 64 tokens, single runs): p95 inter-token latency x6.1 of
-# serving alone with the jobs at normal priority, x3.9 with them at SCHED_IDLE; with two torch
-# threads per process x6.6, x2.3 at SCHED_IDLE and x4.5 at nice 19.
+# over shm beside 2 LoRA jobs of 4 x 64 tokens, the same code, runs interleaved): p95 inter-token
+# latency x3.3-4.0 of serving alone with the jobs at normal priority (4 runs), x2.9-3.4 with them
+# at SCHED_IDLE (2 runs), the jobs keeping 61-66% of their solo rate instead of 71-82%.
 # What is left is the executor's own time: without ``--decode-slo-ms`` fine-tuning clients are
 # owed their fair share of its products.
 
@@ -99,10 +99,12 @@ AUTO, BACKGROUND, NORMAL = "auto", "background", "normal"
 
 
 def cpu_priority_for_command(argv: Sequence[str]) -> str:
-    """``background`` or ``normal`` for the command in ``argv``: what its ``--cpu-priority`` says,
-    and for ``auto`` (the default) background for a ``finetune`` that reaches an executor in
-    another process (``--executor``), normal otherwise."""
+    """``background`` or ``normal`` for the command in ``argv``: for ``finetune``, what its
+    ``--cpu-priority`` says, and for ``auto`` (the default) background when it reaches an executor
+    in another process (``--executor``); normal for every other command."""
     verb = next((arg for arg in argv if not arg.startswith("-")), None)
+    if verb != "finetune":  # the only command with the option
+        return NORMAL
     asked = AUTO
     for index, arg in enumerate(argv):
         if arg == CPU_PRIORITY_OPTION and index + 1 < len(argv):
@@ -111,7 +113,7 @@ def cpu_priority_for_command(argv: Sequence[str]) -> str:
             asked = arg.split("=", 1)[1]
     if asked in (BACKGROUND, NORMAL):
         return asked
-    if asked == AUTO and verb == "finetune" and shares_host_with_executor(argv):
+    if asked == AUTO and shares_host_with_executor(argv):
         return BACKGROUND
     return NORMAL  # an unknown value: the command's own option parsing rejects it
 
