@@ -46,12 +46,14 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import msgspec
 import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, error_from_code
+from symbiosis.transport.spin import SPIN_S, try_for
 
 #: Largest message a lane carries (header and payload): calls whose rows or result need more go
 #: over ZeroMQ, whose zero-copy frames suit large payloads better anyway.
@@ -67,6 +69,9 @@ _LENGTHS = struct.Struct("<II")  # message length (after this field), header len
 _LENGTH = struct.Struct("<I")
 _PADDING = bytes(ALIGNMENT)
 _MSG_TRUNC = socket.MSG_TRUNC
+_DONTWAIT = socket.MSG_DONTWAIT
+#: Weight of the newest reply in the lane's moving average of reply waits (``ClientLane``).
+_REPLY_WAIT_WEIGHT = 0.25
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 #: A lane call's timeout is re-set when it differs from the one set by more than this fraction.
 _TIMEOUT_SLACK = 0.02
@@ -268,6 +273,11 @@ class ClientLane:
         # by more than ``_TIMEOUT_SLACK`` (calls made with the transport's usual timeout never do).
         sock.settimeout(None)
         self._timeout_s = -1.0
+        # How long this lane's replies have been taking (a moving average): a reply is waited
+        # for awake (``spin.py``) only while replies usually come within ``SPIN_S``; a client
+        # whose calls wait behind others' work (many clients on few cores) sleeps at once and
+        # leaves the cores to them.
+        self._reply_wait_s = 0.0
 
     def exchange(
         self,
@@ -289,15 +299,18 @@ class ClientLane:
         A timeout closes the lane (a late reply must not answer the next call) and raises
         ``ExecutorTimeoutError``; a lane the executor closed raises ``ExecutorUnavailableError``."""
         self.calls += 1
+        spin_s = SPIN_S if self._reply_wait_s <= SPIN_S else 0.0
         try:
             timeout_s = max(timeout_s, 1e-3)
             if abs(timeout_s - self._timeout_s) > _TIMEOUT_SLACK * self._timeout_s:
                 self._set_timeout(timeout_s)
+            started = time.perf_counter()
             if into is not None and not self.stream:
                 self.sock.sendmsg(frame(header, payload))
-                message, landed = self._receive_into(into)
+                message, landed = self._receive_into(into, spin_s)
             else:
-                message, landed = self._send_and_receive(frame(header, payload), reply_nbytes), False
+                message, landed = self._send_and_receive(frame(header, payload), reply_nbytes, spin_s), False
+            self._reply_wait_s += _REPLY_WAIT_WEIGHT * (time.perf_counter() - started - self._reply_wait_s)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO passed: EAGAIN
             self.close()
             raise ExecutorTimeoutError("no reply on the lane in time") from None
@@ -319,7 +332,7 @@ class ClientLane:
             raise ProtocolError(f"the executor answered request {request_id} on the lane with {type(reply).__name__}")
         return reply, payload_view
 
-    def _receive_into(self, into: memoryview) -> tuple[memoryview, bool]:
+    def _receive_into(self, into: memoryview, spin_s: float) -> tuple[memoryview, bool]:
         """Receive a reply scattered over this lane's header buffer up to where the last result's
         payload started, then ``into``, then the rest of the header buffer: ``(header, True)`` when
         the reply is a result that filled ``into`` exactly, else ``(whole message, False)``.
@@ -329,7 +342,9 @@ class ClientLane:
         a reply's header has the same length from one call to the next, so its payload lands
         where the last one did."""
         head, start = self._header_only, self._payload_start
-        nbytes, _, _, _ = self.sock.recvmsg_into([head[:start], into, head[start:]], 0, _MSG_TRUNC)
+        buffers = [head[:start], into, head[start:]]
+        nbytes = try_for(lambda: _nonblocking(self.sock.recvmsg_into, buffers, 0, _MSG_TRUNC | _DONTWAIT), spin_s)
+        nbytes = nbytes[0] if nbytes is not None else self.sock.recvmsg_into(buffers, 0, _MSG_TRUNC)[0]
         if nbytes == 0:
             raise ConnectionResetError("the executor closed the lane")
         if nbytes > head.nbytes + into.nbytes:
@@ -357,13 +372,17 @@ class ClientLane:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
         self._timeout_s = timeout_s
 
-    def _send_and_receive(self, buffers: list, reply_nbytes: int) -> memoryview:
+    def _send_and_receive(self, buffers: list, reply_nbytes: int, spin_s: float = 0.0) -> memoryview:
         """One message out, the reply's whole message back (``OSError`` for a closed lane)."""
         sock = self.sock
         if not self.stream:
             sock.sendmsg(buffers)
             buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else self._header_only
-            nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
+            nbytes = try_for(
+                lambda: _nonblocking(sock.recv_into, buffer, buffer.nbytes, _MSG_TRUNC | _DONTWAIT), spin_s
+            )
+            if nbytes is None:
+                nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
             if nbytes == 0:
                 raise ConnectionResetError("the executor closed the lane")
             if nbytes > buffer.nbytes:
@@ -437,6 +456,15 @@ def _send_all(sock: socket.socket, buffers: list) -> None:
             views.pop(0)
         if views and sent:
             views[0] = views[0][sent:]
+
+
+def _nonblocking(receive, *args):
+    """``receive(*args)`` with ``MSG_DONTWAIT`` among them: its result, or None if nothing is there
+    yet (for ``spin.try_for``: a same-host reply often comes before the caller would have slept)."""
+    try:
+        return receive(*args)
+    except BlockingIOError:
+        return None
 
 
 def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
