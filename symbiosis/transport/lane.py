@@ -53,7 +53,7 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, error_from_code
-from symbiosis.transport.spin import SPIN_S, try_for
+from symbiosis.transport.spin import CLIENT_SPIN_IF_WAITS_UNDER_S, SPIN_S, try_for
 
 #: Largest message a lane carries (header and payload): calls whose rows or result need more go
 #: over ZeroMQ, whose zero-copy frames suit large payloads better anyway.
@@ -274,7 +274,7 @@ class ClientLane:
         sock.settimeout(None)
         self._timeout_s = -1.0
         # How long this lane's replies have been taking (a moving average): a reply is waited
-        # for awake (``spin.py``) only while replies usually come within ``SPIN_S``; a client
+        # for awake (``spin.py``) only while replies usually come soon; a client
         # whose calls wait behind others' work (many clients on few cores) sleeps at once and
         # leaves the cores to them.
         self._reply_wait_s = 0.0
@@ -299,7 +299,7 @@ class ClientLane:
         A timeout closes the lane (a late reply must not answer the next call) and raises
         ``ExecutorTimeoutError``; a lane the executor closed raises ``ExecutorUnavailableError``."""
         self.calls += 1
-        spin_s = SPIN_S if self._reply_wait_s <= SPIN_S else 0.0
+        spin_s = SPIN_S if self._reply_wait_s <= CLIENT_SPIN_IF_WAITS_UNDER_S else 0.0
         try:
             timeout_s = max(timeout_s, 1e-3)
             if abs(timeout_s - self._timeout_s) > _TIMEOUT_SLACK * self._timeout_s:

@@ -83,7 +83,7 @@ from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
-from symbiosis.transport.spin import SPIN_S, try_for
+from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, SPIN_S, try_for
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
@@ -255,8 +255,8 @@ class ZmqServer:
         self._lane_buffer: memoryview | None = None  # where every same-host lane message is read (socket thread)
         self._poller: zmq.Poller | None = None
         self._backlogged: set[bytes] = set()  # identities whose session has a backlog
-        self._lane_served_at = -1e9  # when a same-host lane's request was last read (``spin.py``)
-        self._lane_gap_s = 0.0  # moving average of the time between those reads
+        self._lane_served_at = -1e9  # when a same-host lane's call was last answered (``spin.py``)
+        self._lane_gap_s = 0.0  # moving average of the time from an answer to the next call
         self._trims: list[float] = []  # when to hand freed heap back to the OS
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stats: dict[str, dict[str, int]] = {}
@@ -497,11 +497,12 @@ class ZmqServer:
                 continue
             lane = self._lanes.get(key)
             if lane is not None:
-                self._read_lane(lane)
-                if not lane.stream:
+                if not lane.stream:  # how long the client computed since its last reply
                     gap_s = min(now - self._lane_served_at, 1.0)
                     self._lane_gap_s += _LANE_GAP_WEIGHT * (gap_s - self._lane_gap_s)
-                    self._lane_served_at = now
+                self._read_lane(lane)
+                if not lane.stream:
+                    self._lane_served_at = time.monotonic()
             elif listener is not None and key == listener.fd:
                 for fd in listener.accept(now):
                     poller.register(fd, zmq.POLLIN)
@@ -706,7 +707,7 @@ class ZmqServer:
             # Only while lane calls have been coming that close together (a moving average).
             spin_s = (
                 min(SPIN_S - (time.monotonic() - self._lane_served_at), timeout_ms * 1e-3)
-                if self._lane_gap_s <= SPIN_S
+                if self._lane_gap_s <= SERVER_SPIN_IF_GAPS_UNDER_S
                 else 0.0
             )
             events = None
