@@ -16,6 +16,11 @@ even idle ones, queues every request through its scheduler instead of serving it
 on it and leave it idle while the first one is timed (not in the default list; ask for them with
 ``--transports``).
 
+Back-to-back calls keep both sides awake, which a real client does not: between its base-layer
+calls a decode step computes attention and norms (a few hundred µs at hidden 512), long enough
+for a peer waiting asleep to pay its wake-up (~50 µs on this project's VM; ``transport/spin.py``).
+``--gap-us N`` makes the client busy for N µs before each timed call to measure that case.
+
 A/B in one run: ``--baseline DIR`` names a folder holding another copy of the ``symbiosis``
 package (e.g. the code before a change, copied with ``cp -r symbiosis DIR/``). Each variant gets
 its own server and client processes, importing ``symbiosis`` from its own folder; the parent
@@ -130,7 +135,12 @@ def _client(addresses: list[str]) -> None:
         for _ in range(command["warmup"]):
             transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
         samples = []
+        gap_ns = int(command.get("gap_us", 0) * 1e3)
         for _ in range(command["calls"]):
+            if gap_ns:  # the client's own work between calls (a busy loop, as compute is)
+                until = time.perf_counter_ns() + gap_ns
+                while time.perf_counter_ns() < until:
+                    pass
             start = time.perf_counter_ns()
             transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
             samples.append(time.perf_counter_ns() - start)
@@ -233,6 +243,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every child (default: %(default)s).")
     parser.add_argument(
+        "--gap-us",
+        type=float,
+        default=0.0,
+        help="The client works this long between calls (default: %(default)s, back to back), as a decode step "
+        "does between its base-layer calls: long enough, a peer that sleeps while it waits pays its wake-up.",
+    )
+    parser.add_argument(
         "--transports",
         default=",".join(TRANSPORTS),
         help=f"Comma-separated subset of %(default)s, and of those but inproc with {JOINED!r} (another client joined).",
@@ -278,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "rows": rows,
                             "calls": per_block,
                             "warmup": args.warmup,
+                            "gap_us": args.gap_us,
                         }
                         samples[f"{transport}/h{hidden}/r{rows}"][name] += clients[name].ask(command)["samples_ns"]
         finally:

@@ -120,8 +120,9 @@ def test_roundtrip_times_a_joined_client_case(tmp_path, capsys):
     scheduler's path instead of the lone-client one); an unknown transport is refused up front."""
     from benchmarks import roundtrip
 
-    cases = "--transports ipc,ipc+joined --hiddens 64 --calls 40 --blocks 2 --warmup 2".split()
+    cases = "--transports ipc,ipc+joined --hiddens 64 --calls 40 --blocks 2 --warmup 2 --gap-us 20".split()
     written = roundtrip.main([*cases, "--output", str(tmp_path)])
+    assert written["config"]["gap_us"] == 20  # the client worked between its calls
     assert json.loads((tmp_path / "roundtrip.json").read_text())["results"] == written["results"]
     assert set(written["results"]) == {f"{t}/h64/r{r}" for t in ("ipc", "ipc+joined") for r in (1, 16)}
     timings = [entry["current"] for entry in written["results"].values()]
