@@ -8,7 +8,6 @@ prints as one line (exit 2); ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +17,7 @@ from symbiosis.jobs.client import ClientOptions
 from symbiosis.jobs.methods import METHODS, MethodOptions
 from symbiosis.jobs.publish import PublishOptions
 from symbiosis.jobs.train_options import TrainOptions
-from symbiosis.threads import AUTO, BACKGROUND, NORMAL
+from symbiosis.threads import CpuPriority
 
 
 def _help_of(options: type, name: str) -> str:
@@ -31,14 +30,6 @@ def _default_of(options: type, name: str):
 
 
 _METHOD_HELP = "PEFT method: " + ", ".join(f"{name} ({m.summary})" for name, m in METHODS.items()) + "."
-
-
-class CpuPriority(enum.StrEnum):
-    """``finetune --cpu-priority`` (applied in ``threads.configure_for_command``)."""
-
-    AUTO = AUTO
-    BACKGROUND = BACKGROUND
-    NORMAL = NORMAL
 
 
 # Shared client flags.

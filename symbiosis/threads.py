@@ -46,6 +46,7 @@ stays; a client that only decodes small batches on a small host may set
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -74,7 +75,7 @@ def configure_for_command(argv: Sequence[str]) -> str | None:
     wait policy now in force for it (None: libgomp's default)."""
     if shares_host_with_executor(argv):
         os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
-    if cpu_priority_for_command(argv) == BACKGROUND:
+    if cpu_priority_for_command(argv) == CpuPriority.BACKGROUND:
         enter_background_priority()
     return os.environ.get(WAIT_POLICY_VARIABLE)
 
@@ -95,27 +96,34 @@ def configure_for_command(argv: Sequence[str]) -> str | None:
 # owed their fair share of its products.
 
 CPU_PRIORITY_OPTION = "--cpu-priority"
-AUTO, BACKGROUND, NORMAL = "auto", "background", "normal"
 
 
-def cpu_priority_for_command(argv: Sequence[str]) -> str:
+class CpuPriority(enum.StrEnum):
+    """``finetune --cpu-priority``: what it accepts and what ``cpu_priority_for_command`` returns."""
+
+    AUTO = "auto"
+    BACKGROUND = "background"
+    NORMAL = "normal"
+
+
+def cpu_priority_for_command(argv: Sequence[str]) -> CpuPriority:
     """``background`` or ``normal`` for the command in ``argv``: for ``finetune``, what its
     ``--cpu-priority`` says, and for ``auto`` (the default) background when it reaches an executor
     in another process (``--executor``); normal for every other command."""
     verb = next((arg for arg in argv if not arg.startswith("-")), None)
     if verb != "finetune":  # the only command with the option
-        return NORMAL
-    asked = AUTO
+        return CpuPriority.NORMAL
+    asked = CpuPriority.AUTO
     for index, arg in enumerate(argv):
         if arg == CPU_PRIORITY_OPTION and index + 1 < len(argv):
             asked = argv[index + 1]
         elif arg.startswith(CPU_PRIORITY_OPTION + "="):
             asked = arg.split("=", 1)[1]
-    if asked in (BACKGROUND, NORMAL):
-        return asked
-    if asked == AUTO and shares_host_with_executor(argv):
-        return BACKGROUND
-    return NORMAL  # an unknown value: the command's own option parsing rejects it
+    if asked in (CpuPriority.BACKGROUND, CpuPriority.NORMAL):
+        return CpuPriority(asked)
+    if asked == CpuPriority.AUTO and shares_host_with_executor(argv):
+        return CpuPriority.BACKGROUND
+    return CpuPriority.NORMAL  # an unknown value: the command's own option parsing rejects it
 
 
 def enter_background_priority() -> str:

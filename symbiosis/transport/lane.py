@@ -53,7 +53,7 @@ import torch
 
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, error_from_code
-from symbiosis.transport.spin import CLIENT_SPIN_IF_WAITS_UNDER_S, SPIN_S, try_for
+from symbiosis.transport.spin import CLIENT_SPIN_IF_WAITS_UNDER_S, RecentWaits, try_for
 
 #: Largest message a lane carries (header and payload): calls whose rows or result need more go
 #: over ZeroMQ, whose zero-copy frames suit large payloads better anyway.
@@ -70,8 +70,6 @@ _LENGTH = struct.Struct("<I")
 _PADDING = bytes(ALIGNMENT)
 _MSG_TRUNC = socket.MSG_TRUNC
 _DONTWAIT = socket.MSG_DONTWAIT
-#: Weight of the newest reply in the lane's moving average of reply waits (``ClientLane``).
-_REPLY_WAIT_WEIGHT = 0.25
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 #: A lane call's timeout is re-set when it differs from the one set by more than this fraction.
 _TIMEOUT_SLACK = 0.02
@@ -273,11 +271,10 @@ class ClientLane:
         # by more than ``_TIMEOUT_SLACK`` (calls made with the transport's usual timeout never do).
         sock.settimeout(None)
         self._timeout_s = -1.0
-        # How long this lane's replies have been taking (a moving average): a reply is waited
-        # for awake (``spin.py``) only while replies usually come soon; a client
-        # whose calls wait behind others' work (many clients on few cores) sleeps at once and
-        # leaves the cores to them.
-        self._reply_wait_s = 0.0
+        # How long this lane's replies have been taking: a reply is waited for awake (``spin.py``)
+        # only while replies usually come soon; a client whose calls wait behind others' work
+        # (many clients on few cores) sleeps at once and leaves the cores to them.
+        self._reply_waits = RecentWaits(CLIENT_SPIN_IF_WAITS_UNDER_S)
 
     def exchange(
         self,
@@ -299,7 +296,7 @@ class ClientLane:
         A timeout closes the lane (a late reply must not answer the next call) and raises
         ``ExecutorTimeoutError``; a lane the executor closed raises ``ExecutorUnavailableError``."""
         self.calls += 1
-        spin_s = SPIN_S if self._reply_wait_s <= CLIENT_SPIN_IF_WAITS_UNDER_S else 0.0
+        spin_s = self._reply_waits.spin_budget_s()
         try:
             timeout_s = max(timeout_s, 1e-3)
             if abs(timeout_s - self._timeout_s) > _TIMEOUT_SLACK * self._timeout_s:
@@ -310,7 +307,7 @@ class ClientLane:
                 message, landed = self._receive_into(into, spin_s)
             else:
                 message, landed = self._send_and_receive(frame(header, payload), reply_nbytes, spin_s), False
-            self._reply_wait_s += _REPLY_WAIT_WEIGHT * (time.perf_counter() - started - self._reply_wait_s)
+            self._reply_waits.observe(time.perf_counter() - started)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO passed: EAGAIN
             self.close()
             raise ExecutorTimeoutError("no reply on the lane in time") from None
@@ -372,7 +369,7 @@ class ClientLane:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
         self._timeout_s = timeout_s
 
-    def _send_and_receive(self, buffers: list, reply_nbytes: int, spin_s: float = 0.0) -> memoryview:
+    def _send_and_receive(self, buffers: list, reply_nbytes: int, spin_s: float) -> memoryview:
         """One message out, the reply's whole message back (``OSError`` for a closed lane)."""
         sock = self.sock
         if not self.stream:

@@ -83,14 +83,12 @@ from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
-from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, SPIN_S, try_for
+from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
 
 log = logging.getLogger(__name__)
-#: Weight of the newest gap in the moving average of gaps between same-host lane calls.
-_LANE_GAP_WEIGHT = 0.25
 
 _INVALID = "<invalid>"  # stats key for requests that name no known layer
 #: Messages queued for one peer before ``send`` finds its queue full (then replies wait in the
@@ -255,8 +253,10 @@ class ZmqServer:
         self._lane_buffer: memoryview | None = None  # where every same-host lane message is read (socket thread)
         self._poller: zmq.Poller | None = None
         self._backlogged: set[bytes] = set()  # identities whose session has a backlog
-        self._lane_served_at = -1e9  # when a same-host lane's call was last answered (``spin.py``)
-        self._lane_gap_s = 0.0  # moving average of the time from an answer to the next call
+        # When a same-host lane's call was last served (answered, for a lone client), and how long
+        # clients have been computing from an answer to their next call (``spin.py``).
+        self._lane_served_at = -1e9
+        self._lane_gaps = RecentWaits(SERVER_SPIN_IF_GAPS_UNDER_S)
         self._trims: list[float] = []  # when to hand freed heap back to the OS
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stats: dict[str, dict[str, int]] = {}
@@ -498,8 +498,7 @@ class ZmqServer:
             lane = self._lanes.get(key)
             if lane is not None:
                 if not lane.stream:  # how long the client computed since its last reply
-                    gap_s = min(now - self._lane_served_at, 1.0)
-                    self._lane_gap_s += _LANE_GAP_WEIGHT * (gap_s - self._lane_gap_s)
+                    self._lane_gaps.observe(now - self._lane_served_at)
                 self._read_lane(lane)
                 if not lane.stream:
                     self._lane_served_at = time.monotonic()
@@ -702,14 +701,8 @@ class ZmqServer:
             if self._backlogged:
                 timeout_ms = min(timeout_ms, 5.0)  # retry soon: ZeroMQ does not say when a peer's queue drains
             # A same-host lane's client computes between its calls: after serving one, check for
-            # the next a while before sleeping (``spin.py``: a sleeping thread wakes slowly), never
-            # past the poll's own timeout (a batch the scheduler holds is due then).
-            # Only while lane calls have been coming that close together (a moving average).
-            spin_s = (
-                min(SPIN_S - (time.monotonic() - self._lane_served_at), timeout_ms * 1e-3)
-                if self._lane_gap_s <= SERVER_SPIN_IF_GAPS_UNDER_S
-                else 0.0
-            )
+            # the next a while before sleeping (``spin.py``: a sleeping thread wakes slowly).
+            spin_s = spin_window_s(self._lane_gaps, time.monotonic() - self._lane_served_at, timeout_ms * 1e-3)
             events = None
             if spin_s > 0:
                 events = try_for(lambda: dict(poller.poll(0)) or None, spin_s)

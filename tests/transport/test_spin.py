@@ -29,6 +29,31 @@ def test_try_for_returns_the_first_result_and_gives_up_after_its_budget() -> Non
     assert spin.try_for(lambda: pytest.fail("a zero budget never tries"), 0.0) is None
 
 
+def test_a_side_spins_only_while_its_recent_waits_are_short() -> None:
+    waits = spin.RecentWaits(limit_s=0.001, spin_s=0.002)
+    assert waits.spin_budget_s() == 0.002  # nothing seen yet: try
+    for _ in range(3):
+        waits.observe(0.010)  # replies queued behind other clients' work
+    assert waits.spin_budget_s() == 0.0
+    for _ in range(20):
+        waits.observe(0.0002)  # decode-sized again
+    assert waits.spin_budget_s() == 0.002
+    waits.observe(1e9)  # the first gap after an idle spell counts as LONGEST_WAIT_S, not forever
+    assert waits.mean_s <= spin.LONGEST_WAIT_S
+    for _ in range(40):
+        waits.observe(0.0002)
+    assert waits.spin_budget_s() == 0.002
+
+
+def test_the_executors_spin_stops_at_its_budget_and_at_a_held_batch() -> None:
+    gaps = spin.RecentWaits(limit_s=0.0005, spin_s=0.002)
+    assert spin.spin_window_s(gaps, 0.0005, 0.1) == pytest.approx(0.0015)  # the rest of its 2 ms
+    assert spin.spin_window_s(gaps, 0.0005, 0.0003) == pytest.approx(0.0003)  # a held batch is due
+    assert spin.spin_window_s(gaps, 0.003, 0.1) <= 0  # spun long enough: sleep
+    gaps.observe(1.0)  # a client that computes long between calls
+    assert spin.spin_window_s(gaps, 0.0, 0.1) <= 0
+
+
 @pytest.mark.parametrize(
     ("value", "expected_s"),
     [("0", 0.0), ("500", 500e-6), ("", spin.DEFAULT_SPIN_US * 1e-6), ("fast", spin.DEFAULT_SPIN_US * 1e-6)],
