@@ -10,9 +10,9 @@ computes attention and norms between calls). A 16-sequence decode step over ``sh
 27.5-28.2 ms sleeping, 24.3-25.1 ms with a 1 ms bound and 21.9-23.7 ms with 2 ms (in-process:
 20.4-21.5); the gate/up product of that step takes ~1.4 ms, hence the 2 ms default. (Those are
 the first, unconditional version's figures. With the adaptive one below: that step 28.5 and 31.2
-ms against 34.9 and 39.5 sleeping, on a busier host; 1-row calls 41-53 µs back to back, but ~91 µs
-once the client works or sleeps 200 µs between calls -- 172-211 µs sleeping -- although the
-executor then still spins: the rest of that cost is not found yet.)
+ms against 34.9 and 39.5 sleeping, on a busier host; 1-row calls 33-53 µs back to back, and
+43-60 µs with the client working or asleep 200 µs between calls -- 172-211 µs sleeping -- though
+an earlier hour of the same day gave ~91 µs there with the same code.)
 
 How. Only same-host lanes spin (``lane.py``'s Unix-socket calls, the executor's socket thread
 after serving a lane message): they are the waits a decode step makes tens of times per token.
