@@ -72,6 +72,7 @@ from benchmarks.options import add_common_arguments, checkpoint_path, resolve_co
 from benchmarks.plots import Panel, plot_panels
 from benchmarks.results import command_line, machine_info, print_summary, write_json
 from symbiosis.executor.scheduler import SchedulerConfig
+from symbiosis.executor.scheduler_config import BULK_LANES
 
 NAME = "batching"
 INFERENCE_BATCH_SIZES = (1, 2, 4, 8, 16, 1, 2, 4)
@@ -385,6 +386,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-wait-ms", type=float, default=None, help="Executor max_wait_ms (default: SchedulerConfig's)."
     )
     parser.add_argument(
+        "--bulk-lane",
+        choices=BULK_LANES,
+        default=None,
+        help="Executor bulk_lane: who runs fine-tuning and flood products (default: SchedulerConfig's, 'auto').",
+    )
+    parser.add_argument(
         "--window-s", type=float, default=None, help="Measured seconds per run (default 6; 0.6 with --quick)."
     )
     parser.add_argument(
@@ -448,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     variants = ["remote"] if args.executor else list(args.policies)
     options = {} if args.max_wait_ms is None else {"max_wait_ms": args.max_wait_ms}
+    if args.bulk_lane is not None:
+        options["bulk_lane"] = args.bulk_lane
     scenarios = [s for s in SCENARIOS if s in args.scenarios]
     if SLO_VARIANT in variants and "inference_with_finetune" in scenarios and args.decode_slo_ms is None:
         if "opportunistic" not in variants or "inference_alone" not in scenarios:

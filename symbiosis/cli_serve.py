@@ -93,7 +93,8 @@ def serve(
     With --curve-secret-key and --authorized-clients, clients authenticate with CURVE keys
     (`symbiosis keys`) and all ZeroMQ traffic is encrypted.
     """
-    from symbiosis.executor.executor import BaseExecutor
+    from symbiosis.executor.executor import BaseExecutor, parse_device
+    from symbiosis.executor.scheduler_config import resolve_bulk_lane
 
     if (curve_secret_key is None) != (authorized_clients is None):
         raise typer.BadParameter("--curve-secret-key and --authorized-clients go together")
@@ -125,6 +126,8 @@ def serve(
         )
         raise typer.Exit(serve_sharded(request, shards, max_restarts))
 
+    # Its own process: bulk products on a background thread by default (``bulk_lane="auto"``).
+    scheduler_config = resolve_bulk_lane(scheduler_config, parse_device(device).type, own_process=True)
     executor = BaseExecutor.from_pretrained(
         model_dir,
         device=device,

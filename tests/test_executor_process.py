@@ -40,6 +40,8 @@ def test_ready_file_names_the_real_addresses_and_the_checkpoint(tiny_checkpoint,
         stats = executor.stats()
         assert sum(layer["requests"] for layer in stats["layers"].values()) > 0
         assert stats["weights_bytes"] == expected.nbytes() and stats["peak_rss_bytes"] > stats["weights_bytes"]
+        # A CPU executor in its own process runs bulk products on a background thread by default.
+        assert stats["scheduler"]["config"]["bulk_lane"] == "background" and "bulk_thread" in stats["batches_run_by"]
         ready_file = executor.ready_file
     assert executor.process.returncode == 0, executor.output()
     assert not ready_file.exists()

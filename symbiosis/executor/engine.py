@@ -4,8 +4,8 @@ The scheduler decides *what* and *when* (pure policy, see ``scheduler.py``); thi
 bookkeeping around it: casting at the boundary, gathering row slices, reassembling chunked
 requests, and failing a batch without failing the executor.
 
-Who runs a product (flat combining). At most one batch is computed at a time, by whichever thread
-finds it ready first:
+Who runs a product (flat combining). At most one batch of latency work is computed at a time,
+by whichever thread finds it ready first:
 
 - ``call`` (in-process clients) enqueues its request and, in the same critical section, asks the
   scheduler for a ready batch and runs it *in the caller's own thread* — its own rows and any
@@ -22,6 +22,19 @@ finds it ready first:
   answered by one thread.
 - ``submit`` (tools, servers without a driver) enqueues and returns a future; the engine's own
   compute thread runs what no waiting caller and no driver is there to run.
+
+Bulk work (fine-tuning, long prompts: the scheduler's bulk lane) has a thread of its own when
+``SchedulerConfig.bulk_lane`` says ``background`` (``symbiosis serve``'s default on a CPU): it runs one bulk batch
+at a time, beside the latency runners above, at the OS's background CPU priority (SCHED_IDLE), so
+a decode request never waits behind a bulk product -- the OS takes the core back for latency work
+the moment it wakes -- and bulk work gets the CPU time latency work leaves. The latency runners
+then take latency work only. Measured (co-serving phase of ``benchmarks/serving.py``: a serving
+client over shm beside 2 fine-tuning jobs): p95 inter-token latency x1.15 of inference alone
+against x2.5-3.0 with one runner for both lanes. With ``shared`` (the default on an accelerator,
+whose products share one stream anyway, and in-process: the bulk thread's OpenMP team would be a
+second team in the clients' process, see below) the latency runners run bulk batches too, paced
+and cut into chunks by the scheduler. The bulk thread starts its OpenMP team at once, so that a
+server's thread count does not grow at the first bulk product.
 
 Running products in the callers' threads also keeps a second OpenMP team out of the process: the
 compute thread of an in-process executor never multiplies while a client waits, so it never
@@ -52,9 +65,9 @@ from symbiosis.errors import (
 )
 from symbiosis.executor.requests import Batch, PendingRequest
 from symbiosis.executor.runner import apply_op, out_fits_product, run_batch
-from symbiosis.executor.scheduler import Scheduler
+from symbiosis.executor.scheduler import Lane, Scheduler
 from symbiosis.executor.weights import BaseModelWeights
-from symbiosis.threads import with_torch_threads
+from symbiosis.threads import enter_background_priority, with_torch_threads
 from symbiosis.vocabulary import LatencyClass, Op
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -145,6 +158,19 @@ class ExecutionEngine:
         # Weak references: a remembered tensor may lie in a shared-memory segment that must close.
         self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
         self._alone_calls = 0
+        bulk_thread = scheduler.config.bulk_lane == "background"  # "auto": see resolve_bulk_lane
+        # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
+        # (``_bulk_loop``); the other runners then take latency work only.
+        self._latency_lane: Lane | None = Lane.LATENCY if bulk_thread else None
+        self._bulk_computing = False
+        self._bulk_cv = threading.Condition(self._lock)
+        self._bulk_thread = None
+        if bulk_thread:
+            self._batches_run_by["bulk_thread"] = 0
+            self._bulk_thread = threading.Thread(
+                target=with_torch_threads(self._bulk_loop), name="symbiosis-bulk", daemon=True
+            )
+            self._bulk_thread.start()
         self._thread = threading.Thread(target=with_torch_threads(self._loop), name="symbiosis-executor", daemon=True)
         self._thread.start()
 
@@ -209,9 +235,9 @@ class ExecutionEngine:
         with self._cond:
             started = now = self._clock()
             while self._running and not self._computing:
-                batch = self.scheduler.next_batch(now)
+                batch = self.scheduler.next_batch(now, self._latency_lane)
                 if batch is None:
-                    return self.scheduler.next_wakeup(now)
+                    return self.scheduler.next_wakeup(now, self._latency_lane)
                 self._run_locked(batch, "driver")
                 now = self._clock()
                 if now - started >= DRIVER_SLICE_S:
@@ -271,10 +297,11 @@ class ExecutionEngine:
                             ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"),
                         )
                         break
-                    if not self._computing and (batch := self.scheduler.next_batch(now)) is not None:
+                    batch = None if self._computing else self.scheduler.next_batch(now, self._latency_lane)
+                    if batch is not None:
                         self._run_locked(batch, "caller")
                         continue
-                    wakeup = None if self._computing else self.scheduler.next_wakeup(now)
+                    wakeup = None if self._computing else self.scheduler.next_wakeup(now, self._latency_lane)
                     cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
             finally:
                 self._callers_waiting -= 1
@@ -300,8 +327,11 @@ class ExecutionEngine:
         ``out``: where the driver will send the result from (a shared-memory reply region); the
         product is written straight into it when the rows are in the executor's dtype (and
         ``out`` suits ``apply_op``), and the result is then ``out`` itself."""
+        lane = self._latency_lane
+        if lane is not None and self.scheduler.lane_of(latency_class, rows.shape[0]) is not Lane.LATENCY:
+            lane = None  # bulk work is alone only with no one else there
         with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
-            alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id)
+            alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id, lane)
             if not alone:
                 return None
             self._computing = True
@@ -364,6 +394,8 @@ class ExecutionEngine:
         self._inflight[request_id] = _Admitted(local, future, rows.dtype, rows.device, now)
         self._owner[request_id] = client_id
         self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
+        if self._bulk_thread is not None and self.scheduler.lane_of(latency_class, rows.shape[0]) is Lane.BULK:
+            self._bulk_cv.notify()
         counters = self._per_layer[layer_id]
         counters.requests += 1
         counters.rows += rows.shape[0]
@@ -407,6 +439,8 @@ class ExecutionEngine:
             self._fail_all(ExecutorUnavailableError("the executor was closed"))
             self._notify_everyone()
         self._thread.join(timeout=5)
+        if self._bulk_thread is not None:
+            self._bulk_thread.join(timeout=5)
 
     def _notify_everyone(self) -> None:
         """Membership or lifecycle changed (holding ``_cond``): everyone re-checks."""
@@ -414,6 +448,7 @@ class ExecutionEngine:
         for cv in self._caller_cvs.values():
             cv.notify()
         self._compute_cv.notify()
+        self._bulk_cv.notify()
         for wake in self._drivers:
             wake()
 
@@ -443,14 +478,31 @@ class ExecutionEngine:
             while self._running:
                 now = self._clock()
                 if self._callers_waiting == 0 and not self._drivers and not self._computing:
-                    batch = self.scheduler.next_batch(now)
+                    batch = self.scheduler.next_batch(now, self._latency_lane)
                     if batch is not None:
                         self._run_locked(batch, "compute_thread")
                         continue
-                    wakeup = self.scheduler.next_wakeup(now)
+                    wakeup = self.scheduler.next_wakeup(now, self._latency_lane)
                 else:
                     wakeup = None  # callers or drivers run the batches; they notify when they stop
                 self._compute_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
+
+    def _bulk_loop(self) -> None:
+        """The bulk thread: runs bulk batches (fine-tuning, long prompts) as they become ready, at
+        the OS's background priority, so that a latency product never waits behind one: on a
+        core the latency runners want, the OS stops this thread at once (SCHED_IDLE)."""
+        enter_background_priority()
+        warm = torch.ones(128, 128)
+        torch.mm(warm, warm)  # OpenMP starts this thread's team now (see the module doc)
+        with self._cond:
+            while self._running:
+                now = self._clock()
+                batch = self.scheduler.next_batch(now, Lane.BULK)
+                if batch is not None:
+                    self._run_locked(batch, "bulk_thread")
+                    continue
+                wakeup = self.scheduler.next_wakeup(now, Lane.BULK)
+                self._bulk_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
 
     def _run_locked(self, batch: Batch, runner: str) -> None:
         """Run ``batch`` with ``_cond`` held on entry and exit, released around the product."""
@@ -463,7 +515,11 @@ class ExecutionEngine:
             if not inflight.started:
                 inflight.started = True
                 counters.queue_wait_s += now - inflight.submitted_s
-        self._computing = True
+        bulk = runner == "bulk_thread"
+        if bulk:
+            self._bulk_computing = True
+        else:
+            self._computing = True
         self._batches_run_by[runner] += 1
         self._cond.release()
         duration, finished = None, []
@@ -473,7 +529,14 @@ class ExecutionEngine:
             self._cond.acquire()
             if duration is not None:
                 self.scheduler.batch_done(batch, duration, self._clock())  # the cost model learns from it
-            self._computing_done(finished, runner == "caller")
+            if bulk:
+                self._bulk_computing = False
+                for request_id in finished:
+                    cv = self._caller_cvs.get(request_id)
+                    if cv is not None:
+                        cv.notify()
+            else:
+                self._computing_done(finished, runner == "caller")
 
     def _computing_done(self, finished: list[int] = (), by_caller: bool = False) -> None:
         """A product finished (holding ``_cond``): the callers of the requests it ``finished`` learn

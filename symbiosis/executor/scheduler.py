@@ -45,6 +45,12 @@ client's own queue, its most urgent class goes first, except that a request that
 ``aging_ms`` goes first (oldest first), so a client's own decode stream cannot starve its own
 fine-tuning.
 
+**Two runners.** An engine with a background bulk lane (``SchedulerConfig.bulk_lane``, see
+``engine.py``) runs the lanes in two threads at once and asks ``next_batch`` for one lane's
+batches: latency batches carry no bulk rows, and bulk batches are neither paced nor cut for the
+decoders (the OS's priorities keep bulk products out of their way), so what follows about owed
+shares, chunks and pacing applies to the shared lane, where one runner serves both.
+
 **Chunks and a decode target.** A batch holds at most ``row_budget`` rows; while a client is
 decoding, the bulk rows of a batch are further cut to what the learned cost model says fits in
 the decoders' delay budget (``pacing.py``: ``decode_slowdown`` times their own time per call, or
@@ -66,6 +72,7 @@ Cost per call: O(groups + pending requests); opportunistic with predictions: O(g
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import asdict
 
@@ -76,7 +83,7 @@ from symbiosis.executor.scheduler_config import POLICIES, Policy, SchedulerConfi
 from symbiosis.executor.wait_tuner import WaitTuner
 from symbiosis.vocabulary import LatencyClass, Op
 
-__all__ = ["POLICIES", "Policy", "Scheduler", "SchedulerConfig", "REQUEST_CHARGE_ROWS"]
+__all__ = ["POLICIES", "Lane", "Policy", "Scheduler", "SchedulerConfig", "REQUEST_CHARGE_ROWS"]
 
 # Latency classes in the order a client's own queue serves them (decode first).
 _CLASS_ORDER: tuple[LatencyClass, ...] = tuple(sorted(LatencyClass, key=lambda c: c.priority))
@@ -93,7 +100,16 @@ MAX_OWED_SHARE = 0.95
 NOMINAL_PRODUCT_S = 1e-4
 # A client counts as active (for the bulk lane's fair share) this long after its last request.
 ACTIVE_CLIENT_S = 1.0
-LATENCY, BULK = 0, 1  # the lanes, in the order they are served
+
+
+class Lane(enum.IntEnum):
+    """The two lanes of work, in the order a single runner serves them (see the module doc)."""
+
+    LATENCY = 0
+    BULK = 1
+
+
+LATENCY, BULK = Lane.LATENCY, Lane.BULK
 
 
 class _Entry:
@@ -324,6 +340,10 @@ class Scheduler:
         small = rows <= self.config.decode_share_rows
         return LATENCY if small and latency_class is not LatencyClass.FINETUNE else BULK
 
+    def lane_of(self, latency_class: LatencyClass, rows: int) -> Lane:
+        """The lane a request of ``rows`` rows in ``latency_class`` goes to."""
+        return Lane(self._lane_of(latency_class, rows))
+
     def _lane(self, entry: _Entry) -> int:
         return self._lane_of(entry.request.latency_class, entry.request.rows)
 
@@ -376,7 +396,10 @@ class Scheduler:
         return deadline_s, "deadline"
 
     def _has_latency_work(self, group: _Group) -> bool:
-        return any(self._lane(e) == LATENCY for e in group.entries)
+        return self._has_work_of(group, LATENCY)
+
+    def _has_work_of(self, group: _Group, lane: Lane) -> bool:
+        return any(self._lane(e) == lane for e in group.entries)
 
     def _convoy_waits_for(self, group: _Group) -> bool:
         """Convoy rule: whether a client on its way to ``group``'s layer can come: it is computing
@@ -400,9 +423,11 @@ class Scheduler:
             return (0, 0, request.arrival_s, entry.seq)
         return (1, request.latency_class.priority, request.arrival_s, entry.seq)
 
-    def _plan(self, now_s: float) -> tuple[_Entry | None, str, float]:
+    def _plan(self, now_s: float, only: Lane | None = None) -> tuple[_Entry | None, str, float]:
         """The request that leads the next batch (None: nothing now), why its group is ready, and
-        otherwise the earliest time something may become ready without new arrivals."""
+        otherwise the earliest time something may become ready without new arrivals. With
+        ``only``, only that lane's work is considered, and bulk work is not paced (see
+        ``next_batch``)."""
         if self._tuner is not None:
             self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
         rule = self._rule()
@@ -420,6 +445,8 @@ class Scheduler:
                 if not walkers or self._ready_now_reason(g, rule) is not None
             }
         for group in self._groups.values():
+            if only is not None and not self._has_work_of(group, only):
+                continue
             reason = self._ready_now_reason(group, rule)
             if reason is None:
                 hold_until_s, why = self._hold_until_s(group, now_s, rule)
@@ -434,7 +461,7 @@ class Scheduler:
         aged_before_s = now_s - self._aging_s
         best: list[tuple | None] = [None, None]  # per lane: (rank, lead entry)
         for client in self._client_state.values():
-            candidates = [e for e in client.entries if e.group in ready]
+            candidates = [e for e in client.entries if e.group in ready and (only is None or self._lane(e) == only)]
             if not candidates:
                 continue
             entry = min(candidates, key=lambda e: self._own_rank(e, aged_before_s))
@@ -443,7 +470,7 @@ class Scheduler:
             if best[lane] is None or rank < best[lane][0]:
                 best[lane] = (rank, entry)
         latency, bulk = (b[1] if b else None for b in best)
-        if bulk is not None:
+        if bulk is not None and only is None:
             bulk, allowed_at_s = self._bulk_may_lead(bulk, now_s, latency is not None)
             wakeup_s = min(wakeup_s, allowed_at_s)
         lead = bulk if bulk is not None else latency
@@ -499,32 +526,41 @@ class Scheduler:
         gap_of = self._arrivals.own_gap_s if backlog else self._arrivals.gap_s
         return self._guard.delay_budget_s(now_s, lambda c: gap_of(c, Op.FORWARD), calls, exclude, backlog)
 
-    def next_wakeup(self, now_s: float) -> float | None:
-        """Earliest time (never before ``now_s``) at which ``next_batch`` may return a batch without
-        new arrivals; None when nothing is pending."""
+    def next_wakeup(self, now_s: float, lane: Lane | None = None) -> float | None:
+        """Earliest time (never before ``now_s``) at which ``next_batch`` (for ``lane``) may return a
+        batch without new arrivals; None when nothing is pending."""
         if not self._groups:
             return None
-        lead, _, wakeup_s = self._plan(now_s)
+        lead, _, wakeup_s = self._plan(now_s, lane)
+        if lead is None and wakeup_s == math.inf:
+            return None
         return now_s if lead is not None else max(now_s, wakeup_s)
 
     # ----------------------------------------------------------------------------- batching
 
-    def next_batch(self, now_s: float) -> Batch | None:
-        """The batch to run now, or None if every group with pending work should keep waiting."""
+    def next_batch(self, now_s: float, lane: Lane | None = None) -> Batch | None:
+        """The batch to run now, or None if every group with pending work should keep waiting.
+
+        ``lane``: for an engine that runs the two lanes in two threads at once (bulk work at the
+        OS's background priority, which preempts it for latency work): only that lane's rows, and
+        bulk work neither paced nor cut into chunks for the decoders -- the OS keeps it out of
+        their way. None: one runner serves both, as the module doc says."""
         if not self._groups:
             return None
-        lead, reason, _ = self._plan(now_s)
+        lead, reason, _ = self._plan(now_s, lane)
         if lead is None:
             return None
         self._ready_reasons[reason] += 1
-        return self._fill(lead, now_s)
+        return self._fill(lead, now_s, lane)
 
-    def _fill(self, lead: _Entry, now_s: float) -> Batch:
+    def _fill(self, lead: _Entry, now_s: float, only: Lane | None = None) -> Batch:
         group = lead.group
         aged_before_s = now_s - self._aging_s
         bulk_limit: int | None = None  # at the first bulk entry: a batch of latency rows never needs it
+        if only is BULK:
+            bulk_limit = self._row_budget  # its own thread: the OS, not the chunk size, protects decoders
         others = sorted(
-            (e for e in group.entries if e is not lead),
+            (e for e in group.entries if e is not lead and (only is None or self._lane(e) == only)),
             key=lambda e: (
                 self._lane(e),
                 e.client.tag,
@@ -622,10 +658,22 @@ class Scheduler:
         """Rows not yet handed out, over all pending requests."""
         return self._pending_rows
 
-    def alone(self, client_id: str) -> bool:
+    def alone(self, client_id: str, lane: Lane | None = None) -> bool:
         """Nothing is pending and no other client has joined: no policy could batch a request of
-        ``client_id`` with anything, so the engine may serve it at once without queueing it."""
-        return not self._entries and (not self._clients or self._clients == {client_id})
+        ``client_id`` with anything, so the engine may serve it at once without queueing it.
+
+        ``lane=LATENCY``, for a latency request on an engine that runs the lanes apart (see
+        ``next_batch``): bulk work neither shares its batch nor delays it, so it is alone when no
+        latency work is pending and every other client is a bulk client (its last request was
+        bulk; a client that joined and sent nothing yet is not)."""
+        if lane is not Lane.LATENCY:
+            return not self._entries and (not self._clients or self._clients == {client_id})
+        for other in self._clients:
+            if other != client_id:
+                state = self._client_state.get(other)
+                if state is None or state.last_lane == LATENCY:
+                    return False
+        return not any(self._lane(e) == LATENCY for e in self._entries.values())
 
     def served_alone(
         self,
@@ -638,6 +686,9 @@ class Scheduler:
     ) -> None:
         """Account for a request the engine served at once (see ``alone``) as a batch of its own."""
         self._clients.add(client_id)
+        state = self._client_state.get(client_id)
+        if state is not None:  # what it sends now, for the other clients' ``alone``
+            state.last_lane = self._lane_of(latency_class, rows)
         self._batches += 1
         self._rows_served += rows
         self._completed[latency_class] += 1

@@ -6,6 +6,7 @@ what each knob means and which values are allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -17,6 +18,8 @@ Policy = Literal["immediate", "lockstep", "opportunistic"]
 POLICIES: tuple[str, ...] = ("immediate", "lockstep", "opportunistic")
 WaitRule = Literal["adaptive", "none", "predicted", "convoy", "budget"]
 WAIT_RULES: tuple[str, ...] = ("adaptive", "none", "predicted", "convoy", "budget")
+BulkLane = Literal["auto", "background", "shared"]
+BULK_LANES: tuple[str, ...] = ("auto", "background", "shared")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -126,6 +129,20 @@ class SchedulerConfig:
             "while it is owed."
         ),
     )
+    bulk_lane: BulkLane = field(
+        default="auto",
+        metadata=_help(
+            "Who runs bulk products (fine-tuning, long prompts). 'background': a thread of their own at the "
+            "OS's background CPU priority (SCHED_IDLE), beside the products of latency work, so a decode "
+            "request never waits behind one: the OS stops it for latency work at once, and bulk work gets "
+            "the CPU time latency work leaves (none while it takes every core). 'shared': the runners of "
+            "latency work run bulk products too, one product at a time, bulk owed its fair share and paced "
+            "and cut into chunks for the decoders as --decode-slo-ms and --decode-slowdown say. 'auto' "
+            "(default): background for `symbiosis serve` on a CPU; shared on an accelerator (its products "
+            "share one stream) and for an executor in its clients' process (the bulk thread's OpenMP team "
+            "would be a second one there, which slows every torch op of the clients)."
+        ),
+    )
     min_chunk_rows: int = field(
         default=16,
         metadata=_help(
@@ -141,6 +158,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigurationError(f"SchedulerConfig.{name} must be an integer >= {least}, got {value!r}")
+        if self.bulk_lane not in BULK_LANES:
+            raise ConfigurationError(f"SchedulerConfig.bulk_lane must be one of {BULK_LANES}, got {self.bulk_lane!r}")
         if self.wait_rule not in WAIT_RULES:
             raise ConfigurationError(f"SchedulerConfig.wait_rule must be one of {WAIT_RULES}, got {self.wait_rule!r}")
         for name in (
@@ -193,6 +212,15 @@ class SchedulerConfig:
         """
         wait_ms = self.base_wait_ms(latency_class) + self.wait_per_row_ms * rows
         return min(self.max_wait_ms, wait_ms) / 1000.0
+
+
+def resolve_bulk_lane(config: SchedulerConfig, device_type: str, own_process: bool) -> SchedulerConfig:
+    """``config`` with ``bulk_lane="auto"`` made concrete (see its help): ``background`` for an
+    executor on a CPU in a process of its own, else ``shared``."""
+    if config.bulk_lane != "auto":
+        return config
+    lane = "background" if device_type == "cpu" and own_process else "shared"
+    return dataclasses.replace(config, bulk_lane=lane)
 
 
 def _check_non_negative(name: str, value: object) -> None:

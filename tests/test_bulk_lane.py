@@ -1,0 +1,222 @@
+"""Bulk work on a background thread (``SchedulerConfig.bulk_lane``): a decode request never waits
+behind a bulk product, results stay exact, and ``shared`` keeps the one-product-at-a-time engine."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.errors import ConfigurationError
+from symbiosis.executor import engine as engine_module
+from symbiosis.executor.requests import PendingRequest
+from symbiosis.executor.scheduler import Lane, Scheduler, SchedulerConfig
+from symbiosis.executor.scheduler_config import resolve_bulk_lane
+from symbiosis.vocabulary import LatencyClass, Op
+
+LAYER = "model.layers.0.self_attn.q_proj"
+BULK_ROWS = 300  # over decode_share_rows (256): bulk whatever its class
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("qwen2")
+
+
+def _expected(executor, rows):
+    layer = executor.weights.layers[LAYER]
+    return rows @ layer.weight.t() + layer.bias
+
+
+class BlockedBulkProduct:
+    """Stands in for ``run_batch``: a product with ``BULK_ROWS`` rows or more stops until
+    ``release`` is set, recording the thread that runs it; others run as usual."""
+
+    def __init__(self, monkeypatch):
+        self.started, self.release = threading.Event(), threading.Event()
+        self.thread_name, self.native_id = None, None
+        real = engine_module.run_batch
+
+        def run_batch(layer, op, rows_list):
+            if sum(r.shape[0] for r in rows_list) >= BULK_ROWS:
+                self.thread_name, self.native_id = threading.current_thread().name, threading.get_native_id()
+                self.started.set()
+                assert self.release.wait(30), "the test never released the bulk product"
+            return real(layer, op, rows_list)
+
+        monkeypatch.setattr(engine_module, "run_batch", run_batch)
+
+
+def _start_bulk_then_decode(executor, blocked):
+    g = torch.Generator().manual_seed(0)
+    bulk_rows, decode_rows = torch.randn(BULK_ROWS, 64, generator=g), torch.randn(1, 64, generator=g)
+    bulk = executor.submit("trainer", LAYER, Op.FORWARD, bulk_rows, LatencyClass.FINETUNE)
+    assert blocked.started.wait(10), "the bulk product never started"
+    decode = executor.submit("decoder", LAYER, Op.FORWARD, decode_rows, LatencyClass.DECODE)
+    return (bulk, bulk_rows), (decode, decode_rows)
+
+
+def test_a_decode_request_is_served_while_a_bulk_product_runs(path, monkeypatch):
+    blocked = BlockedBulkProduct(monkeypatch)
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background") as ex:
+        (bulk, bulk_rows), (decode, decode_rows) = _start_bulk_then_decode(ex, blocked)
+        try:
+            torch.testing.assert_close(decode.result(timeout=10), _expected(ex, decode_rows), rtol=1e-5, atol=1e-6)
+            assert not bulk.done()  # still held in its product: the decode request did not wait for it
+        finally:
+            blocked.release.set()
+        torch.testing.assert_close(bulk.result(timeout=10), _expected(ex, bulk_rows), rtol=1e-5, atol=1e-6)
+        assert blocked.thread_name == "symbiosis-bulk"
+        if hasattr(os, "SCHED_IDLE"):
+            assert os.sched_getscheduler(blocked.native_id) == os.SCHED_IDLE
+        assert ex.stats()["batches_run_by"]["bulk_thread"] >= 1
+
+
+def test_shared_bulk_lane_runs_one_product_at_a_time(path, monkeypatch):
+    blocked = BlockedBulkProduct(monkeypatch)
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="shared") as ex:
+        (bulk, _), (decode, decode_rows) = _start_bulk_then_decode(ex, blocked)
+        try:
+            with pytest.raises(TimeoutError):
+                decode.result(timeout=0.3)  # behind the bulk product
+        finally:
+            blocked.release.set()
+        torch.testing.assert_close(decode.result(timeout=10), _expected(ex, decode_rows), rtol=1e-5, atol=1e-6)
+        bulk.result(timeout=10)
+        assert blocked.thread_name != "symbiosis-bulk"
+        assert "bulk_thread" not in ex.stats()["batches_run_by"]
+
+
+def test_concurrent_bulk_and_latency_requests_are_exact(path):
+    """Threads of in-process callers mixing fine-tuning, long prefill and decode requests, forward
+    and backward, on a background bulk lane: every result is its own product."""
+    with symbiosis.BaseExecutor.from_pretrained(path, bulk_lane="background", row_budget=128) as ex:
+        g = torch.Generator().manual_seed(1)
+        jobs = [
+            (op, cls, torch.randn(n, 64, generator=g))
+            for n, cls in ((1, LatencyClass.DECODE), (300, LatencyClass.PREFILL), (40, LatencyClass.FINETUNE))
+            for op in (Op.FORWARD, Op.BACKWARD)
+            for _ in range(3)
+        ]
+        results = [None] * len(jobs)
+
+        def run(i):
+            op, cls, rows = jobs[i]
+            results[i] = ex.call(f"c{i}", LAYER, op, rows, cls, timeout_s=30)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        layer = ex.weights.layers[LAYER]
+        for (op, _, rows), result in zip(jobs, results):
+            expected = rows @ layer.weight.t() + layer.bias if op is Op.FORWARD else rows @ layer.weight
+            torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_bulk_lane_is_a_configuration_error():
+    with pytest.raises(ConfigurationError, match="bulk_lane"):
+        SchedulerConfig(bulk_lane="sideways")
+
+
+# ---- the policy side: a scheduler asked for one lane -------------------------------------------------
+
+
+def _req(request_id, client, rows, cls, at=0.0, layer="l0"):
+    return PendingRequest(request_id, client, layer, Op.FORWARD, rows, cls, at)
+
+
+def _decoder_then_finetuning() -> tuple[Scheduler, float]:
+    """A scheduler that has seen a decoder walk 4 layers for 6 tokens (1-row products of 0.1 ms,
+    0.3 ms of its own work between calls) and 64-row fine-tuning products of layer l0, and now
+    holds a 1000-row fine-tuning request for l0 while the decoder is active."""
+    scheduler = Scheduler(SchedulerConfig(policy="immediate", min_chunk_rows=1))
+    now, request_id = 0.0, 100
+    for _ in range(6):
+        for layer in range(4):
+            scheduler.add(_req(request_id, "decoder", 1, LatencyClass.DECODE, now, f"l{layer}"))
+            request_id += 1
+            batch = scheduler.next_batch(now)
+            now += 1e-4
+            scheduler.batch_done(batch, 1e-4, now)
+            now += 3e-4
+        now += 5e-4
+    for _ in range(3):
+        scheduler.add(_req(request_id, "trainer", 64, LatencyClass.FINETUNE, now))
+        request_id += 1
+        batch = scheduler.next_batch(now, Lane.BULK)
+        scheduler.batch_done(batch, 64e-5, now + 64e-5)
+        now += 7e-4
+    scheduler.add(_req(1, "trainer", 1000, LatencyClass.FINETUNE, now))
+    return scheduler, now
+
+
+def _slices(batch):
+    return [(s.request_id, s.start, s.stop) for s in batch.slices]
+
+
+def test_one_runner_cuts_bulk_rows_for_a_decoder_but_the_bulk_lane_takes_them_whole():
+    shared, now = _decoder_then_finetuning()
+    [(request_id, start, stop)] = _slices(shared.next_batch(now))
+    assert (request_id, start) == (1, 0) and stop < 1000  # cut to the decoder's delay budget
+    background, now = _decoder_then_finetuning()
+    assert _slices(background.next_batch(now, Lane.BULK)) == [(1, 0, 1000)]  # the OS keeps it out of the way
+
+
+def test_each_lane_gets_only_its_own_rows():
+    scheduler, now = _decoder_then_finetuning()
+    scheduler.add(_req(2, "decoder", 1, LatencyClass.DECODE, now))
+    assert scheduler.next_wakeup(now, Lane.LATENCY) == now
+    assert _slices(scheduler.next_batch(now, Lane.LATENCY)) == [(2, 0, 1)]  # the bulk rows stay out
+    assert scheduler.next_batch(now, Lane.LATENCY) is None
+    assert scheduler.next_wakeup(now, Lane.LATENCY) is None  # nothing of its lane pending
+    assert _slices(scheduler.next_batch(now, Lane.BULK)) == [(1, 0, 1000)]
+    assert scheduler.next_batch(now, Lane.BULK) is None
+
+
+def test_a_latency_client_beside_bulk_clients_only_is_alone():
+    scheduler, now = _decoder_then_finetuning()  # the trainer's 1000 rows are pending
+    assert not scheduler.alone("decoder")  # one runner: the trainer's work could share its batch
+    assert scheduler.alone("decoder", Lane.LATENCY)  # two runners: bulk work neither shares nor delays it
+    assert not scheduler.alone("trainer", Lane.LATENCY)  # the decoder is a latency client
+    scheduler.client_joined("newcomer")  # sent nothing yet: it may be a decoder
+    assert not scheduler.alone("decoder", Lane.LATENCY)
+    scheduler.client_left("newcomer")
+    scheduler.add(_req(2, "trainer", 1, LatencyClass.DECODE, now))  # latency work pending
+    assert not scheduler.alone("decoder", Lane.LATENCY)
+
+
+def test_a_decoder_beside_a_running_bulk_product_takes_the_lone_client_path(path, monkeypatch):
+    blocked = BlockedBulkProduct(monkeypatch)
+    with symbiosis.BaseExecutor.from_pretrained(path, bulk_lane="background") as ex:
+        (bulk, bulk_rows), (decode, _) = _start_bulk_then_decode(ex, blocked)
+        try:
+            decode.result(timeout=10)  # nothing of the latency lane pending now
+            rows = torch.randn(2, 64)
+            before = ex.stats()["batches_run_by"]["alone"]
+            result = ex._engine.call("decoder", LAYER, Op.FORWARD, rows, LatencyClass.DECODE, timeout_s=10)
+            torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
+            assert ex.stats()["batches_run_by"]["alone"] == before + 1
+        finally:
+            blocked.release.set()
+        torch.testing.assert_close(bulk.result(timeout=10), _expected(ex, bulk_rows), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("device", "own_process", "lane"),
+    [("cpu", True, "background"), ("cpu", False, "shared"), ("cuda", True, "shared"), ("cuda", False, "shared")],
+)
+def test_auto_is_background_only_for_a_cpu_executor_in_its_own_process(device, own_process, lane):
+    assert resolve_bulk_lane(SchedulerConfig(), device, own_process).bulk_lane == lane
+    chosen = SchedulerConfig(bulk_lane="background")
+    assert resolve_bulk_lane(chosen, device, own_process) is chosen  # a choice is kept
+
+
+def test_an_in_process_executor_keeps_one_runner_by_default(path):
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        assert "bulk_thread" not in ex.stats()["batches_run_by"]
+        assert not any(t.name == "symbiosis-bulk" for t in threading.enumerate() if t.is_alive())
