@@ -29,12 +29,12 @@ at a time, beside the latency runners above, at the OS's background CPU priority
 a decode request never waits behind a bulk product -- the OS takes the core back for latency work
 the moment it wakes -- and bulk work gets the CPU time latency work leaves. The latency runners
 then take latency work only. Measured (co-serving phase of ``benchmarks/serving.py``: a serving
-client over shm beside 2 fine-tuning jobs): p95 inter-token latency x1.15 of inference alone
-against x2.5-3.0 with one runner for both lanes. With ``shared`` (the default on an accelerator,
-whose products share one stream anyway, and in-process: the bulk thread's OpenMP team would be a
-second team in the clients' process, see below) the latency runners run bulk batches too, paced
-and cut into chunks by the scheduler. The bulk thread starts its OpenMP team at once, so that a
-server's thread count does not grow at the first bulk product.
+client over shm beside 2 fine-tuning jobs): p95 inter-token latency x1.09-1.48 of inference
+alone (median x1.23, 14 runs) against x2.5-3.0 with one runner for both lanes. With ``shared``
+(the default on an accelerator, whose products share one stream anyway, and in-process: the bulk
+thread's OpenMP team would be a second team in the clients' process, see below) the latency
+runners run bulk batches too, paced and cut into chunks by the scheduler. The bulk thread starts
+its OpenMP team at once, so that a server's thread count does not grow at the first bulk product.
 
 Running products in the callers' threads also keeps a second OpenMP team out of the process: the
 compute thread of an in-process executor never multiplies while a client waits, so it never
