@@ -112,6 +112,7 @@ def test_concurrent_bulk_and_latency_requests_are_exact(path):
             t.start()
         for t in threads:
             t.join()
+        assert ex.stats()["batches_run_by"]["bulk_thread"] > 0
         layer = ex.weights.layers[LAYER]
         for (op, _, rows), result in zip(jobs, results):
             expected = rows @ layer.weight.t() + layer.bias if op is Op.FORWARD else rows @ layer.weight
@@ -186,7 +187,7 @@ def test_a_latency_client_beside_bulk_clients_only_is_alone():
     scheduler.client_joined("newcomer")  # sent nothing yet: it may be a decoder
     assert not scheduler.alone("decoder", Lane.LATENCY)
     scheduler.client_left("newcomer")
-    scheduler.add(_req(2, "trainer", 1, LatencyClass.DECODE, now))  # latency work pending
+    scheduler.add(_req(2, "decoder", 1, LatencyClass.DECODE, now))  # latency work pending (its own)
     assert not scheduler.alone("decoder", Lane.LATENCY)
 
 
@@ -220,3 +221,33 @@ def test_an_in_process_executor_keeps_one_runner_by_default(path):
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         assert "bulk_thread" not in ex.stats()["batches_run_by"]
         assert not any(t.name == "symbiosis-bulk" for t in threading.enumerate() if t.is_alive())
+
+
+@pytest.mark.parametrize("policy", ["lockstep", "opportunistic"])
+def test_the_bulk_lane_waits_for_no_one(policy):
+    """Whether a waiting policy's wait for other clients pays depends on latency work the bulk
+    runner does not see (and no one wakes it when that changes): its work is ready at once."""
+    scheduler = Scheduler(SchedulerConfig(policy=policy, wait_rule="budget"))
+    scheduler.client_joined("decoder")
+    scheduler.add(_req(1, "trainer", 64, LatencyClass.FINETUNE, 0.0))
+    assert scheduler.next_batch(0.0) is None  # one runner for both lanes: held for the decoder
+    assert scheduler.next_wakeup(0.0, Lane.BULK) == 0.0
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK)) == [(1, 0, 64)]
+
+
+def test_a_clients_next_bulk_request_does_not_jump_its_running_one(path, monkeypatch):
+    """A lone fine-tuning client's request while its previous one is in the bulk thread's product:
+    not computed at once beside it (on the lone-client path, at normal priority)."""
+    blocked = BlockedBulkProduct(monkeypatch)
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background") as ex:
+        rows = torch.randn(BULK_ROWS, 64)
+        first = ex.submit("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
+        assert blocked.started.wait(10)
+        try:
+            assert ex._engine.try_alone("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE) is None
+        finally:
+            blocked.release.set()
+        first.result(timeout=10)
+        # ... and once it is done, the lone client's path is open again.
+        result = ex._engine.try_alone("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
+        torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)

@@ -306,7 +306,7 @@ class ExecutionEngine:
             finally:
                 self._callers_waiting -= 1
                 del self._caller_cvs[request_id]
-                if self._callers_waiting == 0 and self._inflight:
+                if self._callers_waiting == 0 and self._work_for_latency_runners():
                     self._wake_others()  # what is left is the drivers' or the compute thread's again
                 elif self._inflight and not self._computing:
                     self._wake_a_runner()  # this caller may have been the one woken to run the next batch
@@ -331,7 +331,13 @@ class ExecutionEngine:
         if lane is not None and self.scheduler.lane_of(latency_class, rows.shape[0]) is not Lane.LATENCY:
             lane = None  # bulk work is alone only with no one else there
         with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
-            alone = self._running and self._accepting and not self._computing and self.scheduler.alone(client_id, lane)
+            alone = (
+                self._running
+                and self._accepting
+                and not self._computing
+                and not (lane is None and self._bulk_computing)  # a client's next bulk request waits its turn
+                and self.scheduler.alone(client_id, lane)
+            )
             if not alone:
                 return None
             self._computing = True
@@ -552,8 +558,17 @@ class ExecutionEngine:
             return
         if self._callers_waiting:
             self._wake_a_runner()
-        elif self._inflight:
+        elif self._work_for_latency_runners():
             self._wake_others()
+
+    def _work_for_latency_runners(self) -> bool:
+        """Requests are in flight that the callers, drivers or compute thread may have to run
+        (holding ``_cond``): with a bulk thread, only latency work counts -- bulk work is always
+        in flight while a job trains, and waking every driver after each decode product for it
+        cost a wake-up, a poll and two plans."""
+        if not self._inflight:
+            return False
+        return self._latency_lane is None or self.scheduler.has_pending(self._latency_lane)
 
     def _compute(self, batch: Batch, parts) -> tuple[float | None, list[int]]:
         """The product and completing its requests' futures (called without ``_cond`` held): the
@@ -583,23 +598,29 @@ class ExecutionEngine:
     def _complete(self, batch: Batch, parts, outputs: list[torch.Tensor]) -> list[int]:
         finished: list[tuple[_Admitted, torch.Tensor]] = []
         finished_ids: list[int] = []
+        # The copies first, without the lock (a bulk batch's are megabytes, and every runner and
+        # arriving request needs the lock). A request's chunks are all in one lane, whose runner
+        # runs one batch at a time, so no other thread writes its ``output`` meanwhile.
+        results: list[torch.Tensor | None] = []
+        for (s, inflight), out in zip(parts, outputs):
+            if s.start == 0 and s.stop == inflight.rows.shape[0]:
+                # A slice of a shared batch output would pin the whole batch in memory and
+                # be a view to autograd; give each request its own tensor.
+                results.append(out if len(parts) == 1 else out.clone())
+            else:  # served in chunks: assemble into one buffer
+                if inflight.output is None:
+                    inflight.output = out.new_empty((inflight.rows.shape[0], out.shape[1]))
+                inflight.output[s.start : s.stop] = out
+                results.append(None)
         now = self._clock()
         with self._cond:
             counters = self._per_layer[batch.layer_id]
             counters.batches += 1
             counters.batch_rows += sum(s.rows for s, _ in parts)
-            for (s, inflight), out in zip(parts, outputs):
-                total = inflight.rows.shape[0]
-                if s.start == 0 and s.stop == total:
-                    # A slice of a shared batch output would pin the whole batch in memory and
-                    # be a view to autograd; give each request its own tensor.
-                    result = out if len(parts) == 1 else out.clone()
-                else:  # served in chunks: assemble into one buffer
-                    if inflight.output is None:
-                        inflight.output = out.new_empty((total, out.shape[1]))
-                    inflight.output[s.start : s.stop] = out
+            for (s, inflight), result in zip(parts, results):
+                if result is None:  # a chunk: done once all of its request's rows are
                     inflight.rows_done += s.rows
-                    if inflight.rows_done < total:
+                    if inflight.rows_done < inflight.rows.shape[0]:
                         continue
                     result = inflight.output
                 self._inflight.pop(s.request_id, None)

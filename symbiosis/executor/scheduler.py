@@ -340,6 +340,10 @@ class Scheduler:
         small = rows <= self.config.decode_share_rows
         return LATENCY if small and latency_class is not LatencyClass.FINETUNE else BULK
 
+    def has_pending(self, lane: Lane) -> bool:
+        """Whether rows of ``lane``'s work are waiting to be handed out."""
+        return any(self._lane(e) == lane for e in self._entries.values())
+
     def lane_of(self, latency_class: LatencyClass, rows: int) -> Lane:
         """The lane a request of ``rows`` rows in ``latency_class`` goes to."""
         return Lane(self._lane_of(latency_class, rows))
@@ -446,6 +450,9 @@ class Scheduler:
             }
         for group in self._groups.values():
             if only is not None and not self._has_work_of(group, only):
+                continue
+            if only is BULK:  # its own runner: bulk work waits for no one (whether others come
+                ready[group] = "not_waiting"  # depends on latency work this runner cannot see)
                 continue
             reason = self._ready_now_reason(group, rule)
             if reason is None:
@@ -673,7 +680,7 @@ class Scheduler:
                 state = self._client_state.get(other)
                 if state is None or state.last_lane == LATENCY:
                     return False
-        return not any(self._lane(e) == LATENCY for e in self._entries.values())
+        return not self.has_pending(LATENCY)
 
     def served_alone(
         self,
