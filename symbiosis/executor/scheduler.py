@@ -47,9 +47,11 @@ fine-tuning.
 
 **Two runners.** An engine with a background bulk lane (``SchedulerConfig.bulk_lane``, see
 ``engine.py``) runs the lanes in two threads at once and asks ``next_batch`` for one lane's
-batches: latency batches carry no bulk rows, and bulk batches are neither paced nor cut for the
-decoders (the OS's priorities keep bulk products out of their way), so what follows about owed
-shares, chunks and pacing applies to the shared lane, where one runner serves both.
+batches: latency batches carry no bulk rows, and bulk batches are neither held, nor paced, nor
+cut for the decoders (the OS's priorities keep bulk products out of their way; and whether
+waiting for another client pays depends on latency work the bulk runner does not see), so what
+follows about owed shares, chunks and pacing applies to the shared lane, where one runner
+serves both.
 
 **Chunks and a decode target.** A batch holds at most ``row_budget`` rows; while a client is
 decoding, the bulk rows of a batch are further cut to what the learned cost model says fits in
