@@ -220,7 +220,7 @@ def test_auto_is_background_only_for_a_cpu_executor_in_its_own_process(device, o
 def test_an_in_process_executor_keeps_one_runner_by_default(path):
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         assert "bulk_thread" not in ex.stats()["batches_run_by"]
-        assert not any(t.name == "symbiosis-bulk" for t in threading.enumerate() if t.is_alive())
+        assert ex._engine._bulk_thread is None
 
 
 @pytest.mark.parametrize("policy", ["lockstep", "opportunistic"])

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiosis
+from symbiosis.executor.process import ExecutorProcess
 from tests.reference import close_client, make_pair
 from tests.service_helpers import compare_client, start_executor, stop
 
@@ -33,11 +34,15 @@ def _address(kind: str, tmp_path) -> str:
 
 
 @pytest.mark.slow
-def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path):
-    """One executor process listening on tcp and ipc; a client process per transport."""
+@pytest.mark.parametrize("all_bulk", [False, True], ids=["as-sent", "all-bulk"])
+def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path, all_bulk):
+    """One executor process listening on tcp and ipc; a client process per transport. ``all-bulk``:
+    ``--decode-share-rows 0`` makes every request bulk work, so every product runs on the
+    server's background bulk thread (its default lane) -- exact over every transport there too."""
     path = tiny_checkpoint("qwen2")
     tcp, ipc = _address("tcp", tmp_path), _address("ipc", tmp_path)
-    executor = start_executor(path, tcp, "--bind", ipc)
+    extra = ["--decode-share-rows", "0"] if all_bulk else []
+    executor = ExecutorProcess(path, [tcp, ipc], extra_args=extra, metrics=True)
     clients_by_method = {"lora": tcp, "ia3": ipc, "prefix": f"shm+{ipc}", "loha": f"dist+{tcp}"}
     try:
         ctx = multiprocessing.get_context("spawn")
@@ -51,11 +56,14 @@ def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path):
         outcomes = [results.get(timeout=180) for _ in clients]
         for c in clients:
             c.join(timeout=30)
+        ran_by = executor.stats()["batches_run_by"]
     finally:
         stop(executor)
     assert {o[0] for o in outcomes} == set(clients_by_method)
     for method, ok, error in outcomes:
         assert ok and isinstance(error, float) and error < 1e-4, (method, clients_by_method[method], error)
+    if all_bulk:  # a lone client's first calls may take the lone-client path; the rest are the bulk thread's
+        assert ran_by["bulk_thread"] > 0 and ran_by["driver"] == 0, ran_by
 
 
 def _train(model, steps, on_step=None):

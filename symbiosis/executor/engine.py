@@ -506,9 +506,8 @@ class ExecutionEngine:
                 batch = self.scheduler.next_batch(now, Lane.BULK)
                 if batch is not None:
                     self._run_locked(batch, "bulk_thread")
-                    continue
-                wakeup = self.scheduler.next_wakeup(now, Lane.BULK)
-                self._bulk_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
+                else:  # bulk work is never held (see ``Scheduler.next_batch``): none is pending
+                    self._bulk_cv.wait()
 
     def _run_locked(self, batch: Batch, runner: str) -> None:
         """Run ``batch`` with ``_cond`` held on entry and exit, released around the product."""
@@ -535,12 +534,9 @@ class ExecutionEngine:
             self._cond.acquire()
             if duration is not None:
                 self.scheduler.batch_done(batch, duration, self._clock())  # the cost model learns from it
-            if bulk:
+            if bulk:  # the latency runners' work is not changed by it: only its callers learn
                 self._bulk_computing = False
-                for request_id in finished:
-                    cv = self._caller_cvs.get(request_id)
-                    if cv is not None:
-                        cv.notify()
+                self._notify_callers_of(finished)
             else:
                 self._computing_done(finished, runner == "caller")
 
@@ -550,16 +546,20 @@ class ExecutionEngine:
         leaves), one waiting caller gets its turn to compute; without callers, whoever runs what
         is left is woken."""
         self._computing = False
-        for request_id in finished:
-            cv = self._caller_cvs.get(request_id)
-            if cv is not None:
-                cv.notify()
+        self._notify_callers_of(finished)
         if by_caller:
             return
         if self._callers_waiting:
             self._wake_a_runner()
         elif self._work_for_latency_runners():
             self._wake_others()
+
+    def _notify_callers_of(self, finished: list[int]) -> None:
+        """Wake the waiting callers whose requests are ``finished`` (holding ``_cond``)."""
+        for request_id in finished:
+            cv = self._caller_cvs.get(request_id)
+            if cv is not None:
+                cv.notify()
 
     def _work_for_latency_runners(self) -> bool:
         """Requests are in flight that the callers, drivers or compute thread may have to run

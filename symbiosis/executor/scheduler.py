@@ -295,10 +295,11 @@ class Scheduler:
         client = self._client_state.get(request.client_id)
         if client is None:
             client = self._client_state[request.client_id] = _Client(request.client_id)
+        lane = self.lane_of(request.latency_class, request.rows)
         if not client.entries:  # busy again: it starts at its lane's virtual time, never earlier
-            client.tag = max(client.tag, self._virtual[self._lane_of(request.latency_class, request.rows)])
+            client.tag = max(client.tag, self._virtual[lane])
         client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
-        client.last_lane = self._lane_of(request.latency_class, request.rows)
+        client.last_lane = lane
         key = (request.layer_id, request.op)
         group = self._groups.get(key)
         if group is None:
@@ -310,7 +311,7 @@ class Scheduler:
         client.entries.append(entry)
         self._entries[request.request_id] = entry
         self._pending_rows += request.rows
-        latency = self._lane_of(request.latency_class, request.rows) == LATENCY
+        latency = lane == LATENCY
         position = self._arrivals.arrived(request, latency)
         # A decoder is a client decoding decode-sized requests: one that labels bulk work "decode"
         # gets no decoder's protection for it (nor does its pace count as a decoder's).
@@ -336,7 +337,7 @@ class Scheduler:
             self._owed_s += duration_s * self._owed_share / (1.0 - self._owed_share)
         self._owed_s = min(CREDIT_CAP_S, max(-CREDIT_CAP_S, self._owed_s))
 
-    def _lane_of(self, latency_class: LatencyClass, rows: int) -> int:
+    def lane_of(self, latency_class: LatencyClass, rows: int) -> Lane:
         """Latency work: a decode or prefill request of a decode-sized share; everything else is
         bulk. By the request's whole size: the end of a large request is bulk too."""
         small = rows <= self.config.decode_share_rows
@@ -346,12 +347,8 @@ class Scheduler:
         """Whether rows of ``lane``'s work are waiting to be handed out."""
         return any(self._lane(e) == lane for e in self._entries.values())
 
-    def lane_of(self, latency_class: LatencyClass, rows: int) -> Lane:
-        """The lane a request of ``rows`` rows in ``latency_class`` goes to."""
-        return Lane(self._lane_of(latency_class, rows))
-
-    def _lane(self, entry: _Entry) -> int:
-        return self._lane_of(entry.request.latency_class, entry.request.rows)
+    def _lane(self, entry: _Entry) -> Lane:
+        return self.lane_of(entry.request.latency_class, entry.request.rows)
 
     # ----------------------------------------------------------------------------- readiness
 
@@ -439,7 +436,7 @@ class Scheduler:
         rule = self._rule()
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
-        if rule == "convoy":  # groups served now whatever the convoy does (see _convoy_waits_for)
+        if rule == "convoy" and only is not BULK:  # groups served now whatever the convoy does (see _convoy_waits_for)
             idle_s = self._lockstep_timeout_s
             self._convoy_walkers = {
                 g: self._arrivals.walking(g.layer_id, g.op, g.client_counts, now_s, idle_s, self._has_latency_work(g))
@@ -697,7 +694,7 @@ class Scheduler:
         self._clients.add(client_id)
         state = self._client_state.get(client_id)
         if state is not None:  # what it sends now, for the other clients' ``alone``
-            state.last_lane = self._lane_of(latency_class, rows)
+            state.last_lane = self.lane_of(latency_class, rows)
         self._batches += 1
         self._rows_served += rows
         self._completed[latency_class] += 1

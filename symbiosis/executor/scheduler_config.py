@@ -138,9 +138,9 @@ class SchedulerConfig:
             "the CPU time latency work leaves (none while it takes every core). 'shared': the runners of "
             "latency work run bulk products too, one product at a time, bulk owed its fair share and paced "
             "and cut into chunks for the decoders as --decode-slo-ms and --decode-slowdown say. 'auto' "
-            "(default): background for `symbiosis serve` on a CPU; shared on an accelerator (its products "
-            "share one stream) and for an executor in its clients' process (the bulk thread's OpenMP team "
-            "would be a second one there, which slows every torch op of the clients)."
+            "(default): background for `symbiosis serve` on a CPU (not yet with --shards); shared on an "
+            "accelerator (its products share one stream) and for an executor in its clients' process (the "
+            "bulk thread's OpenMP team would be a second one there, which slows every torch op of the clients)."
         ),
     )
     min_chunk_rows: int = field(
