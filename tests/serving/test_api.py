@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from symbiosis.jobs.client import ClientOptions
+from symbiosis.serving import lora as lora_module
 from symbiosis.serving.server import ApiOptions, ApiServer
 from tests.serving.conftest import make_lora_adapter
 
@@ -84,6 +85,12 @@ def test_concurrent_greedy_completions_over_mixed_adapters_equal_monolithic_peft
     check_concurrent_greedy(server, lora_adapters, reference)
     # 4 adapters through a pool of 3: one was loaded again after eviction, and nothing broke.
     assert server.pool.loaded_count <= 3
+
+
+def test_gathered_adapter_layout_gives_the_same_tokens(server, lora_adapters, reference, monkeypatch):
+    # The four test adapters are few enough to be stacked; force the layout used for many adapters.
+    monkeypatch.setattr(lora_module, "GATHER_ABOVE_RANK_RATIO", 0)
+    check_concurrent_greedy(server, lora_adapters, reference)
 
 
 def test_one_decode_step_sends_one_request_per_base_layer_for_all_rows(server):

@@ -1,4 +1,4 @@
-"""The server's parts on their own: stop strings, sampling, the adapter pool, the padded cache, LoRA stacking."""
+"""The server's parts on their own: stop strings, sampling, the adapter pool, the padded cache, LoRA layouts."""
 
 from __future__ import annotations
 
@@ -9,16 +9,20 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from symbiosis.serving import lora as lora_module
 from symbiosis.serving.adapters import AdapterPool, AdapterPoolFullError, UnknownAdapterError
 from symbiosis.serving.detokenize import IncrementalText
 from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
 from symbiosis.serving.lora import (
     AdapterContext,
     AdapterFormatError,
+    GatheredUpdate,
     LoraAdapter,
     LoraModule,
     MultiLoraLinear,
     RowAdapters,
+    StackedUpdate,
+    choose_layout,
     read_lora_config,
 )
 from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
@@ -100,7 +104,9 @@ def test_only_plain_lora_adapters_are_accepted(tmp_path):
         read_lora_config(tmp_path)
 
 
-def test_rows_get_only_their_own_adapters_update():
+@pytest.mark.parametrize("layout", ["stacked", "gathered"])
+def test_rows_get_only_their_own_adapters_update(layout, monkeypatch):
+    monkeypatch.setattr(lora_module, "GATHER_ABOVE_RANK_RATIO", 0 if layout == "gathered" else 1000)
     first = LoraAdapter("x", Path("x"), {"m": LoraModule(torch.randn(2, 3), torch.randn(4, 2), 0.5)})
     second = LoraAdapter("y", Path("y"), {"m": LoraModule(torch.randn(5, 3), torch.randn(4, 5), 2.0)})
     per_row = [first, None, second, first]
@@ -115,9 +121,17 @@ def test_rows_get_only_their_own_adapters_update():
         lora = adapter.modules["m"] if adapter is not None else None
         expected = base[row] if lora is None else base[row] + (x[row] @ lora.a.T) @ lora.b.T * lora.scaling
         torch.testing.assert_close(served[row], expected)
-    assert context.rows.stacked("other") is None
+    assert type(context.rows.update("m")).__name__.lower().startswith(layout)
+    assert context.rows.update("other") is None
     context.rows = None
     torch.testing.assert_close(layer(x), layer.base_layer(x))  # no rows set: the base layer alone
+
+
+def test_layout_follows_the_number_of_distinct_adapters():
+    assert choose_layout([8]) is StackedUpdate
+    assert choose_layout([8, 8, 8, 8]) is StackedUpdate  # Σr = 4 r_max: one large product is cheaper
+    assert choose_layout([8] * 5) is GatheredUpdate
+    assert choose_layout([64, 8, 8]) is StackedUpdate  # padding every row to rank 64 would cost more
 
 
 def _batch(lengths: list[int]) -> PaddedBatch:
