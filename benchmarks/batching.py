@@ -383,6 +383,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "on loopback (what remote clients would use, minus the network).",
     )
     parser.add_argument(
+        "--finetune-cpu-priority",
+        choices=("background", "normal"),
+        default="background",
+        help="With --clients-as processes: CPU priority of the fine-tuning client processes (default: "
+        "background, what `symbiosis finetune --executor` gives a job on an executor's host; "
+        "threads share this process's priority).",
+    )
+    parser.add_argument(
         "--max-wait-ms", type=float, default=None, help="Executor max_wait_ms (default: SchedulerConfig's)."
     )
     parser.add_argument(
@@ -468,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.clients_as == "processes":
         from benchmarks.batching_processes import ProcessPool
 
-        pool = ProcessPool(path, max(len(clients_for(s, args)) for s in scenarios), args)
+        pool = ProcessPool(path, [clients_for(s, args) for s in scenarios], args)
     elif args.executor is None:
         weights = symbiosis.BaseExecutor.from_pretrained(path).weights  # loaded once, shared by every run
 
@@ -537,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 else "inproc (client threads in this process)"
             ),
             "clients_as": args.clients_as,
+            "finetune_cpu_priority": args.finetune_cpu_priority if pool else "that of this process",
             "variants": variants,
             "scenarios": scenarios,
             "window_s": args.window_s,

@@ -10,7 +10,10 @@ comes to remote clients) through the ZeroMQ transport, as ``symbiosis serve`` cl
 Every run gets a fresh executor: ``symbiosis serve`` with the run's ``SchedulerConfig`` as flags
 (``serve_flags``), started with ``ExecutorProcess`` (the one way an executor process is started),
 its scheduler counters read from its ``/stats`` endpoint at the window's start and end. Client
-processes are started once (spawn) and reused: each builds a fresh client model and adapter per
+processes are started once (spawn) and reused, in two pools: fine-tuning clients run in processes
+at the OS's background CPU class (``--finetune-cpu-priority background``, the default: what
+``symbiosis finetune --executor`` gives a job on an executor's host), every other client at normal
+priority. Each each builds a fresh client model and adapter per
 run, warms up, reports ready, and then runs from a common start time (``time.perf_counter`` is
 CLOCK_MONOTONIC, shared by processes on Linux) until the window's end, counting the steps that
 finish inside the window. It returns the same per-run summary as thread mode
@@ -27,10 +30,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.batching_clients import ClientRecord, counters_from_stats, summarize_run
+from benchmarks.batching_clients import ClientRecord, ClientSpec, counters_from_stats, summarize_run
 from symbiosis.executor.process import ExecutorProcess
 from symbiosis.executor.scheduler import SchedulerConfig
-from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE
+from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE, enter_background_priority
 
 # Clients start this long after the last one reported ready, so all of them see the same start.
 _START_DELAY_S = 0.2
@@ -55,7 +58,9 @@ def serve_flags(config: SchedulerConfig) -> list[str]:
     return flags
 
 
-def _client_main(conn, path: str) -> None:
+def _client_main(conn, path: str, background: bool) -> None:
+    if background:
+        enter_background_priority()  # before torch starts its threads, which inherit it
     import torch
 
     from benchmarks import batching_clients as clients
@@ -83,11 +88,17 @@ def _client_main(conn, path: str) -> None:
             conn.send(("error", repr(exc)))
 
 
-class ProcessPool:
-    """``clients`` client processes, and per run a fresh executor process (unless ``--executor``
-    names a running one)."""
+def runs_in_background(spec: ClientSpec, args: argparse.Namespace) -> bool:
+    """Whether ``spec``'s client process runs at the background CPU class."""
+    return spec.kind == "finetune" and args.finetune_cpu_priority == "background"
 
-    def __init__(self, path: Path, clients: int, args: argparse.Namespace):
+
+class ProcessPool:
+    """Client processes enough for every scenario in ``scenario_specs`` (normal and background
+    ones, see ``runs_in_background``), and per run a fresh executor process (unless
+    ``--executor`` names a running one)."""
+
+    def __init__(self, path: Path, scenario_specs: Sequence[Sequence[ClientSpec]], args: argparse.Namespace):
         self.args = args
         self.path = str(path)
         # As `symbiosis serve` does for itself and the README asks of same-host clients (see
@@ -95,12 +106,19 @@ class ProcessPool:
         os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
         context = mp.get_context("spawn")
         self._runs = 0
-        self._clients = []
-        for _ in range(clients):
-            parent, child = context.Pipe()
-            process = context.Process(target=_client_main, args=(child, self.path), daemon=True)
-            process.start()
-            self._clients.append((process, parent))
+        self._pools: dict[bool, list] = {False: [], True: []}  # background? -> (process, conn)
+        for background, pool in self._pools.items():
+            needed = max(sum(runs_in_background(s, args) == background for s in specs) for specs in scenario_specs)
+            for _ in range(needed):
+                parent, child = context.Pipe()
+                process = context.Process(target=_client_main, args=(child, self.path, background), daemon=True)
+                process.start()
+                pool.append((process, parent))
+
+    def _processes_for(self, specs: Sequence[ClientSpec]) -> list:
+        """One pooled process per spec, of the spec's priority, in the specs' order."""
+        free = {background: iter(pool) for background, pool in self._pools.items()}
+        return [next(free[runs_in_background(spec, self.args)]) for spec in specs]
 
     @staticmethod
     def _reply(process, conn, what: str):
@@ -132,7 +150,7 @@ class ProcessPool:
                 return {"batches": 0, "rows": 0}
             return counters_from_stats(executor.stats()["scheduler"])
 
-        used = self._clients[: len(specs)]
+        used = self._processes_for(specs)
         try:
             for index, ((_, conn), spec) in enumerate(zip(used, specs)):
                 conn.send(
@@ -171,12 +189,13 @@ class ProcessPool:
         return summarize_run(records, window, self.args.window_s, config is not None)
 
     def close(self) -> None:
-        for _, conn in self._clients:
+        every = [client for pool in self._pools.values() for client in pool]
+        for _, conn in every:
             try:
                 conn.send(("exit", None))
             except (BrokenPipeError, OSError):
                 pass
-        for process, _ in self._clients:
+        for process, _ in every:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()

@@ -65,3 +65,15 @@ def test_serve_flags_give_serve_the_same_scheduler_config():
     for config in configs:
         parsed = serve.make_context("serve", ["model", *serve_flags(config)]).params
         assert SchedulerConfig(**{name: parsed[name] for name in names}) == config, serve_flags(config)
+
+
+def test_fine_tuning_client_processes_run_in_the_background_class_unless_told_otherwise():
+    from benchmarks.batching_clients import ClientSpec
+    from benchmarks.batching_processes import runs_in_background
+
+    args = batching.parse_args(["--clients-as", "processes"])
+    assert args.finetune_cpu_priority == "background"  # as `symbiosis finetune --executor` runs a job
+    kinds = {kind: ClientSpec(kind) for kind in ("inference", "finetune", "flood")}
+    assert [k for k, spec in kinds.items() if runs_in_background(spec, args)] == ["finetune"]
+    normal = batching.parse_args(["--clients-as", "processes", "--finetune-cpu-priority", "normal"])
+    assert not any(runs_in_background(spec, normal) for spec in kinds.values())
