@@ -87,6 +87,14 @@ def test_concurrent_greedy_completions_over_mixed_adapters_equal_monolithic_peft
     assert server.pool.loaded_count <= 3
 
 
+def test_the_server_runs_on_httptools_and_uvloop(server):
+    # Dependencies of ours: each streamed token is a write on this event loop, beside the engine
+    # thread, and h11 + asyncio cost several times more per write (see ApiServer._config).
+    config = server._uvicorn.config
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    assert config.get_loop_factory().__module__.startswith("uvloop")
+
+
 def test_gathered_adapter_layout_gives_the_same_tokens(server, lora_adapters, reference, monkeypatch):
     # The four test adapters are few enough to be stacked; force the layout used for many adapters.
     monkeypatch.setattr(lora_module, "GATHER_ABOVE_RANK_RATIO", 0)
