@@ -199,7 +199,7 @@ class GatheredUpdate:
             b_t[slot, : lora.a.shape[0]] = lora.b.t()
             scaling[slot] = lora.scaling
             slot_of[id(lora)] = slot
-        slots = torch.tensor([0 if lora is None else slot_of[id(lora)] for lora in per_row])
+        slots = torch.tensor([0 if lora is None else slot_of[id(lora)] for lora in per_row], device=first.a.device)
         self.a_rows = a_t.index_select(0, slots)  # [rows, in, r_max]
         self.b_rows = b_t.index_select(0, slots)  # [rows, r_max, out]
         self.row_scaling = scaling.index_select(0, slots).view(-1, 1, 1)
