@@ -299,23 +299,20 @@ def tensor_payload(tensor: torch.Tensor) -> memoryview:
 
 def rows_from_payload(buffer: memoryview | bytes | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
     """Executor side: the rows of ``shape`` over ``buffer`` (zero-copy; a view, which is all a
-    product needs). The caller has validated ``len(buffer)``. Bytes at an address that is not
-    64-byte aligned are copied, so that the product runs the same kernels, and gives the same
-    bits, as it would on a tensor made in-process (every torch allocation is aligned so)."""
+    product needs). The caller has validated ``len(buffer)``. The bytes may lie at any address:
+    the executor aligns what it multiplies in the thread that runs the product
+    (``executor/runner.py`` ``aligned``), not in the server's socket thread that calls this."""
     torch_dtype = WIRE_DTYPES[dtype]
     count = shape[0] * shape[1]
     if count == 0:
         return torch.empty(shape, dtype=torch_dtype)
-    flat = torch.frombuffer(buffer, dtype=torch_dtype, count=count)
-    if flat.data_ptr() % 64:
-        flat = flat.clone()
-    return flat.view(shape)
+    return torch.frombuffer(buffer, dtype=torch_dtype, count=count).view(shape)
 
 
 def tensor_from_payload(buffer: memoryview | bytes | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
     """Client side: a tensor of ``shape`` over ``buffer`` (zero-copy; the tensor keeps the buffer
     alive). The caller has validated ``len(buffer)``; misaligned bytes are copied (see
-    ``rows_from_payload``).
+    ``executor/runner.py`` ``aligned``: downstream kernels then see what a torch allocation gives).
 
     The result is a tensor of its own, not a view: a transport's result flows out of a custom
     autograd Function, where autograd forbids in-place ops on views, and peft adds adapter

@@ -64,7 +64,7 @@ from symbiosis.errors import (
     UnknownLayerError,
 )
 from symbiosis.executor.requests import Batch, PendingRequest
-from symbiosis.executor.runner import apply_op, out_fits_product, run_batch
+from symbiosis.executor.runner import aligned, apply_op, out_fits_product, run_batch
 from symbiosis.executor.scheduler import Lane, Scheduler
 from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.threads import enter_background_priority, with_torch_threads
@@ -320,9 +320,13 @@ class ExecutionEngine:
         rows: torch.Tensor,
         latency_class: LatencyClass,
         out: torch.Tensor | None = None,
+        align: bool = False,
     ) -> torch.Tensor | None:
         """For a driver: the result of a valid, non-empty request computed at once in this thread
         when ``client_id`` is alone (see ``Scheduler.alone``); None (nothing done) otherwise.
+        ``align``: the rows may lie at any address (a transport's bytes); they are copied to an
+        aligned tensor first when they do not (``runner.aligned``). In-process callers' rows are
+        multiplied where they lie, as the monolithic model would.
 
         ``out``: where the driver will send the result from (a shared-memory reply region); the
         product is written straight into it when the rows are in the executor's dtype (and
@@ -342,7 +346,7 @@ class ExecutionEngine:
                 return None
             self._computing = True
         if rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device):
-            local = rows  # the usual case: no no-op ``to`` there and back (~1 µs each)
+            local = aligned(rows) if align else rows  # the usual case: no no-op ``to`` there and back (~1 µs each)
         else:
             out = None  # the product is cast back to the rows' dtype anyway
             local = rows.to(device=self.device, dtype=self.dtype)

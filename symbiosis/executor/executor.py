@@ -143,8 +143,10 @@ class BaseExecutor:
         """For a driver: the result now if ``client_id`` is the only client (nothing to batch
         with), else None; the request must have been validated (``validate``) and be non-empty.
         ``out``: where the driver sends the result from (e.g. a shared-memory reply region); the
-        product is computed straight into it when it can be (see ``ExecutionEngine.try_alone``)."""
-        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out)
+        product is computed straight into it when it can be (see ``ExecutionEngine.try_alone``).
+        ``rows`` may lie anywhere (a ZeroMQ frame's bytes): they are aligned here, in the thread that
+        computes, when this client is alone (``runner.aligned``)."""
+        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, align=True)
 
     def run_ready(self) -> float | None:
         """Run every batch ready now in the calling thread; the next wake-up time (monotonic) or None."""

@@ -185,7 +185,7 @@ class ShardedExecutor:
         self._check_up()
         if self.owner_of(layer_id) != self.rank:
             return None
-        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out)
+        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, align=True)
 
     def validate(self, layer_id: str, op: Op, rows: torch.Tensor) -> None:
         self.owner_of(layer_id)
