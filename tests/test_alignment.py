@@ -1,6 +1,7 @@
 """Rows that arrive at any address (a ZeroMQ frame's bytes) are aligned where the product runs,
-not where they arrive: the server's socket thread copies nothing, and the product still sees an
-input aligned like every torch allocation (the bits it has in-process)."""
+not where they arrive: accepting a request copies nothing (the bulk lane's thread copies bulk
+work, not the socket thread), and the product still sees an input aligned like every torch
+allocation (the bits it has in-process). A failed copy leaves the engine usable."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_aligned_copies_only_misaligned_rows():
 
 
 def test_inline_channel_accepts_rows_where_they_lie():
-    """The socket thread makes no copy of a payload, aligned or not (a 48 MiB flood request's copy
+    """Accepting a payload makes no copy of it, aligned or not (a 48 MiB flood request's copy
     there held up every other client's call)."""
     specs = {LAYER: LayerSpec(LAYER, 16, 16, has_bias=False)}
     channel = InlineChannel(None, specs, P.Limits())
@@ -91,3 +92,23 @@ def test_a_queued_request_is_aligned_before_its_product(path, product_inputs):
         result = executor.submit("queued", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
         assert product_inputs and all(offset == 0 for offset in product_inputs)
         assert torch.equal(result, expected)
+
+
+def test_a_failed_copy_leaves_the_engine_usable(path, monkeypatch):
+    """The copy comes after the lone-client path took the engine: a copy that fails (memory) must
+    give the engine back, or every later request would wait forever."""
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+        width = executor.layer_specs()[LAYER].in_features
+        rows, _raw = misaligned_rows(3, width)
+        executor.register_client("driver")
+
+        def failing(_rows):
+            raise MemoryError("no room for the copy")
+
+        monkeypatch.setattr(engine_module, "aligned", failing)
+        with pytest.raises(MemoryError):
+            executor.try_alone("driver", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
+        monkeypatch.undo()
+        result = executor.try_alone("driver", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
+        assert result is not None
+        torch.testing.assert_close(result, runner.apply_op(executor.weights.layers[LAYER], Op.FORWARD, rows.clone()))

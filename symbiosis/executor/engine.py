@@ -325,8 +325,9 @@ class ExecutionEngine:
         """For a driver: the result of a valid, non-empty request computed at once in this thread
         when ``client_id`` is alone (see ``Scheduler.alone``); None (nothing done) otherwise.
         ``align``: the rows may lie at any address (a transport's bytes); they are copied to an
-        aligned tensor first when they do not (``runner.aligned``). In-process callers' rows are
-        multiplied where they lie, as the monolithic model would.
+        aligned tensor first when they do not (``runner.aligned``). An in-process caller's rows,
+        alone, are multiplied where they lie, as the monolithic model would; queued work is
+        aligned as a batch is (``run_batch``).
 
         ``out``: where the driver will send the result from (a shared-memory reply region); the
         product is written straight into it when the rows are in the executor's dtype (and
@@ -345,11 +346,16 @@ class ExecutionEngine:
             if not alone:
                 return None
             self._computing = True
-        if rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device):
-            local = aligned(rows) if align else rows  # the usual case: no no-op ``to`` there and back (~1 µs each)
-        else:
-            out = None  # the product is cast back to the rows' dtype anyway
-            local = rows.to(device=self.device, dtype=self.dtype)
+        try:
+            if rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device):
+                local = aligned(rows) if align else rows  # the usual case: no no-op ``to`` there and back
+            else:
+                out = None  # the product is cast back to the rows' dtype anyway
+                local = rows.to(device=self.device, dtype=self.dtype)
+        except BaseException:  # a failed copy (memory) must not leave the engine taken for good
+            with self._lock:
+                self._computing_done()
+            raise
         return self._run_alone(client_id, layer_id, op, local, rows, latency_class, out)
 
     def _run_alone(self, client_id, layer_id, op, local, rows, latency_class, out=None) -> torch.Tensor:

@@ -26,8 +26,9 @@ def aligned(rows: torch.Tensor) -> torch.Tensor:
     another blocking), and so round differently; an aligned input gives the product the bits it
     has on a tensor made in-process. Why here and not where the bytes arrive: the copy is as long
     as the payload (tens of MiB for a training or flood request), and the server's socket thread
-    made it while every other client's call waited; in the thread that runs the product it costs
-    the product's own thread (the bulk lane's, for bulk work) and nobody else's."""
+    made it for every request as it arrived, while every other client's call waited. Here it is
+    made by whoever runs the product: the bulk lane's thread for bulk work, the latency runner
+    (often that same socket thread) for the rest, as before for a lone client."""
     return rows if rows.data_ptr() % ALIGNMENT == 0 else rows.clone()
 
 
