@@ -71,25 +71,20 @@ def product_inputs(monkeypatch):
     return seen
 
 
-def test_a_drivers_lone_request_is_aligned_before_its_product(path, product_inputs):
+@pytest.mark.parametrize("how", ["alone", "queued"])
+def test_a_request_is_aligned_before_its_product(path, product_inputs, how):
+    """A driver's lone request (``try_alone``, the product in the driver's thread) and a queued one
+    (``submit``, the product in a runner) reach ``apply_op`` aligned, with the bits of an aligned
+    copy's product."""
     with symbiosis.BaseExecutor.from_pretrained(path) as executor:
-        width = executor.layer_specs()[LAYER].in_features
-        rows, _raw = misaligned_rows(5, width)
+        rows, _raw = misaligned_rows(5, executor.layer_specs()[LAYER].in_features)
         expected = runner.apply_op(executor.weights.layers[LAYER], Op.FORWARD, rows.clone())
         product_inputs.clear()
-        executor.register_client("driver")
-        result = executor.try_alone("driver", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
-        assert product_inputs == [0]
-        assert torch.equal(result, expected)
-
-
-def test_a_queued_request_is_aligned_before_its_product(path, product_inputs):
-    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
-        width = executor.layer_specs()[LAYER].in_features
-        rows, _raw = misaligned_rows(7, width)
-        expected = runner.apply_op(executor.weights.layers[LAYER], Op.FORWARD, rows.clone())
-        product_inputs.clear()
-        result = executor.submit("queued", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
+        if how == "alone":
+            executor.register_client("driver")
+            result = executor.try_alone("driver", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
+        else:
+            result = executor.submit("queued", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
         assert product_inputs and all(offset == 0 for offset in product_inputs)
         assert torch.equal(result, expected)
 
