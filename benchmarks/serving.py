@@ -569,12 +569,13 @@ def finetune_rate(done: list[dict]) -> float:
 def median_of_pairs(pairs: Sequence[dict]) -> dict:
     """Each figure of the co-serving phases as its median over the pairs of phases."""
 
-    median = statistics.median
     phases = ("inference_alone", "inference_with_finetune")
     rates = ("finetune_steps_per_s_alone", "finetune_steps_per_s_with_inference")
     return {
-        **{phase: {key: median([p[phase][key] for p in pairs]) for key in pairs[0][phase]} for phase in phases},
-        **{key: median([p[key] for p in pairs]) for key in rates},
+        **{
+            phase: {key: statistics.median(p[phase][key] for p in pairs) for key in pairs[0][phase]} for phase in phases
+        },
+        **{key: statistics.median(p[key] for p in pairs) for key in rates},
     }
 
 

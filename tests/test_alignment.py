@@ -18,8 +18,8 @@ from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 LAYER = "model.layers.0.self_attn.q_proj"
 
 
-def misaligned_rows(n: int, width: int, offset_bytes: int = 8) -> tuple[torch.Tensor, bytearray]:
-    """Rows over a bytearray, ``offset_bytes`` past a 64-byte boundary (as libzmq hands frames)."""
+def misaligned_rows(n: int, width: int, offset_bytes: int = 8) -> tuple[torch.Tensor, memoryview]:
+    """Rows ``offset_bytes`` past a 64-byte boundary (as libzmq hands frames), and their bytes."""
     values = torch.randn(n, width, generator=torch.Generator().manual_seed(n))
     raw = bytearray(n * width * 4 + 128)
     start = -torch.frombuffer(raw, dtype=torch.uint8).data_ptr() % 64 + offset_bytes
@@ -27,7 +27,7 @@ def misaligned_rows(n: int, width: int, offset_bytes: int = 8) -> tuple[torch.Te
     rows = torch.frombuffer(view, dtype=torch.float32).view(n, width)
     rows.copy_(values)
     assert rows.data_ptr() % 64 == offset_bytes
-    return rows, raw
+    return rows, view
 
 
 def test_aligned_copies_only_misaligned_rows():
@@ -43,8 +43,7 @@ def test_inline_channel_accepts_rows_where_they_lie():
     there held up every other client's call)."""
     specs = {LAYER: LayerSpec(LAYER, 16, 16, has_bias=False)}
     channel = InlineChannel(None, specs, P.Limits())
-    rows, raw = misaligned_rows(4, 16)
-    payload = memoryview(raw)[rows.data_ptr() - torch.frombuffer(raw, dtype=torch.uint8).data_ptr() :][: rows.nbytes]
+    rows, payload = misaligned_rows(4, 16)
     req = P.Request(P.PROTOCOL_VERSION, "c", 1, LAYER, Op.FORWARD.value, "float32", [4, 16], "finetune")
     accepted = channel.accept(None, (b"x", 1), req, [payload])
     assert accepted.rows.data_ptr() == rows.data_ptr()  # a view of the payload's bytes
