@@ -137,10 +137,19 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300.0) 
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of process ``pid`` and its live children so far (all their
+    threads): ``symbiosis api`` runs its engine in a child process (``--engine-process``)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    total = 0.0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            times = member.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def measured_load(url: str, pids: Sequence[int], *args, **kwargs) -> dict:

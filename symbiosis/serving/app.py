@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from symbiosis.errors import SymbiosisError
+from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
 from symbiosis.serving.adapters import UnknownAdapterError
 from symbiosis.serving.engine import (
     Delta,
@@ -201,6 +201,14 @@ def create_app(state: ApiState) -> FastAPI:
     async def _http_error(_request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(ExecutorUnavailableError)
+    @app.exception_handler(ExecutorTimeoutError)
+    async def _unavailable(_request: Request, exc: Exception):
+        # The executor or the engine process (``engine_process.py``) cannot answer: try again later.
+        return ApiError(
+            503, str(exc), "service_unavailable", headers={"Retry-After": str(config.retry_after_s)}
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception):
@@ -525,6 +533,8 @@ def create_app(state: ApiState) -> FastAPI:
             require_admin(request)
             try:
                 await asyncio.to_thread(engine.pool.load, body.lora_name, body.lora_path)
+            except (ExecutorUnavailableError, ExecutorTimeoutError):
+                raise  # 503 (the engine process cannot answer), not the adapter's fault
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="lora_name") from None
             except SymbiosisError as exc:

@@ -48,6 +48,9 @@ class ApiOptions:
     kv_cache_mb: int = 2048
     allow_adapter_updates: bool = False
     allow_non_loopback: bool = False
+    # The engine (split client, adapters, KV caches) in a process of its own, beside the HTTP
+    # server's (``engine_process.py``): False keeps it on a thread of this process.
+    engine_process: bool = False
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, Path]:
@@ -120,6 +123,66 @@ def _uvicorn_server(config):
     return Server(config)
 
 
+@dataclass
+class EngineParts:
+    """What serves generations: the split client model, its engine (which holds the adapter
+    pool), the names the API answers with, and a probe of the executor."""
+
+    model: object
+    engine: GenerationEngine
+    served_name: str
+    max_context: int
+    probe: object  # () -> None; raises if the executor cannot answer
+
+
+def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> EngineParts:
+    """The split client (of ``target``'s executor, or of ``executor`` when given: a
+    ``BaseExecutor`` or an address), its multi-LoRA layers, adapter pool and engine."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if executor is None:
+            model = target.client("symbiosis-api")
+        else:
+            import symbiosis
+
+            model = symbiosis.load_client_model(
+                options.model, executor=executor, client_id="symbiosis-api", timeout_s=options.client.timeout_s
+            )
+    output = model.get_output_embeddings()
+    output_names = {name for name, module in model.named_modules() if module is output}
+    context = AdapterContext()
+    shapes = install_multi_lora(model, context, output_names)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    served_name = options.served_model_name or Path(options.model).resolve().name
+
+    def load(name: str, path: Path):
+        return load_lora_adapter(name, path, shapes, dtype=dtype, device=device)
+
+    pool = AdapterPool(
+        load,
+        adapters=options.adapters,
+        adapter_dir=options.adapter_dir,
+        max_loaded=options.max_loaded_adapters,
+        reserved_names=(served_name,),
+    )
+    batch = min(options.max_batch_size, options.max_concurrent_requests)
+    engine_options = EngineOptions(
+        max_batch_size=batch,
+        max_waiting=options.max_concurrent_requests - batch,
+        kv_cache_bytes=options.kv_cache_mb << 20,
+    )
+    engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks)
+
+    def probe() -> None:
+        """One empty request to the executor: raises if it cannot answer."""
+        transport = model.symbiosis_transport
+        spec = next(iter(transport.layer_specs().values()))
+        transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
+
+    return EngineParts(model, engine, served_name, _max_context(model, tokenizer), probe)
+
+
 class ApiServer:
     """Everything ``symbiosis api`` runs; ``start()`` (background) or ``run()`` (foreground)."""
 
@@ -133,8 +196,13 @@ class ApiServer:
         if options.max_concurrent_requests < 1 or options.max_batch_size < 1:
             raise ApiConfigError("--max-concurrent-requests and --max-batch-size must be at least 1")
         self.options = options
-        self.target = ExecutorTarget(options.model, options.client) if executor is None else None
         self._shared_executor = executor
+        self.in_engine_process = options.engine_process and executor is None
+        # In engine-process mode the child makes the executor connection (or embedded executor).
+        self.target = (
+            ExecutorTarget(options.model, options.client) if executor is None and not self.in_engine_process else None
+        )
+        self.engine = None
         try:
             self._build(options)
         except BaseException:
@@ -145,59 +213,29 @@ class ApiServer:
 
     def _build(self, options: ApiOptions) -> None:
         self.tokenizer = load_tokenizer(options.model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if self.target is not None:
-                self.model = self.target.client("symbiosis-api")
-            else:
-                import symbiosis
+        if self.in_engine_process:
+            from symbiosis.serving.engine_process import RemoteEngine
 
-                self.model = symbiosis.load_client_model(
-                    options.model,
-                    executor=self._shared_executor,
-                    client_id="symbiosis-api",
-                    timeout_s=options.client.timeout_s,
-                )
-        output = self.model.get_output_embeddings()
-        output_names = {name for name, module in self.model.named_modules() if module is output}
-        context = AdapterContext()
-        shapes = install_multi_lora(self.model, context, output_names)
-        dtype = next(self.model.parameters()).dtype
-        device = next(self.model.parameters()).device
-        served_name = options.served_model_name or Path(options.model).resolve().name
-
-        def load(name: str, path: Path):
-            return load_lora_adapter(name, path, shapes, dtype=dtype, device=device)
-
-        self.pool = AdapterPool(
-            load,
-            adapters=options.adapters,
-            adapter_dir=options.adapter_dir,
-            max_loaded=options.max_loaded_adapters,
-            reserved_names=(served_name,),
-        )
-        self.metrics = ServingMetrics(served_name)
-        batch = min(options.max_batch_size, options.max_concurrent_requests)
-        engine_options = EngineOptions(
-            max_batch_size=batch,
-            max_waiting=options.max_concurrent_requests - batch,
-            kv_cache_bytes=options.kv_cache_mb << 20,
-        )
-        self.engine = GenerationEngine(self.model, self.tokenizer, self.pool, context, engine_options, self.metrics)
+            self.metrics = ServingMetrics("")
+            self.engine = RemoteEngine(options, self.metrics)
+            self.model = None  # it lives in the engine process
+            served_name, max_context, probe = self.engine.served_name, self.engine.max_context, self.engine.probe
+            self.metrics.model_name = served_name
+        else:
+            self.metrics = ServingMetrics("")
+            parts = build_engine(options, self.target, self._shared_executor, self.tokenizer, self.metrics)
+            self.model, self.engine = parts.model, parts.engine
+            served_name, max_context, probe = parts.served_name, parts.max_context, parts.probe
+            self.metrics.model_name = served_name
+        self.pool = self.engine.pool
         config = ApiConfig(
             served_model_name=served_name,
-            max_context=_max_context(self.model, self.tokenizer),
+            max_context=max_context,
             api_keys=options.api_keys,
             allow_adapter_updates=options.allow_adapter_updates,
         )
-        self.app = create_app(ApiState(self.engine, self.tokenizer, config, self.metrics, self._probe_executor))
+        self.app = create_app(ApiState(self.engine, self.tokenizer, config, self.metrics, probe))
         self.served_model_name = served_name
-
-    def _probe_executor(self) -> None:
-        """One empty request to the executor: raises if it cannot answer."""
-        transport = self.model.symbiosis_transport
-        spec = next(iter(transport.layer_specs().values()))
-        transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
 
     # ---- running -------------------------------------------------------------------------------------
 
@@ -284,10 +322,13 @@ class ApiServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         self._close_client()
 
     def _close_client(self) -> None:
+        if self.in_engine_process and self.engine is not None:
+            self.engine.close()  # also when building the rest failed after it started
         if self.target is not None:
             self.target.close()
         elif getattr(self, "model", None) is not None:

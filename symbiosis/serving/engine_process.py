@@ -1,0 +1,539 @@
+"""The engine in a process of its own, beside the HTTP server's (``ApiOptions.engine_process``).
+
+Why. In one process the HTTP server's event loop (an SSE write per token per stream, request
+parsing) and the engine thread take turns on one interpreter lock, and every turn the loop takes
+is a wait for the engine, which runs Python between its torch calls. Measured (2026-11-26, this
+2-core host, the serving benchmark's 16 streams x 32 tokens, embedded executor, one torch
+thread): the engine alone 545 tokens/s (median of 4 runs), behind the in-process HTTP server 464,
+beside an HTTP server of the same load in another process 559. vLLM splits its API server and its
+engine core the same way. With the executor in a third process (shm) on 2 cores the CPUs, not
+the lock, are the limit: 408 alone, 368 with the in-process server, 359 beside one elsewhere.
+
+Parent side, :class:`RemoteEngine`: what ``app.py`` uses of the engine (``submit`` and the
+handle's ``cancel``, ``stats``, ``pool``, ``close``) and a ``probe`` of the executor. Child side,
+``python -m symbiosis.serving.engine_process COMMANDS EVENTS``: builds the split client, adapter
+pool and engine exactly as the in-process server does (``server.build_engine``) and serves them.
+
+Wire: two ZeroMQ ipc sockets in a folder only this user can open (commands parent -> child,
+events and replies child -> parent), messages encoded with msgspec's msgpack: plain values only,
+nothing is unpickled. The child sends one message per engine step with every sequence's new text
+and the metrics hooks' calls of that step, so the parent's event loop wakes once per step.
+The child exits when told to, or when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from symbiosis.errors import (
+    ConfigurationError,
+    ExecutorTimeoutError,
+    ExecutorUnavailableError,
+    SymbiosisError,
+)
+from symbiosis.serving.adapters import AdapterPoolFullError, UnknownAdapterError
+from symbiosis.serving.engine import (
+    Delta,
+    EngineHooks,
+    Failure,
+    GenerationRequest,
+    RequestTooLargeError,
+    ServerOverloadedError,
+    Usage,
+)
+from symbiosis.serving.sampling import SamplingParams
+
+log = logging.getLogger("symbiosis.api")
+
+READY_TIMEOUT_S = 600.0  # loading the model (and an embedded executor) in the child
+CALL_TIMEOUT_S = 60.0  # one command's answer (an adapter load reads a folder)
+POLL_MS = 500  # how often a waiting side checks that the other is alive
+
+#: Exceptions that cross the boundary by name (the first of an exception's classes found here).
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        UnknownAdapterError,
+        AdapterPoolFullError,
+        ConfigurationError,
+        ServerOverloadedError,
+        RequestTooLargeError,
+        ExecutorUnavailableError,
+        ExecutorTimeoutError,
+        SymbiosisError,
+        ValueError,
+    )
+}
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=str)  # Paths as strings
+_decoder = msgspec.msgpack.Decoder()
+
+
+def _error_of(exc: BaseException) -> list[str]:
+    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "SymbiosisError")
+    return [name, str(exc) or type(exc).__name__]
+
+
+def _raise(error: list[str]) -> None:
+    name, message = error
+    raise _ERRORS.get(name, SymbiosisError)(message)
+
+
+def _event_payload(event: Delta | Failure) -> list:
+    if isinstance(event, Failure):
+        return ["failure", event.status, event.message, event.kind]
+    usage = None if event.usage is None else [event.usage.prompt_tokens, event.usage.completion_tokens]
+    return ["delta", event.text, list(event.token_ids), event.finish_reason, usage]
+
+
+def _event_of(payload: list) -> Delta | Failure:
+    if payload[0] == "failure":
+        return Failure(payload[1], payload[2], payload[3])
+    _, text, token_ids, finish_reason, usage = payload
+    return Delta(text, tuple(token_ids), finish_reason, None if usage is None else Usage(*usage))
+
+
+# ---- parent side ------------------------------------------------------------------------------------
+
+
+class _RemoteHandle:
+    def __init__(self, engine: RemoteEngine, sequence_id: int) -> None:
+        self._engine = engine
+        self._id = sequence_id
+
+    def cancel(self) -> None:
+        # A cancelled sequence ends without a last event (as in-process): forget its sink now.
+        if self._engine._sinks.pop(self._id, None) is not None:
+            try:
+                self._engine._send({"op": "cancel", "id": self._id})
+            except SymbiosisError:
+                pass  # the engine process is gone: nothing runs there to cancel
+
+
+class RemotePool:
+    """The adapter pool's queries and updates, answered by the engine process."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    def names(self) -> list[str]:
+        return self._engine._call("names")
+
+    def path_of(self, name: str) -> Path:
+        return Path(self._engine._call("path_of", name=name))
+
+    def load(self, name: str, path: Path) -> None:
+        self._engine._call("load", name=name, path=str(path))
+
+    def unload(self, name: str) -> None:
+        self._engine._call("unload", name=name)
+
+    @property
+    def loaded_count(self) -> int:
+        return self._engine.stats()["adapters_loaded"]
+
+    @property
+    def loads(self) -> int:
+        return self._engine.stats()["adapter_loads"]
+
+
+class RemoteEngine:
+    """Starts the engine process and stands for its engine in this one (see module doc)."""
+
+    def __init__(self, options, hooks: EngineHooks) -> None:
+        import torch
+        import zmq
+
+        self.hooks = hooks
+        self._folder = tempfile.mkdtemp(prefix="symbiosis-api-engine-")  # mode 0700
+        self._context = zmq.Context()
+        self._commands = self._context.socket(zmq.PUSH)
+        self._events = self._context.socket(zmq.PULL)
+        for sock in (self._commands, self._events):
+            sock.setsockopt(zmq.LINGER, 0)
+        commands, events = f"ipc://{self._folder}/commands", f"ipc://{self._folder}/events"
+        self._commands.bind(commands)
+        self._events.bind(events)
+        self._send_lock = threading.Lock()
+        self._sinks: dict[int, Any] = {}
+        self._pending: dict[int, list] = {}  # call id -> [threading.Event, reply]
+        self._ids = itertools.count(1)
+        self._dead: str | None = None  # why the engine process is gone
+        self._closed = False
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "symbiosis.serving.engine_process", commands, events], stdin=subprocess.DEVNULL
+        )
+        try:
+            self._wait_connected()
+            self._send({"op": "config", "options": _options_to_wire(options), "torch_threads": torch.get_num_threads()})
+            ready = self._wait_ready()
+        except BaseException:
+            self._stop_process()
+            self._close_sockets()
+            raise
+        self.served_name: str = ready["served_name"]
+        self.max_context: int = ready["max_context"]
+        self.pool = RemotePool(self)
+        self._receiver = threading.Thread(target=self._receive, name="symbiosis-api-engine-link", daemon=True)
+        self._receiver.start()
+
+    # ---- what app.py uses -------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> _RemoteHandle:
+        sequence_id = next(self._ids)
+        self._sinks[sequence_id] = request.sink
+        try:
+            self._call(
+                "submit",
+                id=sequence_id,
+                prompt=list(request.prompt_ids),
+                adapter=request.adapter,
+                params=dataclasses.asdict(request.params),
+            )
+        except BaseException:
+            self._sinks.pop(sequence_id, None)
+            raise
+        return _RemoteHandle(self, sequence_id)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def probe(self) -> None:
+        self._call("probe")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send({"op": "stop"})
+        except SymbiosisError:
+            pass
+        self._stop_process()
+        self._receiver.join(timeout=5)  # it sees _closed within POLL_MS; then its socket may close
+        self._close_sockets()
+        self._dead = self._dead or "the server is shutting down"
+        self._fail_everything(Failure(503, "the server is shutting down", "service_unavailable"))
+
+    # ---- mechanism ------------------------------------------------------------------------------------
+
+    def _send(self, message: dict) -> None:
+        if self._dead is not None and message.get("op") != "stop":
+            raise ExecutorUnavailableError(f"the engine process is gone: {self._dead}")
+        import zmq
+
+        try:
+            with self._send_lock:
+                # Never blocks: with no engine process at the other end a send would wait for good.
+                self._commands.send(_encoder.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # zmq.Again: not connected (gone) or thousands of commands behind
+            raise ExecutorUnavailableError(f"the engine process does not take commands: {exc}") from None
+
+    def _call(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **fields) -> Any:
+        call_id = next(self._ids)
+        done = threading.Event()
+        self._pending[call_id] = [done, None]
+        try:
+            self._send({"op": op, "call": call_id, **fields})
+            if not done.wait(timeout_s):
+                raise ExecutorTimeoutError(f"the engine process did not answer {op!r} within {timeout_s:g} s")
+            reply = self._pending[call_id][1]
+        finally:
+            self._pending.pop(call_id, None)
+        if reply is None:
+            raise ExecutorUnavailableError(f"the engine process is gone: {self._dead}")
+        if reply.get("error") is not None:
+            _raise(reply["error"])
+        return reply.get("value")
+
+    def _wait_connected(self) -> None:
+        import zmq
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._commands.poll(POLL_MS, zmq.POLLOUT):
+            if self._process.poll() is not None:
+                raise ExecutorUnavailableError(
+                    f"the engine process exited with status {self._process.returncode} while starting (see its log)"
+                )
+            if time.monotonic() > deadline:
+                raise ExecutorTimeoutError(f"the engine process did not connect within {READY_TIMEOUT_S:g} s")
+
+    def _wait_ready(self) -> dict:
+        import zmq
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._events.poll(POLL_MS, zmq.POLLIN):
+                message = _decoder.decode(self._events.recv())
+                if message.get("op") == "ready":
+                    return message
+                if message.get("op") == "failed":
+                    _raise(message["error"])
+            elif self._process.poll() is not None:
+                raise ExecutorUnavailableError(
+                    f"the engine process exited with status {self._process.returncode} while starting (see its log)"
+                )
+        raise ExecutorTimeoutError(f"the engine process was not ready within {READY_TIMEOUT_S:g} s")
+
+    def _receive(self) -> None:
+        import zmq
+
+        while not self._closed:
+            try:
+                if not self._events.poll(POLL_MS, zmq.POLLIN):
+                    if self._process.poll() is not None:
+                        self._dead = f"it exited with status {self._process.returncode}"
+                        self._fail_everything(
+                            Failure(503, "the engine process exited; restart the server", "service_unavailable")
+                        )
+                        return
+                    continue
+                message = _decoder.decode(self._events.recv())
+            except zmq.ZMQError:
+                return  # closed
+            op = message.get("op")
+            if op == "reply":
+                pending = self._pending.get(message["call"])
+                if pending is not None:
+                    pending[1] = message
+                    pending[0].set()
+            elif op == "events":
+                self._deliver(message)
+
+    def _deliver(self, message: dict) -> None:
+        for sequence_id, payload in message["items"]:
+            event = _event_of(payload)
+            sink = self._sinks.get(sequence_id)
+            if sink is None:
+                continue
+            if isinstance(event, Failure) or event.finish_reason is not None:
+                self._sinks.pop(sequence_id, None)
+            try:
+                sink(event)
+            except Exception:  # noqa: BLE001 (e.g. its event loop closed: the others still get theirs)
+                log.exception("could not deliver an event of sequence %d", sequence_id)
+        for name, args in message["hooks"]:
+            if name in _HOOKS:
+                getattr(self.hooks, name)(*args)
+
+    def _fail_everything(self, failure: Failure) -> None:
+        for call_id in list(self._pending):
+            pending = self._pending.get(call_id)
+            if pending is not None:
+                pending[0].set()  # reply None: "gone"
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(failure)
+
+    def _stop_process(self) -> None:
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _close_sockets(self) -> None:
+        self._commands.close()
+        self._events.close()
+        self._context.term()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+_HOOKS = ("queue_changed", "first_token", "inter_token", "finished")
+
+
+def _options_to_wire(options) -> dict:
+    return {
+        "model": str(options.model),
+        "client": dataclasses.asdict(options.client),
+        "adapters": {name: str(path) for name, path in options.adapters.items()},
+        "adapter_dir": None if options.adapter_dir is None else str(options.adapter_dir),
+        "served_model_name": options.served_model_name,
+        "max_concurrent_requests": options.max_concurrent_requests,
+        "max_batch_size": options.max_batch_size,
+        "max_loaded_adapters": options.max_loaded_adapters,
+        "kv_cache_mb": options.kv_cache_mb,
+    }
+
+
+def _options_from_wire(wire: dict):
+    from symbiosis.jobs.client import ClientOptions
+    from symbiosis.serving.server import ApiOptions
+
+    return ApiOptions(
+        model=Path(wire["model"]),
+        client=ClientOptions(**wire["client"]),
+        adapters={name: Path(path) for name, path in wire["adapters"].items()},
+        adapter_dir=None if wire["adapter_dir"] is None else Path(wire["adapter_dir"]),
+        served_model_name=wire["served_model_name"],
+        max_concurrent_requests=wire["max_concurrent_requests"],
+        max_batch_size=wire["max_batch_size"],
+        max_loaded_adapters=wire["max_loaded_adapters"],
+        kv_cache_mb=wire["kv_cache_mb"],
+    )
+
+
+# ---- child side ------------------------------------------------------------------------------------
+
+
+class _Outbox(EngineHooks):
+    """Collects the engine's events and hook calls; sends them as one message when the engine
+    reports its queue (after every step, and when a request is queued)."""
+
+    def __init__(self, send) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._hooks: list = []
+
+    def sink_for(self, sequence_id: int):
+        def sink(event: Delta | Failure) -> None:
+            with self._lock:
+                self._items.append([sequence_id, _event_payload(event)])
+
+        return sink
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._items and not self._hooks:
+                return
+            items, hooks, self._items, self._hooks = self._items, self._hooks, [], []
+        self._send({"op": "events", "items": items, "hooks": hooks})
+
+    def queue_changed(self, running: int, waiting: int, cache_bytes: int, adapters_loaded: int) -> None:
+        with self._lock:
+            self._hooks.append(["queue_changed", [running, waiting, cache_bytes, adapters_loaded]])
+        self.flush()
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self._hooks.append(["first_token", [seconds]])
+
+    def inter_token(self, seconds: float) -> None:
+        with self._lock:
+            self._hooks.append(["inter_token", [seconds]])
+
+    def finished(self, seconds: float, prompt_tokens: int, completion_tokens: int, reason: str) -> None:
+        with self._lock:
+            self._hooks.append(["finished", [seconds, prompt_tokens, completion_tokens, reason]])
+
+
+def serve(commands_address: str, events_address: str) -> None:
+    """The child: build the engine from the first message, then answer commands until told to stop."""
+    import torch
+    import zmq
+
+    from symbiosis.jobs.client import ExecutorTarget, load_tokenizer
+    from symbiosis.serving.server import build_engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the parent, which stops us
+    parent = os.getppid()
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    events = context.socket(zmq.PUSH)
+    for sock in (commands, events):
+        sock.setsockopt(zmq.LINGER, 1000)
+    commands.connect(commands_address)
+    events.connect(events_address)
+    send_lock = threading.Lock()
+
+    def send(message: dict) -> None:
+        with send_lock:
+            events.send(_encoder.encode(message))
+
+    def next_message() -> dict | None:
+        while not commands.poll(POLL_MS, zmq.POLLIN):
+            if os.getppid() != parent:
+                return None  # the parent is gone
+        return _decoder.decode(commands.recv())
+
+    first = next_message()
+    if first is None or first.get("op") != "config":
+        return
+    torch.set_num_threads(first["torch_threads"])
+    target = parts = None
+    outbox = _Outbox(send)
+    try:
+        options = _options_from_wire(first["options"])
+        target = ExecutorTarget(options.model, options.client)
+        parts = build_engine(options, target, None, load_tokenizer(options.model), outbox)
+    except Exception as exc:  # noqa: BLE001 (reported to the parent, which raises it)
+        send({"op": "failed", "error": _error_of(exc)})
+        if target is not None:
+            target.close()
+        return
+    engine, pool = parts.engine, parts.engine.pool
+    send({"op": "ready", "served_name": parts.served_name, "max_context": parts.max_context})
+
+    def answer(message: dict, work) -> None:
+        try:
+            reply = {"op": "reply", "call": message["call"], "value": work(), "error": None}
+        except Exception as exc:  # noqa: BLE001 (any failure is the caller's answer)
+            reply = {"op": "reply", "call": message["call"], "value": None, "error": _error_of(exc)}
+        send(reply)
+
+    def submit(message: dict) -> None:
+        params = dict(message["params"])
+        params["stop"] = tuple(params["stop"])
+        params["stop_token_ids"] = tuple(params["stop_token_ids"])
+        request = GenerationRequest(
+            list(message["prompt"]), message["adapter"], SamplingParams(**params), outbox.sink_for(message["id"])
+        )
+        if len(handles) >= 64:  # forget finished sequences (their cancel is a no-op anyway)
+            for sequence_id in [i for i, h in handles.items() if h.done]:
+                del handles[sequence_id]
+        handles[message["id"]] = engine.submit(request)
+
+    handles: dict[int, Any] = {}
+    quick = {
+        "submit": submit,
+        "stats": lambda message: engine.stats(),
+        "names": lambda message: pool.names(),
+        "path_of": lambda message: str(pool.path_of(message["name"])),
+        "unload": lambda message: pool.unload(message["name"]),
+    }
+    slow = {  # may take a while: answered from a thread of their own, so requests keep flowing
+        "load": lambda message: pool.load(message["name"], Path(message["path"])) and None,
+        "probe": lambda message: parts.probe(),
+    }
+    try:
+        while True:
+            message = next_message()
+            if message is None or message.get("op") == "stop":
+                break
+            op = message.get("op")
+            if op == "cancel":
+                handle = handles.pop(message.get("id"), None)
+                if handle is not None:
+                    handle.cancel()
+            elif op in quick:
+                answer(message, functools.partial(quick[op], message))
+            elif op in slow:
+                work = functools.partial(slow[op], message)
+                threading.Thread(target=answer, args=(message, work), daemon=True).start()
+    finally:
+        engine.close()
+        outbox.flush()
+        target.close()
+        commands.close()
+        events.close()
+        context.term()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])

@@ -1,0 +1,159 @@
+"""``symbiosis api`` with its engine in a process of its own (``ApiOptions.engine_process``, the
+command line's default): the same answers as the in-process engine, through the official
+``openai`` client, and the boundary's own duties (cancellation, errors, a lost engine process)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from symbiosis.errors import ConfigurationError, ExecutorUnavailableError
+from symbiosis.serving.adapters import UnknownAdapterError
+from symbiosis.serving.engine import GenerationRequest, RequestTooLargeError, ServerOverloadedError
+from symbiosis.serving.engine_process import _error_of, _raise
+from symbiosis.serving.sampling import SamplingParams
+from tests.serving.conftest import make_lora_adapter
+from tests.serving.test_api import MAX_TOKENS, PROMPTS, check_concurrent_greedy, get, greedy_tokens, openai_client, post
+from tests.serving.test_api import start_server as start_api_server
+
+
+def start_server(model, **options):
+    return start_api_server(model, engine_process=True, **options)
+
+
+@pytest.fixture(scope="module")
+def server(api_model, lora_adapters):
+    server = start_server(api_model, adapters=lora_adapters, max_loaded_adapters=3, allow_adapter_updates=True)
+    yield server
+    server.close()
+
+
+def test_the_engine_runs_in_another_process(server):
+    assert server.model is None and server.engine._process.poll() is None
+
+
+def test_concurrent_greedy_completions_equal_monolithic_peft(server, lora_adapters, reference):
+    check_concurrent_greedy(server, lora_adapters, reference)
+    assert server.pool.loaded_count <= 3
+
+
+def test_streaming_chat_models_and_errors(server, lora_adapters):
+    client = openai_client(server)
+    whole = client.completions.create(model="attn8", prompt=PROMPTS[1], max_tokens=20, temperature=0)
+    chunks = list(
+        client.completions.create(model="attn8", prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    chat = client.chat.completions.create(model="qv4", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.usage.completion_tokens <= 5
+    assert {m.id for m in client.models.list().data} == {server.served_model_name, *lora_adapters}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-adapter", prompt="x")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_metrics_come_from_the_engine_process(server):
+    greedy_tokens(openai_client(server), "qv4", "metrics", 3)
+    status, text = get(server.url + "/metrics")
+    generated = [line for line in text.splitlines() if line.startswith("symbiosis:generation_tokens_total")]
+    assert status == 200 and generated and float(generated[0].split()[-1]) >= 3
+    status, body = get(server.url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok" and json.loads(body)["steps"] > 0
+
+
+def test_a_cancelled_sequence_is_freed_in_the_engine_process(server):
+    def aborted() -> float:
+        lines = get(server.url + "/metrics")[1].splitlines()
+        found = [line for line in lines if line.startswith('symbiosis:request_success_total{finished_reason="abort"}')]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    before = aborted()
+    events = []
+    params = SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)
+    handle = server.engine.submit(GenerationRequest([1], None, params, events.append))
+    handle.cancel()  # long before 250 steps: the child reads commands in order
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = server.engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and aborted() == before + 1:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_bytes"] == 0
+    assert aborted() == before + 1
+    assert len(events) < 250 and not any(getattr(e, "finish_reason", None) for e in events)
+
+
+def test_adapters_load_replace_and_unload_in_the_engine_process(server, api_model, tmp_path, reference):
+    client = openai_client(server)
+    first = make_lora_adapter(api_model, tmp_path / "v1", 4, 8, ["q_proj", "v_proj"], seed=31)
+    second = make_lora_adapter(api_model, tmp_path / "v2", 8, 8, ["up_proj"], seed=32)
+    load = server.url + "/v1/load_lora_adapter"
+    assert post(load, {"lora_name": "live", "lora_path": str(first)})[0] == 200
+    assert greedy_tokens(client, "live", PROMPTS[0]) == reference.tokens(PROMPTS[0], first, MAX_TOKENS)
+    assert post(load, {"lora_name": "live", "lora_path": str(second)})[0] == 200
+    assert greedy_tokens(client, "live", PROMPTS[0]) == reference.tokens(PROMPTS[0], second, MAX_TOKENS)
+    status, body = post(load, {"lora_name": "live", "lora_path": str(tmp_path)})
+    assert status == 400 and json.loads(body)["error"]["param"] == "lora_path"
+    assert post(server.url + "/v1/unload_lora_adapter", {"lora_name": "live"})[0] == 200
+    assert post(server.url + "/v1/unload_lora_adapter", {"lora_name": "live"})[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        greedy_tokens(client, "live", PROMPTS[0])
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        UnknownAdapterError("gone"),
+        ServerOverloadedError("full"),
+        RequestTooLargeError("big"),
+        ConfigurationError("bad name"),
+        ExecutorUnavailableError("down"),
+        ValueError("bad value"),
+    ],
+)
+def test_errors_cross_the_boundary_as_their_own_type(error):
+    with pytest.raises(type(error), match=str(error)):
+        _raise(_error_of(error))
+
+
+def test_a_lost_engine_process_answers_503_and_closes_cleanly(api_model):
+    server = start_server(api_model)
+    try:
+        assert len(greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)) == 3
+        server.engine._process.kill()
+        server.engine._process.wait()
+        deadline = time.monotonic() + 10
+        while server.engine._dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, body = get(server.url + "/health")
+        assert status == 503 and "executor" in json.loads(body)["reason"]
+        with pytest.raises(openai.InternalServerError) as down:
+            greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)
+        assert down.value.status_code == 503
+        with pytest.raises(ExecutorUnavailableError):
+            server.engine.stats()
+    finally:
+        server.close()
+    assert server.engine._process.returncode is not None
+
+
+def test_a_bad_option_fails_at_start_with_the_childs_error(api_model, tmp_path):
+    with pytest.raises(UnknownAdapterError, match="is not a folder"):
+        start_server(api_model, adapter_dir=tmp_path / "missing")
+
+
+def test_many_concurrent_streams_all_finish(server):
+    client = openai_client(server)
+
+    def stream(i: int) -> str:
+        chunks = client.completions.create(model="od2", prompt=f"n{i}", max_tokens=6, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(24) as pool:
+        texts = list(pool.map(stream, range(24)))
+    assert len(texts) == 24
+    assert server.engine.stats()["running"] == 0
