@@ -289,9 +289,9 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
     per_cpu, cpu_ratios = summary.get("tokens_per_cpu_s"), summary.get("cpu_ratios")
     if per_cpu and cpu_ratios:
         lines.append(
-            "- Same rounds, tokens per CPU-second of everything that served them (HF: its process; api: server, "
-            "executor "
-            "process, load generator), steadier than wall time on a busy host: HF PEFT "
+            "- Same rounds, tokens per CPU-second of everything that served them (HF: its process; api: server "
+            "and its engine process, executor process, load generator), steadier than wall time on a busy host: "
+            "HF PEFT "
             f"{per_cpu['hf_peft_mixed']:.0f}, "
             f"api embedded {per_cpu['api_embedded']:.0f} (x{cpu_ratios['api_embedded_vs_hf']:.2f}), api over shm "
             f"{per_cpu['api_shm']:.0f} (x{cpu_ratios['api_shm_vs_hf']:.2f})."

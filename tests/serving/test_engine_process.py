@@ -120,6 +120,7 @@ def test_errors_cross_the_boundary_as_their_own_type(error):
         _raise(_error_of(error))
 
 
+@pytest.mark.slow
 def test_a_lost_engine_process_answers_503_and_closes_cleanly(api_model):
     server = start_server(api_model)
     try:
@@ -141,6 +142,7 @@ def test_a_lost_engine_process_answers_503_and_closes_cleanly(api_model):
     assert server.engine._process.returncode is not None
 
 
+@pytest.mark.slow
 def test_a_bad_option_fails_at_start_with_the_childs_error(api_model, tmp_path):
     with pytest.raises(UnknownAdapterError, match="is not a folder"):
         start_server(api_model, adapter_dir=tmp_path / "missing")
