@@ -340,6 +340,9 @@ def create_app(state: ApiState) -> FastAPI:
         except RequestTooLargeError as exc:
             choices.cancel()
             raise ApiError(400, str(exc), param="max_tokens") from None
+        except BaseException:  # e.g. the engine process cannot answer: the choices already queued go too
+            choices.cancel()
+            raise
         return choices
 
     async def collect(choices: _Choices, request: Request) -> list[dict]:

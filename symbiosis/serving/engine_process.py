@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,12 @@ from symbiosis.serving.sampling import SamplingParams
 log = logging.getLogger("symbiosis.api")
 
 READY_TIMEOUT_S = 600.0  # loading the model (and an embedded executor) in the child
-CALL_TIMEOUT_S = 60.0  # one command's answer (an adapter load reads a folder)
+# One command's answer. Most are asked from the HTTP server's event loop (a submit per choice,
+# an adapter lookup per request, /health's stats), which waits for them: short, so a wedged
+# engine process stalls the streams for seconds, not a minute. An adapter load (from a worker
+# thread) reads a folder, and may take longer.
+CALL_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 120.0
 POLL_MS = 500  # how often a waiting side checks that the other is alive
 
 #: Exceptions that cross the boundary by name (the first of an exception's classes found here).
@@ -77,6 +83,7 @@ _ERRORS: dict[str, type[Exception]] = {
         ExecutorTimeoutError,
         SymbiosisError,
         ValueError,
+        RuntimeError,
     )
 }
 
@@ -85,13 +92,15 @@ _decoder = msgspec.msgpack.Decoder()
 
 
 def _error_of(exc: BaseException) -> list[str]:
-    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "SymbiosisError")
+    """[class name, message]: the exception's first class (its own, then its bases) that the
+    other side re-raises; one it does not know is a RuntimeError there (a 500, as in-process)."""
+    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "RuntimeError")
     return [name, str(exc) or type(exc).__name__]
 
 
 def _raise(error: list[str]) -> None:
     name, message = error
-    raise _ERRORS.get(name, SymbiosisError)(message)
+    raise _ERRORS.get(name, RuntimeError)(message)
 
 
 def _event_payload(event: Delta | Failure) -> list:
@@ -138,7 +147,7 @@ class RemotePool:
         return Path(self._engine._call("path_of", name=name))
 
     def load(self, name: str, path: Path) -> None:
-        self._engine._call("load", name=name, path=str(path))
+        self._engine._call("load", LOAD_TIMEOUT_S, name=name, path=str(path))
 
     def unload(self, name: str) -> None:
         self._engine._call("unload", name=name)
@@ -176,14 +185,15 @@ class RemoteEngine:
         self._dead: str | None = None  # why the engine process is gone
         self._closed = False
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "symbiosis.serving.engine_process", commands, events], stdin=subprocess.DEVNULL
+            [sys.executable, "-m", "symbiosis.serving.engine_process", commands, events, str(os.getpid())],
+            stdin=subprocess.DEVNULL,
         )
         try:
             self._wait_connected()
             self._send({"op": "config", "options": _options_to_wire(options), "torch_threads": torch.get_num_threads()})
             ready = self._wait_ready()
         except BaseException:
-            self._stop_process()
+            self._stop_process(wait_s=1.0)
             self._close_sockets()
             raise
         self.served_name: str = ready["served_name"]
@@ -207,6 +217,10 @@ class RemoteEngine:
             )
         except BaseException:
             self._sinks.pop(sequence_id, None)
+            try:  # a submit that timed out may still run there: commands arrive in order
+                self._send({"op": "cancel", "id": sequence_id})
+            except SymbiosisError:
+                pass
             raise
         return _RemoteHandle(self, sequence_id)
 
@@ -224,10 +238,10 @@ class RemoteEngine:
             self._send({"op": "stop"})
         except SymbiosisError:
             pass
+        self._dead = self._dead or "the server is shutting down"  # later calls fail at once
         self._stop_process()
-        self._receiver.join(timeout=5)  # it sees _closed within POLL_MS; then its socket may close
-        self._close_sockets()
-        self._dead = self._dead or "the server is shutting down"
+        self._receiver.join(timeout=5)  # it sees _closed within POLL_MS
+        self._close_sockets(events=not self._receiver.is_alive())
         self._fail_everything(Failure(503, "the server is shutting down", "service_unavailable"))
 
     # ---- mechanism ------------------------------------------------------------------------------------
@@ -239,6 +253,8 @@ class RemoteEngine:
 
         try:
             with self._send_lock:
+                if self._commands.closed:
+                    raise zmq.ZMQError(msg="closed")
                 # Never blocks: with no engine process at the other end a send would wait for good.
                 self._commands.send(_encoder.encode(message), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # zmq.Again: not connected (gone) or thousands of commands behind
@@ -297,25 +313,37 @@ class RemoteEngine:
             try:
                 if not self._events.poll(POLL_MS, zmq.POLLIN):
                     if self._process.poll() is not None:
-                        self._dead = f"it exited with status {self._process.returncode}"
-                        self._fail_everything(
-                            Failure(503, "the engine process exited; restart the server", "service_unavailable")
-                        )
+                        self._give_up(f"it exited with status {self._process.returncode}")
                         return
                     continue
                 message = _decoder.decode(self._events.recv())
+                op = message.get("op")
+                if op == "reply":
+                    pending = self._pending.get(message["call"])
+                    if pending is not None:
+                        pending[1] = message
+                        pending[0].set()
+                elif op == "events":
+                    self._deliver(message)
             except zmq.ZMQError:
                 return  # closed
-            op = message.get("op")
-            if op == "reply":
-                pending = self._pending.get(message["call"])
-                if pending is not None:
-                    pending[1] = message
-                    pending[0].set()
-            elif op == "events":
-                self._deliver(message)
+            except Exception:  # noqa: BLE001 (a message we cannot read: nothing after it can be trusted)
+                log.exception("bad message from the engine process; stopping it")
+                self._process.kill()
+                self._give_up("it sent a message the server could not read")
+                return
+
+    def _give_up(self, why: str) -> None:
+        self._dead = why
+        self._fail_everything(
+            Failure(503, f"the engine process is gone ({why}); restart the server", "service_unavailable")
+        )
 
     def _deliver(self, message: dict) -> None:
+        # Hooks first, as in-process (the metrics count a token before its client sees it).
+        for name, args in message["hooks"]:
+            if name in _HOOKS:
+                getattr(self.hooks, name)(*args)
         for sequence_id, payload in message["items"]:
             event = _event_of(payload)
             sink = self._sinks.get(sequence_id)
@@ -323,13 +351,7 @@ class RemoteEngine:
                 continue
             if isinstance(event, Failure) or event.finish_reason is not None:
                 self._sinks.pop(sequence_id, None)
-            try:
-                sink(event)
-            except Exception:  # noqa: BLE001 (e.g. its event loop closed: the others still get theirs)
-                log.exception("could not deliver an event of sequence %d", sequence_id)
-        for name, args in message["hooks"]:
-            if name in _HOOKS:
-                getattr(self.hooks, name)(*args)
+            _safely(sink, event)
 
     def _fail_everything(self, failure: Failure) -> None:
         for call_id in list(self._pending):
@@ -338,20 +360,31 @@ class RemoteEngine:
                 pending[0].set()  # reply None: "gone"
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
-            sink(failure)
+            _safely(sink, failure)
 
-    def _stop_process(self) -> None:
+    def _stop_process(self, wait_s: float = 10.0) -> None:
         try:
-            self._process.wait(timeout=10)
+            self._process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
 
-    def _close_sockets(self) -> None:
-        self._commands.close()
-        self._events.close()
-        self._context.term()
+    def _close_sockets(self, events: bool = True) -> None:
+        """Close under the send lock (a late sender gets "gone", not a closed socket); the events
+        socket only once the receiver thread is done with it (else it is left to the process)."""
+        with self._send_lock:
+            self._commands.close()
+        if events:
+            self._events.close()
+            self._context.term()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _safely(sink, event) -> None:
+    try:
+        sink(event)
+    except Exception:  # noqa: BLE001 (e.g. its event loop closed: the other sequences still get theirs)
+        log.exception("could not deliver an event to a sequence")
 
 
 _HOOKS = ("queue_changed", "first_token", "inter_token", "finished")
@@ -409,11 +442,11 @@ class _Outbox(EngineHooks):
         return sink
 
     def flush(self) -> None:
-        with self._lock:
+        with self._lock:  # swap and send as one: batches leave in the order they were made
             if not self._items and not self._hooks:
                 return
             items, hooks, self._items, self._hooks = self._items, self._hooks, [], []
-        self._send({"op": "events", "items": items, "hooks": hooks})
+            self._send({"op": "events", "items": items, "hooks": hooks})
 
     def queue_changed(self, running: int, waiting: int, cache_bytes: int, adapters_loaded: int) -> None:
         with self._lock:
@@ -433,7 +466,7 @@ class _Outbox(EngineHooks):
             self._hooks.append(["finished", [seconds, prompt_tokens, completion_tokens, reason]])
 
 
-def serve(commands_address: str, events_address: str) -> None:
+def serve(commands_address: str, events_address: str, parent: int) -> None:
     """The child: build the engine from the first message, then answer commands until told to stop."""
     import torch
     import zmq
@@ -441,19 +474,24 @@ def serve(commands_address: str, events_address: str) -> None:
     from symbiosis.jobs.client import ExecutorTarget, load_tokenizer
     from symbiosis.serving.server import build_engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the parent, which stops us
-    parent = os.getppid()
+    # Ctrl+C, or a stop signal to the whole process group, reaches the parent too, which finishes
+    # what it serves and then stops us: going first would fail its last requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     events = context.socket(zmq.PUSH)
     for sock in (commands, events):
         sock.setsockopt(zmq.LINGER, 1000)
+    events.setsockopt(zmq.SNDTIMEO, 10_000)  # a parent that stopped reading: fail, do not hang
     commands.connect(commands_address)
     events.connect(events_address)
     send_lock = threading.Lock()
 
     def send(message: dict) -> None:
         with send_lock:
+            if events.closed:
+                raise zmq.ZMQError(msg="closed")
             events.send(_encoder.encode(message))
 
     def next_message() -> dict | None:
@@ -484,8 +522,13 @@ def serve(commands_address: str, events_address: str) -> None:
         try:
             reply = {"op": "reply", "call": message["call"], "value": work(), "error": None}
         except Exception as exc:  # noqa: BLE001 (any failure is the caller's answer)
+            if _error_of(exc)[0] == "RuntimeError":  # not one of ours: a bug, logged here
+                traceback.print_exc(file=sys.stderr)
             reply = {"op": "reply", "call": message["call"], "value": None, "error": _error_of(exc)}
-        send(reply)
+        try:
+            send(reply)
+        except zmq.ZMQError:
+            pass  # closing
 
     def submit(message: dict) -> None:
         params = dict(message["params"])
@@ -530,10 +573,11 @@ def serve(commands_address: str, events_address: str) -> None:
         engine.close()
         outbox.flush()
         target.close()
+        with send_lock:  # a load or probe thread still answering gets "closed", not a crash
+            events.close()
         commands.close()
-        events.close()
         context.term()
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2])
+    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -159,3 +159,28 @@ def test_many_concurrent_streams_all_finish(server):
         texts = list(pool.map(stream, range(24)))
     assert len(texts) == 24
     assert server.engine.stats()["running"] == 0
+
+
+@pytest.mark.slow
+def test_an_unreadable_message_from_the_engine_side_fails_requests_with_503_not_a_hang(api_model):
+    import zmq
+
+    server = start_server(api_model)
+    try:
+        folder = server.engine._folder
+        context = zmq.Context()
+        intruder = context.socket(zmq.PUSH)
+        intruder.connect(f"ipc://{folder}/events")
+        intruder.send(b"\xc1 not msgpack")  # 0xc1 is never valid msgpack
+        deadline = time.monotonic() + 10
+        while server.engine._dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        intruder.close(linger=0)
+        context.term()
+        assert server.engine._dead is not None
+        with pytest.raises(openai.InternalServerError) as down:
+            greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)
+        assert down.value.status_code == 503
+    finally:
+        server.close()
+    assert server.engine._process.returncode is not None
