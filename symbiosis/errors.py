@@ -161,3 +161,5 @@ class ExecutorBusyError(SymbiosisError):
 
 
 ERRORS_BY_CODE[ExecutorBusyError.code] = ExecutorBusyError
+# A bad adapter name or setting, raised in the API server's engine process (``serving/engine_process.py``).
+ERRORS_BY_CODE[ConfigurationError.code] = ConfigurationError

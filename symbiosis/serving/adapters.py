@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from symbiosis.errors import ConfigurationError, SymbiosisError
+from symbiosis.errors import ERRORS_BY_CODE, ConfigurationError, SymbiosisError
 from symbiosis.serving.lora import LoraAdapter, read_lora_config
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -28,9 +28,17 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 class UnknownAdapterError(SymbiosisError):
     """No adapter of that name is servable."""
 
+    code = "unknown_adapter"
+
 
 class AdapterPoolFullError(SymbiosisError):
     """Every loaded adapter is in use by a running sequence; the caller should wait."""
+
+    code = "adapter_pool_full"
+
+
+# They cross from the API server's engine process (``engine_process.py``) to its HTTP side.
+ERRORS_BY_CODE.update({cls.code: cls for cls in (UnknownAdapterError, AdapterPoolFullError)})
 
 
 def check_adapter_name(name: str) -> str:

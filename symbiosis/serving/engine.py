@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
+from symbiosis.errors import ERRORS_BY_CODE, ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
 from symbiosis.serving.adapters import AdapterPool, UnknownAdapterError
 from symbiosis.serving.detokenize import IncrementalText
 from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
@@ -37,9 +37,17 @@ from symbiosis.threads import with_torch_threads
 class ServerOverloadedError(SymbiosisError):
     """The waiting queue is full; try again later (HTTP 429)."""
 
+    code = "server_overloaded"
+
 
 class RequestTooLargeError(SymbiosisError):
     """One request needs more than the server can ever give it (HTTP 400)."""
+
+    code = "request_too_large"
+
+
+# They cross from the API server's engine process (``engine_process.py``) to its HTTP side.
+ERRORS_BY_CODE.update({cls.code: cls for cls in (ServerOverloadedError, RequestTooLargeError)})
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ the lock, are the limit: 408 alone, 368 with the in-process server, 359 beside o
 
 Parent side, :class:`RemoteEngine`: what ``app.py`` uses of the engine (``submit`` and the
 handle's ``cancel``, ``stats``, ``pool``, ``close``) and a ``probe`` of the executor. Child side,
-``python -m symbiosis.serving.engine_process COMMANDS EVENTS``: builds the split client, adapter
+``python -m symbiosis.serving.engine_process COMMANDS EVENTS PARENT_PID``: builds the split client, adapter
 pool and engine exactly as the in-process server does (``server.build_engine``) and serves them.
 
 Wire: two ZeroMQ ipc sockets in a folder only this user can open (commands parent -> child,
@@ -41,22 +41,8 @@ from typing import Any
 
 import msgspec
 
-from symbiosis.errors import (
-    ConfigurationError,
-    ExecutorTimeoutError,
-    ExecutorUnavailableError,
-    SymbiosisError,
-)
-from symbiosis.serving.adapters import AdapterPoolFullError, UnknownAdapterError
-from symbiosis.serving.engine import (
-    Delta,
-    EngineHooks,
-    Failure,
-    GenerationRequest,
-    RequestTooLargeError,
-    ServerOverloadedError,
-    Usage,
-)
+from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError, error_from_code
+from symbiosis.serving.engine import Delta, EngineHooks, Failure, GenerationRequest, Usage
 from symbiosis.serving.sampling import SamplingParams
 
 log = logging.getLogger("symbiosis.api")
@@ -70,37 +56,28 @@ CALL_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 120.0
 POLL_MS = 500  # how often a waiting side checks that the other is alive
 
-#: Exceptions that cross the boundary by name (the first of an exception's classes found here).
-_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (
-        UnknownAdapterError,
-        AdapterPoolFullError,
-        ConfigurationError,
-        ServerOverloadedError,
-        RequestTooLargeError,
-        ExecutorUnavailableError,
-        ExecutorTimeoutError,
-        SymbiosisError,
-        ValueError,
-        RuntimeError,
-    )
-}
+# Plain exceptions that cross as themselves; every SymbiosisError crosses by its ``code``
+# (``errors.ERRORS_BY_CODE``, where the serving errors register too).
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {"value_error": ValueError, "runtime_error": RuntimeError}
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=str)  # Paths as strings
 _decoder = msgspec.msgpack.Decoder()
 
 
 def _error_of(exc: BaseException) -> list[str]:
-    """[class name, message]: the exception's first class (its own, then its bases) that the
-    other side re-raises; one it does not know is a RuntimeError there (a 500, as in-process)."""
-    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "RuntimeError")
-    return [name, str(exc) or type(exc).__name__]
+    """[code, message]: a SymbiosisError's code; "value_error" for another ValueError; anything
+    else is a bug there and a RuntimeError here (a 500, as in-process)."""
+    if isinstance(exc, SymbiosisError):
+        code = exc.code
+    else:
+        code = "value_error" if isinstance(exc, ValueError) else "runtime_error"
+    return [code, str(exc) or type(exc).__name__]
 
 
 def _raise(error: list[str]) -> None:
-    name, message = error
-    raise _ERRORS.get(name, RuntimeError)(message)
+    code, message = error
+    builtin = _BUILTIN_ERRORS.get(code)
+    raise builtin(message) if builtin is not None else error_from_code(code, message)
 
 
 def _event_payload(event: Delta | Failure) -> list:
@@ -196,7 +173,6 @@ class RemoteEngine:
             self._stop_process(wait_s=1.0)
             self._close_sockets()
             raise
-        self.served_name: str = ready["served_name"]
         self.max_context: int = ready["max_context"]
         self.pool = RemotePool(self)
         self._receiver = threading.Thread(target=self._receive, name="symbiosis-api-engine-link", daemon=True)
@@ -213,7 +189,7 @@ class RemoteEngine:
                 id=sequence_id,
                 prompt=list(request.prompt_ids),
                 adapter=request.adapter,
-                params=dataclasses.asdict(request.params),
+                params=msgspec.to_builtins(request.params),
             )
         except BaseException:
             self._sinks.pop(sequence_id, None)
@@ -391,34 +367,14 @@ _HOOKS = ("queue_changed", "first_token", "inter_token", "finished")
 
 
 def _options_to_wire(options) -> dict:
-    return {
-        "model": str(options.model),
-        "client": dataclasses.asdict(options.client),
-        "adapters": {name: str(path) for name, path in options.adapters.items()},
-        "adapter_dir": None if options.adapter_dir is None else str(options.adapter_dir),
-        "served_model_name": options.served_model_name,
-        "max_concurrent_requests": options.max_concurrent_requests,
-        "max_batch_size": options.max_batch_size,
-        "max_loaded_adapters": options.max_loaded_adapters,
-        "kv_cache_mb": options.kv_cache_mb,
-    }
+    # What the child builds from (``server.build_engine``); the API keys stay here.
+    return msgspec.to_builtins(dataclasses.replace(options, api_keys={}), enc_hook=str)
 
 
 def _options_from_wire(wire: dict):
-    from symbiosis.jobs.client import ClientOptions
     from symbiosis.serving.server import ApiOptions
 
-    return ApiOptions(
-        model=Path(wire["model"]),
-        client=ClientOptions(**wire["client"]),
-        adapters={name: Path(path) for name, path in wire["adapters"].items()},
-        adapter_dir=None if wire["adapter_dir"] is None else Path(wire["adapter_dir"]),
-        served_model_name=wire["served_model_name"],
-        max_concurrent_requests=wire["max_concurrent_requests"],
-        max_batch_size=wire["max_batch_size"],
-        max_loaded_adapters=wire["max_loaded_adapters"],
-        kv_cache_mb=wire["kv_cache_mb"],
-    )
+    return msgspec.convert(wire, ApiOptions, dec_hook=lambda kind, value: kind(value))  # Path(str)
 
 
 # ---- child side ------------------------------------------------------------------------------------
@@ -516,27 +472,24 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
             target.close()
         return
     engine, pool = parts.engine, parts.engine.pool
-    send({"op": "ready", "served_name": parts.served_name, "max_context": parts.max_context})
+    send({"op": "ready", "max_context": parts.max_context})
 
     def answer(message: dict, work) -> None:
         try:
             reply = {"op": "reply", "call": message["call"], "value": work(), "error": None}
         except Exception as exc:  # noqa: BLE001 (any failure is the caller's answer)
-            if _error_of(exc)[0] == "RuntimeError":  # not one of ours: a bug, logged here
+            error = _error_of(exc)
+            if error[0] == "runtime_error":  # not one of ours: a bug, logged here
                 traceback.print_exc(file=sys.stderr)
-            reply = {"op": "reply", "call": message["call"], "value": None, "error": _error_of(exc)}
+            reply = {"op": "reply", "call": message["call"], "value": None, "error": error}
         try:
             send(reply)
         except zmq.ZMQError:
             pass  # closing
 
     def submit(message: dict) -> None:
-        params = dict(message["params"])
-        params["stop"] = tuple(params["stop"])
-        params["stop_token_ids"] = tuple(params["stop_token_ids"])
-        request = GenerationRequest(
-            list(message["prompt"]), message["adapter"], SamplingParams(**params), outbox.sink_for(message["id"])
-        )
+        params = msgspec.convert(message["params"], SamplingParams)
+        request = GenerationRequest(list(message["prompt"]), message["adapter"], params, outbox.sink_for(message["id"]))
         if len(handles) >= 64:  # forget finished sequences (their cancel is a no-op anyway)
             for sequence_id in [i for i, h in handles.items() if h.done]:
                 del handles[sequence_id]

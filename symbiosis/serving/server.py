@@ -123,14 +123,18 @@ def _uvicorn_server(config):
     return Server(config)
 
 
+def served_name_of(options: ApiOptions) -> str:
+    """The base model's name in requests and /v1/models."""
+    return options.served_model_name or Path(options.model).resolve().name
+
+
 @dataclass
 class EngineParts:
     """What serves generations: the split client model, its engine (which holds the adapter
-    pool), the names the API answers with, and a probe of the executor."""
+    pool), the model's context length, and a probe of the executor."""
 
     model: object
     engine: GenerationEngine
-    served_name: str
     max_context: int
     probe: object  # () -> None; raises if the executor cannot answer
 
@@ -154,7 +158,7 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
     shapes = install_multi_lora(model, context, output_names)
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    served_name = options.served_model_name or Path(options.model).resolve().name
+    served_name = served_name_of(options)
 
     def load(name: str, path: Path):
         return load_lora_adapter(name, path, shapes, dtype=dtype, device=device)
@@ -180,7 +184,7 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         spec = next(iter(transport.layer_specs().values()))
         transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
 
-    return EngineParts(model, engine, served_name, _max_context(model, tokenizer), probe)
+    return EngineParts(model, engine, _max_context(model, tokenizer), probe)
 
 
 class ApiServer:
@@ -206,6 +210,8 @@ class ApiServer:
         try:
             self._build(options)
         except BaseException:
+            if self.engine is not None:
+                self.engine.close()
             self._close_client()
             raise
         self._uvicorn = None
@@ -213,20 +219,18 @@ class ApiServer:
 
     def _build(self, options: ApiOptions) -> None:
         self.tokenizer = load_tokenizer(options.model)
+        served_name = served_name_of(options)
+        self.metrics = ServingMetrics(served_name)
         if self.in_engine_process:
             from symbiosis.serving.engine_process import RemoteEngine
 
-            self.metrics = ServingMetrics("")
             self.engine = RemoteEngine(options, self.metrics)
             self.model = None  # it lives in the engine process
-            served_name, max_context, probe = self.engine.served_name, self.engine.max_context, self.engine.probe
-            self.metrics.model_name = served_name
+            max_context, probe = self.engine.max_context, self.engine.probe
         else:
-            self.metrics = ServingMetrics("")
             parts = build_engine(options, self.target, self._shared_executor, self.tokenizer, self.metrics)
             self.model, self.engine = parts.model, parts.engine
-            served_name, max_context, probe = parts.served_name, parts.max_context, parts.probe
-            self.metrics.model_name = served_name
+            max_context, probe = parts.max_context, parts.probe
         self.pool = self.engine.pool
         config = ApiConfig(
             served_model_name=served_name,
@@ -327,8 +331,6 @@ class ApiServer:
         self._close_client()
 
     def _close_client(self) -> None:
-        if self.in_engine_process and self.engine is not None:
-            self.engine.close()  # also when building the rest failed after it started
         if self.target is not None:
             self.target.close()
         elif getattr(self, "model", None) is not None:

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from symbiosis.errors import ConfigurationError, ExecutorUnavailableError
-from symbiosis.serving.adapters import UnknownAdapterError
+from symbiosis.errors import ConfigurationError, ExecutorUnavailableError, MissingFileError, SymbiosisError
+from symbiosis.serving.adapters import AdapterPoolFullError, UnknownAdapterError
 from symbiosis.serving.engine import GenerationRequest, RequestTooLargeError, ServerOverloadedError
 from symbiosis.serving.engine_process import _error_of, _raise
 from symbiosis.serving.sampling import SamplingParams
@@ -112,12 +112,45 @@ def test_adapters_load_replace_and_unload_in_the_engine_process(server, api_mode
         RequestTooLargeError("big"),
         ConfigurationError("bad name"),
         ExecutorUnavailableError("down"),
+        AdapterPoolFullError("all in use"),
         ValueError("bad value"),
     ],
 )
 def test_errors_cross_the_boundary_as_their_own_type(error):
-    with pytest.raises(type(error), match=str(error)):
+    with pytest.raises(type(error), match=str(error)) as raised:
         _raise(_error_of(error))
+    assert type(raised.value) is type(error)
+
+
+def test_other_errors_cross_as_their_nearest_known_kind():
+    with pytest.raises(SymbiosisError, match="nope") as raised:  # a SymbiosisError not registered
+        _raise(_error_of(MissingFileError("nope")))
+    assert type(raised.value) is SymbiosisError
+    with pytest.raises(RuntimeError, match="'k'"):  # a bug there is a 500 here, not a 400
+        _raise(_error_of(KeyError("k")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ipc", "shm+ipc"])
+def test_an_engine_process_on_a_remote_executor_serves_the_same_tokens(
+    api_model, lora_adapters, reference, tmp_path, scheme
+):
+    from symbiosis.jobs.client import ClientOptions
+    from tests.service_helpers import start_executor, stop
+
+    address = f"ipc://{tmp_path}/executor.sock"
+    executor = start_executor(api_model, address)
+    try:
+        target = address if scheme == "ipc" else f"shm+{address}"
+        server = start_api_server(
+            api_model, ClientOptions(executor=target), adapters=lora_adapters, engine_process=True
+        )
+        try:
+            check_concurrent_greedy(server, lora_adapters, reference)
+        finally:
+            server.close()
+    finally:
+        stop(executor)
 
 
 @pytest.mark.slow
