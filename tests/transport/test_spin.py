@@ -17,14 +17,15 @@ from symbiosis.transport import lane as L
 from symbiosis.transport import spin
 
 
-def test_try_for_returns_the_first_result_and_gives_up_after_its_budget() -> None:
+def test_try_for_returns_the_first_result_and_gives_up_after_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _fake_clock(monkeypatch, yield_s=1e-4)  # a fake clock: a busy host must not lose a yield here
     answers = iter([None, None, 7])
     assert spin.try_for(lambda: next(answers), 1.0) == 7
 
     calls = []
-    started = time.perf_counter()
+    started = clock.now
     assert spin.try_for(lambda: calls.append(1), 0.002) is None
-    assert len(calls) >= 1 and time.perf_counter() - started < 0.5
+    assert len(calls) in (20, 21) and clock.now - started == pytest.approx(0.002, abs=2e-4)  # float steps
 
     assert spin.try_for(lambda: pytest.fail("a zero budget never tries"), 0.0) is None
 
@@ -97,3 +98,78 @@ def test_a_lane_call_gets_its_reply_whenever_it_comes(delay_s: float, into: bool
     finally:
         lane.release()
         executor_end.close()
+
+
+class _FakeClock:
+    """``time.perf_counter`` and ``os.sched_yield`` for ``spin``: each yield takes ``yield_s``."""
+
+    def __init__(self, yield_s: float) -> None:
+        self.now = 100.0
+        self.yield_s = yield_s
+        self.yields = 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sched_yield(self) -> None:
+        self.yields += 1
+        self.now += self.yield_s
+
+
+def _fake_clock(monkeypatch: pytest.MonkeyPatch, yield_s: float) -> _FakeClock:
+    clock = _FakeClock(yield_s)
+    monkeypatch.setattr(spin, "_clock", clock.perf_counter)
+    monkeypatch.setattr(spin, "_yield_core", clock.sched_yield)
+    monkeypatch.setattr(spin, "_calm_until", 0.0)
+    monkeypatch.setattr(spin, "_calm_s", spin.CALM_S)
+    monkeypatch.setattr(spin, "_losses", 0)
+    monkeypatch.setattr(spin, "_last_loss_at", -1e9)
+    return clock
+
+
+def test_yields_that_keep_losing_the_core_to_background_work_make_waits_sleep_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _fake_clock(monkeypatch, yield_s=2 * spin.STOLEN_YIELD_S)  # a background task kept the core
+    attempts = []
+    assert spin.try_for(lambda: attempts.append(1), 1.0) is None  # gave up once losses came in a row
+    assert len(attempts) == spin.LOSSES_FOR_CALM and clock.yields == spin.LOSSES_FOR_CALM
+    # Calm: the next waits sleep at once (their wake-up preempts the background task) ...
+    clock.now += spin.CALM_S / 2
+    assert spin.try_for(lambda: pytest.fail("no spinning while calm"), 1.0) is None
+    # ... and once the spell is over, waits spin again.
+    clock.now += spin.CALM_S
+    clock.yield_s = 1e-6
+    answers = iter([None, None, "reply"])
+    assert spin.try_for(lambda: next(answers), 1.0) == "reply"
+
+
+def test_a_lone_lost_yield_is_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _fake_clock(monkeypatch, yield_s=2 * spin.STOLEN_YIELD_S)
+    for _ in range(5):  # one loss now and then (the hypervisor, a kernel thread), far apart
+        answers = iter([None, "reply"])
+        assert spin.try_for(lambda answers=answers: next(answers), 1.0) == "reply"
+        clock.now += 2 * spin.LOSS_WINDOW_S
+    assert clock.yields == 5 and spin._calm_until == 0.0
+
+
+def test_short_yields_keep_a_wait_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _fake_clock(monkeypatch, yield_s=spin.STOLEN_YIELD_S / 4)  # a peer's worker ran briefly
+    answers = iter([None] * 50 + ["reply"])
+    assert spin.try_for(lambda: next(answers), 1.0) == "reply"
+    assert clock.yields == 50 and spin._calm_until == 0.0
+
+
+def test_losses_that_keep_coming_lengthen_the_spell_and_a_lone_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _fake_clock(monkeypatch, yield_s=2 * spin.STOLEN_YIELD_S)
+    spells = []
+    for _ in range(8):  # background work that lasts: the core is lost again right after each spell
+        assert spin.try_for(lambda: None, 10.0) is None
+        spells.append(spin._calm_until - clock.now)
+        clock.now = spin._calm_until
+    assert spells[0] == pytest.approx(spin.CALM_S)
+    assert spells[1] == pytest.approx(2 * spin.CALM_S)
+    assert spells[-1] == pytest.approx(spin.LONGEST_CALM_S)
+    clock.now += 60.0  # losses long after: the shortest spell again
+    assert spin.try_for(lambda: None, 10.0) is None
+    assert spin._calm_until - clock.now == pytest.approx(spin.CALM_S)
