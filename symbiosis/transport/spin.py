@@ -38,8 +38,10 @@ losses keep coming right after each spell; then spinning is tried again. Measure
 2-core host (2026-11-27): two processes ping-ponging over a lane socket through ``try_for`` with
 300 us of work a side, beside two ``SCHED_IDLE`` busy loops: mean round trip 1.19-1.24 ms (p95
 4.9-5.0 ms) yielding regardless, 0.73-0.80 ms (p95 0.70-0.75 ms) with the spells; alone, 0.62
-ms either way (a lone loss does not start a spell: with one loss enough, 1-row round trips of a
-lone client over shm+ipc came out up to x1.4-1.75 slower, three losses in 100 ms: even).
+ms either way (a lone loss does not start a spell: with one loss enough, a lone client's round trips over
+shm+ipc came out x1.17-1.75 of the old code's in three A/Bs; with three in 100 ms, 7 of 8
+ratios 0.69-1.0 and one 1.41 in two). ``python -m benchmarks.yield_loss`` re-measures the
+ping-pong.
 End to end the effect is within this host's noise: ``symbiosis api`` over shm+ipc beside two
 background fine-tuning jobs (alternated pairs), inference p50 inter-token 43.9 vs 49.4 ms and
 the jobs +10% steps (a fixed 1 s spell after one loss, four pairs); with the rule above 45.9 vs
@@ -84,22 +86,44 @@ SERVER_SPIN_IF_GAPS_UNDER_S = SPIN_S / 4
 #: A yield that kept the caller off its core longer than this lost it to a task that runs whole
 #: time slices (a background job), not to a peer's worker that needed it for a moment.
 STOLEN_YIELD_S = 1e-3
-#: How long this process's waits sleep at once after such a yield: the shortest spell, doubled
+#: How long this process's waits sleep at once after such losses: the shortest spell, doubled
 #: (up to the longest) each time the core is lost again soon after a spell -- background work that
-#: lasts -- and back to the shortest after a lone loss.
+#: lasts -- and back to the shortest after a while without losses.
 CALM_S = 0.25
 LONGEST_CALM_S = 4.0
-#: Until when (``time.perf_counter``) waits sleep at once, and the last spell's length; shared by
-#: the process's threads (a race between them only ever moves the end of a spell).
-_calm_until = 0.0
-_calm_s = CALM_S
 #: Losses start a spell only when ``LOSSES_FOR_CALM`` come less than ``LOSS_WINDOW_S`` apart:
 #: background work makes them by the hundred a second, while a lone one (the hypervisor taking
 #: this virtual CPU away, a kernel thread) is noise that must not slow a lone client's calls.
 LOSSES_FOR_CALM = 3
 LOSS_WINDOW_S = 0.1
-_losses = 0
-_last_loss_at = -1e9
+
+
+class CoreLosses:
+    """Yields that lost the core, and the calm spell they started (module doc). One per process,
+    shared by its threads: a race between them only ever miscounts a loss or moves a spell's end."""
+
+    __slots__ = ("calm_until", "spell_s", "losses", "last_loss_at")
+
+    def __init__(self) -> None:
+        self.calm_until = 0.0  # ``_clock`` time until which waits sleep at once
+        self.spell_s = CALM_S  # the last spell's length
+        self.losses = 0  # losses in a row, each within LOSS_WINDOW_S of the last
+        self.last_loss_at = -1e9
+
+    def lost(self, now: float) -> bool:
+        """Count a yield that lost the core at ``now``; True if that starts a spell."""
+        self.losses = self.losses + 1 if now - self.last_loss_at < LOSS_WINDOW_S else 1
+        self.last_loss_at = now
+        if self.losses < LOSSES_FOR_CALM:
+            return False
+        self.losses = 0
+        lasting = now - self.calm_until < self.spell_s  # lost again right after the last spell
+        self.spell_s = min(2 * self.spell_s, LONGEST_CALM_S) if lasting else CALM_S
+        self.calm_until = now + self.spell_s
+        return True
+
+
+_core_losses = CoreLosses()
 #: The clock and the yield ``try_for`` uses (tests replace them).
 _clock = time.perf_counter
 _yield_core = os.sched_yield
@@ -140,8 +164,9 @@ def try_for(attempt: Callable[[], T | None], budget_s: float) -> T | None:
     Also None, at once or mid-spin, while background work takes this process's cores (module doc)."""
     if budget_s <= 0:
         return None
+    losses = _core_losses
     now = _clock()
-    if now < _calm_until:
+    if now < losses.calm_until:
         return None
     deadline = now + budget_s
     while True:
@@ -153,20 +178,5 @@ def try_for(attempt: Callable[[], T | None], budget_s: float) -> T | None:
             return None
         _yield_core()
         after = _clock()
-        if after - now > STOLEN_YIELD_S and _lost_core(after):
+        if after - now > STOLEN_YIELD_S and losses.lost(after):
             return None
-
-
-def _lost_core(now: float) -> bool:
-    """Count a yield that lost the core; True once losses come often enough to start a calm
-    spell (then started: longer if the last one ended only just before)."""
-    global _calm_until, _calm_s, _losses, _last_loss_at
-    _losses = _losses + 1 if now - _last_loss_at < LOSS_WINDOW_S else 1
-    _last_loss_at = now
-    if _losses < LOSSES_FOR_CALM:
-        return False
-    _losses = 0
-    lasting = now - _calm_until < _calm_s
-    _calm_s = min(2 * _calm_s, LONGEST_CALM_S) if lasting else CALM_S
-    _calm_until = now + _calm_s
-    return True

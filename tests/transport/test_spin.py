@@ -120,10 +120,7 @@ def _fake_clock(monkeypatch: pytest.MonkeyPatch, yield_s: float) -> _FakeClock:
     clock = _FakeClock(yield_s)
     monkeypatch.setattr(spin, "_clock", clock.perf_counter)
     monkeypatch.setattr(spin, "_yield_core", clock.sched_yield)
-    monkeypatch.setattr(spin, "_calm_until", 0.0)
-    monkeypatch.setattr(spin, "_calm_s", spin.CALM_S)
-    monkeypatch.setattr(spin, "_losses", 0)
-    monkeypatch.setattr(spin, "_last_loss_at", -1e9)
+    monkeypatch.setattr(spin, "_core_losses", spin.CoreLosses())
     return clock
 
 
@@ -150,14 +147,14 @@ def test_a_lone_lost_yield_is_noise(monkeypatch: pytest.MonkeyPatch) -> None:
         answers = iter([None, "reply"])
         assert spin.try_for(lambda answers=answers: next(answers), 1.0) == "reply"
         clock.now += 2 * spin.LOSS_WINDOW_S
-    assert clock.yields == 5 and spin._calm_until == 0.0
+    assert clock.yields == 5 and spin._core_losses.calm_until == 0.0
 
 
 def test_short_yields_keep_a_wait_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _fake_clock(monkeypatch, yield_s=spin.STOLEN_YIELD_S / 4)  # a peer's worker ran briefly
     answers = iter([None] * 50 + ["reply"])
     assert spin.try_for(lambda: next(answers), 1.0) == "reply"
-    assert clock.yields == 50 and spin._calm_until == 0.0
+    assert clock.yields == 50 and spin._core_losses.calm_until == 0.0
 
 
 def test_losses_that_keep_coming_lengthen_the_spell_and_a_lone_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,11 +162,11 @@ def test_losses_that_keep_coming_lengthen_the_spell_and_a_lone_one_does_not(monk
     spells = []
     for _ in range(8):  # background work that lasts: the core is lost again right after each spell
         assert spin.try_for(lambda: None, 10.0) is None
-        spells.append(spin._calm_until - clock.now)
-        clock.now = spin._calm_until
+        spells.append(spin._core_losses.calm_until - clock.now)
+        clock.now = spin._core_losses.calm_until
     assert spells[0] == pytest.approx(spin.CALM_S)
     assert spells[1] == pytest.approx(2 * spin.CALM_S)
     assert spells[-1] == pytest.approx(spin.LONGEST_CALM_S)
     clock.now += 60.0  # losses long after: the shortest spell again
     assert spin.try_for(lambda: None, 10.0) is None
-    assert spin._calm_until - clock.now == pytest.approx(spin.CALM_S)
+    assert spin._core_losses.calm_until - clock.now == pytest.approx(spin.CALM_S)
