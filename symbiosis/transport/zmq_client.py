@@ -126,11 +126,18 @@ class _Connection:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # The monitor listens before ``connect``: libzmq reports a CURVE mechanism mismatch once and
+        # does not reconnect, so an event sent before the monitor's PAIR is attached is lost for
+        # good and the call would wait the executor out as "silent" (a client thread that loses
+        # the core right after connecting, on a loaded host).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         try:
             if curve is not None:
                 configure_client_socket(self._sock, curve)
             self._sock.connect(endpoint)
         except BaseException:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(linger=0)  # a socket left open makes the transport's Context.term() hang
             raise
         self._fd = self._sock.getsockopt(zmq.FD)
@@ -138,7 +145,6 @@ class _Connection:
         self._poll = select.poll()
         self._poll.register(self._fd, select.POLLIN)
         self._poll.register(self._leader_waker_fd, select.POLLIN)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         self._thread = threading.Thread(target=self._run, name=f"ZmqTransport({endpoint})", daemon=True)
         self._thread.start()
 

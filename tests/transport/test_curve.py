@@ -165,6 +165,31 @@ def test_curve_client_refuses_a_plain_server(fake: FakeExecutorService, keys: Pa
         server.close(drain=False)
 
 
+def test_a_handshake_that_fails_at_once_is_still_reported(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libzmq reports a mechanism mismatch once and does not reconnect: the client's monitor must
+    be listening before ``connect``, or a client thread that loses the core right after connecting
+    (a loaded host) misses the only event and waits the executor out as "silent" (seen in CI)."""
+    ctx = new_context(linger_ms=0)
+    plain = ctx.socket(zmq.ROUTER)  # a bare NULL-mechanism peer: it fails the handshake on the first try
+    port = plain.bind_to_random_port("tcp://127.0.0.1")
+    connect = zmq.Socket.connect
+
+    def connect_then_lose_the_core(self: zmq.Socket, addr: str) -> object:
+        result = connect(self, addr)
+        time.sleep(0.3)  # the handshake fails meanwhile
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect_then_lose_the_core)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ExecutorUnavailableError, match="does not use CURVE"):
+            open_transport(f"tcp://127.0.0.1:{port}", curve=client_keys(keys), connect_timeout_s=10)
+        assert time.monotonic() - start < 3.0
+    finally:
+        plain.close()
+        ctx.term()
+
+
 def test_raw_plain_peer_gets_nothing(curve_server: ZmqServer, fake: FakeExecutorService) -> None:
     ctx = new_context(linger_ms=0)
     sock = ctx.socket(zmq.DEALER)
