@@ -409,8 +409,9 @@ class _ModelRunner:
         samples: dict[str, list[float]] = {}
         for b in self.prompts:
             samples[f"decode_b{b}"] = self._counted(f"decode_b{b}", self._decoder(b).step, self.decode_steps)
-        self.model.train()
-        samples["train"] = self._counted("train", self.train_step, self.train_steps)
+        if self.train_steps:  # --train-steps 0: decode only
+            self.model.train()
+            samples["train"] = self._counted("train", self.train_step, self.train_steps)
         return samples
 
 
@@ -744,7 +745,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="Timed decode steps per batch size, system and round (default 8; 2 with --quick).",
     )
     parser.add_argument(
-        "--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s)."
+        "--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s; 0 times decoding only)."
     )
     parser.add_argument(
         "--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint)."
