@@ -745,7 +745,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="Timed decode steps per batch size, system and round (default 8; 2 with --quick).",
     )
     parser.add_argument(
-        "--train-steps", type=int, default=1, help="Timed training steps per system and round (default: %(default)s; 0 times decoding only)."
+        "--train-steps",
+        type=int,
+        default=1,
+        help="Timed training steps per system and round (default: %(default)s; 0 times decoding only).",
     )
     parser.add_argument(
         "--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint)."

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -48,6 +49,16 @@ class BlockedBulkProduct:
             return real(layer, op, rows_list)
 
         monkeypatch.setattr(engine_module, "run_batch", run_batch)
+
+
+def _wait_until_not(engine, flag: str) -> None:
+    """Wait until the runner that completed a future has given the engine back: a future's
+    result is set just before its runner clears ``_computing`` / ``_bulk_computing``, so a
+    thread woken by ``result()`` can see the engine still taken (a loaded host widens that)."""
+    deadline = time.monotonic() + 10
+    while getattr(engine, flag):
+        assert time.monotonic() < deadline, f"the engine kept {flag} set"
+        time.sleep(0.001)
 
 
 def _start_bulk_then_decode(executor, blocked):
@@ -197,6 +208,7 @@ def test_a_decoder_beside_a_running_bulk_product_takes_the_lone_client_path(path
         (bulk, bulk_rows), (decode, _) = _start_bulk_then_decode(ex, blocked)
         try:
             decode.result(timeout=10)  # nothing of the latency lane pending now
+            _wait_until_not(ex._engine, "_computing")
             rows = torch.randn(2, 64)
             before = ex.stats()["batches_run_by"]["alone"]
             result = ex._engine.call("decoder", LAYER, Op.FORWARD, rows, LatencyClass.DECODE, timeout_s=10)
@@ -248,6 +260,7 @@ def test_a_clients_next_bulk_request_does_not_jump_its_running_one(path, monkeyp
         finally:
             blocked.release.set()
         first.result(timeout=10)
+        _wait_until_not(ex._engine, "_bulk_computing")
         # ... and once it is done, the lone client's path is open again.
         result = ex._engine.try_alone("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
         torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
