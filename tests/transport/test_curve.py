@@ -165,13 +165,34 @@ def test_curve_client_refuses_a_plain_server(fake: FakeExecutorService, keys: Pa
         server.close(drain=False)
 
 
+def _null_greeting_peer() -> tuple[socket.socket, list[socket.socket]]:
+    """A listener that answers every connection with a ZMTP 3.0 greeting naming the NULL
+    mechanism and then keeps it open: a CURVE client sees the mismatch itself, every time, on its
+    first try (a real NULL socket sometimes closes first, and the client then retries)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted: list[socket.socket] = []
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(1) + bytes(31)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed: the test is over
+            accepted.append(conn)
+            conn.sendall(greeting)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, accepted
+
+
 def test_a_handshake_that_fails_at_once_is_still_reported(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """libzmq reports a mechanism mismatch once and does not reconnect: the client's monitor must
     be listening before ``connect``, or a client thread that loses the core right after connecting
     (a loaded host) misses the only event and waits the executor out as "silent" (seen in CI)."""
-    ctx = new_context(linger_ms=0)
-    plain = ctx.socket(zmq.ROUTER)  # a bare NULL-mechanism peer: it fails the handshake on the first try
-    port = plain.bind_to_random_port("tcp://127.0.0.1")
+    listener, accepted = _null_greeting_peer()
     connect = zmq.Socket.connect
 
     def connect_then_lose_the_core(self: zmq.Socket, addr: str) -> object:
@@ -183,11 +204,14 @@ def test_a_handshake_that_fails_at_once_is_still_reported(keys: Path, monkeypatc
     try:
         start = time.monotonic()
         with pytest.raises(ExecutorUnavailableError, match="does not use CURVE"):
-            open_transport(f"tcp://127.0.0.1:{port}", curve=client_keys(keys), connect_timeout_s=10)
+            open_transport(
+                f"tcp://127.0.0.1:{listener.getsockname()[1]}", curve=client_keys(keys), connect_timeout_s=10
+            )
         assert time.monotonic() - start < 3.0
     finally:
-        plain.close()
-        ctx.term()
+        listener.close()
+        for conn in accepted:
+            conn.close()
 
 
 def test_raw_plain_peer_gets_nothing(curve_server: ZmqServer, fake: FakeExecutorService) -> None:
