@@ -124,6 +124,36 @@ def transport_section(result: dict[str, Any] | None, results_dir: Path, relative
     return lines + [""]
 
 
+def _time_split_lines(results: dict[str, Any]) -> list[str]:
+    """Where each split system's extra time goes, against ``inproc`` (runs from before the split
+    timing was measured have none): inside base-layer calls (the boundary) or outside (the
+    client's own ops running slower beside an executor process)."""
+    lines = []
+    for model, steps in results.items():
+        cells = []
+        for step, systems in steps.items():
+            inproc = systems.get("inproc", {})
+            if "in_calls_ms" not in inproc:
+                continue
+            extra = [
+                f"{s} {v['in_calls_ms'] - inproc['in_calls_ms']:+.1f}/"
+                f"{v['outside_calls_ms'] - inproc['outside_calls_ms']:+.1f}"
+                for s, v in systems.items()
+                if s not in ("monolithic", "inproc") and "in_calls_ms" in v
+            ]
+            cells.append(
+                f"{step} (inproc {inproc['in_calls_ms']:.1f} in calls, {inproc['outside_calls_ms']:.1f} outside): "
+                + ", ".join(extra)
+            )
+        if cells:
+            lines.append(
+                f"- {model}, ms per step beyond in-process, inside base-layer calls / outside them: "
+                + "; ".join(cells)
+                + "."
+            )
+    return lines
+
+
 def split_models_section(result: dict[str, Any] | None, results_dir: Path, relative_to: Path) -> list[str]:
     """``benchmarks/split_overhead.py`` on its models: every step, system and target (issue 15)."""
     lines = ["### Split overhead against the targets, per model, step and transport (issue 15)", ""]
@@ -153,6 +183,7 @@ def split_models_section(result: dict[str, Any] | None, results_dir: Path, relat
     ]
     if missed:
         lines.append("- **Where we lose (target missed):** " + ", ".join(missed) + ".")
+    lines += _time_split_lines(result["results"])
     calls = (result.get("calls_per_token") or {}).get("archs") or {}
     if calls:
         lines.append(

@@ -77,7 +77,12 @@ targets, results, verdicts, check, calls_per_token, processes, unavailable, dist
   (median / monolithic median), ``target`` and ``verdict`` (``"PASS"`` if ratio <= target,
   ``"MISS"`` otherwise; both null for ``monolithic``), and for split systems ``calls_per_step``
   (base-layer requests per step of the last round: the executor's count for ``inproc``, the
-  client's otherwise) plus, for decode steps, ``calls_per_token`` (per sequence: per step / batch).
+  client's otherwise) plus, for decode steps, ``calls_per_token`` (per sequence: per step / batch);
+  for every system ``in_calls_ms`` and ``outside_calls_ms``: per step, the client's wall time
+  inside base-layer calls (``transport.call``: the products and the boundary) and outside them
+  (its own ops), medians over rounds (0 and the whole step for ``monolithic``). Against
+  ``inproc``, a transport's extra ``in_calls_ms`` is what the boundary costs; extra
+  ``outside_calls_ms`` is the client's own work running slower beside an executor process.
 * ``verdicts``: one row per (model, step, split system): ``model, step, system, ratio, target,
   verdict``.
 * ``check[model]``: ``{"loss": {system: float}, "max_abs_diff_vs_monolithic": float}``.
@@ -103,6 +108,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -354,12 +360,17 @@ class _ModelRunner:
         self.model = adapter_model(path, target, seed=spec["seed"])
         self.transport = getattr(self.model.base_model.model, "symbiosis_transport", None)
         self.client_calls = 0
+        self.seconds_in_calls = 0.0  # the client's wall time inside base-layer calls
         if self.transport is not None:
             call = self.transport.call  # VirtLayers look ``call`` up on the transport per request
 
             def counting_call(*args, **kwargs):
                 self.client_calls += 1
-                return call(*args, **kwargs)
+                began = time.perf_counter()
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    self.seconds_in_calls += time.perf_counter() - began
 
             self.transport.call = counting_call
         generator = torch.Generator().manual_seed(spec["seed"] + 1)  # same inputs in every process
@@ -387,10 +398,15 @@ class _ModelRunner:
 
     def _counted(self, key: str, step: Callable[[], None], repeats: int) -> list[float]:
         """``repeats`` timed calls of ``step``, and the base-layer calls they made (outside the timing)."""
-        client_before = self.client_calls
+        client_before, seconds_before = self.client_calls, self.seconds_in_calls
         executor_before = executor_requests(self.executor) if self.executor is not None else None
         samples = _timed(step, repeats)
         calls: dict[str, Any] = {}
+        # Where a step's time goes: inside base-layer calls (the executor's products plus the
+        # boundary) or outside them (the client's own ops: attention, norms, adapters, optimizer).
+        in_calls_ms = 1e3 * (self.seconds_in_calls - seconds_before) / repeats
+        calls["in_calls_ms_per_step"] = in_calls_ms
+        calls["outside_calls_ms_per_step"] = 1e3 * sum(samples) / repeats - in_calls_ms
         if self.transport is not None:
             calls["client_calls_per_step"] = (self.client_calls - client_before) / repeats
         if executor_before is not None:
@@ -577,7 +593,14 @@ def measure(
                         processes.pop(system)
                         log(f"  {system} dropped: {unavailable[system]}")
                         continue
-                    info[system] = {"loss": event["loss"], "calls": event["calls"]}
+                    split_times = info.get(system, {}).get("time_split", {})
+                    for model, steps in event["calls"].items():
+                        for step, calls in steps.items():
+                            for part in ("in_calls_ms_per_step", "outside_calls_ms_per_step"):
+                                split_times.setdefault(model, {}).setdefault(step, {}).setdefault(part, []).append(
+                                    calls[part]
+                                )
+                    info[system] = {"loss": event["loss"], "calls": event["calls"], "time_split": split_times}
                     processes[system]["max_rss_mib"] = event["max_rss_bytes"] / MIB
                     for model, steps in event["samples"].items():
                         for step, values in steps.items():
@@ -629,8 +652,12 @@ def summarize(measured: Mapping[str, Any], decode_batches: Sequence[int]) -> dic
                     None if target is None or math.isnan(split_ratio) else ("PASS" if split_ratio <= target else "MISS")
                 )
                 timing.update(ratio_over_monolithic=split_ratio, target=target, verdict=verdict)
+                parts = info[system]["time_split"][model][step]
+                timing["in_calls_ms"] = statistics.median(parts["in_calls_ms_per_step"])
+                timing["outside_calls_ms"] = statistics.median(parts["outside_calls_ms_per_step"])
                 calls = info[system]["calls"][model].get(step, {})
-                if calls:  # the executor's count where it is in this process, else the client's
+                if "client_calls_per_step" in calls or "executor_calls_per_step" in calls:
+                    # the executor's count where it is in this process, else the client's
                     timing["calls_per_step"] = calls.get("executor_calls_per_step", calls.get("client_calls_per_step"))
                     if step != "train":
                         timing["calls_per_token"] = timing["calls_per_step"] / int(step.removeprefix("decode_b"))
@@ -677,6 +704,21 @@ def tables(results: Mapping[str, Any], models: Mapping[str, Mapping[str, Any]]) 
                 target = "–" if t["target"] is None else f"<= {t['target']:g} {t['verdict']}"
                 cells += [f"{t['median_ms']:.2f} ({t['p95_ms']:.2f})", f"{t['ratio_over_monolithic']:.2f}", target]
             lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines))
+    return "\n".join(out)
+
+
+def time_split_tables(results: Mapping[str, Any]) -> str:
+    """Per model: ms per step inside base-layer calls / outside them, per system and step."""
+    out = []
+    for model, steps in results.items():
+        out.append(f"\n{model}: ms per step inside base-layer calls / outside them (medians over rounds)\n")
+        lines = ["| system | " + " | ".join(steps) + " |", "|" + "---|" * (1 + len(steps))]
+        for system in next(iter(steps.values())):
+            cells = [
+                f"{row[system]['in_calls_ms']:.1f} / {row[system]['outside_calls_ms']:.1f}" for row in steps.values()
+            ]
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
     return "\n".join(out)
 
@@ -874,6 +916,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
 
     print(tables(results, models), flush=True)
+    print(time_split_tables(results), flush=True)
     print("\ncalls per decoded token (one sequence, in-process executor's requests):")
     for name, breakdown in {**calls["models"], **calls["archs"]}.items():
         print("  " + calls_line(name, breakdown))
