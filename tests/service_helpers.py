@@ -18,8 +18,13 @@ def stop(process: ExecutorProcess) -> None:
     process.close()
 
 
-def compare_client(path: str, address: str, method: str, arch: str, result_queue) -> None:
-    """Runs in a client process: split (remote executor) vs monolithic; reports the worst error."""
+def compare_client(path: str, address: str, method: str, arch: str, result_queue, together=None) -> None:
+    """Runs in a client process: split (remote executor) vs monolithic; reports the worst error.
+
+    ``together``: a ``multiprocessing.Barrier`` of every client of the test. Each client then
+    computes only once all are connected and disconnects only once all are done, so no client is
+    ever alone with the executor (which would serve it on the lone-client path, not the batched
+    one the test may be about), however the processes' start-up times fall."""
     torch.set_num_threads(1)
     from tests.reference import close_client, loss_and_grads, make_pair
 
@@ -27,11 +32,17 @@ def compare_client(path: str, address: str, method: str, arch: str, result_queue
         reference, split = make_pair(path, address, method, arch)
         ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(2))
         ref_logits, ref_loss, ref_grads = loss_and_grads(reference, ids)
+        if together is not None:
+            together.wait(timeout=180)
         logits, loss, grads = loss_and_grads(split, ids)
+        if together is not None:
+            together.wait(timeout=180)
         errors = [float((logits - ref_logits).abs().max()), float((loss - ref_loss).abs())]
         errors += [float((grads[name] - g).abs().max() / (g.abs().max() + 1e-12)) for name, g in ref_grads.items()]
         ok = set(grads) == set(ref_grads) and len(ref_grads) > 0
         close_client(split)
         result_queue.put((method, ok, max(errors)))
     except Exception as exc:  # reported to the test process
+        if together is not None:
+            together.abort()  # the others must not wait for this one
         result_queue.put((method, False, repr(exc)))

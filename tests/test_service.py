@@ -47,8 +47,9 @@ def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path, all_bulk):
     try:
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
+        together = ctx.Barrier(len(clients_by_method))  # all connected while any computes: none alone
         clients = [
-            ctx.Process(target=compare_client, args=(str(path), address, method, "qwen2", results))
+            ctx.Process(target=compare_client, args=(str(path), address, method, "qwen2", results, together))
             for method, address in clients_by_method.items()
         ]
         for c in clients:
@@ -62,8 +63,8 @@ def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path, all_bulk):
     assert {o[0] for o in outcomes} == set(clients_by_method)
     for method, ok, error in outcomes:
         assert ok and isinstance(error, float) and error < 1e-4, (method, clients_by_method[method], error)
-    if all_bulk:  # a lone client's first calls may take the lone-client path; the rest are the bulk thread's
-        assert ran_by["bulk_thread"] > 0 and ran_by["driver"] == 0, ran_by
+    if all_bulk:  # every client computes while all four are connected: never alone, all bulk thread's
+        assert ran_by["bulk_thread"] > 0 and ran_by["driver"] == 0 and ran_by["alone"] == 0, ran_by
 
 
 def _train(model, steps, on_step=None):
