@@ -55,6 +55,7 @@ def machine_info() -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cuda_available": torch.cuda.is_available(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "transformers": transformers.__version__,
         "peft": peft.__version__,
     }

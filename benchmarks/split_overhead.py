@@ -58,6 +58,12 @@ OpenMP thread mostly waits for a busy core; the split client and its executor ta
 not compute at once). A split system that fails to start or breaks mid-run (a transport error)
 is dropped and listed in ``unavailable`` with its error; the others go on.
 
+**On a GPU** (``--device cuda``): every system computes there (the monolithic model, the split
+clients and their executors, ``serve --device``), and each timed step ends with
+``torch.cuda.synchronize()``. The in/outside split below then counts an in-process call's launch,
+not its kernel. ``dist+tcp`` needs NCCL between the client and its executor, which one GPU cannot
+hold: leave it out (``--systems``) there. The targets were set for CPU.
+
 **Calls per decoded token.** For every architecture in ``symbiosis.modelzoo.ARCHS`` at the
 ``tiny`` preset, in the parent process (untimed, while the workers load): base-layer requests
 the executor served (``BaseExecutor.stats()["layers"][id]["requests"]``, summed; a fused sibling
@@ -161,14 +167,15 @@ def lora_config() -> peft.LoraConfig:
     )
 
 
-def adapter_model(path: Path, executor: Any = None, seed: int = 0):
-    """PEFT LoRA model on ``path``: monolithic when ``executor`` is None, else split (``executor``:
-    a ``BaseExecutor`` or an address). Its LoRA weights depend on ``seed`` only, never on the
-    process or the system, and B is non-zero so the adapter really takes part in every step."""
+def adapter_model(path: Path, executor: Any = None, seed: int = 0, device: str = "cpu"):
+    """PEFT LoRA model on ``path`` on ``device``: monolithic when ``executor`` is None, else split
+    (``executor``: a ``BaseExecutor`` or an address). Its LoRA weights depend on ``seed`` only,
+    never on the process or the system, and B is non-zero so the adapter really takes part in
+    every step."""
     base = (
-        AutoModelForCausalLM.from_pretrained(path)
+        AutoModelForCausalLM.from_pretrained(path).to(device)
         if executor is None
-        else symbiosis.load_client_model(path, executor=executor)
+        else symbiosis.load_client_model(path, executor=executor, device=device)
     )
     model = peft.get_peft_model(base, lora_config())
     generator = torch.Generator().manual_seed(seed)
@@ -349,15 +356,15 @@ class _ModelRunner:
     """One model of a worker: its system's client (or the monolithic model), inputs and step blocks."""
 
     def __init__(self, spec: Mapping[str, Any], entry: Mapping[str, Any]) -> None:
-        system, path = spec["system"], Path(entry["path"])
+        system, path, device = spec["system"], Path(entry["path"]), spec["device"]
         self.key = entry["key"]
         self.executor = None
         if system == "inproc":
             self.executor = symbiosis.BaseExecutor.from_pretrained(
-                path, device="cpu", dtype=torch.float32, policy=spec["policy"]
+                path, device=device, dtype=torch.float32, policy=spec["policy"]
             )
         target = None if system == MONOLITHIC else self.executor if self.executor is not None else entry["address"]
-        self.model = adapter_model(path, target, seed=spec["seed"])
+        self.model = adapter_model(path, target, seed=spec["seed"], device=device)
         self.transport = getattr(self.model.base_model.model, "symbiosis_transport", None)
         self.client_calls = 0
         self.seconds_in_calls = 0.0  # the client's wall time inside base-layer calls
@@ -375,8 +382,10 @@ class _ModelRunner:
             self.transport.call = counting_call
         generator = torch.Generator().manual_seed(spec["seed"] + 1)  # same inputs in every process
         vocab = self.model.config.vocab_size
-        self.batch = torch.randint(1, vocab, (spec["train_batch"], spec["seq_len"]), generator=generator)
+        self.batch = torch.randint(1, vocab, (spec["train_batch"], spec["seq_len"]), generator=generator).to(device)
         prompt = torch.randint(1, vocab, (max(spec["decode_batches"]), spec["prompt_len"]), generator=generator)
+        prompt = prompt.to(device)
+        self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
         self.prompts = {b: prompt[:b] for b in spec["decode_batches"]}
         self.decode_steps, self.train_steps = spec["decode_steps"], spec["train_steps"]
         self.model.train()
@@ -400,7 +409,7 @@ class _ModelRunner:
         """``repeats`` timed calls of ``step``, and the base-layer calls they made (outside the timing)."""
         client_before, seconds_before = self.client_calls, self.seconds_in_calls
         executor_before = executor_requests(self.executor) if self.executor is not None else None
-        samples = _timed(step, repeats)
+        samples = _timed(step, repeats, self.synchronize)
         calls: dict[str, Any] = {}
         # Where a step's time goes: inside base-layer calls (the executor's products plus the
         # boundary) or outside them (the client's own ops: attention, norms, adapters, optimizer).
@@ -431,11 +440,17 @@ class _ModelRunner:
         return samples
 
 
-def _timed(step: Callable[[], None], repeats: int) -> list[float]:
+def _timed(step: Callable[[], None], repeats: int, synchronize: Callable[[], None] | None = None) -> list[float]:
+    """Wall time of each of ``repeats`` calls of ``step``; on a GPU (``synchronize``) up to the
+    end of the work the step queued, not only its launch."""
     samples = []
     for _ in range(repeats):
+        if synchronize is not None:
+            synchronize()
         began = time.perf_counter()
         step()
+        if synchronize is not None:
+            synchronize()
         samples.append(time.perf_counter() - began)
     return samples
 
@@ -481,6 +496,7 @@ def measure(
     policy: str = "opportunistic",
     seed: int = 0,
     shared_executor: bool = False,
+    device: str = "cpu",
     while_loading: Callable[[], Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -498,6 +514,7 @@ def measure(
     remote = [s for s in systems if s not in (MONOLITHIC, "inproc")]
     spec = {
         "threads": threads,
+        "device": device,
         "policy": policy,
         "seed": seed,
         "decode_batches": list(decode_batches),
@@ -522,7 +539,7 @@ def measure(
                     sub.mkdir()
                     binds = loopback_binds(sub)
                     servers[group, key] = ExecutorProcess(
-                        path, binds, threads=threads, extra_args=["--policy", policy], wait=False
+                        path, binds, threads=threads, extra_args=["--policy", policy, "--device", device], wait=False
                     )
             for system in systems:  # all load at once; the remote ones wait for their addresses (below)
                 entries = [{"key": key, "path": str(path)} for key, path in models.items()]
@@ -796,6 +813,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-custom", action="store_true", help="Skip the hidden-512 LLaMA (only the preset / --model checkpoint)."
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="Where every system computes: the monolithic model, the split clients and their executors "
+        "(cpu, cuda, cuda:N; default: %(default)s). The targets were set for cpu.",
+    )
+    parser.add_argument(
         "--shared-executor",
         action="store_true",
         help="One executor process per model for every remote system (default: one each, so each client is its "
@@ -867,6 +890,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         threads=args.threads,
         policy=args.policy,
         shared_executor=args.shared_executor,
+        device=args.device,
         while_loading=lambda: arch_calls_per_token(args.cache),  # untimed, while the children load
     )
     summary = summarize(measured, args.decode_batches)
@@ -885,6 +909,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "train_steps": args.train_steps,
             "prompt_len": args.prompt_len,
             "threads_per_process": args.threads,
+            "device": args.device,
             "policy": args.policy,
             "executors": "one per model, shared by the remote systems"
             if args.shared_executor

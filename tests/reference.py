@@ -64,18 +64,25 @@ def randomize_adapters(model: torch.nn.Module, seed: int = 0) -> dict[str, torch
         for name, param in model.named_parameters():
             if param.requires_grad:
                 noise = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.2
-                param.add_(noise.to(param.dtype))
+                param.add_(noise.to(device=param.device, dtype=param.dtype))
                 values[name] = param.detach().clone()
     return values
 
 
 def make_pair(path, executor, method: str, arch: str, **client_options):
-    """(monolithic peft model, split peft model) with equal adapter weights, both in eval mode."""
+    """(monolithic peft model, split peft model) with equal adapter weights, both in eval mode.
+
+    The monolithic model is on the split client's ``device`` (default cpu) *before* peft wraps
+    it, as a user would load it: peft makes adapters on the device of the layer it wraps, and
+    what it makes there is not always what moving a CPU-made adapter gives (AdaLoRA's ``ranknum``
+    made on a GPU is a trainable parameter; moved there with ``.to``, it stays frozen)."""
     config = peft_config(method, arch)
     torch.manual_seed(0)  # peft's own adapter init draws from the global generator
+    device = client_options.get("device", "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), copy.deepcopy(config))
+        monolithic = AutoModelForCausalLM.from_pretrained(path).to(device)
+        reference = peft.get_peft_model(monolithic, copy.deepcopy(config))
         split = peft.get_peft_model(
             symbiosis.load_client_model(path, executor=executor, **client_options), copy.deepcopy(config)
         )

@@ -26,7 +26,8 @@ kernel computes it (each choice measured in ``benchmarks/quantization.py``):
   multiplied with BLAS: compute dominates there, not bytes.
 - **fp8 on a GPU with fp8 units** (compute capability ≥ 8.9) and both widths multiples of 16:
   forward and noise with ``torch._scaled_mm``, activations quantized to fp8 per row (W8A8, as in
-  production FP8 serving); backward dequantizes. Written, not run here (no GPU).
+  production FP8 serving); backward dequantizes. Checked for accuracy on an H200
+  (``tests/test_cuda.py``: logits within 2.7% of the dequantized model's), not timed.
 - **otherwise** (fp8 on CPU, int8 off CPU, or no fbgemm): dequantize chunk by chunk, then BLAS.
 """
 
