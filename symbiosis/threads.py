@@ -143,6 +143,80 @@ def enter_background_priority() -> str:
         return "unchanged"
 
 
+# ---- small forward passes of a client of an executor in another process -------------------------
+#
+# The problem. A decode step's own ops in the client (norms, attention over the KV cache, the
+# adapters) are tiny: for 16 sequences at hidden 512 each runs in tens of µs. With two intra-op
+# threads, every parallel region first wakes the second OpenMP worker, which slept while the
+# executor process computed (``OMP_WAIT_POLICY=PASSIVE`` above) and whose core may have halted:
+# ~50-100 µs here, more than the op saves. The executor's products, which are what is big in a
+# decode step, run in the executor's process with its own threads either way.
+#
+# The setting. A client of an executor in another process runs every forward pass of at most
+# ``SMALL_FORWARD_TOKENS`` tokens (a decode step of up to that many sequences) on one intra-op
+# thread, and everything else (prefill, training) on the threads it has. In-process clients keep
+# theirs: one process, one OpenMP team, nothing asleep between ops. ``SYMBIOSIS_SMALL_FORWARD_TOKENS``
+# (read when a client model is loaded) sets the bound; 0 turns it off.
+#
+# Measured (2026-11-27, this 2-core host, busy: monolithic step 22-27 ms; a throwaway driver with
+# one ``serve`` process and one client process per variant, 16 interleaved rounds of 8 steps, two
+# runs per transport): a 16-sequence decode step of the hidden-512 llama, client with 2 threads,
+# x1.94-2.17 of monolithic as before and x1.77-1.94 with this (shm+ipc x1.94/2.04 -> x1.77/1.80,
+# ipc x2.17/2.05 -> x1.94/1.77). A client limited to one thread for good did as well on decode but
+# would lose its training steps' second thread. The rule as built, against it turned off, 10
+# interleaved rounds per transport: 16-sequence decode shm+ipc x2.22 -> x1.98, ipc x2.05 -> x1.80,
+# tcp x2.00 -> x1.81; one sequence x1.19/1.39/1.26 -> x1.18/1.26/1.18; training steps unchanged
+# (x1.41/1.41/1.22 -> x1.38/1.39/1.22).
+#
+# The catch: ``torch.set_num_threads`` is process-wide for MKL. Another thread of the same process
+# running large ops during a client's small forward pass gets one MKL thread meanwhile.
+
+SMALL_FORWARD_TOKENS = 32
+SMALL_FORWARD_TOKENS_VARIABLE = "SYMBIOSIS_SMALL_FORWARD_TOKENS"
+
+
+def small_forward_tokens() -> int:
+    """The bound on a small forward pass (tokens), from the environment or the default; 0: off."""
+    value = os.environ.get(SMALL_FORWARD_TOKENS_VARIABLE, "").strip()
+    try:
+        return max(int(value), 0) if value else SMALL_FORWARD_TOKENS
+    except ValueError:
+        return SMALL_FORWARD_TOKENS
+
+
+def one_thread_for_small_forwards(model, max_tokens: int) -> None:
+    """Make ``model`` (a ``torch.nn.Module`` taking ``input_ids`` or ``inputs_embeds``) run each
+    forward pass of at most ``max_tokens`` tokens on one intra-op thread, restoring the thread
+    count afterwards (also when the pass raises). No-op for ``max_tokens`` 0."""
+    if max_tokens <= 0:
+        return
+    import torch
+
+    def tokens_of(args: tuple, kwargs: dict) -> int | None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            return ids.numel()
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+            return embeds.shape[0] * embeds.shape[1]
+        return None
+
+    def before(module, args, kwargs) -> None:
+        tokens = tokens_of(args, kwargs)
+        threads = torch.get_num_threads()
+        if tokens is not None and tokens <= max_tokens and threads > 1 and "_symbiosis_threads" not in module.__dict__:
+            module.__dict__["_symbiosis_threads"] = threads
+            torch.set_num_threads(1)
+
+    def after(module, args, kwargs, output) -> None:
+        threads = module.__dict__.pop("_symbiosis_threads", None)
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+
 def with_torch_threads(target: Callable[..., T]) -> Callable[..., T]:
     """``target``, to run in a new thread with the torch intra-op thread count of the thread that
     calls this (give it to ``threading.Thread``).

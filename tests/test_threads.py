@@ -180,3 +180,83 @@ def test_the_background_class_is_the_oss_idle_class_and_threads_started_later_in
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["SCHED_IDLE", "True", "True"]
+
+
+# ---- small forward passes of a client of an executor in another process ----------------------------
+
+
+def _thread_recorder():
+    """A module whose forward records the intra-op thread count it runs with (and can fail)."""
+    import torch
+
+    class Recorder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []
+
+        def forward(self, input_ids=None, inputs_embeds=None, fail: bool = False):
+            self.seen.append(torch.get_num_threads())
+            if fail:
+                raise RuntimeError("boom")
+            return input_ids
+
+    return Recorder()
+
+
+def test_small_forward_passes_run_on_one_thread_and_the_count_comes_back(three_torch_threads):
+    import torch
+
+    from symbiosis.threads import one_thread_for_small_forwards
+
+    model = _thread_recorder()
+    one_thread_for_small_forwards(model, max_tokens=32)
+    model(input_ids=torch.zeros(16, 1, dtype=torch.long))  # a decode step of 16 sequences
+    model(torch.zeros(2, 16, dtype=torch.long))  # 32 tokens, positionally
+    model(input_ids=torch.zeros(4, 16, dtype=torch.long))  # 64 tokens: a prefill keeps its threads
+    model(inputs_embeds=torch.zeros(1, 8, 4))  # prompt tuning passes embeddings
+    with pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), fail=True)
+    assert model.seen == [1, 1, 3, 1, 1]
+    assert torch.get_num_threads() == 3  # restored, the failed pass included
+
+
+def test_small_forward_bound_comes_from_the_environment(monkeypatch):
+    from symbiosis.threads import SMALL_FORWARD_TOKENS, SMALL_FORWARD_TOKENS_VARIABLE, small_forward_tokens
+
+    for value, expected in (("0", 0), ("128", 128), ("", SMALL_FORWARD_TOKENS), ("many", SMALL_FORWARD_TOKENS)):
+        monkeypatch.setenv(SMALL_FORWARD_TOKENS_VARIABLE, value)
+        assert small_forward_tokens() == expected
+    monkeypatch.delenv(SMALL_FORWARD_TOKENS_VARIABLE)
+    assert small_forward_tokens() == SMALL_FORWARD_TOKENS
+
+
+def test_only_clients_of_another_process_get_it(tiny_checkpoint, tmp_path, three_torch_threads):
+    """A client over ipc decodes on one thread; an in-process client keeps the process's threads."""
+    import torch
+
+    import symbiosis
+    from tests.service_helpers import start_executor, stop
+
+    path = tiny_checkpoint("llama")
+    seen: dict[str, list[int]] = {}
+
+    def record(name):
+        def hook(module, args, kwargs):
+            seen.setdefault(name, []).append(torch.get_num_threads())
+
+        return hook
+
+    executor = symbiosis.BaseExecutor.from_pretrained(path)
+    process = start_executor(path, f"ipc://{tmp_path}/executor.sock")
+    try:
+        for name, target in (("inproc", executor), ("ipc", f"ipc://{tmp_path}/executor.sock")):
+            model = symbiosis.load_client_model(path, executor=target)
+            model.model.layers[0].register_forward_pre_hook(record(name), with_kwargs=True)
+            with torch.no_grad():
+                model(input_ids=torch.ones(4, 1, dtype=torch.long))  # decode-sized
+                model(input_ids=torch.ones(4, 40, dtype=torch.long))  # prefill-sized
+            model.symbiosis_transport.close()
+    finally:
+        stop(process)
+        executor.close()
+    assert seen == {"inproc": [3, 3], "ipc": [1, 3]}
