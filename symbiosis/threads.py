@@ -14,7 +14,9 @@ The setting. Every process the command line starts for a split deployment on one
 process) — gets
 ``OMP_WAIT_POLICY=PASSIVE``: idle workers sleep at once, so whichever process has work gets
 the cores. torch's intra-op thread count is left at its default (one per core) in each process:
-the two sides rarely compute at the same time, so each can use every core when it does.
+the two sides rarely compute at the same time, so each can use every core when it does -- except
+a client's small forward passes (decode steps), which run on one thread (``one_thread_for_small_forwards``
+below: too small to pay for waking a second worker).
 In-process clients (``--embedded``, ``executor=BaseExecutor``) keep libgomp's default: the
 engine runs products in the callers' own threads (``executor/engine.py``), so one process has
 one OpenMP team and nothing to fight over.
