@@ -205,8 +205,10 @@ def one_thread_for_small_forwards(model, max_tokens: int) -> None:
 
     def before(module, args, kwargs) -> None:
         tokens = tokens_of(args, kwargs)
+        if tokens is None or tokens > max_tokens or "_symbiosis_threads" in module.__dict__:
+            return  # a large pass, or a nested one inside a small pass already on one thread
         threads = torch.get_num_threads()
-        if tokens is not None and tokens <= max_tokens and threads > 1 and "_symbiosis_threads" not in module.__dict__:
+        if threads > 1:
             module.__dict__["_symbiosis_threads"] = threads
             torch.set_num_threads(1)
 

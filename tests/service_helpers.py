@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import torch
 
 from symbiosis.executor.process import ExecutorProcess
+
+
+def loopback_address(kind: str, tmp_path: Path) -> str:
+    """An address on this host to serve and reach an executor at: ``tcp`` (a free port), ``ipc``
+    (a socket in ``tmp_path``), or ``shm+ipc`` (that socket, with shared-memory payloads)."""
+    if kind == "tcp":
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    if kind == "ipc":
+        return f"ipc://{tmp_path}/executor.sock"
+    return f"shm+ipc://{tmp_path}/executor.sock"
 
 
 def start_executor(path: Path, address: str, *extra: str, timeout_s: float = 120.0) -> ExecutorProcess:

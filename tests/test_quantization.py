@@ -84,34 +84,43 @@ def dequantize_base_layers(model: torch.nn.Module, quantization: str) -> None:
         )
 
 
+def quantized_split_outputs(path, executor, arch: str, quantization: str, device: str = "cpu"):
+    """``loss_and_grads`` of a LoRA split client of the quantized ``executor`` (closed after), of
+    the fp32 monolithic model and of the dequantized one, all on ``device``: (got, fp32, exact)."""
+    reference, split = make_pair(path, executor, "lora", arch, device=device)
+    dequantized = copy.deepcopy(reference)
+    dequantize_base_layers(dequantized.get_base_model(), quantization)
+    input_ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    try:
+        return tuple(loss_and_grads(model, input_ids) for model in (split, reference, dequantized))
+    finally:
+        close_client(split)
+        executor.close()
+
+
+def assert_near_fp32(got, fp32, exact, quantization: str) -> None:
+    """The split's distance to the fp32 model is within the quantization error (``VS_FP32``), and
+    quantizing changed the model at all (else the comparison could not fail)."""
+    bound = VS_FP32[quantization]
+    assert _rel(exact[0], fp32[0]) > 1e-4, "quantization changed nothing: the comparison could not fail"
+    assert _rel(got[0], fp32[0]) <= bound["logits_rel"]
+    assert (got[0].argmax(-1) == fp32[0].argmax(-1)).float().mean() >= bound["top1"]
+    assert _rel(_flat(got[2]), _flat(fp32[2])) <= bound["grads_rel"]
+
+
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_split_matches_dequantized_model_and_stays_near_fp32(tiny_checkpoint, arch, quantization):
     path = tiny_checkpoint(arch)
     executor = symbiosis.BaseExecutor.from_pretrained(path, quantization=quantization)
-    reference, split = make_pair(path, executor, "lora", arch)
-    dequantized = copy.deepcopy(reference)
-    dequantize_base_layers(dequantized.get_base_model(), quantization)
-    input_ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
-    try:
-        got = loss_and_grads(split, input_ids)
-        fp32 = loss_and_grads(reference, input_ids)
-        exact = loss_and_grads(dequantized, input_ids)
-    finally:
-        close_client(split)
-        executor.close()
-
+    got, fp32, exact = quantized_split_outputs(path, executor, arch, quantization)
     bound = VS_DEQUANTIZED[quantization]
     if bound is None:
         assert_matches_reference(got, exact)
     else:
         assert _rel(got[0], exact[0]) <= bound["logits_rel"]
         assert _rel(_flat(got[2]), _flat(exact[2])) <= bound["grads_rel"]
-    bound = VS_FP32[quantization]
-    assert _rel(exact[0], fp32[0]) > 1e-4, "quantization changed nothing: the comparison could not fail"
-    assert _rel(got[0], fp32[0]) <= bound["logits_rel"]
-    assert (got[0].argmax(-1) == fp32[0].argmax(-1)).float().mean() >= bound["top1"]
-    assert _rel(_flat(got[2]), _flat(fp32[2])) <= bound["grads_rel"]
+    assert_near_fp32(got, fp32, exact, quantization)
 
 
 # ---- the kernels against Ŵ in float64 ---------------------------------------------------------

@@ -17,20 +17,7 @@ from transformers import AutoModelForCausalLM
 import symbiosis
 from symbiosis.executor.process import ExecutorProcess
 from tests.reference import close_client, make_pair
-from tests.service_helpers import compare_client, start_executor, stop
-
-
-def _address(kind: str, tmp_path) -> str:
-    if kind == "tcp":
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return f"tcp://127.0.0.1:{port}"
-    if kind == "ipc":
-        return f"ipc://{tmp_path}/executor.sock"
-    return f"shm+ipc://{tmp_path}/executor.sock"
+from tests.service_helpers import compare_client, loopback_address, start_executor, stop
 
 
 @pytest.mark.slow
@@ -40,7 +27,7 @@ def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path, all_bulk):
     ``--decode-share-rows 0`` makes every request bulk work, so every product runs on the
     server's background bulk thread (its default lane) -- exact over every transport there too."""
     path = tiny_checkpoint("qwen2")
-    tcp, ipc = _address("tcp", tmp_path), _address("ipc", tmp_path)
+    tcp, ipc = loopback_address("tcp", tmp_path), loopback_address("ipc", tmp_path)
     extra = ["--decode-share-rows", "0"] if all_bulk else []
     executor = ExecutorProcess(path, [tcp, ipc], extra_args=extra, metrics=True)
     clients_by_method = {"lora": tcp, "ia3": ipc, "prefix": f"shm+{ipc}", "loha": f"dist+{tcp}"}
@@ -88,7 +75,7 @@ def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
         uninterrupted = _train(uninterrupted_model, steps=6)
         close_client(uninterrupted_model)
 
-    address = _address("tcp", tmp_path)
+    address = loopback_address("tcp", tmp_path)
     executors = [start_executor(path, address)]
     restarted = threading.Event()
     restarted_at: list[float] = []
@@ -139,7 +126,7 @@ def test_training_survives_an_executor_restart(tiny_checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_serve_drains_and_exits_cleanly_on_sigterm(tiny_checkpoint, tmp_path):
-    executor = start_executor(tiny_checkpoint("llama"), _address("ipc", tmp_path))
+    executor = start_executor(tiny_checkpoint("llama"), loopback_address("ipc", tmp_path))
     ready_file = executor.ready_file
     assert ready_file.exists()
     executor.signal(signal.SIGTERM)
@@ -175,7 +162,7 @@ def test_hostile_peer_cannot_disturb_a_real_executor(tiny_checkpoint, tmp_path):
     from tests.transport.test_conformance import RawPeer, request
 
     path = tiny_checkpoint("llama")
-    address = _address("tcp", tmp_path)
+    address = loopback_address("tcp", tmp_path)
     executor = start_executor(path, address)
     try:
         reference = AutoModelForCausalLM.from_pretrained(path)

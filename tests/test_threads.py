@@ -230,6 +230,7 @@ def test_small_forward_bound_comes_from_the_environment(monkeypatch):
     assert small_forward_tokens() == SMALL_FORWARD_TOKENS
 
 
+@pytest.mark.slow  # starts an executor process (~9 s here)
 def test_only_clients_of_another_process_get_it(tiny_checkpoint, tmp_path, three_torch_threads):
     """A client over ipc decodes on one thread; an in-process client keeps the process's threads."""
     import torch
