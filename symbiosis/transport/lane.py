@@ -33,9 +33,23 @@ allocation: it is used where it lies (no copy) and the same kernels run on it as
 in-process. A message holds at most ``max_message_bytes`` (what the executor's empty send buffer
 takes at once, at most ``MAX_MESSAGE_BYTES``).
 
+Long messages. A call whose rows (or result) are larger than one message carries
+(``max_payload_bytes``: a training step's calls, a prefill) travels on the lane too, as a *long
+message*: the same bytes, but on a same-host lane the head (lengths, header, padding) is one
+datagram and the payload follows in datagrams of at most ``max_message_bytes``; on a tcp lane
+the stream simply goes on. The receiver sees from the head's length field that more follows,
+checks the header (the executor: the same ``protocol.validate_request`` as any request, before it
+allocates anything) and receives the payload straight into aligned memory of its own: one kernel
+copy a side, against ZeroMQ's frames, which land unaligned and were copied once more on each side
+(32 MiB each way: ~11 ms over a Unix socket, ~98 ms through ZeroMQ, measured 2026-11-27). The
+executor receives and sends long messages a piece at a time as its socket allows
+(``ExecutorLane.receive`` / ``flush``), so one client's 100 MiB never holds another's call; a
+long message the executor refuses is read to its end and thrown away, then answered with the
+typed error, and the lane serves on.
+
 Who uses it. One calling thread at a time per client (``ClientLane.lock``; a thread that finds
-it taken uses ZeroMQ), and only for calls whose rows and result fit a message; everything else
-— the handshake, heartbeats, concurrent calls, large payloads — goes over ZeroMQ. A lane is
+it taken uses ZeroMQ); everything else -- the handshake, heartbeats, concurrent calls -- goes
+over ZeroMQ. A lane is
 closed by either side at will: a client closes it after a timeout (a late reply must not answer
 its next call), the executor when the session ends or the client sends what is not a message;
 the client then takes its calls to ZeroMQ, where a lost session is noticed and re-established.
@@ -47,17 +61,32 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, ProtocolError, error_from_code
+from symbiosis.errors import (
+    ExecutorTimeoutError,
+    ExecutorUnavailableError,
+    ProtocolError,
+    SymbiosisError,
+    error_from_code,
+)
 from symbiosis.transport.spin import CLIENT_SPIN_IF_WAITS_UNDER_S, RecentWaits, try_for
 
-#: Largest message a lane carries (header and payload): calls whose rows or result need more go
-#: over ZeroMQ, whose zero-copy frames suit large payloads better anyway.
+#: Largest message a lane sends at once (header and payload; one datagram on a same-host lane):
+#: calls whose rows or result need more go as long messages, in pieces of at most this.
 MAX_MESSAGE_BYTES = (1 << 20) + 4096
+#: Send buffer asked for each end of a lane (the kernel grants at most ``net.core.wmem_max``):
+#: several messages in flight, so a long message's pieces flow without a wake-up for each (an
+#: 8 MiB echo over ipc: 2.8-3.1 ms with this, 3.7-4.2 with room for one message, 5.4-5.9 with half
+#: of one; 2026-11-27, interleaved).
+SEND_BUFFER_BYTES = 4 * MAX_MESSAGE_BYTES
+#: What the executor reads of one long message per wake-up before it serves other clients.
+LONG_BURST_BYTES = 16 << 20
 #: Header room kept in every message: a ``Request``/``Reply`` header is ~100-300 bytes.
 HEADER_ROOM_BYTES = 4096
 #: What the kernel needs beside the data in a send buffer (``unix_dgram_sendmsg`` refuses a
@@ -102,11 +131,11 @@ _answer_decoder = msgspec.msgpack.Decoder(LaneGiven | LaneRefused)
 def make_pair() -> tuple[socket.socket, socket.socket, int]:
     """A new same-host lane: ``(executor_end, client_end, max_message_bytes)``; the executor's
     end does not block. Send buffers are raised as far as the system allows
-    (``net.core.wmem_max``), which sets the largest datagram: ~200 KiB with Linux's default
-    limit, ``MAX_MESSAGE_BYTES`` where it allows more."""
+    (``net.core.wmem_max``), up to ``SEND_BUFFER_BYTES``, which sets the largest datagram:
+    ~200 KiB with Linux's default limit, ``MAX_MESSAGE_BYTES`` where it allows more."""
     executor_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     for end in (executor_end, client_end):
-        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_MESSAGE_BYTES + _KERNEL_SLACK_BYTES)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     allowed = min(end.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for end in (executor_end, client_end))
     executor_end.setblocking(False)
     return executor_end, client_end, min(MAX_MESSAGE_BYTES, allowed - _KERNEL_SLACK_BYTES)
@@ -116,7 +145,7 @@ def prepare_stream(sock: socket.socket) -> int:
     """Set up one end of a tcp lane (no Nagle delay, a send buffer that takes a whole message);
     returns the largest message this end can send at once into its empty send buffer."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     # The kernel reports twice what it grants and charges tcp buffers with their overhead.
     return min(MAX_MESSAGE_BYTES, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 - _KERNEL_SLACK_BYTES)
 
@@ -156,15 +185,65 @@ class LaneClosed(Exception):
     """The other side closed the lane, or sent what leaves the stream unreadable."""
 
 
+class RefusedMessage(Exception):
+    """A long message the executor refused (``ExecutorLane.accept_long``), read to its end:
+    answer request ``request_id`` with ``error``; the lane serves on."""
+
+    def __init__(self, error: SymbiosisError, request_id: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.request_id = request_id
+
+
+class _LongMessage:
+    """A long message being received: its header, where its payload goes (None: thrown away
+    after a refusal), how much has come."""
+
+    __slots__ = ("got", "header", "payload", "refusal", "total")
+
+    def __init__(self, header: bytes, total: int, payload: memoryview | None, refusal: RefusedMessage | None) -> None:
+        self.header = header
+        self.total = total
+        self.payload = payload
+        self.refusal = refusal
+        self.got = 0
+
+
+#: Where a refused long message's payload is read to be thrown away (socket thread only).
+_DISCARD = bytearray(1 << 16)
+
+
 class ExecutorLane:
     """The executor's end of one session's lane (used by the server's socket thread only).
 
     A same-host lane reads each datagram into a buffer the caller owns (the server has one for all
     lanes: it reads and serves one message at a time); a tcp lane keeps a buffer of its own,
     because a message may arrive in pieces. Either way a payload is valid until the next
-    ``receive``. ``session`` is None while a tcp lane has not said whose it is."""
+    ``receive`` -- except a long message's, which has memory of its own. ``session`` is None while
+    a tcp lane has not said whose it is.
 
-    __slots__ = ("_have", "_inbox", "_taken", "fd", "max_message_bytes", "session", "slots", "sock", "stream")
+    ``accept_long(header, payload_nbytes)`` (set by the server) checks the head of a long message
+    before its payload is received, raising a ``SymbiosisError`` to refuse it (its payload is
+    read and thrown away, then ``receive`` raises ``RefusedMessage``) or ``LaneClosed`` where the
+    lane is not worth reading on; without it a long message closes the lane. A reply that does
+    not fit the socket's send buffer waits in an outbox (``sending``) for ``flush``; a client
+    that sends again before it took the last reply gets its session ended (``send`` raises
+    ``BlockingIOError``)."""
+
+    __slots__ = (
+        "_have",
+        "_inbox",
+        "_long",
+        "_outbox",
+        "_taken",
+        "accept_long",
+        "fd",
+        "max_message_bytes",
+        "session",
+        "slots",
+        "sock",
+        "stream",
+    )
 
     def __init__(self, sock: socket.socket, session: object, max_message_bytes: int, stream: bool = False) -> None:
         self.sock = sock
@@ -176,17 +255,28 @@ class ExecutorLane:
         self._have = 0
         self._taken = 0  # tcp: bytes of the message handed out last (dropped at the next receive)
         self.slots: dict = {}  # tcp: the server's views of this lane's inbox (``lane_routes.LaneRoutes.slot``)
+        self.accept_long: Callable[[memoryview, int], None] | None = None
+        self._long: _LongMessage | None = None
+        self._outbox: deque[memoryview] = deque()
 
     @property
     def inbox(self) -> memoryview | None:
         """tcp: where every message this lane hands out starts (at offset 0); None before the first."""
         return self._inbox
 
-    def receive(self, buffer: memoryview) -> tuple[memoryview, memoryview] | None:
-        """The next message's (header, payload); None when no whole message is waiting.
-        ``LaneClosed`` when the client closed its end (or sent a tcp message longer than a lane
-        carries: the stream cannot be read further); ``ProtocolError`` for a datagram that is not
-        a message."""
+    @property
+    def sending(self) -> bool:
+        """Whether a reply waits for room in the socket (``flush`` when it is writable)."""
+        return bool(self._outbox)
+
+    def receive(self, buffer: memoryview) -> tuple[memoryview, memoryview, bool] | None:
+        """The next message's (header, payload, long); None when no whole message is waiting.
+        ``long``: the payload has memory of its own (a long message), valid as long as it is
+        referenced. ``LaneClosed`` when the client closed its end (or sent what leaves the lane
+        unreadable); ``ProtocolError`` for a message that is not one; ``RefusedMessage`` for a
+        long message ``accept_long`` refused."""
+        if self._long is not None:
+            return self._receive_long()
         if self.stream:
             return self._receive_stream()
         try:
@@ -199,9 +289,18 @@ class ExecutorLane:
             raise LaneClosed("the client closed its end")
         if nbytes > buffer.nbytes:
             raise ProtocolError(f"lane message of {nbytes} bytes exceeds {buffer.nbytes}")
-        return split(buffer[:nbytes])
+        if nbytes >= _LENGTHS.size:
+            declared = _LENGTH.size + _LENGTH.unpack_from(buffer)[0]
+            if declared > nbytes:  # the head of a long message, or garbage
+                header_nbytes = _LENGTHS.unpack_from(buffer)[1]
+                if header_nbytes > P.MAX_HEADER_BYTES or nbytes != payload_start(header_nbytes):
+                    raise ProtocolError("lane message lengths do not match the message")
+                self._start_long(buffer[_LENGTHS.size : _LENGTHS.size + header_nbytes], declared - nbytes)
+                return self._receive_long()
+        header, payload = split(buffer[:nbytes])
+        return header, payload, False
 
-    def _receive_stream(self) -> tuple[memoryview, memoryview] | None:
+    def _receive_stream(self) -> tuple[memoryview, memoryview, bool] | None:
         if self._inbox is None:
             self._inbox = aligned_buffer(self.max_message_bytes)
         inbox = self._inbox
@@ -211,7 +310,7 @@ class ExecutorLane:
                 inbox[:rest] = bytes(inbox[self._taken : self._have])
             self._have, self._taken = rest, 0
         message = self._whole_message()
-        if message is None:
+        if message is None and self._long is None:
             try:
                 nbytes = self.sock.recv_into(inbox[self._have :], inbox.nbytes - self._have)
             except BlockingIOError:
@@ -222,31 +321,126 @@ class ExecutorLane:
                 raise LaneClosed("the client closed its end")
             self._have += nbytes
             message = self._whole_message()
-            if message is None:
-                return None
+        if message is None:
+            return None if self._long is None else self._receive_long()
         self._taken = message.nbytes
-        return split(message)
+        header, payload = split(message)
+        return header, payload, False
 
     def _whole_message(self) -> memoryview | None:
+        """The whole next message in the inbox, or None: not all there yet, or the head of a long
+        message, whose receipt it starts (``_long``) with the payload bytes already in."""
         if self._have < _LENGTH.size:
             return None
         assert self._inbox is not None
-        nbytes = _LENGTH.size + _LENGTH.unpack_from(self._inbox)[0]
-        if nbytes > self._inbox.nbytes:
-            raise LaneClosed(f"a lane message of {nbytes} bytes exceeds {self._inbox.nbytes}")
-        return self._inbox[:nbytes] if self._have >= nbytes else None
+        inbox = self._inbox
+        nbytes = _LENGTH.size + _LENGTH.unpack_from(inbox)[0]
+        if nbytes <= inbox.nbytes:
+            return inbox[:nbytes] if self._have >= nbytes else None
+        if self._have < _LENGTHS.size:
+            return None
+        header_nbytes = _LENGTHS.unpack_from(inbox)[1]
+        start = payload_start(header_nbytes)
+        if header_nbytes > P.MAX_HEADER_BYTES or start > min(nbytes, inbox.nbytes):
+            raise LaneClosed("lane message lengths do not match the message")
+        if self._have < start:
+            return None
+        self._start_long(inbox[_LENGTHS.size : _LENGTHS.size + header_nbytes], nbytes - start)
+        long = self._long
+        assert long is not None
+        arrived = self._have - start  # all of it this message's: the inbox is shorter than it
+        if long.payload is not None:
+            long.payload[:arrived] = inbox[start : self._have]
+        long.got = arrived
+        self._have = 0
+        return None
+
+    def _start_long(self, header: memoryview, payload_nbytes: int) -> None:
+        """A long message's head came: check it, and say where its payload goes."""
+        if self.accept_long is None:
+            raise LaneClosed("a message longer than this lane carries")
+        header_bytes = bytes(header)
+        refusal = None
+        try:
+            self.accept_long(header, payload_nbytes)
+        except SymbiosisError as exc:
+            refusal = RefusedMessage(exc, P.salvage_request_id(header_bytes))
+        payload = aligned_buffer(payload_nbytes) if refusal is None else None
+        self._long = _LongMessage(header_bytes, payload_nbytes, payload, refusal)
+
+    def _receive_long(self) -> tuple[memoryview, memoryview, bool] | None:
+        """Receive more of the long message under way: (header, payload, True) once it is whole;
+        None while more is to come (at most ``LONG_BURST_BYTES`` a call, so other clients are
+        served between the pieces of a large one)."""
+        long = self._long
+        assert long is not None
+        sock, flags, budget = self.sock, 0 if self.stream else _MSG_TRUNC, LONG_BURST_BYTES
+        while long.got < long.total:
+            left = long.total - long.got
+            if long.payload is not None:
+                view = long.payload[long.got :]
+            else:
+                view = memoryview(_DISCARD)[: min(left, len(_DISCARD))]
+            try:
+                nbytes = sock.recv_into(view, view.nbytes, flags)
+            except BlockingIOError:
+                return None
+            except OSError as exc:
+                raise LaneClosed(str(exc)) from None
+            if nbytes == 0:
+                raise LaneClosed("the client closed its end")
+            if nbytes > left:  # a datagram that runs past its message: the lane cannot be read on
+                raise LaneClosed(f"a datagram of {nbytes} bytes where {left} were left of a long message")
+            long.got += nbytes
+            budget -= nbytes
+            if budget <= 0 and long.got < long.total:
+                return None  # poll reports the lane again: the rest waits in the socket
+        self._long = None
+        if long.refusal is not None:
+            raise long.refusal
+        assert long.payload is not None
+        return memoryview(long.header), long.payload, True
 
     def send(self, header: bytes, payload: memoryview | None = None) -> None:
-        """Send one message without blocking. ``BlockingIOError``: the client's queue is full (it
-        stopped reading); other ``OSError``: the lane is gone."""
-        buffers = frame(header, payload)
-        sent = self.sock.sendmsg(buffers)
-        if self.stream and sent != sum(memoryview(b).nbytes for b in buffers):
-            # Part of a message is out: the stream cannot carry another one. Only a client that
-            # stopped reading leaves its lane's send buffer too full for one whole reply.
+        """Send one message without blocking; what the socket does not take now waits in the
+        outbox (``sending``; ``flush``). ``BlockingIOError``: the client's queue is full, or its
+        last reply still waits (it stopped reading); other ``OSError``: the lane is gone."""
+        if self._outbox:
             raise BlockingIOError("the client does not read its lane")
+        buffers = frame(header, payload)
+        if payload is None or payload.nbytes <= self.max_message_bytes - HEADER_ROOM_BYTES:
+            sent = self.sock.sendmsg(buffers)
+            if self.stream and sent != sum(memoryview(b).nbytes for b in buffers):
+                # Part of a message is out: the stream cannot carry another one. Only a client that
+                # stopped reading leaves its lane's send buffer too full for one whole reply.
+                raise BlockingIOError("the client does not read its lane")
+            return
+        # A long message: the head, then the payload in pieces the socket takes at once.
+        body = payload.cast("B") if payload.format != "B" else payload
+        step = self.max_message_bytes
+        self._outbox.append(memoryview(buffers[0]))
+        self._outbox.extend(body[i : i + step] for i in range(0, body.nbytes, step))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send what waits in the outbox as far as the socket takes it: True when all is out.
+        ``OSError`` (not ``BlockingIOError``): the lane is gone."""
+        outbox, sock = self._outbox, self.sock
+        while outbox:
+            piece = outbox[0]
+            try:
+                sent = sock.send(piece)
+            except BlockingIOError:
+                return False
+            if sent < piece.nbytes:  # a stream takes part of a piece
+                outbox[0] = piece[sent:]
+            else:
+                outbox.popleft()
+        return True
 
     def close(self) -> None:
+        self._outbox.clear()
+        self._long = None
         self.sock.close()
 
 
@@ -302,12 +496,23 @@ class ClientLane:
             if abs(timeout_s - self._timeout_s) > _TIMEOUT_SLACK * self._timeout_s:
                 self._set_timeout(timeout_s)
             started = time.perf_counter()
-            if into is not None and not self.stream:
+            long_reply = reply_nbytes > self.max_payload_bytes
+            if payload is not None and payload.nbytes > self.max_payload_bytes:
+                self._send_long(header, payload)
+                if self.stream:
+                    message, landed = self._receive_stream(reply_nbytes), False
+                else:
+                    message, landed = self._receive_datagrams(into, reply_nbytes, long_reply)
+            elif long_reply and not self.stream:
+                self.sock.sendmsg(frame(header, payload))
+                message, landed = self._receive_datagrams(into, reply_nbytes, True)
+            elif into is not None and not self.stream:
                 self.sock.sendmsg(frame(header, payload))
                 message, landed = self._receive_into(into, spin_s)
             else:
                 message, landed = self._send_and_receive(frame(header, payload), reply_nbytes, spin_s), False
-            self._reply_waits.observe(time.perf_counter() - started)
+            if not long_reply:  # a long reply's wait says little about the next short one
+                self._reply_waits.observe(time.perf_counter() - started)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO passed: EAGAIN
             self.close()
             raise ExecutorTimeoutError("no reply on the lane in time") from None
@@ -317,7 +522,11 @@ class ClientLane:
         except BaseException:
             self.close()
             raise
-        if landed:
+        if isinstance(message, tuple):  # a long reply: its header and payload apart
+            header_view, payload_view = message
+            if landed:
+                payload_view = None
+        elif landed:
             header_view, payload_view = message, None
         else:
             header_view, payload_view = split(message)
@@ -386,6 +595,11 @@ class ClientLane:
                 raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
             return buffer[:nbytes]
         _send_all(sock, buffers)
+        return self._receive_stream(reply_nbytes)
+
+    def _receive_stream(self, reply_nbytes: int) -> memoryview:
+        """A tcp lane's next whole message (a reply of at most ``reply_nbytes`` payload bytes)."""
+        sock = self.sock
         _receive_exactly(sock, memoryview(self._lengths))
         nbytes = _LENGTH.size + _LENGTH.unpack(self._lengths)[0]
         if nbytes > HEADER_ROOM_BYTES + max(reply_nbytes, 0) + ALIGNMENT:
@@ -396,6 +610,58 @@ class ClientLane:
         buffer[: _LENGTH.size] = self._lengths
         _receive_exactly(sock, buffer[_LENGTH.size : nbytes])
         return buffer[:nbytes]
+
+    def _send_long(self, header: bytes, payload: memoryview) -> None:
+        """Send a message longer than one lane message: on a stream all of it, on a same-host
+        lane its head, then its payload in datagrams of at most ``max_message_bytes`` (the
+        executor receives them straight into the memory the rows will be multiplied from)."""
+        buffers = frame(header, payload)
+        if self.stream:
+            _send_all(self.sock, buffers)
+            return
+        sock, body, step = self.sock, memoryview(buffers[1]).cast("B"), self.max_message_bytes
+        sock.sendmsg(buffers[:1])
+        for offset in range(0, body.nbytes, step):
+            sock.send(body[offset : offset + step])
+
+    def _receive_datagrams(
+        self, into: memoryview | None, reply_nbytes: int, long_reply: bool
+    ) -> tuple[tuple[memoryview, memoryview] | memoryview, bool]:
+        """A same-host lane's reply after a long request, or any long reply: ``((header,
+        payload), landed)`` for a long reply (``landed``: the payload is in ``into``), else
+        ``(whole message, False)``."""
+        sock, head = self.sock, self._header_only
+        if not long_reply:
+            buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else head
+            nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
+            if nbytes == 0:
+                raise ConnectionResetError("the executor closed the lane")
+            if nbytes > buffer.nbytes:
+                raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
+            return buffer[:nbytes], False
+        nbytes = sock.recv_into(head, head.nbytes, _MSG_TRUNC)
+        if nbytes == 0:
+            raise ConnectionResetError("the executor closed the lane")
+        if nbytes > head.nbytes:
+            raise ProtocolError(f"lane reply of {nbytes} bytes where a long reply's head was expected")
+        if nbytes < _LENGTHS.size or _LENGTH.size + _LENGTH.unpack_from(head)[0] == nbytes:
+            return head[:nbytes], False  # a whole reply (an error: a result would be long)
+        length, header_nbytes = _LENGTHS.unpack_from(head)
+        payload_nbytes = _LENGTH.size + length - nbytes
+        if nbytes != payload_start(header_nbytes) or payload_nbytes != reply_nbytes:
+            raise ProtocolError(f"a long lane reply of {payload_nbytes} bytes where {reply_nbytes} were expected")
+        landed = into is not None and into.nbytes == payload_nbytes
+        payload = into if landed else aligned_buffer(payload_nbytes)
+        assert payload is not None
+        got = 0
+        while got < payload_nbytes:
+            received = sock.recv_into(payload[got:], payload_nbytes - got, _MSG_TRUNC)
+            if received == 0:
+                raise ConnectionResetError("the executor closed the lane")
+            if received > payload_nbytes - got:
+                raise ProtocolError("a long lane reply's datagram runs past its payload")
+            got += received
+        return (head[_LENGTHS.size : _LENGTHS.size + header_nbytes], payload), landed
 
     def close(self) -> None:
         """Close this end for good (idempotent). Safe while another thread is inside

@@ -10,8 +10,9 @@ socket to one thread at a time, and among several waiting threads one reads repl
 (see ``_Connection``). A small background thread heartbeats and watches the connection.
 
 Lanes (``lane.py``): an ``ipc://`` (or ``shm+ipc://``) client asks the executor for a lane when a
-session starts, a private Unix socket that skips ZeroMQ's I/O threads. A call whose rows and
-result fit a lane datagram goes over it when no other thread of this client is using it; every
+session starts, a private Unix socket that skips ZeroMQ's I/O threads (over ``tcp://`` without
+CURVE: a second tcp connection). A call goes over it when no other thread of this client is using
+it, whatever its size (rows or results longer than one lane message go as long messages); every
 other call, and all the rest (handshake, heartbeats), goes over ZeroMQ. ``lane=False`` turns it off.
 
 Security: ``curve=CurveClientKeys(...)`` (or the ``SYMBIOSIS_CURVE_SERVER_KEY`` /
@@ -647,14 +648,9 @@ class ZmqTransport:
         request, frames, lease = self._encode(request, rows)
         lane = conn.lane
         if lane is not None and not lane.closed and lane.lock.acquire(blocking=False):
+            # Any size: rows or results longer than one lane message go as long messages (``lane.py``).
             reply_nbytes = self._lane_reply_nbytes(request, rows) if len(frames) > 1 else 0
-            if (
-                len(frames) == 1 or frames[1].nbytes <= lane.max_payload_bytes
-            ) and reply_nbytes <= lane.max_payload_bytes:
-                return self._call_on_lane(
-                    conn, lane, request, frames, lease, reply_nbytes, deadline
-                )  # releases the lock
-            lane.lock.release()
+            return self._call_on_lane(conn, lane, request, frames, lease, reply_nbytes, deadline)  # releases the lock
         try:
             future = conn.submit(rid, frames, copy=nbytes < P.COPY_THRESHOLD)
             try:

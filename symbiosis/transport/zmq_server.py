@@ -79,7 +79,7 @@ from symbiosis.errors import (
 from symbiosis.threads import with_torch_threads
 from symbiosis.transport.base import ExecutorService
 from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestKey, Session
-from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed
+from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed, RefusedMessage
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
@@ -146,16 +146,6 @@ class _InFlight:
     lane: ExecutorLane | None = None  # where it came from and its reply goes (None: the ZeroMQ socket)
     future: Future[torch.Tensor] | None = None  # None while the payload is still on its way
     cost: int = 0  # bytes it pins (``_cost``), counted in ``session.inflight_bytes``
-
-
-def _check_fits_lane(req: P.Request, spec: LayerSpec, lane: ExecutorLane) -> None:
-    """Refuse an inline lane request whose result would not fit one lane datagram (the client
-    sends such calls over ZeroMQ; only a client that ignores the lane's size gets here)."""
-    out_nbytes = req.shape[0] * OPS_BY_VALUE[req.op].output_width(spec) * P.ITEMSIZE[req.dtype]
-    if out_nbytes > lane.max_message_bytes - HEADER_ROOM_BYTES:
-        raise ProtocolError(
-            f"a result of {out_nbytes} bytes does not fit a lane message; send this request over ZeroMQ"
-        )
 
 
 def _cost(req: P.Request, spec: LayerSpec | None) -> int:
@@ -432,6 +422,9 @@ class ZmqServer:
             header = P.encode(P.error_reply(message.request_id, message.error_code, message.error_message[:500] + "…"))
         try:
             lane.send(header, payload)
+            if lane.sending:  # a long reply: the rest goes as the client reads (``_serve_lanes``)
+                assert self._poller is not None
+                self._poller.register(lane.fd, zmq.POLLIN | zmq.POLLOUT)
         except BlockingIOError:  # its queue is full: the client sends and never reads
             if self._sessions.get(lane.session.identity) is lane.session:
                 log.warning("client %s does not read its lane; ending its session", lane.session.client_id)
@@ -451,8 +444,25 @@ class ZmqServer:
             assert self._lane_routes is not None
             self._lane_buffer = self._lane_routes.receive_buffer  # its slots are views of it (lane_routes.py)
         session.lane = lane
+        lane.accept_long = self._accept_long
         self._lanes[lane.fd] = lane
         self._poller.register(lane.fd, zmq.POLLIN)
+
+    def _accept_long(self, header: memoryview, payload_nbytes: int) -> None:
+        """Check the head of a long lane message before its payload is received (``lane.py``):
+        an inline request this executor would serve, whose payload is what its shape says.
+        Raises the typed error the general path would give (the payload is then read and thrown
+        away, and the request answered with it), or ``LaneClosed`` where nothing is worth reading
+        on: a header that is not an inline request, or more bytes than any request may carry."""
+        try:
+            req = P.decode(header)
+        except ProtocolError as exc:
+            raise LaneClosed(f"a long lane message whose header is not one: {exc}") from None
+        if not isinstance(req, P.Request) or req.shm_name is not None or req.dist_tag is not None:
+            raise LaneClosed("a long lane message must be a request with its rows (inline)")
+        if payload_nbytes > self._limits.max_payload_bytes:
+            raise LaneClosed(f"a long lane message of {payload_nbytes} bytes, past the cap of any request")
+        P.validate_request(req, payload_nbytes, self._specs, self._limits)
 
     def _drop_lane(self, lane: ExecutorLane) -> None:
         if self._lanes.pop(lane.fd, None) is lane and self._poller is not None:
@@ -477,6 +487,10 @@ class ZmqServer:
                 self._count(_INVALID, "errors")
                 self._lane_send(lane, P.error_reply(0, exc.code, str(exc)))
                 continue
+            except RefusedMessage as refused:  # a long message, read to its end and thrown away
+                self._count(_INVALID, "errors")
+                self._lane_send(lane, P.error_reply(refused.request_id, refused.error.code, str(refused.error)))
+                continue
             if message is None:
                 return
             try:
@@ -497,6 +511,10 @@ class ZmqServer:
                 continue
             lane = self._lanes.get(key)
             if lane is not None:
+                if events[key] & zmq.POLLOUT:
+                    self._flush_lane(lane)
+                    if events[key] == zmq.POLLOUT:
+                        continue
                 if not lane.stream:  # how long the client computed since its last reply
                     self._lane_gaps.observe(now - self._lane_served_at)
                 self._read_lane(lane)
@@ -512,7 +530,18 @@ class ZmqServer:
                 if asked is not None:
                     self.attach_lane(asked)
 
-    def _on_lane_message(self, lane: ExecutorLane, header: memoryview, payload: memoryview) -> None:
+    def _flush_lane(self, lane: ExecutorLane) -> None:
+        """Send more of a long reply to a client that reads it; poll only for its requests once
+        all of it is out."""
+        try:
+            done = lane.flush()
+        except OSError:  # the client closed its end
+            self._drop_lane(lane)
+            return
+        if done and self._poller is not None:
+            self._poller.register(lane.fd, zmq.POLLIN)
+
+    def _on_lane_message(self, lane: ExecutorLane, header: memoryview, payload: memoryview, long: bool) -> None:
         session = lane.session
         try:
             msg = P.decode(header)
@@ -527,6 +556,9 @@ class ZmqServer:
             self._lane_send(
                 lane, P.error_reply(rid, ProtocolError.code, f"a lane carries requests only, not {type(msg).__name__}")
             )
+            return
+        if long:  # rows in memory of their own, the header checked (``_accept_long``): the general path
+            self._on_request(session.identity, session, msg, [payload], lane, owned=True)
             return
         inline = msg.shm_name is None and msg.dist_tag is None  # an inline request always has its payload, maybe empty
         if inline and self._serve_lane_call_now(lane, session, msg, payload, header.nbytes):
@@ -886,8 +918,10 @@ class ZmqServer:
         req: P.Request,
         payload: list[memoryview],
         lane: ExecutorLane | None = None,
+        owned: bool = False,
     ) -> None:
-        """Serve one request header (and its payload buffers) from the ZeroMQ socket or ``lane``."""
+        """Serve one request header (and its payload buffers) from the ZeroMQ socket or ``lane``
+        (``owned``: a lane payload with memory of its own, a long message's, not the lane buffer's)."""
         rid = req.request_id
         key = (identity, rid)
         stats_key = req.layer_id if req.layer_id in self._specs else _INVALID
@@ -910,12 +944,10 @@ class ZmqServer:
             accepted = channel.accept(session, key, req, payload)
             entry = _InFlight(session, req, accepted.spec, channel, accepted.ticket, lane)
             rows = accepted.rows
-            if lane is not None and name == "inline":
-                _check_fits_lane(req, accepted.spec, lane)
             if rows is not None and self._try_alone(key, entry, rows, stats_key, accepted.out):
                 return
             if rows is not None:
-                if lane is not None and name == "inline":
+                if lane is not None and name == "inline" and not owned:
                     rows = rows.clone()  # it lies in the lane buffer, which the next lane message overwrites
                 self._submit(key, entry, rows)
         except SymbiosisError as exc:

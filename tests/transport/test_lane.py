@@ -111,22 +111,31 @@ def test_no_lane_where_shared_memory_is_not_offered(fake: FakeExecutorService, s
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
-def test_large_rows_or_results_go_over_zeromq(serve, fake: FakeExecutorService, kind: str) -> None:
+def test_large_rows_and_results_take_the_lane_as_long_messages(serve, fake: FakeExecutorService, kind: str) -> None:
+    """Rows or results longer than one lane message (a training step's calls) travel on the lane
+    in pieces, exact, into memory of their own; small calls before and after are unaffected."""
     _, address = serve(kind)
     with open_transport(address) as transport:
         lane = transport._conn.lane
-        big_rows = torch.randn(lane.max_payload_bytes // (4 * 256) + 1, 256)
-        got = transport.call("wide", Op.FORWARD, big_rows, LatencyClass.PREFILL)
-        assert_same_product(got, fake.compute("wide", Op.FORWARD, big_rows))
-        big_result = torch.randn(lane.max_payload_bytes // (4 * FAN.out_features) + 1, 16)
-        got = transport.call("fan", Op.FORWARD, big_result, LatencyClass.PREFILL)
-        assert_same_product(got, fake.compute("fan", Op.FORWARD, big_result))
-        assert lane.calls == 0
-        small = torch.randn(2, 16)
-        assert_same_product(
-            transport.call("fan", Op.FORWARD, small, LatencyClass.PREFILL), fake.compute("fan", Op.FORWARD, small)
-        )
-        assert lane.calls == 1
+        results = []
+        for _ in range(2):  # twice: a finished long message leaves nothing behind on either side
+            big_rows = torch.randn(3 * lane.max_payload_bytes // (4 * 256) + 7, 256)  # long request and reply
+            got = transport.call("wide", Op.FORWARD, big_rows, LatencyClass.PREFILL)
+            assert_same_product(got, fake.compute("wide", Op.FORWARD, big_rows))
+            big_result = torch.randn(lane.max_payload_bytes // (4 * FAN.out_features) + 1, 16)  # long reply
+            got = transport.call("fan", Op.FORWARD, big_result, LatencyClass.PREFILL)
+            assert_same_product(got, fake.compute("fan", Op.FORWARD, big_result))
+            results.append(got)
+            small = torch.randn(2, 16)
+            assert_same_product(
+                transport.call("fan", Op.FORWARD, small, LatencyClass.PREFILL), fake.compute("fan", Op.FORWARD, small)
+            )
+            grads = torch.randn(big_rows.shape[0], 256)  # a backward product: long both ways
+            got = transport.call("wide", Op.BACKWARD, grads, LatencyClass.FINETUNE)
+            assert_same_product(got, fake.compute("wide", Op.BACKWARD, grads))
+        assert lane.calls == 8
+        results[0].add_(1)  # a tensor of its own, writable, not overwritten by the next call
+        assert not torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
@@ -256,10 +265,31 @@ class LanePeer:
     def send(self, message: bytes) -> None:
         self.lane.sendall(message) if self.stream else self.lane.send(message)
 
+    def send_long(self, message: bytes, pieces: int | None = None) -> None:
+        """A message longer than one lane message, sent as a client does (``ClientLane._send_long``):
+        on a same-host lane its head, then its payload in datagrams; ``pieces``: only that many
+        datagrams of the payload (a message left unfinished)."""
+        if self.stream:
+            self.lane.sendall(message if pieces is None else message[: 4096 * (pieces + 1)])
+            return
+        start = L.payload_start(int.from_bytes(message[4:8], "little"))
+        self.lane.send(message[:start])
+        step = 64 * 1024
+        for i, offset in enumerate(range(start, len(message), step)):
+            if pieces is not None and i >= pieces:
+                return
+            self.lane.send(message[offset : offset + step])
+
     def receive(self) -> bytes:
-        """One whole message ('' when the executor closed the lane)."""
+        """One whole message ('' when the executor closed the lane); a long one put together."""
         if not self.stream:
-            return self.lane.recv(1 << 22)
+            data = self.lane.recv(1 << 22)
+            while data and len(data) < 4 + int.from_bytes(data[:4], "little"):  # a long message's head
+                piece = self.lane.recv(1 << 22)
+                if not piece:
+                    return b""
+                data += piece
+            return data
         data = self._unread
         while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
             chunk = self.lane.recv(1 << 22)
@@ -318,7 +348,6 @@ def garbage(peer: LanePeer) -> list[tuple[bytes, int]]:
         (peer.request(12, "nope", [2, 16]), 12),
         (peer.request(13, "q", [2, 16], payload=bytes(5)), 13),  # payload does not match the shape
         (peer.request(14, "q", [2, 16], shm_name="1"), 14),  # no such segment in this session
-        (peer.request(15, "fan", [100, 16]), 15),  # its result would not fit a lane message
         (peer.request(16, "q", [2, 16], dist_tag=3, dist_nbytes=128), 16),  # no dist session
         ((96).to_bytes(4, "little") + (200).to_bytes(4, "little") + bytes(92), 0),  # a header longer than the message
     ]
@@ -358,6 +387,147 @@ def test_garbage_on_a_lane_gets_typed_errors_and_the_lane_keeps_serving(
         if peer.stream:  # a message longer than a lane carries: the stream cannot be read on
             peer.send((1 << 30).to_bytes(4, "little") + bytes(60))
             assert peer.receive() == b""
+    finally:
+        peer.close()
+
+
+def long_request(
+    peer: LanePeer, rid: int, layer_id: str, rows: int, width: int, payload_nbytes: int | None = None
+) -> bytes:
+    """A request of ``rows`` x ``width`` float32 rows with a payload longer than one lane message
+    (``payload_nbytes``: another size than the shape says)."""
+    nbytes = 4 * rows * width if payload_nbytes is None else payload_nbytes
+    assert nbytes > L.MAX_MESSAGE_BYTES
+    return peer.request(rid, layer_id, [rows, width], payload=torch.randn(nbytes // 4).numpy().tobytes())
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_a_raw_peer_exchanges_long_messages_in_pieces(serve, fake: FakeExecutorService, kind: str) -> None:
+    """The wire of a long message, as another implementation would speak it: a request in pieces
+    (the payload split arbitrarily on tcp), a long reply read back in pieces."""
+    _, address = serve(kind)
+    peer = LanePeer(address)
+    try:
+        rows = torch.randn(L.MAX_MESSAGE_BYTES // (4 * 256) + 3, 256)
+        message = peer.request(7, "wide", list(rows.shape), payload=P.tensor_payload(rows).tobytes())
+        if peer.stream:
+            for offset in range(0, len(message), 300_001):
+                peer.send(message[offset : offset + 300_001])
+        else:
+            peer.send_long(message)
+        reply, payload = peer.reply()
+        assert reply.ok and reply.request_id == 7 and reply.shape == list(rows.shape)
+        got = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(reply.shape)
+        assert_same_product(got, fake.compute("wide", Op.FORWARD, rows))
+        peer.send(peer.request(8, "q", [2, 16]))  # the lane goes on with short messages
+        assert peer.reply()[0].request_id == 8
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_a_refused_long_message_is_read_to_its_end_and_answered(serve, kind: str) -> None:
+    """A long request the executor would refuse anyway (unknown layer, a payload its shape does
+    not say) is checked before anything is allocated, read to its end, thrown away and answered
+    with its typed error; the lane serves on."""
+    _, address = serve(kind)
+    peer = LanePeer(address)
+    try:
+        cases = [
+            (long_request(peer, 31, "nope", 20000, 16), 31, "unknown_layer"),
+            (long_request(peer, 32, "wide", 2000, 256, payload_nbytes=4 * 256 * 2001), 32, "shape"),
+            (long_request(peer, 33, "q", 20000, 20), 33, "shape"),  # rows of the wrong width
+        ]
+        for message, rid, code in cases:
+            peer.send_long(message)
+            reply, payload = peer.reply()
+            assert not reply.ok and reply.request_id == rid and reply.error_code == code and payload == b"", reply
+        peer.send(peer.request(34, "q", [2, 16]))
+        assert peer.reply()[0].ok
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_a_long_message_that_is_no_request_closes_the_lane_and_the_executor_serves_on(
+    serve, fake: FakeExecutorService, kind: str
+) -> None:
+    """Nothing worth reading on: the head of a long message whose header is garbage, or that
+    declares more than any request may carry. The lane closes; the session and everyone else go on."""
+    _, address = serve(kind)
+    for head in (
+        b"".join(bytes(p) for p in L.frame(b"\xc1 not msgpack"))[:64],
+        b"".join(bytes(p) for p in L.frame(P.encode(P.Ping()))),
+    ):
+        peer = LanePeer(address)
+        try:
+            declared = bytearray(head)
+            declared[:4] = (len(head) - 4 + (2 << 20)).to_bytes(4, "little")  # 2 MiB of payload to come
+            peer.send(bytes(declared))
+            assert peer.receive() == b""
+        finally:
+            peer.close()
+    peer = LanePeer(address)
+    try:
+        huge = bytearray(peer.request(40, "wide", [(2 << 30) // 1024, 256], payload=b""))
+        huge[:4] = (len(huge) - 4 + (2 << 30)).to_bytes(4, "little")  # 2 GiB: past the cap
+        peer.send(bytes(huge))
+        assert peer.receive() == b""
+    finally:
+        peer.close()
+    with open_transport(address) as other:
+        rows = torch.randn(2, 16)
+        assert_same_product(other.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows))
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_a_peer_stalled_in_a_long_message_holds_no_one_else(serve, fake: FakeExecutorService, kind: str) -> None:
+    """The executor receives long messages a piece at a time as they come: a client that sends
+    part of one and stops delays nobody, and when it goes, its half-message goes with it."""
+    _, address = serve(kind)
+    peer = LanePeer(address, client_id="stalled")
+    try:
+        peer.send_long(long_request(peer, 50, "wide", 4000, 256), pieces=3)
+        with open_transport(address) as other:
+            rows, big = torch.randn(2, 16), torch.randn(4000, 256)
+            assert_same_product(
+                other.call("q", Op.FORWARD, rows, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, rows)
+            )
+            assert_same_product(
+                other.call("wide", Op.FORWARD, big, LatencyClass.PREFILL), fake.compute("wide", Op.FORWARD, big)
+            )
+            assert other._conn.lane.calls == 2
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_a_peer_that_does_not_take_its_long_reply_loses_its_lane(serve, fake: FakeExecutorService, kind: str) -> None:
+    """A long reply goes out as the client reads it; a client that sends again before it took
+    the last one does not read its lane, and its session ends (as for short replies). Meanwhile
+    the executor serves everyone else."""
+    _, address = serve(kind)
+    peer = LanePeer(address, client_id="slow-reader")
+    try:
+        rows_for_48_mb = 48_000_000 // (4 * FAN.out_features)  # more than the sockets' buffers hold
+        peer.send(peer.request(60, "fan", [rows_for_48_mb, 16]))  # a 48 MB reply, not read
+        with open_transport(address) as other:
+            small = torch.randn(2, 16)
+            assert_same_product(
+                other.call("q", Op.FORWARD, small, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, small)
+            )
+            deadline, rid = time.monotonic() + 10, 61
+            peer.lane.setblocking(False)
+            while not fake.wait_for(lambda events: ("unregister", "slow-reader", 0) in events, 0.05):
+                assert time.monotonic() < deadline, "the session of a peer that never took its long reply goes on"
+                try:
+                    peer.send(peer.request(rid, "q", [2, 16]))  # its replies queue behind the long one
+                except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                    pass
+                rid += 1
+            assert_same_product(
+                other.call("q", Op.FORWARD, small, LatencyClass.DECODE), fake.compute("q", Op.FORWARD, small)
+            )
     finally:
         peer.close()
 
@@ -487,6 +657,13 @@ def _lane_messages():
     )
 
 
+def _is_long_head(datagram: bytes) -> bool:
+    if len(datagram) < 8:
+        return False
+    declared, header_nbytes = 4 + int.from_bytes(datagram[:4], "little"), int.from_bytes(datagram[4:8], "little")
+    return declared > len(datagram) and len(datagram) == L.payload_start(header_nbytes)
+
+
 @pytest.mark.slow
 def test_any_lane_message_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_peer: LanePeer) -> None:
     from hypothesis import HealthCheck, given, settings
@@ -495,9 +672,10 @@ def test_any_lane_message_gets_a_typed_answer_and_the_lane_keeps_serving(fuzz_pe
     barriers = iter(range(2**62, 2**63))
     # Raw bytes only where each send is a message of its own (a datagram); on tcp they would
     # desynchronize the stream, which the executor answers by closing the lane (tested above).
-    messages = (
-        st.one_of(st.binary(min_size=1, max_size=300), _lane_messages()) if not fuzz_peer.stream else _lane_messages()
-    )
+    # A datagram whose length field is longer than itself and ends where a payload would start
+    # is the head of a long message (its payload follows in the next datagrams): not sent alone.
+    raw = st.binary(min_size=1, max_size=300).filter(lambda data: not _is_long_head(data))
+    messages = st.one_of(raw, _lane_messages()) if not fuzz_peer.stream else _lane_messages()
 
     @settings(
         max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
