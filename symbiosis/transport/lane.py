@@ -14,7 +14,8 @@ Two kinds, one wire format:
   SOCK_SEQPACKET)`` for a session when its client asks the executor's broker (``shm_broker``: the
   Unix socket next to the ipc socket, the session's secret token, ``SO_PEERCRED``; the way
   shared-memory segments are handed out), keeps one end and hands the other over ``SCM_RIGHTS``.
-  Nothing has a name and only the two processes hold it. One datagram per message.
+  Nothing has a name and only the two processes hold it. One datagram per message (a long
+  message, below: several).
 - **tcp** (``tcp://``, ``dist+tcp://``; not offered with CURVE, whose encryption a lane would
   bypass): the executor listens on a second port of the same host (``Welcome.lane_port``); the
   client connects and says ``LaneAsk(token)``, the executor answers ``LaneGiven`` or
@@ -33,24 +34,23 @@ allocation: it is used where it lies (no copy) and the same kernels run on it as
 in-process. A message holds at most ``max_message_bytes`` (what the executor's empty send buffer
 takes at once, at most ``MAX_MESSAGE_BYTES``).
 
-Long messages. A call whose rows (or result) are larger than one message carries
-(``max_payload_bytes``: a training step's calls, a prefill) travels on the lane too, as a *long
-message*: the same bytes, but on a same-host lane the head (lengths, header, padding) is one
-datagram and the payload follows in datagrams of at most ``max_message_bytes``; on a tcp lane
-the stream simply goes on. The receiver sees from the head's length field that more follows,
-checks the header (the executor: the same ``protocol.validate_request`` as any request, before it
-allocates anything) and receives the payload straight into aligned memory of its own: one kernel
-copy a side, against ZeroMQ's frames, which land unaligned and were copied once more on each side
-(32 MiB each way: ~11 ms over a Unix socket, ~98 ms through ZeroMQ, measured 2026-11-27). The
-executor receives and sends long messages a piece at a time as its socket allows
-(``ExecutorLane.receive`` / ``flush``), so one client's 100 MiB never holds another's call; a
-long message the executor refuses is read to its end and thrown away, then answered with the
-typed error, and the lane serves on.
+Long messages. A payload (rows or result) larger than one message carries beside its header
+(``max_message_bytes - HEADER_ROOM_BYTES``, ~1 MiB: a training step's calls, a long prefill)
+travels on the lane too, as a *long message*: the same bytes, but on a same-host lane the head
+(lengths, header, padding) is one datagram and the payload follows in datagrams of at most
+``max_message_bytes``; on a tcp lane the stream simply goes on. The receiver sees from the
+head's length field that more follows, checks the header (the executor: the same
+``protocol.validate_request`` as any request, before it allocates anything) and receives the
+payload straight into aligned memory of its own: one kernel copy a side, against ZeroMQ's
+frames, which land unaligned and were copied once more on each side (32 MiB each way: ~11 ms
+over a Unix socket, ~98 ms through ZeroMQ, measured 2026-11-27). The executor receives and sends
+long messages a piece at a time as its socket allows (``ExecutorLane.receive`` / ``flush``), so
+one client's 100 MiB never holds another's call; a long message the executor refuses is read to
+its end and thrown away, then answered with the typed error, and the lane serves on.
 
 Who uses it. One calling thread at a time per client (``ClientLane.lock``; a thread that finds
 it taken uses ZeroMQ); everything else -- the handshake, heartbeats, concurrent calls -- goes
-over ZeroMQ. A lane is
-closed by either side at will: a client closes it after a timeout (a late reply must not answer
+over ZeroMQ. A lane is closed by either side at will: a client closes it after a timeout (a late reply must not answer
 its next call), the executor when the session ends or the client sends what is not a message;
 the client then takes its calls to ZeroMQ, where a lost session is noticed and re-established.
 """
