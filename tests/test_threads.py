@@ -261,3 +261,21 @@ def test_only_clients_of_another_process_get_it(tiny_checkpoint, tmp_path, three
         stop(process)
         executor.close()
     assert seen == {"inproc": [3, 3], "ipc": [1, 3]}
+
+
+def test_a_same_host_client_without_a_wait_policy_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from symbiosis import threads
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(threads, "_warned_spinning", False)
+    assert not threads.warn_if_client_spins("tcp://10.1.2.3:7000")  # another machine: its cores are not ours
+    assert not threads.warn_if_client_spins(None)  # in-process
+    with pytest.warns(threads.SpinningClientWarning, match="OMP_WAIT_POLICY=PASSIVE"):
+        assert threads.warn_if_client_spins("shm+ipc:///tmp/executor.sock")
+    assert not threads.warn_if_client_spins("tcp://127.0.0.1:7000")  # once per process
+    monkeypatch.setattr(threads, "_warned_spinning", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")  # any explicit choice, even libgomp's default, is the user's
+    assert not threads.warn_if_client_spins("ipc:///tmp/executor.sock")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    with pytest.warns(threads.SpinningClientWarning):
+        assert threads.warn_if_client_spins("tcp://[::1]:7000")

@@ -27,7 +27,7 @@ from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import make_virt_layer
 from symbiosis.errors import CheckpointError, ModelMismatchError
 from symbiosis.executor.executor import parse_device, parse_dtype
-from symbiosis.threads import one_thread_for_small_forwards, small_forward_tokens
+from symbiosis.threads import one_thread_for_small_forwards, small_forward_tokens, warn_if_client_spins
 from symbiosis.transport.base import ExecutorService, Transport
 from symbiosis.transport.inproc import InProcTransport
 from symbiosis.transport.security import CurveClientKeys
@@ -153,6 +153,7 @@ def load_client_model(
     _load_generation_config(model, checkpoint.path)
     if not isinstance(transport, InProcTransport):  # the executor computes in another process
         one_thread_for_small_forwards(model, small_forward_tokens())
+        warn_if_client_spins(getattr(transport, "address", None))
     return model
 
 

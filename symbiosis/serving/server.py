@@ -7,7 +7,6 @@ start; ``start()`` runs uvicorn on a background thread, ``run()`` in the foregro
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -25,6 +24,7 @@ from symbiosis.serving.app import ApiConfig, ApiState, create_app
 from symbiosis.serving.engine import EngineOptions, GenerationEngine
 from symbiosis.serving.lora import AdapterContext, install_multi_lora, load_lora_adapter
 from symbiosis.serving.metrics import ServingMetrics
+from symbiosis.transport.schemes import is_loopback_host
 from symbiosis.vocabulary import LatencyClass, Op
 
 
@@ -87,15 +87,6 @@ def read_api_keys(keys: list[str], keys_file: Path | None) -> dict[str, frozense
         if len(key) < 8:
             raise ApiConfigError("API keys must be at least 8 characters")
     return result
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _max_context(model, tokenizer) -> int:
@@ -193,7 +184,7 @@ class ApiServer:
     def __init__(self, options: ApiOptions, executor=None) -> None:
         """``executor``: a ``BaseExecutor`` (or address) to use instead of ``options.client``'s
         executor/embedded choice (the demo shares its own executor this way)."""
-        if not _is_loopback(options.host) and not options.allow_non_loopback:
+        if not is_loopback_host(options.host) and not options.allow_non_loopback:
             raise ApiConfigError(
                 f"--host {options.host} is not loopback; pass --allow-non-loopback (and --api-key) to expose the API"
             )

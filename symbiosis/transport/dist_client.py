@@ -60,6 +60,7 @@ from symbiosis.transport.dist_channel import (
     pair_group,
     wait_work,
 )
+from symbiosis.transport.schemes import is_loopback_host
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
 from symbiosis.vocabulary import Op, spec_of
 
@@ -123,7 +124,7 @@ class DistTransport(ZmqTransport):
             kwargs.get("curve") is not None
             and not allow_unencrypted_payloads
             and server_host
-            and not _is_loopback(server_host)
+            and not is_loopback_host(server_host)
         ):
             raise ConfigurationError(
                 f"refusing {address!r} with CURVE: torch.distributed payloads are not encrypted (CURVE covers control "
@@ -166,7 +167,7 @@ class DistTransport(ZmqTransport):
             raise ProtocolError(f"executor at {self.address} did not open a torch.distributed session")
         host, _, port = welcome.dist_store.rpartition(":")
         host = host.strip("[]")
-        if self.curve is not None and not self._allow_unencrypted_payloads and not _is_loopback(host):
+        if self.curve is not None and not self._allow_unencrypted_payloads and not is_loopback_host(host):
             raise ProtocolError(
                 f"refusing torch.distributed payloads to {host}: CURVE encrypts control messages only and "
                 "gloo/NCCL payloads would cross the network in plaintext; use tcp:// (inline, encrypted) or "
@@ -280,13 +281,6 @@ class DistTransport(ZmqTransport):
             lease.conn.fail(reason)
         if self._group is lease.group:
             self._group = None
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _local_address_towards(host: str) -> str:

@@ -7,6 +7,7 @@ client never imports the shared-memory or torch.distributed transports (which bu
 from __future__ import annotations
 
 import importlib
+import ipaddress
 from typing import Any
 
 from symbiosis.errors import ConfigurationError
@@ -20,6 +21,22 @@ TRANSPORTS: dict[str, str] = {
     "ipc://": "symbiosis.transport.zmq_client:ZmqTransport",
     "tcp://": "symbiosis.transport.zmq_client:ZmqTransport",
 }
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP address, bracketed IPv6 too, or ``localhost``) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def on_this_host(address: str) -> bool:
+    """Whether an executor ``address`` is on this machine: any ipc scheme, or tcp to loopback."""
+    scheme, _, rest = address.partition("://")
+    if scheme.endswith("ipc"):
+        return True
+    return is_loopback_host(rest.rpartition(":")[0])
 
 
 def transport_class(address: str) -> type:

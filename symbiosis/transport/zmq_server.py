@@ -82,6 +82,7 @@ from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestK
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed, RefusedMessage
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
+from symbiosis.transport.schemes import is_loopback_host
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
 from symbiosis.transport.waker import Waker
@@ -206,13 +207,13 @@ class ZmqServer:
         self._curve = curve
         self._bind_address = check_bind_address(address, allow_non_loopback, authenticated=curve is not None)
         if curve is not None and allow_dist and not allow_non_loopback:
-            if dist_host is not None and not _is_loopback(dist_host):
+            if dist_host is not None and not is_loopback_host(dist_host):
                 raise UnsafeBindError(
                     f"refusing dist_host={dist_host!r} with CURVE: torch.distributed payloads are not encrypted. "
                     "Pass allow_dist=False, a loopback dist_host, or allow_non_loopback=True to accept plaintext "
                     "payloads."
                 )
-            if dist_host is None and not _is_loopback(_dist_host_for(self._bind_address)):
+            if dist_host is None and not is_loopback_host(_dist_host_for(self._bind_address)):
                 dist_host = "127.0.0.1"  # same-host dist clients only: their payloads never leave the host
         if min(max_inflight_requests, max_inflight_bytes, send_hwm, max_pending_dist_setups) < 1:
             raise ConfigurationError("the max_inflight_*, send_hwm and max_pending_dist_setups bounds must be >= 1")
@@ -1165,13 +1166,6 @@ def _remove_socket_file(socket_file: tuple[str, int] | None) -> None:
             os.unlink(path)
     except OSError:
         pass
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _dist_host_for(bind_address: str) -> str:
