@@ -86,7 +86,7 @@ MAX_MESSAGE_BYTES = (1 << 20) + 4096
 #: of one; 2026-11-27, interleaved).
 SEND_BUFFER_BYTES = 4 * MAX_MESSAGE_BYTES
 #: What the executor reads of one long message per wake-up before it serves other clients.
-LONG_BURST_BYTES = 16 << 20
+LONG_BURST_BYTES = 4 << 20
 #: Header room kept in every message: a ``Request``/``Reply`` header is ~100-300 bytes.
 HEADER_ROOM_BYTES = 4096
 #: What the kernel needs beside the data in a send buffer (``unix_dgram_sendmsg`` refuses a
