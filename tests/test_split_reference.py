@@ -191,6 +191,14 @@ def test_long_lane_messages_match_monolithic(transport, arch, method, tiny_check
     from symbiosis.transport import lane as L
 
     monkeypatch.setattr(L, "MAX_MESSAGE_BYTES", 12 * 1024)
+    long_calls = {"sent": 0}  # the client's long requests
+    real_send_long = L.ClientLane._send_long
+
+    def send_long(lane, header, payload):
+        long_calls["sent"] += 1
+        real_send_long(lane, header, payload)
+
+    monkeypatch.setattr(L.ClientLane, "_send_long", send_long)
     path, address = tiny_checkpoint(arch), arch_servers.address(arch, transport)
     reference, split = make_pair(path, address, method, arch)
     try:
@@ -202,6 +210,6 @@ def test_long_lane_messages_match_monolithic(transport, arch, method, tiny_check
             ref_tokens = reference.generate(input_ids=input_ids, max_new_tokens=4, do_sample=False)
             tokens = split.generate(input_ids=input_ids, max_new_tokens=4, do_sample=False)
         assert torch.equal(tokens, ref_tokens)
-        assert lane.calls > 0
+        assert lane.calls > 0 and long_calls["sent"] > 0  # the calls did travel as long messages
     finally:
         close_client(split)

@@ -265,6 +265,11 @@ class ExecutorLane:
         return self._inbox
 
     @property
+    def receiving(self) -> bool:
+        """Whether a long message is part-way in (its next piece is no new call)."""
+        return self._long is not None
+
+    @property
     def sending(self) -> bool:
         """Whether a reply waits for room in the socket (``flush`` when it is writable)."""
         return bool(self._outbox)
@@ -279,14 +284,9 @@ class ExecutorLane:
             return self._receive_long()
         if self.stream:
             return self._receive_stream()
-        try:
-            nbytes = self.sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)  # MSG_TRUNC: the real length
-        except BlockingIOError:
+        nbytes = self._recv_into(buffer, _MSG_TRUNC)  # MSG_TRUNC: the datagram's real length
+        if nbytes is None:
             return None
-        except OSError as exc:
-            raise LaneClosed(str(exc)) from None
-        if nbytes == 0:
-            raise LaneClosed("the client closed its end")
         if nbytes > buffer.nbytes:
             raise ProtocolError(f"lane message of {nbytes} bytes exceeds {buffer.nbytes}")
         if nbytes >= _LENGTHS.size:
@@ -311,14 +311,9 @@ class ExecutorLane:
             self._have, self._taken = rest, 0
         message = self._whole_message()
         if message is None and self._long is None:
-            try:
-                nbytes = self.sock.recv_into(inbox[self._have :], inbox.nbytes - self._have)
-            except BlockingIOError:
+            nbytes = self._recv_into(inbox[self._have :])
+            if nbytes is None:
                 return None
-            except OSError as exc:
-                raise LaneClosed(str(exc)) from None
-            if nbytes == 0:
-                raise LaneClosed("the client closed its end")
             self._have += nbytes
             message = self._whole_message()
         if message is None:
@@ -374,21 +369,16 @@ class ExecutorLane:
         served between the pieces of a large one)."""
         long = self._long
         assert long is not None
-        sock, flags, budget = self.sock, 0 if self.stream else _MSG_TRUNC, LONG_BURST_BYTES
+        flags, budget = 0 if self.stream else _MSG_TRUNC, LONG_BURST_BYTES
         while long.got < long.total:
             left = long.total - long.got
             if long.payload is not None:
                 view = long.payload[long.got :]
             else:
                 view = memoryview(_DISCARD)[: min(left, len(_DISCARD))]
-            try:
-                nbytes = sock.recv_into(view, view.nbytes, flags)
-            except BlockingIOError:
+            nbytes = self._recv_into(view, flags)
+            if nbytes is None:
                 return None
-            except OSError as exc:
-                raise LaneClosed(str(exc)) from None
-            if nbytes == 0:
-                raise LaneClosed("the client closed its end")
             if nbytes > left:  # a datagram that runs past its message: the lane cannot be read on
                 raise LaneClosed(f"a datagram of {nbytes} bytes where {left} were left of a long message")
             long.got += nbytes
@@ -400,6 +390,19 @@ class ExecutorLane:
             raise long.refusal
         assert long.payload is not None
         return memoryview(long.header), long.payload, True
+
+    def _recv_into(self, view: memoryview, flags: int = 0) -> int | None:
+        """``recv_into(view)`` without blocking: the byte count (the datagram's whole length with
+        ``MSG_TRUNC``), None when nothing waits; ``LaneClosed`` when the client closed its end."""
+        try:
+            nbytes = self.sock.recv_into(view, view.nbytes, flags)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise LaneClosed(str(exc)) from None
+        if nbytes == 0:
+            raise LaneClosed("the client closed its end")
+        return nbytes
 
     def send(self, header: bytes, payload: memoryview | None = None) -> None:
         """Send one message without blocking; what the socket does not take now waits in the
@@ -496,22 +499,23 @@ class ClientLane:
             if abs(timeout_s - self._timeout_s) > _TIMEOUT_SLACK * self._timeout_s:
                 self._set_timeout(timeout_s)
             started = time.perf_counter()
-            long_reply = reply_nbytes > self.max_payload_bytes
+            long_call = reply_nbytes > self.max_payload_bytes
             if payload is not None and payload.nbytes > self.max_payload_bytes:
                 self._send_long(header, payload)
-                if self.stream:
-                    message, landed = self._receive_stream(reply_nbytes), False
-                else:
-                    message, landed = self._receive_datagrams(into, reply_nbytes, long_reply)
-            elif long_reply and not self.stream:
-                self.sock.sendmsg(frame(header, payload))
-                message, landed = self._receive_datagrams(into, reply_nbytes, True)
-            elif into is not None and not self.stream:
-                self.sock.sendmsg(frame(header, payload))
-                message, landed = self._receive_into(into, spin_s)
+                long_call, spin_s = True, 0.0  # a large product follows: no reply comes soon
+            elif self.stream:
+                _send_all(self.sock, frame(header, payload))
             else:
-                message, landed = self._send_and_receive(frame(header, payload), reply_nbytes, spin_s), False
-            if not long_reply:  # a long reply's wait says little about the next short one
+                self.sock.sendmsg(frame(header, payload))
+            if self.stream:
+                received = self._receive_stream(reply_nbytes)
+            elif reply_nbytes > self.max_payload_bytes:
+                received = self._receive_long_reply(into, reply_nbytes)
+            elif into is not None:
+                received = self._receive_into(into, spin_s)
+            else:
+                received = self._receive_datagram(reply_nbytes, spin_s)
+            if not long_call:  # a long call's wait says little about the next short one's
                 self._reply_waits.observe(time.perf_counter() - started)
         except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO passed: EAGAIN
             self.close()
@@ -522,14 +526,10 @@ class ClientLane:
         except BaseException:
             self.close()
             raise
-        if isinstance(message, tuple):  # a long reply: its header and payload apart
-            header_view, payload_view = message
-            if landed:
-                payload_view = None
-        elif landed:
-            header_view, payload_view = message, None
+        if isinstance(received, tuple):  # header and payload apart (None: the payload landed in ``into``)
+            header_view, payload_view = received
         else:
-            header_view, payload_view = split(message)
+            header_view, payload_view = split(received)
             if payload_view.nbytes:  # where the next result's payload will start, most likely
                 self._payload_start = payload_start(header_view.nbytes)
         reply = P.decode(header_view)
@@ -538,10 +538,10 @@ class ClientLane:
             raise ProtocolError(f"the executor answered request {request_id} on the lane with {type(reply).__name__}")
         return reply, payload_view
 
-    def _receive_into(self, into: memoryview, spin_s: float) -> tuple[memoryview, bool]:
+    def _receive_into(self, into: memoryview, spin_s: float) -> tuple[memoryview, None] | memoryview:
         """Receive a reply scattered over this lane's header buffer up to where the last result's
-        payload started, then ``into``, then the rest of the header buffer: ``(header, True)`` when
-        the reply is a result that filled ``into`` exactly, else ``(whole message, False)``.
+        payload started, then ``into``, then the rest of the header buffer: ``(header, None)`` when
+        the reply is a result that filled ``into`` exactly, else the whole message.
 
         Why: a result received into memory the caller made needs no tensor made around the bytes
         afterwards (on the 1-row round trip, those torch calls were ~5% of the client's time);
@@ -558,9 +558,9 @@ class ClientLane:
         if nbytes == start + into.nbytes:
             length, header_nbytes = _LENGTHS.unpack_from(head)
             if length == nbytes - _LENGTH.size and payload_start(header_nbytes) == start:
-                return head[_LENGTHS.size : _LENGTHS.size + header_nbytes], True
+                return head[_LENGTHS.size : _LENGTHS.size + header_nbytes], None
         if nbytes <= start:
-            return head[:nbytes], False
+            return head[:nbytes]
         # Not a result where the last one was: the message, put back together in order, in fresh
         # aligned memory (a result wrapped from it is then writable and needs no copy).
         message = aligned_buffer(nbytes)
@@ -568,7 +568,7 @@ class ClientLane:
         in_into = min(nbytes - start, into.nbytes)
         message[start : start + in_into] = into[:in_into]
         message[start + in_into :] = head[start : start + nbytes - start - in_into]
-        return message, False
+        return message
 
     def _set_timeout(self, timeout_s: float) -> None:
         seconds = int(timeout_s)
@@ -578,24 +578,19 @@ class ClientLane:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
         self._timeout_s = timeout_s
 
-    def _send_and_receive(self, buffers: list, reply_nbytes: int, spin_s: float) -> memoryview:
-        """One message out, the reply's whole message back (``OSError`` for a closed lane)."""
+    def _receive_datagram(self, reply_nbytes: int, spin_s: float) -> memoryview:
+        """A same-host lane's reply, one datagram, in fresh aligned memory when it carries
+        ``reply_nbytes`` of result (``OSError`` for a closed lane)."""
         sock = self.sock
-        if not self.stream:
-            sock.sendmsg(buffers)
-            buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else self._header_only
-            nbytes = try_for(
-                lambda: _nonblocking(sock.recv_into, buffer, buffer.nbytes, _MSG_TRUNC | _DONTWAIT), spin_s
-            )
-            if nbytes is None:
-                nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
-            if nbytes == 0:
-                raise ConnectionResetError("the executor closed the lane")
-            if nbytes > buffer.nbytes:
-                raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
-            return buffer[:nbytes]
-        _send_all(sock, buffers)
-        return self._receive_stream(reply_nbytes)
+        buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else self._header_only
+        nbytes = try_for(lambda: _nonblocking(sock.recv_into, buffer, buffer.nbytes, _MSG_TRUNC | _DONTWAIT), spin_s)
+        if nbytes is None:
+            nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
+        if nbytes == 0:
+            raise ConnectionResetError("the executor closed the lane")
+        if nbytes > buffer.nbytes:
+            raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
+        return buffer[:nbytes]
 
     def _receive_stream(self, reply_nbytes: int) -> memoryview:
         """A tcp lane's next whole message (a reply of at most ``reply_nbytes`` payload bytes)."""
@@ -624,28 +619,19 @@ class ClientLane:
         for offset in range(0, body.nbytes, step):
             sock.send(body[offset : offset + step])
 
-    def _receive_datagrams(
-        self, into: memoryview | None, reply_nbytes: int, long_reply: bool
-    ) -> tuple[tuple[memoryview, memoryview] | memoryview, bool]:
-        """A same-host lane's reply after a long request, or any long reply: ``((header,
-        payload), landed)`` for a long reply (``landed``: the payload is in ``into``), else
-        ``(whole message, False)``."""
+    def _receive_long_reply(
+        self, into: memoryview | None, reply_nbytes: int
+    ) -> tuple[memoryview, memoryview | None] | memoryview:
+        """A same-host lane's reply where a long one is expected: ``(header, payload)`` (payload
+        None when it landed in ``into``), or the whole message of a short reply (an error)."""
         sock, head = self.sock, self._header_only
-        if not long_reply:
-            buffer = aligned_buffer(HEADER_ROOM_BYTES + reply_nbytes) if reply_nbytes else head
-            nbytes = sock.recv_into(buffer, buffer.nbytes, _MSG_TRUNC)
-            if nbytes == 0:
-                raise ConnectionResetError("the executor closed the lane")
-            if nbytes > buffer.nbytes:
-                raise ProtocolError(f"lane reply of {nbytes} bytes exceeds the {buffer.nbytes} expected")
-            return buffer[:nbytes], False
         nbytes = sock.recv_into(head, head.nbytes, _MSG_TRUNC)
         if nbytes == 0:
             raise ConnectionResetError("the executor closed the lane")
         if nbytes > head.nbytes:
             raise ProtocolError(f"lane reply of {nbytes} bytes where a long reply's head was expected")
         if nbytes < _LENGTHS.size or _LENGTH.size + _LENGTH.unpack_from(head)[0] == nbytes:
-            return head[:nbytes], False  # a whole reply (an error: a result would be long)
+            return head[:nbytes]  # a whole reply: an error (a result would be long)
         length, header_nbytes = _LENGTHS.unpack_from(head)
         payload_nbytes = _LENGTH.size + length - nbytes
         if nbytes != payload_start(header_nbytes) or payload_nbytes != reply_nbytes:
@@ -661,7 +647,7 @@ class ClientLane:
             if received > payload_nbytes - got:
                 raise ProtocolError("a long lane reply's datagram runs past its payload")
             got += received
-        return (head[_LENGTHS.size : _LENGTHS.size + header_nbytes], payload), landed
+        return head[_LENGTHS.size : _LENGTHS.size + header_nbytes], None if landed else payload
 
     def close(self) -> None:
         """Close this end for good (idempotent). Safe while another thread is inside

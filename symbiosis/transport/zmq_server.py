@@ -516,10 +516,12 @@ class ZmqServer:
                     self._flush_lane(lane)
                     if events[key] == zmq.POLLOUT:
                         continue
-                if not lane.stream:  # how long the client computed since its last reply
+                # How long the client computed since its last reply; the pieces of a long message
+                # are no such gaps (they arrive back to back and would make this thread spin).
+                if not lane.stream and not lane.receiving:
                     self._lane_gaps.observe(now - self._lane_served_at)
                 self._read_lane(lane)
-                if not lane.stream:
+                if not lane.stream and not lane.receiving:
                     self._lane_served_at = time.monotonic()
             elif listener is not None and key == listener.fd:
                 for fd in listener.accept(now):

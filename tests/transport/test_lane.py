@@ -29,6 +29,7 @@ from symbiosis.transport import lane_listener
 from symbiosis.transport.schemes import open_transport
 from symbiosis.transport.shm_broker import ask_lane
 from symbiosis.transport.shm_channel import ShmChannel
+from symbiosis.transport.spin import RecentWaits
 from symbiosis.transport.zmq import ZmqServer
 from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
@@ -136,6 +137,34 @@ def test_large_rows_and_results_take_the_lane_as_long_messages(serve, fake: Fake
         assert lane.calls == 8
         results[0].add_(1)  # a tensor of its own, writable, not overwritten by the next call
         assert not torch.equal(results[0], results[1])
+
+
+def test_pieces_of_a_long_message_are_not_gaps_between_calls(
+    serve, fake: FakeExecutorService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket thread spins after a same-host lane call when the client's recent gaps between
+    calls are short (``spin.py``). The pieces of a long message arrive back to back: counted as
+    gaps, they made it spin beside every training client. One gap is observed per call."""
+    monkeypatch.setattr(L, "MAX_MESSAGE_BYTES", 12 * 1024)  # lanes made now: many pieces a call,
+    monkeypatch.setattr(L, "SEND_BUFFER_BYTES", 4 * 12 * 1024)  # several wake-ups to read each
+    server, address = serve("ipc")
+    observed = []
+    real_observe = RecentWaits.observe
+
+    def observe(waits: RecentWaits, seconds: float) -> None:
+        if waits is server._lane_gaps:
+            observed.append(seconds)
+        real_observe(waits, seconds)
+
+    monkeypatch.setattr(RecentWaits, "observe", observe)
+    with open_transport(address) as transport:
+        rows = torch.randn(200, 256)  # 200 KiB each way: ~17 pieces
+        for _ in range(5):
+            assert_same_product(
+                transport.call("wide", Op.FORWARD, rows, LatencyClass.PREFILL), fake.compute("wide", Op.FORWARD, rows)
+            )
+        assert transport._conn.lane.calls == 5
+    assert 5 <= len(observed) <= 6, len(observed)  # one a call (a stray wake-up at most)
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
