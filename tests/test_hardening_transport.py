@@ -537,6 +537,26 @@ def test_the_rendezvous_store_exists_only_for_a_setup(serve, fake) -> None:
         peer.close()
 
 
+def test_closing_waits_for_a_pending_dist_setup(serve, fake, monkeypatch) -> None:
+    """A set-up that never completes (its client was killed) ends by its own timeout; closing the
+    server waits that long, so no pair worker is still inside torch.distributed when the process
+    exits (found by the soak: a SIGTERM'd executor aborted, exit -6, in ~1 of 6 chaos runs)."""
+    from symbiosis.transport import dist_channel
+
+    monkeypatch.setattr(dist_channel, "_CLOSE_JOIN_S", 0.2)  # shorter than the set-up timeout
+    server = serve(fake, "tcp", dist_setup_timeout_s=1.5)
+    before = _pair_workers()
+    peer = Peer(server.address, client_id="vanished")
+    try:
+        assert isinstance(peer.hello(dist_backend="gloo"), P.Welcome)  # never joins the group
+        pending = _pair_workers() - before
+        assert len(pending) == 1
+        server.close(drain=False)
+        assert not [t for t in pending if t.is_alive()], "close returned with a set-up still under way"
+    finally:
+        peer.close()
+
+
 def test_a_dist_client_waits_out_a_full_setup_cap(serve, fake) -> None:
     server = serve(fake, "tcp", dist_setup_timeout_s=1.0, max_pending_dist_setups=1)
     peer = Peer(server.address)
