@@ -34,6 +34,7 @@ from symbiosis.serving.engine import (
     RequestTooLargeError,
     ServerOverloadedError,
 )
+from symbiosis.serving.logprobs import LogprobFormatter
 from symbiosis.serving.metrics import ServingMetrics
 from symbiosis.serving.sampling import SamplingParams
 from symbiosis.serving.schemas import (
@@ -178,6 +179,7 @@ def create_app(state: ApiState) -> FastAPI:
     app = FastAPI(title="Symbiosis OpenAI-compatible API", docs_url=None, redoc_url=None)
     config, engine = state.config, state.engine
     mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+    logprob_format = LogprobFormatter(state.tokenizer)
 
     def mailbox() -> _Mailbox:
         loop = asyncio.get_running_loop()
@@ -319,6 +321,10 @@ def create_app(state: ApiState) -> FastAPI:
             stop=tuple(body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logprobs=body.wanted_logprobs(),
         )
 
     def submit_all(prompts: list[list[int]], adapter: str | None, body: SamplingFields, default_tokens) -> _Choices:
@@ -349,6 +355,7 @@ def create_app(state: ApiState) -> FastAPI:
         """Every choice's full text, or the first failure as an ApiError; cancels on disconnect."""
         texts: dict[int, list[str]] = {}
         tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
         finish: dict[int, tuple[str, Any]] = {}
         try:
             while choices.open > 0:
@@ -363,6 +370,7 @@ def create_app(state: ApiState) -> FastAPI:
                     raise _failure_error(event)
                 texts.setdefault(index, []).append(event.text)
                 tokens.setdefault(index, []).extend(event.token_ids)
+                logprobs.setdefault(index, []).extend(event.logprobs)
                 if event.finish_reason is not None:
                     finish[index] = (event.finish_reason, event.usage)
         except BaseException:
@@ -373,6 +381,7 @@ def create_app(state: ApiState) -> FastAPI:
                 "index": i,
                 "text": "".join(texts.get(i, [])),
                 "token_ids": tokens.get(i, []),
+                "logprobs": logprobs.get(i, []),
                 "finish_reason": finish[i][0],
                 "usage": finish[i][1],
             }
@@ -439,14 +448,19 @@ def create_app(state: ApiState) -> FastAPI:
                 **extra,
             }
 
+        wants_logprobs = body.logprobs is not None
         if body.stream:
+            offsets: dict[int, int] = {}  # where each choice's next token starts in its text
 
             def make_chunk(index: int, event: Delta):
-                if event.text or event.finish_reason or body.return_token_ids:
+                if event.text or event.finish_reason or body.return_token_ids or (wants_logprobs and event.token_ids):
+                    logprobs = None
+                    if wants_logprobs:
+                        logprobs, offsets[index] = logprob_format.completion(event.logprobs, offsets.get(index, 0))
                     choice = {
                         "index": index,
                         "text": event.text,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": event.finish_reason,
                     }
                     if body.return_token_ids:
@@ -460,7 +474,8 @@ def create_app(state: ApiState) -> FastAPI:
         usage = _usage(results, len(prompts), body.n)
         out = []
         for r in results:
-            choice = {"index": r["index"], "text": r["text"], "logprobs": None, "finish_reason": r["finish_reason"]}
+            logprobs = logprob_format.completion(r["logprobs"])[0] if wants_logprobs else None
+            choice = {"index": r["index"], "text": r["text"], "logprobs": logprobs, "finish_reason": r["finish_reason"]}
             if body.return_token_ids:
                 choice.update(token_ids=r["token_ids"], prompt_token_ids=prompts[r["index"] // body.n])
             out.append(choice)
@@ -483,6 +498,7 @@ def create_app(state: ApiState) -> FastAPI:
                 **extra,
             }
 
+        wants_logprobs = body.wanted_logprobs() is not None
         if body.stream:
             started: set[int] = set()
 
@@ -494,10 +510,11 @@ def create_app(state: ApiState) -> FastAPI:
                         [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
                         "chat.completion.chunk",
                     )
-                if event.text:
+                if event.text or (wants_logprobs and event.logprobs):
                     delta = {"content": event.text}
+                    logprobs = logprob_format.chat(event.logprobs) if wants_logprobs else None
                     yield envelope(
-                        [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                        [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
                         "chat.completion.chunk",
                     )
                 if event.finish_reason:
@@ -518,7 +535,7 @@ def create_app(state: ApiState) -> FastAPI:
                 {
                     "index": r["index"],
                     "message": {"role": "assistant", "content": r["text"]},
-                    "logprobs": None,
+                    "logprobs": logprob_format.chat(r["logprobs"]) if wants_logprobs else None,
                     "finish_reason": r["finish_reason"],
                 }
                 for r in results

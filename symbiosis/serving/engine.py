@@ -30,7 +30,7 @@ from symbiosis.serving.adapters import AdapterPool, UnknownAdapterError
 from symbiosis.serving.detokenize import IncrementalText
 from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
 from symbiosis.serving.lora import AdapterContext, LoraAdapter, RowAdapters
-from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
+from symbiosis.serving.sampling import RowSampler, SamplingParams, TokenLogprobs, choose_tokens, token_logprobs
 from symbiosis.threads import with_torch_threads
 
 
@@ -66,12 +66,14 @@ class Usage:
 
 @dataclass(frozen=True)
 class Delta:
-    """New final text of a sequence; ``finish_reason`` ("stop", "length", "abort") on the last one."""
+    """New final text of a sequence; ``finish_reason`` ("stop", "length", "abort") on the last one.
+    ``logprobs``: one per token of ``token_ids`` when the request asked for them, else empty."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class GenerationEngine:
             id=next(self._ids),
             request=request,
             text=IncrementalText(self.tokenizer, request.params.stop),
-            sampler=RowSampler(request.params),
+            sampler=RowSampler(request.params, tuple(request.prompt_ids)),
             arrived=time.monotonic(),
         )
         with self._cond:
@@ -347,8 +349,7 @@ class GenerationEngine:
             self._running.extend(joiners)
             self.peak_running = max(self.peak_running, len(self._running))
         self._rows = None
-        for sequence, token in zip(joiners, choose_tokens(logits, [s.sampler for s in joiners])):
-            self._append(sequence, token)
+        self._append_all(joiners, logits)
         self._retire_done()
         # The batch grew; and an engine in its own process sends the first tokens now rather
         # than after this step's decode forward (``engine_process._Outbox``): TTFT p50 210 -> 178 ms, 16 streams.
@@ -363,11 +364,16 @@ class GenerationEngine:
             self._rows = RowAdapters([s.adapter for s in running])
         logits = self._forward(last, mask, batch.positions[:, None], batch.cache, self._rows, last_only=False)
         batch.mask, batch.positions = mask, batch.positions + 1
-        for sequence, token in zip(running, choose_tokens(logits, [s.sampler for s in running])):
-            self._append(sequence, token)
+        self._append_all(running, logits)
         self._retire_done()
 
-    def _append(self, sequence: _Sequence, token: int) -> None:
+    def _append_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        """Each sequence's next token from its row of ``logits``, with its log-probabilities if asked."""
+        for row, (sequence, token) in enumerate(zip(sequences, choose_tokens(logits, [s.sampler for s in sequences]))):
+            top = sequence.request.params.logprobs
+            self._append(sequence, token, () if top is None else (token_logprobs(logits[row], token, top),))
+
+    def _append(self, sequence: _Sequence, token: int, logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
         now = time.monotonic()
         if sequence.first_token_at is None:
             sequence.first_token_at = now
@@ -378,18 +384,25 @@ class GenerationEngine:
         sequence.output_ids.append(token)
         params = sequence.request.params
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            self._finish(sequence, "stop", token=token)
+            self._finish(sequence, "stop", token=token, logprobs=logprobs)
             return
         delta = sequence.text.add(token)
         if sequence.text.stopped:
-            self._finish(sequence, "stop", token=token, delta=delta)
+            self._finish(sequence, "stop", token=token, delta=delta, logprobs=logprobs)
         elif len(sequence.output_ids) >= params.max_tokens:
-            self._finish(sequence, "length", token=token, delta=delta)
+            self._finish(sequence, "length", token=token, delta=delta, logprobs=logprobs)
         else:  # every token gets an event (token counts); the API skips empty text in streams
-            sequence.request.sink(Delta(delta, (token,)))
+            sequence.request.sink(Delta(delta, (token,), logprobs=logprobs))
 
     def _finish(
-        self, sequence: _Sequence, reason: str, *, token: int | None = None, delta: str = "", emit: bool = True
+        self,
+        sequence: _Sequence,
+        reason: str,
+        *,
+        token: int | None = None,
+        delta: str = "",
+        emit: bool = True,
+        logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         if sequence.done:
             return
@@ -400,7 +413,7 @@ class GenerationEngine:
         self.hooks.finished(time.monotonic() - sequence.arrived, usage.prompt_tokens, usage.completion_tokens, reason)
         if emit:
             text = delta + sequence.text.finish()
-            sequence.request.sink(Delta(text, (token,) if token is not None else (), reason, usage))
+            sequence.request.sink(Delta(text, (token,) if token is not None else (), reason, usage, logprobs))
 
     def _fail(self, sequence: _Sequence, failure: Failure) -> None:
         if sequence.done:

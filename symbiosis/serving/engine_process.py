@@ -43,7 +43,7 @@ import msgspec
 
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError, error_from_code
 from symbiosis.serving.engine import Delta, EngineHooks, Failure, GenerationRequest, Usage
-from symbiosis.serving.sampling import SamplingParams
+from symbiosis.serving.sampling import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("symbiosis.api")
 
@@ -84,14 +84,21 @@ def _event_payload(event: Delta | Failure) -> list:
     if isinstance(event, Failure):
         return ["failure", event.status, event.message, event.kind]
     usage = None if event.usage is None else [event.usage.prompt_tokens, event.usage.completion_tokens]
-    return ["delta", event.text, list(event.token_ids), event.finish_reason, usage]
+    logprobs = [[lp.token, lp.logprob, [list(pair) for pair in lp.top]] for lp in event.logprobs]
+    return ["delta", event.text, list(event.token_ids), event.finish_reason, usage, logprobs]
 
 
 def _event_of(payload: list) -> Delta | Failure:
     if payload[0] == "failure":
         return Failure(payload[1], payload[2], payload[3])
-    _, text, token_ids, finish_reason, usage = payload
-    return Delta(text, tuple(token_ids), finish_reason, None if usage is None else Usage(*usage))
+    _, text, token_ids, finish_reason, usage, logprobs = payload
+    return Delta(
+        text,
+        tuple(token_ids),
+        finish_reason,
+        None if usage is None else Usage(*usage),
+        tuple(TokenLogprobs(token, logprob, tuple(map(tuple, top))) for token, logprob, top in logprobs),
+    )
 
 
 # ---- parent side ------------------------------------------------------------------------------------

@@ -1,11 +1,29 @@
-"""Per-request sampling parameters and choosing each row's next token from the batch's logits."""
+"""Per-request sampling parameters, choosing each row's next token from the batch's logits, and
+the log-probabilities a request may ask for.
+
+Penalties follow vLLM's (and so OpenAI's) definitions, applied to the raw logits in this order:
+
+- ``repetition_penalty`` (vLLM's extra; ``transformers``' ``RepetitionPenaltyLogitsProcessor``):
+  every token already in the prompt or the output has its logit divided by the penalty when
+  positive, multiplied by it otherwise (1: off);
+- ``frequency_penalty``: minus the penalty times how often the token was generated so far;
+- ``presence_penalty``: minus the penalty once for every token generated so far.
+
+then temperature, top-k and top-p; greedy (``temperature == 0``) takes the arg-max of the
+penalized logits. Log-probabilities are those of the *raw* model distribution (vLLM's default,
+``logprobs_mode="raw_logprobs"``): what the model thinks of the token, whatever the sampling did.
+"""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+
+#: Most alternatives a request may ask for per token (``logprobs`` / ``top_logprobs``), as vLLM's default.
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -20,29 +38,78 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of a chosen token and of the ``top`` most likely ones (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass
 class RowSampler:
-    """One sequence's sampler: its parameters and its own random stream (seeded if asked)."""
+    """One sequence's sampler: its parameters, its own random stream (seeded if asked) and, for
+    penalties, the tokens it has seen (``prompt_ids``, then every token it chose)."""
 
     params: SamplingParams
+    prompt_ids: tuple[int, ...] = ()
     generator: torch.Generator = field(init=False)
+    output_counts: Counter = field(init=False, default_factory=Counter)
+    _seen: set[int] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)
+        if self.params.repetition_penalty != 1.0:
+            self._seen = set(self.prompt_ids)
+
+    @property
+    def own_pass(self) -> bool:
+        """Whether this row needs more than the batch's plain arg-max."""
+        return not self.params.greedy or self.params.penalized
+
+    def record(self, token: int) -> None:
+        """Count a token this sequence chose (penalties look at them)."""
+        if self.params.penalized:
+            self.output_counts[token] += 1
+            self._seen.add(token)
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [vocab] with this row's penalties applied (a new tensor; ``float32``)."""
+        params = self.params
+        scores = logits.float().clone()
+        if params.repetition_penalty != 1.0 and self._seen:
+            ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+            picked, penalty = scores[ids], params.repetition_penalty
+            scores[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+        if (params.frequency_penalty or params.presence_penalty) and self.output_counts:
+            ids = torch.tensor(list(self.output_counts), dtype=torch.long)
+            counts = torch.tensor(list(self.output_counts.values()), dtype=scores.dtype)
+            scores[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        return scores
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from one row of logits ``[vocab]``."""
         params = self.params
+        scores = self.penalize(logits) if params.penalized else logits.float()
         if params.greedy:
-            return int(logits.argmax())
-        scores = logits.float() / params.temperature
+            return int(scores.argmax())
+        scores = scores / params.temperature
         if 0 < params.top_k < scores.shape[-1]:
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -57,9 +124,21 @@ class RowSampler:
 
 
 def choose_tokens(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
-    """Each row's next token; greedy rows in one vectorized argmax."""
+    """Each row's next token (recorded in its sampler); plain greedy rows in one vectorized arg-max."""
     tokens = logits.argmax(-1).tolist()
     for row, sampler in enumerate(samplers):
-        if not sampler.params.greedy:
+        if sampler.own_pass:
             tokens[row] = sampler.choose(logits[row])
+        sampler.record(tokens[row])
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The raw log-probability of ``token`` under one row of ``logits`` [vocab], and the ``top``
+    most likely tokens' (ties: the lower id first, as ``torch.topk`` leaves them)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    alternatives = ()
+    if top > 0:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        alternatives = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token, float(logprobs[token]), alternatives)

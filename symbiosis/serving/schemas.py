@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic); responses are plain dicts.
 
 Field names and defaults follow OpenAI's API (and vLLM's extras ``top_k``, ``ignore_eos``,
-``stop_token_ids``). Parameters we do not implement are refused by name rather than ignored, so
-a client never gets silently different sampling than it asked for.
+``stop_token_ids``, ``repetition_penalty``). Parameters we do not implement are refused by name
+rather than ignored, so a client never gets silently different sampling than it asked for.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from symbiosis.serving.sampling import MAX_LOGPROBS
 
 
 class _Unsupported(ValueError):
@@ -31,9 +33,9 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM extra; 1: off
     user: str | None = None
     return_token_ids: bool = False  # vLLM extra: each choice also carries its token ids
 
@@ -47,13 +49,9 @@ class SamplingFields(BaseModel):
             raise ValueError("stop: up to 8 non-empty strings of at most 256 characters")
         return values
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> SamplingFields:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty / frequency_penalty are not supported (leave them at 0)")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return self
+    def wanted_logprobs(self) -> int | None:
+        """How many alternatives per token the request wants log-probabilities of (None: none)."""
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -64,6 +62,10 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -75,7 +77,7 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _refuse_unsupported_completion(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ValueError("echo is not supported (it needs the prompt's log-probabilities)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -103,6 +105,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: set logprobs to true to use top_logprobs")
+        return self
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class LoadAdapterRequest(BaseModel):

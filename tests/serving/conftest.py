@@ -59,8 +59,10 @@ class Reference:
         return self._models[key]
 
     @torch.no_grad()
-    def tokens(self, prompt: str, adapter_dir: Path | None, max_tokens: int) -> list[int]:
-        key = (prompt, str(adapter_dir), max_tokens)
+    def tokens(self, prompt: str, adapter_dir: Path | None, max_tokens: int, **generate_kwargs) -> list[int]:
+        """Greedy tokens; ``generate_kwargs`` (e.g. ``repetition_penalty``, ``logits_processor``)
+        go to ``generate`` as they are."""
+        key = (prompt, str(adapter_dir), max_tokens, repr(sorted(generate_kwargs.items())))
         if key not in self._cache:
             ids = torch.tensor([self.tokenizer(prompt)["input_ids"]])
             output = self._model(adapter_dir).generate(
@@ -69,9 +71,19 @@ class Reference:
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or 0,
+                **generate_kwargs,
             )
             self._cache[key] = output[0, ids.shape[1] :].tolist()
         return self._cache[key]
+
+    @torch.no_grad()
+    def logprobs(self, prompt: str, adapter_dir: Path | None, generated: list[int]) -> torch.Tensor:
+        """``[len(generated), vocab]``: the monolithic model's log-probabilities of each next token
+        as it generated ``generated`` after ``prompt`` (one teacher-forced forward pass)."""
+        prompt_ids = self.tokenizer(prompt)["input_ids"]
+        ids = torch.tensor([prompt_ids + generated])
+        logits = self._model(adapter_dir)(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], -1)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.serving import lora as lora_module
@@ -74,6 +76,138 @@ def check_concurrent_greedy(server: ApiServer, adapters: dict[str, Path], refere
     assert server.engine.stats()["peak_running"] > 1, "requests were not batched together"
 
 
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties (on the tokens generated after ``prompt_len``), so
+    that monolithic ``generate`` can be the reference for them (``transformers`` has no such processor)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row in range(scores.shape[0]):
+            ids, counts = torch.unique(input_ids[row, self.prompt_len :], return_counts=True)
+            if len(ids):
+                scores[row, ids] -= self.frequency * counts.to(scores.dtype) + self.presence
+        return scores
+
+
+def check_penalties(server: ApiServer, adapters: dict[str, Path], reference) -> None:
+    """Greedy tokens under vLLM's ``repetition_penalty`` and OpenAI's presence/frequency penalties,
+    asked concurrently with plain requests (each row of a batch keeps its own), equal monolithic
+    ``generate`` with the same penalties; and they change the tokens (the test could fail)."""
+    client = openai_client(server)
+    prompt, max_tokens = PROMPTS[3], 24
+    prompt_len = len(reference.tokenizer(prompt)["input_ids"])
+    cases = [  # (request fields, generate() arguments)
+        ({}, {}),
+        ({"extra_body": {"repetition_penalty": 1.5}}, {"repetition_penalty": 1.5}),
+        (
+            {"presence_penalty": 0.5, "frequency_penalty": 1.5},
+            {"logits_processor": LogitsProcessorList([OpenAIPenalties(prompt_len, 0.5, 1.5)])},
+        ),
+    ]
+    jobs = [(model, case) for model in ("attn8", server.served_model_name) for case in range(len(cases))]
+
+    def ask(job):
+        model, case = job
+        fields = cases[case][0]
+        extra = {"return_token_ids": True, **fields.get("extra_body", {})}
+        rest = {k: v for k, v in fields.items() if k != "extra_body"}
+        return client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra, **rest
+        ).choices[0]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        served = dict(zip(jobs, pool.map(ask, jobs)))
+    for (model, case), choice in served.items():
+        expected = reference.tokens(prompt, adapters.get(model), max_tokens, **cases[case][1])
+        assert choice.token_ids == expected, f"{model}, case {case}"
+        if case:
+            assert choice.token_ids != served[model, 0].token_ids, f"{model}: the penalty changed nothing"
+
+
+def check_logprobs(server: ApiServer, adapters: dict[str, Path], reference) -> None:
+    """Completion and chat log-probabilities, streamed or not, of concurrent requests over adapters:
+    the chosen tokens' and the top alternatives' equal the monolithic model's (teacher-forced)."""
+    client = openai_client(server)
+    top = 3
+    jobs = [(model, prompt) for model in ("qv4", "mlp16", server.served_model_name) for prompt in PROMPTS[:3]]
+
+    def ask(job):
+        model, prompt = job
+        return client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            logprobs=top,
+            extra_body={"return_token_ids": True},
+        ).choices[0]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(ask, jobs))
+    tokenizer = reference.tokenizer
+    for (model, prompt), choice in zip(jobs, choices):
+        generated, logprobs = choice.token_ids, choice.logprobs
+        expected = reference.logprobs(prompt, adapters.get(model), generated)
+        chosen = expected[torch.arange(len(generated)), torch.tensor(generated)]
+        # The served logits come from the split model and the multi-adapter layout (its scaling
+        # is applied one rounding step earlier, lora.py): equal to ~1e-6, not bit for bit.
+        torch.testing.assert_close(torch.tensor(logprobs.token_logprobs), chosen, atol=1e-4, rtol=0)
+        assert logprobs.tokens == [tokenizer.decode([t]) for t in generated]
+        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(generated))]
+        if choice.finish_reason == "length":  # no end-of-sequence token among them
+            assert "".join(logprobs.tokens) == choice.text
+        for step, alternatives in enumerate(logprobs.top_logprobs):
+            values, ids = torch.topk(expected[step], top)
+            wanted = {}
+            for token, value in zip(ids.tolist(), values.tolist()):
+                wanted.setdefault(tokenizer.decode([token]), value)  # texts may repeat: the likelier one
+            assert set(alternatives) == set(wanted), f"{model} step {step}"
+            for text, value in alternatives.items():
+                assert abs(value - wanted[text]) < 1e-4
+    # Streaming gives the same entries, chunk by chunk, with offsets that go on across chunks.
+    whole = choices[0]
+    chunks = list(
+        client.completions.create(
+            model=jobs[0][0], prompt=jobs[0][1], max_tokens=8, temperature=0, logprobs=top, stream=True
+        )
+    )
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == whole.logprobs.tokens
+    assert [o for p in parts for o in p.text_offset] == whole.logprobs.text_offset
+    streamed = torch.tensor([v for p in parts for v in p.token_logprobs])
+    # This one ran alone, ``whole`` in a batch of nine: other products, equal to ~1e-7.
+    torch.testing.assert_close(streamed, torch.tensor(whole.logprobs.token_logprobs), atol=1e-5, rtol=0)
+    # Chat: logprobs with top_logprobs, non-streaming and streaming.
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(
+        model="attn8", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+    stream = client.chat.completions.create(
+        model="attn8",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    torch.testing.assert_close(
+        torch.tensor([e.logprob for e in streamed]), torch.tensor([e.logprob for e in content]), atol=1e-5, rtol=0
+    )
+    plain = client.chat.completions.create(model="attn8", messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.fixture(scope="module")
 def server(api_model, lora_adapters):
     server = start_server(api_model, adapters=lora_adapters, max_loaded_adapters=3)
@@ -127,6 +261,14 @@ def test_streaming_gives_the_same_text_as_non_streaming(server):
         assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_logprobs_are_those_of_monolithic_peft(server, lora_adapters, reference):
+    check_logprobs(server, lora_adapters, reference)
+
+
+def test_penalties_give_the_tokens_of_monolithic_peft_with_the_same_penalties(server, lora_adapters, reference):
+    check_penalties(server, lora_adapters, reference)
+
+
 def test_chat_completions_with_and_without_streaming(server):
     client = openai_client(server)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
@@ -178,8 +320,17 @@ def test_errors_use_openai_bodies_and_status_codes(server):
         client.completions.create(model="qv4", prompt="x", max_tokens=10_000)
     assert "maximum context length is 256" in long.value.body["message"]
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.completions.create(model="qv4", prompt="x", presence_penalty=1.0)
-    assert "presence_penalty" in unsupported.value.body["message"]
+        client.completions.create(model="qv4", prompt="x", echo=True)
+    assert "echo" in unsupported.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as out_of_range:
+        client.completions.create(model="qv4", prompt="x", frequency_penalty=3.0)
+    assert out_of_range.value.body["param"] == "frequency_penalty"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model="qv4", prompt="x", logprobs=21)
+    assert too_many.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.chat.completions.create(model="qv4", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    assert "top_logprobs" in alone.value.body["message"]
     status, body = post(server.url + "/v1/completions", {"prompt": "x"})
     assert status == 400 and json.loads(body)["error"]["param"] == "model"
     status, body = get(server.url + "/v1/nothing-here")
@@ -381,6 +532,8 @@ def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_ad
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         chat = client.chat.completions.create(model="qv4", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         assert chat.usage.completion_tokens <= 5
+        check_logprobs(server, lora_adapters, reference)
+        check_penalties(server, lora_adapters, reference)
     finally:
         server.close()
 

@@ -17,7 +17,17 @@ from symbiosis.serving.engine import GenerationRequest, RequestTooLargeError, Se
 from symbiosis.serving.engine_process import _error_of, _raise
 from symbiosis.serving.sampling import SamplingParams
 from tests.serving.conftest import make_lora_adapter
-from tests.serving.test_api import MAX_TOKENS, PROMPTS, check_concurrent_greedy, get, greedy_tokens, openai_client, post
+from tests.serving.test_api import (
+    MAX_TOKENS,
+    PROMPTS,
+    check_concurrent_greedy,
+    check_logprobs,
+    check_penalties,
+    get,
+    greedy_tokens,
+    openai_client,
+    post,
+)
 from tests.serving.test_api import start_server as start_api_server
 
 
@@ -39,6 +49,11 @@ def test_the_engine_runs_in_another_process(server):
 def test_concurrent_greedy_completions_equal_monolithic_peft(server, lora_adapters, reference):
     check_concurrent_greedy(server, lora_adapters, reference)
     assert server.pool.loaded_count <= 3
+
+
+def test_logprobs_and_penalties_cross_the_process_boundary(server, lora_adapters, reference):
+    check_logprobs(server, lora_adapters, reference)
+    check_penalties(server, lora_adapters, reference)
 
 
 def test_streaming_chat_models_and_errors(server, lora_adapters):

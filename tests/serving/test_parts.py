@@ -25,7 +25,7 @@ from symbiosis.serving.lora import (
     choose_layout,
     read_lora_config,
 )
-from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens
+from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens, token_logprobs
 
 
 class CharTokenizer:
@@ -67,6 +67,41 @@ def test_sampling_filters_and_seeds():
     assert {nucleus.choose(logits[0]) for _ in range(20)} == {1}  # token 1 alone holds > 0.5
     a, b = (RowSampler(SamplingParams(temperature=1.5, seed=3)) for _ in range(2))
     assert [a.choose(logits[0]) for _ in range(10)] == [b.choose(logits[0]) for _ in range(10)]
+
+
+def test_repetition_penalty_is_transformers_own():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 3
+    prompt, generated = [3, 7, 7, 11], [20, 3, 41]
+    sampler = RowSampler(SamplingParams(temperature=0, repetition_penalty=1.7), tuple(prompt))
+    for token in generated:
+        sampler.record(token)
+    seen = torch.tensor([prompt + generated])
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(seen, logits.clone())[0]
+    assert torch.equal(sampler.penalize(logits[0]), expected)
+    assert choose_tokens(logits, [sampler]) == [int(expected.argmax())]
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    logits = torch.zeros(1, 6)
+    logits[0, 2] = 1.0  # the favourite, until it has been generated twice
+    sampler = RowSampler(SamplingParams(temperature=0, presence_penalty=0.25, frequency_penalty=0.5), (2, 2, 2))
+    chosen = choose_tokens(logits, [sampler]) + choose_tokens(logits, [sampler]) + choose_tokens(logits, [sampler])
+    assert chosen == [2, 2, 0]  # 1.0 -> 1 - 0.25 - 0.5 = 0.25 -> 1 - 0.25 - 1.0 < 0: token 0 (0.0) wins
+    penalized = sampler.penalize(logits[0])
+    assert penalized[2] == 1.0 - 0.25 - 2 * 0.5 and penalized[0] == -0.25 - 0.5 and penalized[1] == 0.0
+    plain = RowSampler(SamplingParams(temperature=0))
+    assert not plain.own_pass and choose_tokens(logits, [plain]) == [2] and not plain.output_counts
+
+
+def test_token_logprobs_are_the_raw_distributions():
+    logits = torch.tensor([2.0, 0.5, 3.0, -1.0])
+    entry = token_logprobs(logits, 1, 2)
+    expected = torch.log_softmax(logits, -1)
+    assert entry.token == 1 and entry.logprob == float(expected[1])
+    assert entry.top == ((2, float(expected[2])), (0, float(expected[0])))
+    assert token_logprobs(logits, 2, 0).top == ()
 
 
 def _adapter(name: str) -> LoraAdapter:
