@@ -285,6 +285,14 @@ def create_app(state: ApiState) -> FastAPI:
         texts = [prompt] if isinstance(prompt, str) else prompt
         return [_encode(state.tokenizer, text, add_special_tokens=True) for text in texts]
 
+    def prompt_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What ``echo`` puts before each prompt's completions: the prompt as given, or decoded."""
+        if isinstance(body.prompt, str):
+            return [body.prompt]
+        if isinstance(body.prompt[0], str):
+            return list(body.prompt)
+        return [state.tokenizer.decode(ids) for ids in prompts]
+
     def chat_token_ids(body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tokenizer = state.tokenizer
@@ -303,7 +311,8 @@ def create_app(state: ApiState) -> FastAPI:
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
             max_tokens = min(default_tokens, room) if default_tokens is not None else room
-        if max_tokens < 1 or prompt_len + max_tokens > config.max_context:
+        echo = getattr(body, "echo", False)
+        if max_tokens < (0 if echo else 1) or prompt_len + max_tokens > config.max_context:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {config.max_context} tokens. However, you requested "
@@ -325,6 +334,7 @@ def create_app(state: ApiState) -> FastAPI:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             logprobs=body.wanted_logprobs(),
+            prompt_logprobs=body.wanted_logprobs() if echo else None,
         )
 
     def submit_all(prompts: list[list[int]], adapter: str | None, body: SamplingFields, default_tokens) -> _Choices:
@@ -356,6 +366,7 @@ def create_app(state: ApiState) -> FastAPI:
         texts: dict[int, list[str]] = {}
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list] = {}
+        prompt_logprobs: dict[int, tuple] = {}
         finish: dict[int, tuple[str, Any]] = {}
         try:
             while choices.open > 0:
@@ -371,6 +382,8 @@ def create_app(state: ApiState) -> FastAPI:
                 texts.setdefault(index, []).append(event.text)
                 tokens.setdefault(index, []).extend(event.token_ids)
                 logprobs.setdefault(index, []).extend(event.logprobs)
+                if event.prompt_logprobs:
+                    prompt_logprobs[index] = event.prompt_logprobs
                 if event.finish_reason is not None:
                     finish[index] = (event.finish_reason, event.usage)
         except BaseException:
@@ -382,6 +395,7 @@ def create_app(state: ApiState) -> FastAPI:
                 "text": "".join(texts.get(i, [])),
                 "token_ids": tokens.get(i, []),
                 "logprobs": logprobs.get(i, []),
+                "prompt_logprobs": prompt_logprobs.get(i, ()),
                 "finish_reason": finish[i][0],
                 "usage": finish[i][1],
             }
@@ -449,17 +463,35 @@ def create_app(state: ApiState) -> FastAPI:
             }
 
         wants_logprobs = body.logprobs is not None
+        echoed_texts = prompt_texts(body, prompts) if body.echo else []
+
+        def text_and_logprobs(index: int, text: str, entries, prompt_entries, offset: int) -> tuple[str, Any, int]:
+            """A choice's text and ``logprobs`` (from ``offset``), led by its prompt's when echoing
+            (``prompt_entries`` is not None: the choice's first event or its whole result)."""
+            first_prompt_token = None
+            if prompt_entries is not None:
+                text = echoed_texts[index // body.n] + text
+                entries = [*prompt_entries, *entries]
+                first_prompt_token = prompts[index // body.n][0]
+            if not wants_logprobs:
+                return text, None, offset
+            logprobs, offset = logprob_format.completion(entries, offset, first_prompt_token)
+            return text, logprobs, offset
+
         if body.stream:
             offsets: dict[int, int] = {}  # where each choice's next token starts in its text
 
             def make_chunk(index: int, event: Delta):
-                if event.text or event.finish_reason or body.return_token_ids or (wants_logprobs and event.token_ids):
-                    logprobs = None
-                    if wants_logprobs:
-                        logprobs, offsets[index] = logprob_format.completion(event.logprobs, offsets.get(index, 0))
+                first = body.echo and index not in offsets
+                wanted = event.text or event.finish_reason or body.return_token_ids or first
+                if wanted or (wants_logprobs and event.token_ids):
+                    prompt_entries = event.prompt_logprobs if first else None
+                    text, logprobs, offsets[index] = text_and_logprobs(
+                        index, event.text, event.logprobs, prompt_entries, offsets.get(index, 0)
+                    )
                     choice = {
                         "index": index,
-                        "text": event.text,
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": event.finish_reason,
                     }
@@ -474,8 +506,9 @@ def create_app(state: ApiState) -> FastAPI:
         usage = _usage(results, len(prompts), body.n)
         out = []
         for r in results:
-            logprobs = logprob_format.completion(r["logprobs"])[0] if wants_logprobs else None
-            choice = {"index": r["index"], "text": r["text"], "logprobs": logprobs, "finish_reason": r["finish_reason"]}
+            prompt_entries = r["prompt_logprobs"] if body.echo else None
+            text, logprobs, _ = text_and_logprobs(r["index"], r["text"], r["logprobs"], prompt_entries, 0)
+            choice = {"index": r["index"], "text": text, "logprobs": logprobs, "finish_reason": r["finish_reason"]}
             if body.return_token_ids:
                 choice.update(token_ids=r["token_ids"], prompt_token_ids=prompts[r["index"] // body.n])
             out.append(choice)

@@ -30,7 +30,14 @@ from symbiosis.serving.adapters import AdapterPool, UnknownAdapterError
 from symbiosis.serving.detokenize import IncrementalText
 from symbiosis.serving.kvcache import PaddedBatch, left_pad, roomy_cache
 from symbiosis.serving.lora import AdapterContext, LoraAdapter, RowAdapters
-from symbiosis.serving.sampling import RowSampler, SamplingParams, TokenLogprobs, choose_tokens, token_logprobs
+from symbiosis.serving.sampling import (
+    RowSampler,
+    SamplingParams,
+    TokenLogprobs,
+    choose_tokens,
+    prompt_logprobs,
+    token_logprobs,
+)
 from symbiosis.threads import with_torch_threads
 
 
@@ -67,13 +74,16 @@ class Usage:
 @dataclass(frozen=True)
 class Delta:
     """New final text of a sequence; ``finish_reason`` ("stop", "length", "abort") on the last one.
-    ``logprobs``: one per token of ``token_ids`` when the request asked for them, else empty."""
+    ``logprobs``: one per token of ``token_ids`` when the request asked for them, else empty;
+    ``prompt_logprobs``: on a sequence's first event, one per prompt token after the first when
+    the request asked for them (``SamplingParams.prompt_logprobs``), else empty."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,11 @@ class _Sequence:
     last_token_at: float | None = None
     cancelled: bool = False
     done: bool = False
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # computed at prefill, sent with the first event
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...]:
+        taken, self.prompt_logprobs = self.prompt_logprobs, ()
+        return taken
 
     @property
     def reserved_tokens(self) -> int:
@@ -321,10 +336,15 @@ class GenerationEngine:
         peak = rows * (columns + max(s.remaining_tokens for s in everyone)) * self.bytes_per_token
         return rows == 1 or peak <= self.options.kv_cache_bytes
 
-    def _forward(self, input_ids, mask, positions, cache, rows: RowAdapters, last_only: bool) -> torch.Tensor:
+    def _forward(
+        self, input_ids, mask, positions, cache, rows: RowAdapters, last_only: bool, every_position: bool = False
+    ) -> torch.Tensor:
+        """The logits ``[rows, vocab]`` of the last position, or ``[rows, columns, vocab]`` of
+        every position with ``every_position`` (a prompt's log-probabilities)."""
         self.context.rows = rows
         try:
-            kwargs = {"logits_to_keep": 1} if last_only and self._accepts_logits_to_keep else {}
+            keep_one = last_only and not every_position and self._accepts_logits_to_keep
+            kwargs = {"logits_to_keep": 1} if keep_one else {}
             output = self.model(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
@@ -335,12 +355,22 @@ class GenerationEngine:
             )
         finally:
             self.context.rows = None
-        return output.logits[:, -1].float()
+        return output.logits.float() if every_position else output.logits[:, -1].float()
 
     def _prefill(self, joiners: list[_Sequence]) -> None:
         ids, mask, positions = left_pad([s.request.prompt_ids for s in joiners], self.pad_id)
         cache = roomy_cache(max(s.remaining_tokens for s in joiners))
-        logits = self._forward(ids, mask, positions, cache, RowAdapters([s.adapter for s in joiners]), last_only=True)
+        echoing = [s.request.params.prompt_logprobs is not None for s in joiners]
+        adapters = RowAdapters([s.adapter for s in joiners])
+        logits = self._forward(ids, mask, positions, cache, adapters, last_only=True, every_position=any(echoing))
+        if any(echoing):
+            for row, sequence in enumerate(joiners):
+                if echoing[row]:
+                    prompt = sequence.request.prompt_ids  # left-padded: its positions are the last ones
+                    sequence.prompt_logprobs = prompt_logprobs(
+                        logits[row, -len(prompt) :], prompt, sequence.request.params.prompt_logprobs
+                    )
+            logits = logits[:, -1]
         batch = PaddedBatch(cache, mask, mask.sum(-1))
         if self._batch is not None:
             batch = self._batch.merge(batch, max(s.remaining_tokens for s in self._running + joiners))
@@ -370,6 +400,9 @@ class GenerationEngine:
     def _append_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         """Each sequence's next token from its row of ``logits``, with its log-probabilities if asked."""
         for row, (sequence, token) in enumerate(zip(sequences, choose_tokens(logits, [s.sampler for s in sequences]))):
+            if sequence.request.params.max_tokens == 0:  # only the prompt's log-probabilities were wanted
+                self._finish(sequence, "length")
+                continue
             top = sequence.request.params.logprobs
             self._append(sequence, token, () if top is None else (token_logprobs(logits[row], token, top),))
 
@@ -392,7 +425,9 @@ class GenerationEngine:
         elif len(sequence.output_ids) >= params.max_tokens:
             self._finish(sequence, "length", token=token, delta=delta, logprobs=logprobs)
         else:  # every token gets an event (token counts); the API skips empty text in streams
-            sequence.request.sink(Delta(delta, (token,), logprobs=logprobs))
+            sequence.request.sink(
+                Delta(delta, (token,), logprobs=logprobs, prompt_logprobs=sequence.take_prompt_logprobs())
+            )
 
     def _finish(
         self,
@@ -413,7 +448,8 @@ class GenerationEngine:
         self.hooks.finished(time.monotonic() - sequence.arrived, usage.prompt_tokens, usage.completion_tokens, reason)
         if emit:
             text = delta + sequence.text.finish()
-            sequence.request.sink(Delta(text, (token,) if token is not None else (), reason, usage, logprobs))
+            tokens = (token,) if token is not None else ()
+            sequence.request.sink(Delta(text, tokens, reason, usage, logprobs, sequence.take_prompt_logprobs()))
 
     def _fail(self, sequence: _Sequence, failure: Failure) -> None:
         if sequence.done:

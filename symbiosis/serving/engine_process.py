@@ -84,21 +84,31 @@ def _event_payload(event: Delta | Failure) -> list:
     if isinstance(event, Failure):
         return ["failure", event.status, event.message, event.kind]
     usage = None if event.usage is None else [event.usage.prompt_tokens, event.usage.completion_tokens]
-    logprobs = [[lp.token, lp.logprob, [list(pair) for pair in lp.top]] for lp in event.logprobs]
-    return ["delta", event.text, list(event.token_ids), event.finish_reason, usage, logprobs]
+    return [
+        "delta",
+        event.text,
+        list(event.token_ids),
+        event.finish_reason,
+        usage,
+        _logprobs_payload(event.logprobs),
+        _logprobs_payload(event.prompt_logprobs),
+    ]
+
+
+def _logprobs_payload(entries: tuple[TokenLogprobs, ...]) -> list:
+    return [[e.token, e.logprob, [list(pair) for pair in e.top]] for e in entries]
+
+
+def _logprobs_of(payload: list) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(token, logprob, tuple(map(tuple, top))) for token, logprob, top in payload)
 
 
 def _event_of(payload: list) -> Delta | Failure:
     if payload[0] == "failure":
         return Failure(payload[1], payload[2], payload[3])
-    _, text, token_ids, finish_reason, usage, logprobs = payload
-    return Delta(
-        text,
-        tuple(token_ids),
-        finish_reason,
-        None if usage is None else Usage(*usage),
-        tuple(TokenLogprobs(token, logprob, tuple(map(tuple, top))) for token, logprob, top in logprobs),
-    )
+    _, text, token_ids, finish_reason, usage, logprobs, prompt = payload
+    usage = None if usage is None else Usage(*usage)
+    return Delta(text, tuple(token_ids), finish_reason, usage, _logprobs_of(logprobs), _logprobs_of(prompt))
 
 
 # ---- parent side ------------------------------------------------------------------------------------

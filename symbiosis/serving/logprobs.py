@@ -4,7 +4,8 @@
   "text_offset"}``, the legacy format: ``top_logprobs`` maps each alternative's text to its
   log-probability -- the ``k`` most likely tokens, plus the chosen one when it is not among them
   (as vLLM does; two tokens with the same text give one key, the likelier one's);
-  ``text_offset`` is where each token's text starts in the completion.
+  ``text_offset`` is where each token's text starts in the completion. With ``echo`` the prompt's
+  tokens come first, the first of them with ``null`` log-probabilities (nothing predicts it).
 - ``/v1/chat/completions`` (``logprobs: true, top_logprobs: k``): ``{"content": [{"token",
   "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...k]}]}``.
 
@@ -33,10 +34,21 @@ class LogprobFormatter:
             text = self._texts[token] = self._tokenizer.decode([token])
         return text
 
-    def completion(self, entries: Sequence[TokenLogprobs], offset: int = 0) -> tuple[dict, int]:
+    def completion(
+        self, entries: Sequence[TokenLogprobs], offset: int = 0, first_prompt_token: int | None = None
+    ) -> tuple[dict, int]:
         """The legacy ``logprobs`` object of ``entries``, whose first token's text starts at
-        ``offset`` in the completion; and the offset after the last one (for the next chunk)."""
+        ``offset`` in the completion; and the offset after the last one (for the next chunk).
+        ``first_prompt_token`` (an echoed prompt's first token, which has no log-probability:
+        nothing comes before it) leads with ``null`` log-probabilities, as OpenAI's does."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        if first_prompt_token is not None:
+            text = self.text(first_prompt_token)
+            tokens.append(text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            text_offset.append(offset)
+            offset += len(text)
         for entry in entries:
             text = self.text(entry.token)
             tokens.append(text)

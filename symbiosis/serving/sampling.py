@@ -42,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (``echo``)
 
     @property
     def greedy(self) -> bool:
@@ -142,3 +143,18 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
         alternatives = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(token, float(logprobs[token]), alternatives)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top: int) -> tuple[TokenLogprobs, ...]:
+    """Raw log-probabilities of a prompt's tokens after the first: ``logits`` [len(prompt_ids), vocab]
+    are the logits at the prompt's positions (the last one, which predicts the first generated
+    token, is not used)."""
+    logprobs = torch.log_softmax(logits[:-1].float(), -1)
+    tokens = torch.tensor(prompt_ids[1:], dtype=torch.long)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    if top > 0:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [()] * len(chosen)
+    return tuple(TokenLogprobs(t, lp, alt) for t, lp, alt in zip(prompt_ids[1:], chosen, alternatives))

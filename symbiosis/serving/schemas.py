@@ -60,7 +60,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
-    echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
+    echo: bool = False  # the prompt before the completion (and its log-probabilities with logprobs)
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -76,8 +77,8 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _refuse_unsupported_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported (it needs the prompt's log-probabilities)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 needs echo (a completion of no tokens echoes its prompt)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

@@ -85,6 +85,14 @@ class Reference:
         logits = self._model(adapter_dir)(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
         return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], -1)
 
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt_ids: list[int], adapter_dir: Path | None) -> torch.Tensor:
+        """``[len(prompt_ids) - 1, vocab]``: the monolithic model's log-probabilities at each prompt
+        position of the token after it (what ``echo`` with ``logprobs`` reports)."""
+        ids = torch.tensor([prompt_ids])
+        logits = self._model(adapter_dir)(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        return torch.log_softmax(logits[:-1], -1)
+
 
 @pytest.fixture(scope="session")
 def api_model(tiny_checkpoint) -> Path:

@@ -126,6 +126,68 @@ def check_penalties(server: ApiServer, adapters: dict[str, Path], reference) -> 
             assert choice.token_ids != served[model, 0].token_ids, f"{model}: the penalty changed nothing"
 
 
+def check_echo(server: ApiServer, adapters: dict[str, Path], reference) -> None:
+    """``echo`` with ``logprobs``, the way evaluation harnesses score text (``max_tokens`` 0 or 1,
+    concurrent, over adapters): the prompt's log-probabilities are the monolithic model's, the
+    first token's null; the echoed text and the completion's tokens are those without echo."""
+    client = openai_client(server)
+    tokenizer = reference.tokenizer
+    jobs = [(model, prompt) for model in ("attn8", "od2", server.served_model_name) for prompt in PROMPTS[:4]]
+
+    def score(job):
+        model, prompt = job
+        return client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=2).choices[0]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        scored = list(pool.map(score, jobs))
+    for (model, prompt), choice in zip(jobs, scored):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        expected = reference.prompt_logprobs(prompt_ids, adapters.get(model))
+        logprobs = choice.logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert logprobs.tokens == [tokenizer.decode([t]) for t in prompt_ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        chosen = expected[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:], dtype=torch.long)]
+        torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), chosen, atol=1e-4, rtol=0)
+        for step, alternatives in enumerate(logprobs.top_logprobs[1:]):
+            assert max(alternatives.values()) == pytest.approx(float(expected[step].max()), abs=1e-4)
+    # lm-eval's loglikelihood request: token ids, echo, one new token; the completion part is
+    # what the same request without echo gives.
+    prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
+    plain = client.completions.create(model="attn8", prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=1)
+    echoed = client.completions.create(
+        model="attn8", prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=1, echo=True
+    )
+    assert echoed.choices[0].text == tokenizer.decode(prompt_ids) + plain.choices[0].text
+    assert (
+        echoed.choices[0].logprobs.tokens
+        == [tokenizer.decode([t]) for t in prompt_ids] + plain.choices[0].logprobs.tokens
+    )
+    torch.testing.assert_close(
+        torch.tensor(echoed.choices[0].logprobs.token_logprobs[len(prompt_ids) :]),
+        torch.tensor(plain.choices[0].logprobs.token_logprobs),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert echoed.usage.prompt_tokens == len(prompt_ids) and echoed.usage.completion_tokens == 3
+    # Streamed, the prompt comes first, in the first chunk.
+    chunks = list(
+        client.completions.create(
+            model="attn8", prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=1, echo=True, stream=True
+        )
+    )
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == echoed.choices[0].text
+    assert [t for p in parts if p.logprobs for t in p.logprobs.tokens] == echoed.choices[0].logprobs.tokens
+    assert [o for p in parts if p.logprobs for o in p.logprobs.text_offset] == echoed.choices[0].logprobs.text_offset
+    # Echo without logprobs: the text only; max_tokens 0 without echo is refused.
+    bare = client.completions.create(model="attn8", prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True)
+    assert bare.choices[0].text.startswith(PROMPTS[0]) and bare.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as zero:
+        client.completions.create(model="attn8", prompt=PROMPTS[0], max_tokens=0)
+    assert "echo" in zero.value.body["message"]
+
+
 def check_logprobs(server: ApiServer, adapters: dict[str, Path], reference) -> None:
     """Completion and chat log-probabilities, streamed or not, of concurrent requests over adapters:
     the chosen tokens' and the top alternatives' equal the monolithic model's (teacher-forced)."""
@@ -265,6 +327,10 @@ def test_logprobs_are_those_of_monolithic_peft(server, lora_adapters, reference)
     check_logprobs(server, lora_adapters, reference)
 
 
+def test_echo_scores_prompts_with_the_monolithic_models_logprobs(server, lora_adapters, reference):
+    check_echo(server, lora_adapters, reference)
+
+
 def test_penalties_give_the_tokens_of_monolithic_peft_with_the_same_penalties(server, lora_adapters, reference):
     check_penalties(server, lora_adapters, reference)
 
@@ -320,8 +386,8 @@ def test_errors_use_openai_bodies_and_status_codes(server):
         client.completions.create(model="qv4", prompt="x", max_tokens=10_000)
     assert "maximum context length is 256" in long.value.body["message"]
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.completions.create(model="qv4", prompt="x", echo=True)
-    assert "echo" in unsupported.value.body["message"]
+        client.completions.create(model="qv4", prompt="x", suffix="y")
+    assert "suffix" in unsupported.value.body["message"]
     with pytest.raises(openai.BadRequestError) as out_of_range:
         client.completions.create(model="qv4", prompt="x", frequency_penalty=3.0)
     assert out_of_range.value.body["param"] == "frequency_penalty"
@@ -533,6 +599,7 @@ def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_ad
         chat = client.chat.completions.create(model="qv4", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         assert chat.usage.completion_tokens <= 5
         check_logprobs(server, lora_adapters, reference)
+        check_echo(server, lora_adapters, reference)
         check_penalties(server, lora_adapters, reference)
     finally:
         server.close()

@@ -21,6 +21,7 @@ from tests.serving.test_api import (
     MAX_TOKENS,
     PROMPTS,
     check_concurrent_greedy,
+    check_echo,
     check_logprobs,
     check_penalties,
     get,
@@ -51,8 +52,9 @@ def test_concurrent_greedy_completions_equal_monolithic_peft(server, lora_adapte
     assert server.pool.loaded_count <= 3
 
 
-def test_logprobs_and_penalties_cross_the_process_boundary(server, lora_adapters, reference):
+def test_logprobs_echo_and_penalties_cross_the_process_boundary(server, lora_adapters, reference):
     check_logprobs(server, lora_adapters, reference)
+    check_echo(server, lora_adapters, reference)
     check_penalties(server, lora_adapters, reference)
 
 
