@@ -303,6 +303,11 @@ class GenerationEngine:
                 if not self._waiting:
                     break
                 candidate = self._waiting[0]
+                # A prompt whose log-probabilities are wanted (echo) keeps the logits of every
+                # position at prefill ([rows, columns, vocab]): such prompts prefill apart from the
+                # others, which keep only their last position's.
+                if joiners and _echoes(candidate) != _echoes(joiners[0]):
+                    break
                 if not self._fits(joiners + [candidate]) or (
                     candidate.request.adapter is not None and not self.pool.can_acquire(candidate.request.adapter)
                 ):
@@ -490,6 +495,10 @@ class GenerationEngine:
         with torch.no_grad():
             self._forward(ids, torch.ones_like(ids), torch.zeros_like(ids), cache, RowAdapters([None]), last_only=True)
         return max(1, PaddedBatch(cache, torch.ones_like(ids), torch.zeros(1, dtype=torch.long)).cache_bytes())
+
+
+def _echoes(sequence: _Sequence) -> bool:
+    return sequence.request.params.prompt_logprobs is not None
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

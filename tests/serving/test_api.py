@@ -331,6 +331,32 @@ def test_echo_scores_prompts_with_the_monolithic_models_logprobs(server, lora_ad
     check_echo(server, lora_adapters, reference)
 
 
+def test_echoed_prompts_prefill_apart_from_the_others(server, monkeypatch):
+    """Only echoing prompts keep every position's logits at prefill: they never share one with
+    prompts that do not (whose logits stay one position per row)."""
+    prefills = []
+    prefill = server.engine._prefill
+
+    def recording(joiners):
+        prefills.append({s.request.params.prompt_logprobs is not None for s in joiners})
+        prefill(joiners)
+
+    monkeypatch.setattr(server.engine, "_prefill", recording)
+    _slow_steps(server, monkeypatch, 0.05)  # let requests pile up, so prefills have several joiners
+    client = openai_client(server)
+
+    def ask(i):
+        echo = i % 2 == 0
+        return client.completions.create(
+            model="qv4", prompt=PROMPTS[i % 5], max_tokens=2, temperature=0, echo=echo, logprobs=1 if echo else None
+        )
+
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(ask, range(12)))
+    assert prefills and all(len(kinds) == 1 for kinds in prefills)
+    assert {True} in prefills and {False} in prefills
+
+
 def test_penalties_give_the_tokens_of_monolithic_peft_with_the_same_penalties(server, lora_adapters, reference):
     check_penalties(server, lora_adapters, reference)
 
