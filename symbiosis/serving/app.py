@@ -312,6 +312,9 @@ def create_app(state: ApiState) -> FastAPI:
         if max_tokens is None:
             max_tokens = min(default_tokens, room) if default_tokens is not None else room
         echo = getattr(body, "echo", False)
+        vocab = len(state.tokenizer)
+        if body.logit_bias and max(body.logit_bias) >= vocab:
+            raise ApiError(400, f"logit_bias: token ids are below the vocabulary's size, {vocab}", param="logit_bias")
         if max_tokens < (0 if echo else 1) or prompt_len + max_tokens > config.max_context:
             raise ApiError(
                 400,
@@ -321,6 +324,9 @@ def create_app(state: ApiState) -> FastAPI:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        if body.min_tokens > max_tokens:
+            message = f"min_tokens: {body.min_tokens} is more than max_tokens, {max_tokens}"
+            raise ApiError(400, message, param="min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
@@ -335,6 +341,9 @@ def create_app(state: ApiState) -> FastAPI:
             repetition_penalty=body.repetition_penalty,
             logprobs=body.wanted_logprobs(),
             prompt_logprobs=body.wanted_logprobs() if echo else None,
+            logit_bias=tuple(sorted((body.logit_bias or {}).items())),
+            min_p=body.min_p,
+            min_tokens=body.min_tokens,
         )
 
     def submit_all(prompts: list[list[int]], adapter: str | None, body: SamplingFields, default_tokens) -> _Choices:

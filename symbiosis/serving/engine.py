@@ -213,7 +213,7 @@ class GenerationEngine:
             id=next(self._ids),
             request=request,
             text=IncrementalText(self.tokenizer, request.params.stop),
-            sampler=RowSampler(request.params, tuple(request.prompt_ids)),
+            sampler=RowSampler(request.params, tuple(request.prompt_ids), frozenset(self.eos_ids)),
             arrived=time.monotonic(),
         )
         with self._cond:

@@ -1,7 +1,13 @@
 """Per-request sampling parameters, choosing each row's next token from the batch's logits, and
 the log-probabilities a request may ask for.
 
-Penalties follow vLLM's (and so OpenAI's) definitions, applied to the raw logits in this order:
+What a row's logits go through before a token is chosen, in vLLM's order:
+
+- ``logit_bias`` (OpenAI's): added to the named tokens' logits;
+- ``min_tokens`` (vLLM's extra): the end-of-sequence tokens and ``stop_token_ids`` are out of
+  reach (-inf) until that many tokens were generated;
+
+and the penalties, as vLLM (and so OpenAI) define them:
 
 - ``repetition_penalty`` (vLLM's extra; ``transformers``' ``RepetitionPenaltyLogitsProcessor``):
   every token already in the prompt or the output has its logit divided by the penalty when
@@ -9,8 +15,9 @@ Penalties follow vLLM's (and so OpenAI's) definitions, applied to the raw logits
 - ``frequency_penalty``: minus the penalty times how often the token was generated so far;
 - ``presence_penalty``: minus the penalty once for every token generated so far.
 
-then temperature, top-k and top-p; greedy (``temperature == 0``) takes the arg-max of the
-penalized logits. Log-probabilities are those of the *raw* model distribution (vLLM's default,
+then temperature, ``min_p`` (vLLM's extra: tokens less likely than ``min_p`` times the likeliest
+are dropped), top-k and top-p; greedy (``temperature == 0``) takes the arg-max after the bias,
+the ``min_tokens`` mask and the penalties. Log-probabilities are those of the *raw* model distribution (vLLM's default,
 ``logprobs_mode="raw_logprobs"``): what the model thinks of the token, whatever the sampling did.
 """
 
@@ -43,6 +50,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (``echo``)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs
+    min_p: float = 0.0  # 0: off
+    min_tokens: int = 0  # 0: off
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +61,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits change before the choice (so greedy is not the plain arg-max)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,9 @@ class RowSampler:
 
     params: SamplingParams
     prompt_ids: tuple[int, ...] = ()
+    eos_ids: frozenset[int] = frozenset()  # what ``min_tokens`` keeps out of reach, with stop_token_ids
     generator: torch.Generator = field(init=False)
+    generated: int = field(init=False, default=0)
     output_counts: Counter = field(init=False, default_factory=Counter)
     _seen: set[int] = field(init=False, default_factory=set)
 
@@ -82,18 +99,26 @@ class RowSampler:
     @property
     def own_pass(self) -> bool:
         """Whether this row needs more than the batch's plain arg-max."""
-        return not self.params.greedy or self.params.penalized
+        return not self.params.greedy or self.params.shapes_logits
 
     def record(self, token: int) -> None:
-        """Count a token this sequence chose (penalties look at them)."""
+        """Count a token this sequence chose (penalties and ``min_tokens`` look at them)."""
+        self.generated += 1
         if self.params.penalized:
             self.output_counts[token] += 1
             self._seen.add(token)
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [vocab] with this row's penalties applied (a new tensor; ``float32``)."""
+        """``logits`` [vocab] with this row's bias, ``min_tokens`` mask and penalties applied (a new
+        tensor; ``float32``)."""
         params = self.params
         scores = logits.float().clone()
+        if params.logit_bias:
+            ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long)
+            scores[ids] += torch.tensor([bias for _, bias in params.logit_bias], dtype=scores.dtype)
+        if self.generated < params.min_tokens:
+            ends = [t for t in {*self.eos_ids, *params.stop_token_ids} if t < scores.shape[-1]]
+            scores[torch.tensor(ends, dtype=torch.long)] = float("-inf")
         if params.repetition_penalty != 1.0 and self._seen:
             ids = torch.tensor(sorted(self._seen), dtype=torch.long)
             picked, penalty = scores[ids], params.repetition_penalty
@@ -107,10 +132,13 @@ class RowSampler:
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from one row of logits ``[vocab]``."""
         params = self.params
-        scores = self.penalize(logits) if params.penalized else logits.float()
+        scores = self.penalize(logits) if params.shapes_logits else logits.float()
         if params.greedy:
             return int(scores.argmax())
         scores = scores / params.temperature
+        if params.min_p > 0:
+            probs = scores.softmax(-1)
+            scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
         if 0 < params.top_k < scores.shape[-1]:
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

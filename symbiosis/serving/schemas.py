@@ -36,7 +36,17 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM extra; 1: off
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias, -100..100
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM extra; 0: off
+    min_tokens: int = Field(default=0, ge=0)  # vLLM extra; 0: off
     user: str | None = None
+    # OpenAI fields this server does not implement: accepted only at their "off" values, so a
+    # request never gets silently different behaviour than it asked for.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     return_token_ids: bool = False  # vLLM extra: each choice also carries its token ids
 
     @field_validator("stop")
@@ -48,6 +58,25 @@ class SamplingFields(BaseModel):
         if len(values) > 8 or any(not s or len(s) > 256 for s in values):
             raise ValueError("stop: up to 8 non-empty strings of at most 256 characters")
         return values
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not -100.0 <= bias <= 100.0 for bias in value.values()):
+            raise ValueError("biases are between -100 and 100")
+        if value and any(token < 0 for token in value):
+            raise ValueError("token ids are not negative")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> SamplingFields:
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported (no JSON or schema mode)")
+        if self.tools or self.functions:
+            raise ValueError("tools: tool and function calling are not supported")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise ValueError("tool_choice: tool and function calling are not supported")
+        return self
 
     def wanted_logprobs(self) -> int | None:
         """How many alternatives per token the request wants log-probabilities of (None: none)."""
@@ -64,6 +93,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt before the completion (and its log-probabilities with logprobs)
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
@@ -81,6 +111,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("max_tokens: 0 needs echo (a completion of no tokens echoes its prompt)")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported (every generated choice is returned)")
         return self
 
 

@@ -91,19 +91,43 @@ class OpenAIPenalties(LogitsProcessor):
         return scores
 
 
+class AddBias(LogitsProcessor):
+    """OpenAI's ``logit_bias`` for the monolithic reference."""
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.bias = bias
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for token, value in self.bias.items():
+            scores[:, token] += value
+        return scores
+
+
 def check_penalties(server: ApiServer, adapters: dict[str, Path], reference) -> None:
-    """Greedy tokens under vLLM's ``repetition_penalty`` and OpenAI's presence/frequency penalties,
-    asked concurrently with plain requests (each row of a batch keeps its own), equal monolithic
-    ``generate`` with the same penalties; and they change the tokens (the test could fail)."""
+    """Greedy tokens under vLLM's ``repetition_penalty`` and ``min_tokens``, and OpenAI's
+    presence/frequency penalties and ``logit_bias``, asked concurrently with plain requests (each
+    row of a batch keeps its own), equal monolithic ``generate`` with the same processing; and
+    each changes the tokens (the test could fail)."""
     client = openai_client(server)
     prompt, max_tokens = PROMPTS[3], 24
     prompt_len = len(reference.tokenizer(prompt)["input_ids"])
+    plain = reference.tokens(prompt, adapters["attn8"], max_tokens)  # the cases below name its tokens
+    bias = {plain[0]: -100.0, plain[2]: 4.0}
+    eos = reference.tokenizer.eos_token_id
     cases = [  # (request fields, generate() arguments)
         ({}, {}),
         ({"extra_body": {"repetition_penalty": 1.5}}, {"repetition_penalty": 1.5}),
         (
             {"presence_penalty": 0.5, "frequency_penalty": 1.5},
             {"logits_processor": LogitsProcessorList([OpenAIPenalties(prompt_len, 0.5, 1.5)])},
+        ),
+        (
+            {"logit_bias": {str(k): v for k, v in bias.items()}},
+            {"logits_processor": LogitsProcessorList([AddBias(bias)])},
+        ),
+        (  # plain[1] ends the sequence, but not before 4 tokens
+            {"extra_body": {"stop_token_ids": [plain[1]], "min_tokens": 4}},
+            {"eos_token_id": [plain[1], eos], "min_new_tokens": 4},
         ),
     ]
     jobs = [(model, case) for model in ("attn8", server.served_model_name) for case in range(len(cases))]
@@ -122,8 +146,8 @@ def check_penalties(server: ApiServer, adapters: dict[str, Path], reference) -> 
     for (model, case), choice in served.items():
         expected = reference.tokens(prompt, adapters.get(model), max_tokens, **cases[case][1])
         assert choice.token_ids == expected, f"{model}, case {case}"
-        if case:
-            assert choice.token_ids != served[model, 0].token_ids, f"{model}: the penalty changed nothing"
+        if case and model == "attn8":
+            assert choice.token_ids != served[model, 0].token_ids, f"{model}: case {case} changed nothing"
 
 
 def check_echo(server: ApiServer, adapters: dict[str, Path], reference) -> None:
@@ -420,6 +444,17 @@ def test_errors_use_openai_bodies_and_status_codes(server):
     with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model="qv4", prompt="x", logprobs=21)
     assert too_many.value.body["param"] == "logprobs"
+    for fields, named in [
+        ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"extra_body": {"best_of": 3}}, "best_of"),
+        ({"logit_bias": {"99999": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"3": 200.0}}, "logit_bias"),
+        ({"max_tokens": 2, "extra_body": {"min_tokens": 5}}, "min_tokens"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="qv4", prompt="x", **fields)
+        assert named in refused.value.body["message"], fields
     with pytest.raises(openai.BadRequestError) as alone:
         client.chat.completions.create(model="qv4", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     assert "top_logprobs" in alone.value.body["message"]

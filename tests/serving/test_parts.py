@@ -95,6 +95,21 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     assert not plain.own_pass and choose_tokens(logits, [plain]) == [2] and not plain.output_counts
 
 
+def test_logit_bias_min_tokens_and_min_p():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    biased = RowSampler(SamplingParams(temperature=0, logit_bias=((1, -5.0), (3, 0.5))))
+    assert biased.penalize(logits[0]).tolist() == [0.0, -2.0, 2.0, 1.5]
+    assert choose_tokens(logits, [biased]) == [2]
+    # Token 1 ends the sequence (an end-of-sequence id) and token 2 is a stop token id: both out of
+    # reach for the first two tokens, then allowed.
+    held = RowSampler(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)), eos_ids=frozenset({1}))
+    assert [choose_tokens(logits, [held])[0] for _ in range(3)] == [3, 3, 1]
+    # min_p 0.3: only tokens at least 0.3 times as likely as the likeliest (token 1); token 2 has
+    # e^-1 of its probability, token 3 e^-2.
+    nucleus = RowSampler(SamplingParams(temperature=1.0, min_p=0.3, seed=0))
+    assert {nucleus.choose(logits[0]) for _ in range(50)} == {1, 2}
+
+
 def test_token_logprobs_are_the_raw_distributions():
     logits = torch.tensor([2.0, 0.5, 3.0, -1.0])
     entry = token_logprobs(logits, 1, 2)
