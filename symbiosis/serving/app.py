@@ -278,10 +278,11 @@ def create_app(state: ApiState) -> FastAPI:
 
     def prompt_token_ids(body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            if any(t < 0 or t >= len(state.tokenizer) for t in prompt):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            token_lists = [prompt] if isinstance(prompt[0], int) else prompt  # one prompt's ids, or several
+            if any(t < 0 or t >= len(state.tokenizer) for ids in token_lists for t in ids):
                 raise ApiError(400, "prompt: token ids out of the vocabulary", param="prompt")
-            return [list(prompt)]
+            return [list(ids) for ids in token_lists]
         texts = [prompt] if isinstance(prompt, str) else prompt
         return [_encode(state.tokenizer, text, add_special_tokens=True) for text in texts]
 
@@ -291,7 +292,7 @@ def create_app(state: ApiState) -> FastAPI:
             return [body.prompt]
         if isinstance(body.prompt[0], str):
             return list(body.prompt)
-        return [state.tokenizer.decode(ids) for ids in prompts]
+        return [state.tokenizer.decode(ids) for ids in prompts]  # token ids: their text
 
     def chat_token_ids(body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]

@@ -212,7 +212,7 @@ class GenerationEngine:
         sequence = _Sequence(
             id=next(self._ids),
             request=request,
-            text=IncrementalText(self.tokenizer, request.params.stop),
+            text=IncrementalText(self.tokenizer, request.params.stop, request.params.min_tokens),
             sampler=RowSampler(request.params, tuple(request.prompt_ids), frozenset(self.eos_ids)),
             arrived=time.monotonic(),
         )
@@ -304,9 +304,10 @@ class GenerationEngine:
                     break
                 candidate = self._waiting[0]
                 # A prompt whose log-probabilities are wanted (echo) keeps the logits of every
-                # position at prefill ([rows, columns, vocab]): such prompts prefill apart from the
-                # others, which keep only their last position's.
-                if joiners and _echoes(candidate) != _echoes(joiners[0]):
+                # position at prefill ([rows, columns, vocab]): such a prompt prefills alone (the
+                # tensor is one prompt's, at most max_context x vocab), the others keep only their
+                # last position's.
+                if joiners and (_echoes(candidate) or _echoes(joiners[0])):
                     break
                 if not self._fits(joiners + [candidate]) or (
                     candidate.request.adapter is not None and not self.pool.can_acquire(candidate.request.adapter)
@@ -375,7 +376,7 @@ class GenerationEngine:
                     sequence.prompt_logprobs = prompt_logprobs(
                         logits[row, -len(prompt) :], prompt, sequence.request.params.prompt_logprobs
                     )
-            logits = logits[:, -1]
+            logits = logits[:, -1].clone()  # not a view: the full tensor goes now
         batch = PaddedBatch(cache, mask, mask.sum(-1))
         if self._batch is not None:
             batch = self._batch.merge(batch, max(s.remaining_tokens for s in self._running + joiners))

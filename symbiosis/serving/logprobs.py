@@ -9,30 +9,79 @@
 - ``/v1/chat/completions`` (``logprobs: true, top_logprobs: k``): ``{"content": [{"token",
   "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...k]}]}``.
 
-A token's text is what the tokenizer decodes it to alone (special tokens included); a token that
-is part of a multi-byte character decodes to U+FFFD, which is why the chat format carries the
-UTF-8 ``bytes`` as well. A stream carries the entries of the tokens each chunk adds.
+A token's ``bytes`` are its own UTF-8 bytes: for a byte-level BPE tokenizer (GPT-2's, Llama 3's)
+its symbols mapped back to the bytes they stand for, for a SentencePiece one its ``<0xNN>`` byte
+or its piece with ``▁`` as a space; joined, a completion's tokens' bytes are its text. A token's
+text is those bytes decoded (U+FFFD for a token that is part of a multi-byte character), a
+special token's its own name (``<s>``). A stream carries the entries of the tokens each chunk adds.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 
 from symbiosis.serving.sampling import TokenLogprobs
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        return backend is not None and "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("decoder"))
+    except (TypeError, ValueError, AttributeError):
+        return False
+
 
 class LogprobFormatter:
-    """Formats ``TokenLogprobs`` for one tokenizer (token texts are decoded once and kept)."""
+    """Formats ``TokenLogprobs`` for one tokenizer (each token's bytes and text are made once)."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._alphabet = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        self._tokens: dict[int, tuple[str, bytes]] = {}
 
     def text(self, token: int) -> str:
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self._tokenizer.decode([token])
-        return text
+        return self._token(token)[0]
+
+    def bytes_of(self, token: int) -> bytes:
+        return self._token(token)[1]
+
+    def _token(self, token: int) -> tuple[str, bytes]:
+        known = self._tokens.get(token)
+        if known is None:
+            known = self._tokens[token] = self._describe(token)
+        return known
+
+    def _describe(self, token: int) -> tuple[str, bytes]:
+        piece = self._tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str) or token in self._special:
+            text = piece if isinstance(piece, str) else self._tokenizer.decode([token])
+            return text, text.encode("utf-8")
+        if self._alphabet is not None and all(ch in self._alphabet for ch in piece):
+            raw = bytes(self._alphabet[ch] for ch in piece)
+        elif match := _BYTE_PIECE.fullmatch(piece):
+            raw = bytes([int(match.group(1), 16)])
+        elif self._alphabet is None and "▁" in piece:
+            raw = piece.replace("▁", " ").encode("utf-8")
+        else:  # a tokenizer of another kind: what it decodes the token to alone
+            raw = self._tokenizer.decode([token]).encode("utf-8")
+        return raw.decode("utf-8", errors="replace"), raw
 
     def completion(
         self, entries: Sequence[TokenLogprobs], offset: int = 0, first_prompt_token: int | None = None
@@ -73,8 +122,8 @@ class LogprobFormatter:
         return {"content": [self._chat_entry(e.token, e.logprob, e.top) for e in entries]}
 
     def _chat_entry(self, token: int, logprob: float, top: Sequence[tuple[int, float]] | None = ()) -> dict:
-        text = self.text(token)
-        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = self._token(token)
+        entry = {"token": text, "logprob": logprob, "bytes": list(raw)}
         if top is not None:
             entry["top_logprobs"] = [self._chat_entry(t, lp, None) for t, lp in top]
         return entry

@@ -88,13 +88,11 @@ class RowSampler:
     generator: torch.Generator = field(init=False)
     generated: int = field(init=False, default=0)
     output_counts: Counter = field(init=False, default_factory=Counter)
-    _seen: set[int] = field(init=False, default_factory=set)
+    _seen: torch.Tensor | None = field(init=False, default=None)  # [vocab] bool: prompt and output tokens
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator().manual_seed(seed)
-        if self.params.repetition_penalty != 1.0:
-            self._seen = set(self.prompt_ids)
+        self.generator = torch.Generator().manual_seed(seed)  # on the CPU: rows are sampled there
 
     @property
     def own_pass(self) -> bool:
@@ -106,28 +104,40 @@ class RowSampler:
         self.generated += 1
         if self.params.penalized:
             self.output_counts[token] += 1
-            self._seen.add(token)
+            if self._seen is not None and token < self._seen.shape[0]:
+                self._seen[token] = True
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [vocab] with this row's bias, ``min_tokens`` mask and penalties applied (a new
         tensor; ``float32``)."""
         params = self.params
         scores = logits.float().clone()
-        if params.logit_bias:
-            ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long)
-            scores[ids] += torch.tensor([bias for _, bias in params.logit_bias], dtype=scores.dtype)
+        vocab, device = scores.shape[-1], scores.device
+        if params.logit_bias:  # ids past the logits (a tokenizer larger than the model's output) are ignored
+            bias = [(token, value) for token, value in params.logit_bias if token < vocab]
+            ids = torch.tensor([token for token, _ in bias], dtype=torch.long, device=device)
+            scores[ids] += torch.tensor([value for _, value in bias], dtype=scores.dtype, device=device)
         if self.generated < params.min_tokens:
-            ends = [t for t in {*self.eos_ids, *params.stop_token_ids} if t < scores.shape[-1]]
-            scores[torch.tensor(ends, dtype=torch.long)] = float("-inf")
-        if params.repetition_penalty != 1.0 and self._seen:
-            ids = torch.tensor(sorted(self._seen), dtype=torch.long)
-            picked, penalty = scores[ids], params.repetition_penalty
-            scores[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+            ends = [t for t in {*self.eos_ids, *params.stop_token_ids} if t < vocab]
+            scores[torch.tensor(ends, dtype=torch.long, device=device)] = float("-inf")
+        if params.repetition_penalty != 1.0:
+            seen, penalty = self._seen_mask(vocab, device), params.repetition_penalty
+            scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
         if (params.frequency_penalty or params.presence_penalty) and self.output_counts:
-            ids = torch.tensor(list(self.output_counts), dtype=torch.long)
-            counts = torch.tensor(list(self.output_counts.values()), dtype=scores.dtype)
+            counted = [(t, c) for t, c in self.output_counts.items() if t < vocab]
+            ids = torch.tensor([t for t, _ in counted], dtype=torch.long, device=device)
+            counts = torch.tensor([c for _, c in counted], dtype=scores.dtype, device=device)
             scores[ids] -= params.frequency_penalty * counts + params.presence_penalty
         return scores
+
+    def _seen_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """Which tokens the prompt or the output holds, kept up to date by ``record``."""
+        if self._seen is None or self._seen.shape[0] != vocab or self._seen.device != device:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = [t for t in (*self.prompt_ids, *self.output_counts) if t < vocab]
+            seen[torch.tensor(ids, dtype=torch.long, device=device)] = True
+            self._seen = seen
+        return self._seen
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from one row of logits ``[vocab]``."""
@@ -148,7 +158,7 @@ class RowSampler:
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             drop = cumulative - ordered.softmax(-1) >= params.top_p
             scores = scores.scatter(0, order[drop], float("-inf"))
-        probs = scores.softmax(-1)
+        probs = scores.softmax(-1).cpu()  # the generator is a CPU one, whatever the model's device
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
@@ -178,7 +188,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top: int) -> tu
     are the logits at the prompt's positions (the last one, which predicts the first generated
     token, is not used)."""
     logprobs = torch.log_softmax(logits[:-1].float(), -1)
-    tokens = torch.tensor(prompt_ids[1:], dtype=torch.long)
+    tokens = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logprobs.device)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
     if top > 0:
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)

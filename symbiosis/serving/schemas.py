@@ -88,7 +88,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # texts, or token ids (one prompt or several)
     max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False  # the prompt before the completion (and its log-probabilities with logprobs)
     suffix: str | None = None
@@ -101,7 +101,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, value):
-        if isinstance(value, list) and not value:
+        if isinstance(value, list) and (not value or any(isinstance(v, list) and not v for v in value)):
             raise ValueError("prompt must not be an empty list")
         return value
 

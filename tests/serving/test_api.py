@@ -21,6 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.serving import lora as lora_module
+from symbiosis.serving.logprobs import LogprobFormatter
 from symbiosis.serving.server import ApiOptions, ApiServer
 from tests.serving.conftest import make_lora_adapter
 
@@ -173,10 +174,28 @@ def check_echo(server: ApiServer, adapters: dict[str, Path], reference) -> None:
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         chosen = expected[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:], dtype=torch.long)]
         torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), chosen, atol=1e-4, rtol=0)
+        text_of = LogprobFormatter(tokenizer).text
         for step, alternatives in enumerate(logprobs.top_logprobs[1:]):
-            assert max(alternatives.values()) == pytest.approx(float(expected[step].max()), abs=1e-4)
-    # lm-eval's loglikelihood request: token ids, echo, one new token; the completion part is
-    # what the same request without echo gives.
+            values, ids = torch.topk(expected[step], 2)
+            wanted = {}
+            for token, value in zip(ids.tolist(), values.tolist()):
+                wanted.setdefault(text_of(token), value)
+            wanted.setdefault(text_of(prompt_ids[step + 1]), float(chosen[step]))  # the prompt's own token
+            assert set(alternatives) == set(wanted)
+            assert all(abs(alternatives[t] - wanted[t]) < 1e-4 for t in wanted)
+    # lm-eval's loglikelihood requests: token ids as a list of prompts, echo, one new token; each
+    # prompt's log-probabilities are the monolithic model's.
+    batch = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    scored = client.completions.create(model="od2", prompt=batch, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert len(scored.choices) == len(batch)
+    for choice, ids in zip(scored.choices, batch):
+        assert choice.text.startswith(tokenizer.decode(ids))
+        expected = reference.prompt_logprobs(ids, adapters["od2"])
+        chosen = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)]
+        served = torch.tensor(choice.logprobs.token_logprobs[1 : len(ids)])
+        torch.testing.assert_close(served, chosen, atol=1e-4, rtol=0)
+        assert len(choice.logprobs.token_logprobs) == len(ids) + 1  # and the one new token
+    # The completion part of an echoed request is what the same request without echo gives.
     prompt_ids = tokenizer(PROMPTS[3])["input_ids"]
     plain = client.completions.create(model="attn8", prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=1)
     echoed = client.completions.create(
@@ -233,6 +252,7 @@ def check_logprobs(server: ApiServer, adapters: dict[str, Path], reference) -> N
     with ThreadPoolExecutor(len(jobs)) as pool:
         choices = list(pool.map(ask, jobs))
     tokenizer = reference.tokenizer
+    text_of = LogprobFormatter(tokenizer).text
     for (model, prompt), choice in zip(jobs, choices):
         generated, logprobs = choice.token_ids, choice.logprobs
         expected = reference.logprobs(prompt, adapters.get(model), generated)
@@ -240,7 +260,7 @@ def check_logprobs(server: ApiServer, adapters: dict[str, Path], reference) -> N
         # The served logits come from the split model and the multi-adapter layout (its scaling
         # is applied one rounding step earlier, lora.py): equal to ~1e-6, not bit for bit.
         torch.testing.assert_close(torch.tensor(logprobs.token_logprobs), chosen, atol=1e-4, rtol=0)
-        assert logprobs.tokens == [tokenizer.decode([t]) for t in generated]
+        assert logprobs.tokens == [text_of(t) for t in generated]
         assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(generated))]
         if choice.finish_reason == "length":  # no end-of-sequence token among them
             assert "".join(logprobs.tokens) == choice.text
@@ -248,7 +268,7 @@ def check_logprobs(server: ApiServer, adapters: dict[str, Path], reference) -> N
             values, ids = torch.topk(expected[step], top)
             wanted = {}
             for token, value in zip(ids.tolist(), values.tolist()):
-                wanted.setdefault(tokenizer.decode([token]), value)  # texts may repeat: the likelier one
+                wanted.setdefault(text_of(token), value)  # texts may repeat: the likelier one
             assert set(alternatives) == set(wanted), f"{model} step {step}"
             for text, value in alternatives.items():
                 assert abs(value - wanted[text]) < 1e-4
@@ -272,8 +292,11 @@ def check_logprobs(server: ApiServer, adapters: dict[str, Path], reference) -> N
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
+    if chat.choices[0].finish_reason == "length":  # the tokens' bytes, joined, are the text
+        joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+        assert joined == chat.choices[0].message.content
     for entry in content:
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.token == bytes(entry.bytes).decode("utf-8", errors="replace")
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob  # greedy
     stream = client.chat.completions.create(
@@ -416,6 +439,11 @@ def test_sampling_with_a_seed_is_repeatable_and_stop_strings_cut_the_text(server
     if stop:
         cut = client.completions.create(model="qv4", prompt="abc", max_tokens=16, temperature=0, stop=[stop])
         assert cut.choices[0].text == whole[: whole.find(stop)] and cut.choices[0].finish_reason == "stop"
+        # With min_tokens, a stop string that ends before that many tokens is passed over (vLLM's rule).
+        held = client.completions.create(
+            model="qv4", prompt="abc", max_tokens=16, temperature=0, stop=[stop], extra_body={"min_tokens": 16}
+        )
+        assert held.choices[0].text == whole and held.usage.completion_tokens == 16
 
 
 def test_models_lists_the_base_and_every_adapter_with_its_parent(server, lora_adapters):

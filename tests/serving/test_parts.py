@@ -52,6 +52,15 @@ def test_text_is_released_as_it_becomes_final_and_cut_at_a_stop_string():
     assert "abcEN" not in deltas  # "EN" was held back until it could no longer start "END"
 
 
+def test_stop_strings_count_only_from_min_tokens_on():
+    stream = IncrementalText(CharTokenizer(), ("ab",), min_tokens=4)
+    deltas = [stream.add(ord(char)) for char in "xabyab"]
+    # "ab" ends at the 3rd token (too early: passed over), then again at the 6th.
+    assert stream.stopped and stream.text == "xaby" and "".join(deltas) == "xaby"
+    early = IncrementalText(CharTokenizer(), ("ab",), min_tokens=2)
+    assert [early.add(ord(c)) for c in "ab"] and early.stopped and early.text == ""
+
+
 def test_text_without_stop_strings_is_released_token_by_token():
     deltas, _, stopped = released((), "hello")
     assert deltas == list("hello") and not stopped
