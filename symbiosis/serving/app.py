@@ -40,8 +40,10 @@ from symbiosis.serving.sampling import SamplingParams
 from symbiosis.serving.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadAdapterRequest,
     SamplingFields,
+    TokenizeRequest,
     UnloadAdapterRequest,
 )
 
@@ -294,17 +296,17 @@ def create_app(state: ApiState) -> FastAPI:
             return list(body.prompt)
         return [state.tokenizer.decode(ids) for ids in prompts]  # token ids: their text
 
-    def chat_token_ids(body: ChatCompletionRequest) -> list[int]:
+    def chat_token_ids(body: ChatCompletionRequest | TokenizeRequest, generation_prompt: bool = True) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tokenizer = state.tokenizer
         if getattr(tokenizer, "chat_template", None):
             try:
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
             except Exception as exc:  # noqa: BLE001 (a template may raise anything for messages it rejects, e.g. role order)
                 raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
             return _encode(tokenizer, text, add_special_tokens=False)
         # No chat template: a plain transcript the model continues as the assistant.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if generation_prompt else "")
         return _encode(tokenizer, text, add_special_tokens=True)
 
     def sampling_params(body: SamplingFields, prompt_len: int, default_tokens: int | None) -> SamplingParams:
@@ -586,6 +588,24 @@ def create_app(state: ApiState) -> FastAPI:
             "chat.completion",
             usage=_usage(results, 1, body.n),
         )
+
+    # ---- tokenizer (vLLM's extras: what a prompt costs, before sending it) ------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        resolve_adapter(body.model, allowed_adapters(request))  # a model the key may use, as for generation
+        if body.messages is not None:
+            tokens = chat_token_ids(body, body.add_generation_prompt)
+        else:
+            tokens = list(state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(tokens), "max_model_len": config.max_context, "tokens": tokens, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        resolve_adapter(body.model, allowed_adapters(request))
+        if any(t < 0 or t >= len(state.tokenizer) for t in body.tokens):
+            raise ApiError(400, "tokens: token ids out of the vocabulary", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
 
     # ---- adapters -------------------------------------------------------------------------------------
 

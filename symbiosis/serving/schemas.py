@@ -160,3 +160,28 @@ class LoadAdapterRequest(BaseModel):
 class UnloadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: str
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages (through the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for ``prompt``
+    add_generation_prompt: bool = True  # for ``messages``
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    tokens: list[int]

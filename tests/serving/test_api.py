@@ -446,6 +446,26 @@ def test_sampling_with_a_seed_is_repeatable_and_stop_strings_cut_the_text(server
         assert held.choices[0].text == whole and held.usage.completion_tokens == 16
 
 
+def test_tokenize_and_detokenize_as_vllm_does(server, reference):
+    tokenizer = reference.tokenizer
+    status, body = post(server.url + "/tokenize", {"model": "qv4", "prompt": PROMPTS[3]})
+    answer = json.loads(body)
+    assert status == 200 and answer["tokens"] == tokenizer(PROMPTS[3])["input_ids"]
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 256
+    bare = json.loads(post(server.url + "/tokenize", {"model": "qv4", "prompt": "a b", "add_special_tokens": False})[1])
+    assert bare["tokens"] == tokenizer("a b", add_special_tokens=False)["input_ids"]
+    # Chat messages count what a chat completion's prompt costs.
+    messages = [{"role": "user", "content": "hello there"}]
+    counted = json.loads(post(server.url + "/tokenize", {"model": "qv4", "messages": messages})[1])["count"]
+    chat = openai_client(server).chat.completions.create(model="qv4", messages=messages, max_tokens=1)
+    assert counted == chat.usage.prompt_tokens
+    status, body = post(server.url + "/detokenize", {"model": "qv4", "tokens": answer["tokens"]})
+    assert status == 200 and json.loads(body)["prompt"] == tokenizer.decode(answer["tokens"])
+    assert post(server.url + "/detokenize", {"model": "qv4", "tokens": [10**9]})[0] == 400
+    assert post(server.url + "/tokenize", {"model": "qv4"})[0] == 400  # neither prompt nor messages
+    assert post(server.url + "/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
+
+
 def test_models_lists_the_base_and_every_adapter_with_its_parent(server, lora_adapters):
     listed = {m.id: m for m in openai_client(server).models.list().data}
     assert set(listed) == {server.served_model_name, *lora_adapters}
@@ -598,6 +618,10 @@ def test_a_key_limited_to_one_adapter_gets_404_for_the_others(api_model, lora_ad
             "no-such-adapter", "X"
         )
         assert {m.id for m in tenant.models.list().data} == {server.served_model_name, "qv4"}
+        tokenize = server.url + "/tokenize"
+        assert post(tokenize, {"model": "qv4", "prompt": "hi"}, "tenant-a-key")[0] == 200
+        assert post(tokenize, {"model": "attn8", "prompt": "hi"}, "tenant-a-key")[0] == 404
+        assert post(tokenize, {"model": "qv4", "prompt": "hi"})[0] == 401
         with pytest.raises(openai.AuthenticationError):
             greedy_tokens(openai_client(server, "wrong-key-123"), "qv4", "hi", 3)
         assert len(greedy_tokens(openai_client(server, "admin-key-000"), "attn8", "hi", 3)) == 3
