@@ -36,7 +36,7 @@ from symbiosis.serving.sampling import (
     TokenLogprobs,
     choose_tokens,
     prompt_logprobs,
-    token_logprobs,
+    rows_logprobs,
 )
 from symbiosis.threads import with_torch_threads
 
@@ -405,12 +405,17 @@ class GenerationEngine:
 
     def _append_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         """Each sequence's next token from its row of ``logits``, with its log-probabilities if asked."""
-        for row, (sequence, token) in enumerate(zip(sequences, choose_tokens(logits, [s.sampler for s in sequences]))):
+        tokens = choose_tokens(logits, [s.sampler for s in sequences])
+        asking = [row for row, s in enumerate(sequences) if s.request.params.logprobs is not None]
+        found = {}
+        if asking:  # one log-softmax and one top-k for every row that asks
+            tops = [sequences[row].request.params.logprobs for row in asking]
+            found = dict(zip(asking, rows_logprobs(logits[asking], [tokens[row] for row in asking], tops)))
+        for row, (sequence, token) in enumerate(zip(sequences, tokens)):
             if sequence.request.params.max_tokens == 0:  # only the prompt's log-probabilities were wanted
                 self._finish(sequence, "length")
                 continue
-            top = sequence.request.params.logprobs
-            self._append(sequence, token, () if top is None else (token_logprobs(logits[row], token, top),))
+            self._append(sequence, token, (found[row],) if row in found else ())
 
     def _append(self, sequence: _Sequence, token: int, logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
         now = time.monotonic()

@@ -175,12 +175,21 @@ def choose_tokens(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """The raw log-probability of ``token`` under one row of ``logits`` [vocab], and the ``top``
     most likely tokens' (ties: the lower id first, as ``torch.topk`` leaves them)."""
+    return rows_logprobs(logits[None], [token], [top])[0]
+
+
+def rows_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """``token_logprobs`` of each row of ``logits`` [rows, vocab], in one log-softmax and one
+    top-k for all of them (a row asking for fewer alternatives gets the first of the largest ask)."""
     logprobs = torch.log_softmax(logits.float(), -1)
-    alternatives = ()
-    if top > 0:
-        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
-        alternatives = tuple(zip(ids.tolist(), values.tolist()))
-    return TokenLogprobs(token, float(logprobs[token]), alternatives)
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long, device=logprobs.device)[:, None])[:, 0].tolist()
+    most = min(max(tops, default=0), logprobs.shape[-1])
+    if most > 0:
+        values, ids = torch.topk(logprobs, most, dim=-1)
+        ranked = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        ranked = [[] for _ in tokens]
+    return [TokenLogprobs(t, lp, tuple(r[:top])) for t, lp, r, top in zip(tokens, chosen, ranked, tops)]
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top: int) -> tuple[TokenLogprobs, ...]:

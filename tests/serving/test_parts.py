@@ -25,7 +25,7 @@ from symbiosis.serving.lora import (
     choose_layout,
     read_lora_config,
 )
-from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens, token_logprobs
+from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens, rows_logprobs, token_logprobs
 
 
 class CharTokenizer:
@@ -126,6 +126,17 @@ def test_token_logprobs_are_the_raw_distributions():
     assert entry.token == 1 and entry.logprob == float(expected[1])
     assert entry.top == ((2, float(expected[2])), (0, float(expected[0])))
     assert token_logprobs(logits, 2, 0).top == ()
+
+
+def test_rows_logprobs_give_each_row_its_own_ask():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    tokens, tops = [3, 0, 29, 7], [0, 2, 5, 1]
+    together = rows_logprobs(logits, tokens, tops)
+    assert [e.top for e in together] == [token_logprobs(logits[r], tokens[r], tops[r]).top for r in range(4)]
+    assert [len(e.top) for e in together] == tops
+    for row, entry in enumerate(together):
+        assert entry.token == tokens[row]
+        assert abs(entry.logprob - float(torch.log_softmax(logits[row], -1)[tokens[row]])) < 1e-6
 
 
 def _adapter(name: str) -> LoraAdapter:
