@@ -278,12 +278,18 @@ def create_app(state: ApiState) -> FastAPI:
 
     # ---- generation ----------------------------------------------------------------------------------
 
+    def check_vocabulary(ids, param: str) -> None:
+        if any(t < 0 or t >= len(state.tokenizer) for t in ids):
+            raise ApiError(
+                400, f"{param}: token ids out of the vocabulary (0 to {len(state.tokenizer) - 1})", param=param
+            )
+
     def prompt_token_ids(body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             token_lists = [prompt] if isinstance(prompt[0], int) else prompt  # one prompt's ids, or several
-            if any(t < 0 or t >= len(state.tokenizer) for ids in token_lists for t in ids):
-                raise ApiError(400, "prompt: token ids out of the vocabulary", param="prompt")
+            for ids in token_lists:
+                check_vocabulary(ids, "prompt")
             return [list(ids) for ids in token_lists]
         texts = [prompt] if isinstance(prompt, str) else prompt
         return [_encode(state.tokenizer, text, add_special_tokens=True) for text in texts]
@@ -315,9 +321,7 @@ def create_app(state: ApiState) -> FastAPI:
         if max_tokens is None:
             max_tokens = min(default_tokens, room) if default_tokens is not None else room
         echo = getattr(body, "echo", False)
-        vocab = len(state.tokenizer)
-        if body.logit_bias and max(body.logit_bias) >= vocab:
-            raise ApiError(400, f"logit_bias: token ids are below the vocabulary's size, {vocab}", param="logit_bias")
+        check_vocabulary(body.logit_bias or (), "logit_bias")
         if max_tokens < (0 if echo else 1) or prompt_len + max_tokens > config.max_context:
             raise ApiError(
                 400,
@@ -597,14 +601,13 @@ def create_app(state: ApiState) -> FastAPI:
         if body.messages is not None:
             tokens = chat_token_ids(body, body.add_generation_prompt)
         else:
-            tokens = list(state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+            tokens = _encode(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": config.max_context, "tokens": tokens, "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         resolve_adapter(body.model, allowed_adapters(request))
-        if any(t < 0 or t >= len(state.tokenizer) for t in body.tokens):
-            raise ApiError(400, "tokens: token ids out of the vocabulary", param="tokens")
+        check_vocabulary(body.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     # ---- adapters -------------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ class GenerationEngine:
     def _prefill(self, joiners: list[_Sequence]) -> None:
         ids, mask, positions = left_pad([s.request.prompt_ids for s in joiners], self.pad_id)
         cache = roomy_cache(max(s.remaining_tokens for s in joiners))
-        echoing = [s.request.params.prompt_logprobs is not None for s in joiners]
+        echoing = [_echoes(s) for s in joiners]
         adapters = RowAdapters([s.adapter for s in joiners])
         logits = self._forward(ids, mask, positions, cache, adapters, last_only=True, every_position=any(echoing))
         if any(echoing):

@@ -22,21 +22,11 @@ import json
 import re
 from collections.abc import Sequence
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from symbiosis.serving.sampling import TokenLogprobs
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the character that stands for each byte, inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    codes, extra = list(printable), 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(code): byte for byte, code in zip(printable, codes)}
 
 
 def _is_byte_level(tokenizer) -> bool:
@@ -53,14 +43,12 @@ class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-        self._alphabet = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        # byte-level BPE (GPT-2's alphabet): the character that stands for each byte, inverted
+        self._alphabet = {ch: b for b, ch in bytes_to_unicode().items()} if _is_byte_level(tokenizer) else None
         self._tokens: dict[int, tuple[str, bytes]] = {}
 
     def text(self, token: int) -> str:
         return self._token(token)[0]
-
-    def bytes_of(self, token: int) -> bytes:
-        return self._token(token)[1]
 
     def _token(self, token: int) -> tuple[str, bytes]:
         known = self._tokens.get(token)

@@ -86,6 +86,9 @@ class RowSampler:
     prompt_ids: tuple[int, ...] = ()
     eos_ids: frozenset[int] = frozenset()  # what ``min_tokens`` keeps out of reach, with stop_token_ids
     generator: torch.Generator = field(init=False)
+    #: Whether this row needs more than the batch's plain arg-max (fixed by ``params``; read per
+    #: row per step, hence an attribute rather than a property).
+    own_pass: bool = field(init=False)
     generated: int = field(init=False, default=0)
     output_counts: Counter = field(init=False, default_factory=Counter)
     _seen: torch.Tensor | None = field(init=False, default=None)  # [vocab] bool: prompt and output tokens
@@ -93,16 +96,13 @@ class RowSampler:
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator().manual_seed(seed)  # on the CPU: rows are sampled there
-
-    @property
-    def own_pass(self) -> bool:
-        """Whether this row needs more than the batch's plain arg-max."""
-        return not self.params.greedy or self.params.shapes_logits
+        self.own_pass = not self.params.greedy or self.params.shapes_logits
+        self._penalized = self.params.penalized
 
     def record(self, token: int) -> None:
         """Count a token this sequence chose (penalties and ``min_tokens`` look at them)."""
         self.generated += 1
-        if self.params.penalized:
+        if self._penalized:
             self.output_counts[token] += 1
             if self._seen is not None and token < self._seen.shape[0]:
                 self._seen[token] = True
@@ -172,15 +172,11 @@ def choose_tokens(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """The raw log-probability of ``token`` under one row of ``logits`` [vocab], and the ``top``
-    most likely tokens' (ties: the lower id first, as ``torch.topk`` leaves them)."""
-    return rows_logprobs(logits[None], [token], [top])[0]
-
-
 def rows_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
-    """``token_logprobs`` of each row of ``logits`` [rows, vocab], in one log-softmax and one
-    top-k for all of them (a row asking for fewer alternatives gets the first of the largest ask)."""
+    """For each row of ``logits`` [rows, vocab]: the raw log-probability of its ``tokens`` entry
+    and of its ``tops`` entry's most likely tokens (ties: the lower id first, as ``torch.topk``
+    leaves them), in one log-softmax and one top-k for all rows (a row asking for fewer
+    alternatives gets the first of the largest ask)."""
     logprobs = torch.log_softmax(logits.float(), -1)
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long, device=logprobs.device)[:, None])[:, 0].tolist()
     most = min(max(tops, default=0), logprobs.shape[-1])
@@ -194,14 +190,7 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> l
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top: int) -> tuple[TokenLogprobs, ...]:
     """Raw log-probabilities of a prompt's tokens after the first: ``logits`` [len(prompt_ids), vocab]
-    are the logits at the prompt's positions (the last one, which predicts the first generated
-    token, is not used)."""
-    logprobs = torch.log_softmax(logits[:-1].float(), -1)
-    tokens = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logprobs.device)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-    if top > 0:
-        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
-        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        alternatives = [()] * len(chosen)
-    return tuple(TokenLogprobs(t, lp, alt) for t, lp, alt in zip(prompt_ids[1:], chosen, alternatives))
+    are the logits at the prompt's positions (position i predicts token i + 1; the last one,
+    which predicts the first generated token, is not used)."""
+    following = list(prompt_ids[1:])
+    return tuple(rows_logprobs(logits[:-1], following, [top] * len(following)))

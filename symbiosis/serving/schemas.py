@@ -14,10 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from symbiosis.serving.sampling import MAX_LOGPROBS
 
 
-class _Unsupported(ValueError):
-    pass
-
-
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -76,14 +76,11 @@ class Reference:
             self._cache[key] = output[0, ids.shape[1] :].tolist()
         return self._cache[key]
 
-    @torch.no_grad()
     def logprobs(self, prompt: str, adapter_dir: Path | None, generated: list[int]) -> torch.Tensor:
         """``[len(generated), vocab]``: the monolithic model's log-probabilities of each next token
         as it generated ``generated`` after ``prompt`` (one teacher-forced forward pass)."""
         prompt_ids = self.tokenizer(prompt)["input_ids"]
-        ids = torch.tensor([prompt_ids + generated])
-        logits = self._model(adapter_dir)(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-        return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], -1)
+        return self.prompt_logprobs(prompt_ids + generated, adapter_dir)[len(prompt_ids) - 1 :]
 
     @torch.no_grad()
     def prompt_logprobs(self, prompt_ids: list[int], adapter_dir: Path | None) -> torch.Tensor:

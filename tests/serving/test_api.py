@@ -157,6 +157,7 @@ def check_echo(server: ApiServer, adapters: dict[str, Path], reference) -> None:
     first token's null; the echoed text and the completion's tokens are those without echo."""
     client = openai_client(server)
     tokenizer = reference.tokenizer
+    text_of = LogprobFormatter(tokenizer).text
     jobs = [(model, prompt) for model in ("attn8", "od2", server.served_model_name) for prompt in PROMPTS[:4]]
 
     def score(job):
@@ -170,11 +171,10 @@ def check_echo(server: ApiServer, adapters: dict[str, Path], reference) -> None:
         expected = reference.prompt_logprobs(prompt_ids, adapters.get(model))
         logprobs = choice.logprobs
         assert choice.text == prompt and choice.finish_reason == "length"
-        assert logprobs.tokens == [tokenizer.decode([t]) for t in prompt_ids]
+        assert logprobs.tokens == [text_of(t) for t in prompt_ids]
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         chosen = expected[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:], dtype=torch.long)]
         torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), chosen, atol=1e-4, rtol=0)
-        text_of = LogprobFormatter(tokenizer).text
         for step, alternatives in enumerate(logprobs.top_logprobs[1:]):
             values, ids = torch.topk(expected[step], 2)
             wanted = {}
@@ -202,10 +202,7 @@ def check_echo(server: ApiServer, adapters: dict[str, Path], reference) -> None:
         model="attn8", prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=1, echo=True
     )
     assert echoed.choices[0].text == tokenizer.decode(prompt_ids) + plain.choices[0].text
-    assert (
-        echoed.choices[0].logprobs.tokens
-        == [tokenizer.decode([t]) for t in prompt_ids] + plain.choices[0].logprobs.tokens
-    )
+    assert echoed.choices[0].logprobs.tokens == [text_of(t) for t in prompt_ids] + plain.choices[0].logprobs.tokens
     torch.testing.assert_close(
         torch.tensor(echoed.choices[0].logprobs.token_logprobs[len(prompt_ids) :]),
         torch.tensor(plain.choices[0].logprobs.token_logprobs),
@@ -378,14 +375,14 @@ def test_echo_scores_prompts_with_the_monolithic_models_logprobs(server, lora_ad
     check_echo(server, lora_adapters, reference)
 
 
-def test_echoed_prompts_prefill_apart_from_the_others(server, monkeypatch):
-    """Only echoing prompts keep every position's logits at prefill: they never share one with
-    prompts that do not (whose logits stay one position per row)."""
+def test_echoed_prompts_prefill_alone(server, monkeypatch):
+    """Only echoing prompts keep every position's logits at prefill, so each prefills alone (the
+    tensor is one prompt's); the others still prefill together."""
     prefills = []
     prefill = server.engine._prefill
 
     def recording(joiners):
-        prefills.append({s.request.params.prompt_logprobs is not None for s in joiners})
+        prefills.append([s.request.params.prompt_logprobs is not None for s in joiners])
         prefill(joiners)
 
     monkeypatch.setattr(server.engine, "_prefill", recording)
@@ -399,9 +396,12 @@ def test_echoed_prompts_prefill_apart_from_the_others(server, monkeypatch):
         )
 
     with ThreadPoolExecutor(12) as pool:
-        list(pool.map(ask, range(12)))
-    assert prefills and all(len(kinds) == 1 for kinds in prefills)
-    assert {True} in prefills and {False} in prefills
+        list(pool.map(ask, range(12)))  # echoing and plain requests interleaved
+        list(pool.map(ask, range(1, 12, 2)))  # plain ones only
+        list(pool.map(ask, range(0, 12, 2)))  # echoing ones only
+    assert [True] in prefills, "no echoing prompt was served"
+    assert all(kinds == [True] or not any(kinds) for kinds in prefills), prefills
+    assert any(len(kinds) > 1 for kinds in prefills), "plain prompts no longer prefill together"
 
 
 def test_penalties_give_the_tokens_of_monolithic_peft_with_the_same_penalties(server, lora_adapters, reference):

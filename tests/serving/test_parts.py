@@ -25,7 +25,7 @@ from symbiosis.serving.lora import (
     choose_layout,
     read_lora_config,
 )
-from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens, rows_logprobs, token_logprobs
+from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens, prompt_logprobs, rows_logprobs
 
 
 class CharTokenizer:
@@ -119,24 +119,29 @@ def test_logit_bias_min_tokens_and_min_p():
     assert {nucleus.choose(logits[0]) for _ in range(50)} == {1, 2}
 
 
-def test_token_logprobs_are_the_raw_distributions():
-    logits = torch.tensor([2.0, 0.5, 3.0, -1.0])
-    entry = token_logprobs(logits, 1, 2)
-    expected = torch.log_softmax(logits, -1)
-    assert entry.token == 1 and entry.logprob == float(expected[1])
-    assert entry.top == ((2, float(expected[2])), (0, float(expected[0])))
-    assert token_logprobs(logits, 2, 0).top == ()
-
-
-def test_rows_logprobs_give_each_row_its_own_ask():
+def test_logprobs_are_the_raw_distributions_each_row_its_own_ask():
+    small = rows_logprobs(torch.tensor([[2.0, 0.5, 3.0, -1.0]]), [1], [2])[0]
+    expected = torch.log_softmax(torch.tensor([2.0, 0.5, 3.0, -1.0]), -1)
+    assert small.token == 1 and small.logprob == float(expected[1])
+    assert small.top == ((2, float(expected[2])), (0, float(expected[0])))  # most likely first
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     tokens, tops = [3, 0, 29, 7], [0, 2, 5, 1]
-    together = rows_logprobs(logits, tokens, tops)
-    assert [e.top for e in together] == [token_logprobs(logits[r], tokens[r], tops[r]).top for r in range(4)]
-    assert [len(e.top) for e in together] == tops
-    for row, entry in enumerate(together):
-        assert entry.token == tokens[row]
-        assert abs(entry.logprob - float(torch.log_softmax(logits[row], -1)[tokens[row]])) < 1e-6
+    for row, entry in enumerate(rows_logprobs(logits, tokens, tops)):
+        alone = torch.log_softmax(logits[row], -1)
+        values, ids = torch.topk(alone, tops[row]) if tops[row] else (torch.empty(0), torch.empty(0))
+        assert entry.token == tokens[row] and abs(entry.logprob - float(alone[tokens[row]])) < 1e-6
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert all(abs(v - w) < 1e-6 for (_, v), w in zip(entry.top, values.tolist()))
+
+
+def test_prompt_logprobs_score_each_token_from_the_position_before_it():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2))  # the prompt's 5 positions
+    prompt = [4, 9, 9, 1, 22]
+    entries = prompt_logprobs(logits, prompt, 2)
+    assert [e.token for e in entries] == prompt[1:]
+    for position, entry in enumerate(entries):
+        assert abs(entry.logprob - float(torch.log_softmax(logits[position], -1)[prompt[position + 1]])) < 1e-6
+        assert [t for t, _ in entry.top] == torch.topk(logits[position], 2).indices.tolist()
 
 
 def _adapter(name: str) -> LoraAdapter:
