@@ -429,6 +429,27 @@ def test_tuner_does_not_credit_a_rule_with_the_clients_that_joined_under_it():
     assert max(tuner.ratings.values()) - min(tuner.ratings.values()) < 0.02
 
 
+def test_tuner_does_not_compare_epochs_whose_clients_differ():
+    """Clients start one by one, each warming up while the next loads (the load of the machine
+    jumps with each arrival, here against whichever rule ran then: the convoy's epochs at half
+    speed); then all eight decode, and the convoy serves 35% more. Compared across those
+    arrivals, the warm-up rated the convoy far below the others and the tuner left it
+    (measured with 8 client processes of one sequence each: 16-20 tokens/s under the rule it
+    kept, 25 with the convoy fixed). Epochs with other clients at work are not compared, so the
+    convoy is kept from the first trials on."""
+    tuner = WaitTuner(epoch_s=0.25)
+    gain = {"none": 1.0, "predicted": 1.0, "convoy": 1.35}
+
+    def load(epoch, rule):
+        if epoch < 8:  # c0 alone at first, then one more client each epoch, all at a changing load
+            return {f"c{k}": (300.0 * (0.5 if rule == "convoy" else 1.0), 1) for k in range(epoch + 1)}
+        return {f"c{k}": (150.0 * gain[rule], 1) for k in range(8)}
+
+    used = run_client_epochs(tuner, 40, load)
+    assert tuner.chosen == "convoy" and used[8:].count("convoy") >= 25
+    assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
+
+
 def test_tuner_ignores_epochs_that_say_nothing():
     tuner = WaitTuner(epoch_s=0.2)
     tuner.tick(0.0)

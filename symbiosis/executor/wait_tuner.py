@@ -24,10 +24,18 @@ measured with client processes of batch 1-16, the total rated "none" above the c
 served x1.6 more tokens/s at a lower mean step time. Not rows per second either: it swings
 five-fold between a prefill phase and decoding. A client's first epoch is not compared (it holds
 the client's start: allocations, a prefill, a cold cache -- whatever the rule), nor is a client
-that completed fewer than ``MIN_CLIENT_REQUESTS`` in either epoch (its rate is noise); and a
-client joining or leaving no longer moves the score. An epoch counts only if two clients or more
-were served in it (alone, nothing can be batched) and it did not overrun (an idle executor says
-nothing about a rule).
+that completed fewer than ``MIN_CLIENT_REQUESTS`` in either epoch (its rate is noise); and two
+epochs are compared only if the same clients were at work in both: a client that joins or leaves
+changes the others' speed whatever the rule (they share the cores and the executor), so the
+comparison would credit the rule with it. Measured (2026-11-27, 8 client processes of one
+sequence each on this 2-core host, each warming up alone while the others still load its
+model; 96 tokens each): compared across those arrivals, the warm-up epochs rated the convoy
+rule below the others and the tuner kept "predicted" for the whole run in two runs of two
+(16-20 tokens/s in all), while the convoy rule fixed served 25 with half the executor's CPU
+(4x fewer products). Without those comparisons one run of two kept the convoy (24.6 tokens/s);
+the other still left it on the noise of the first decoding epochs (20.0). An epoch counts only
+if two clients or more were served in it (alone, nothing can be batched) and it did not
+overrun (an idle executor says nothing about a rule).
 
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average
@@ -147,7 +155,7 @@ class WaitTuner:
                 for c in before.keys() & clients.keys() & self._settled
                 if min(before[c][0], clients[c][0]) >= MIN_CLIENT_REQUESTS
             ]
-            if compared and _same_phase(before, clients, compared):
+            if compared and _same_clients(before, clients) and _same_phase(before, clients, compared):
                 speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
                 surprise = speedup - (self.ratings[rule] - self.ratings[other])
                 self.ratings[rule] += PAIR_WEIGHT * surprise / 2
@@ -185,6 +193,17 @@ class WaitTuner:
             "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
             "history": [list(entry) for entry in self.history],
         }
+
+
+def _same_clients(before: dict[str, tuple[int, float, float]], now: dict[str, tuple[int, float, float]]) -> bool:
+    """Whether the same clients were at work in both epochs (each completing at least
+    ``MIN_CLIENT_REQUESTS``; see module doc): a client that joins or leaves changes the others'
+    speed too, whatever the rule, when they share cores or the executor."""
+
+    def at_work(epoch: dict[str, tuple[int, float, float]]) -> set[str]:
+        return {c for c, (requests, _, _) in epoch.items() if requests >= MIN_CLIENT_REQUESTS}
+
+    return at_work(before) == at_work(now)
 
 
 def _same_phase(
