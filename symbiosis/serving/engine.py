@@ -63,6 +63,9 @@ class EngineOptions:
     max_waiting: int = 256  # queued requests beyond the running batch; more get 429
     kv_cache_bytes: int = 2 << 30  # cap on the padded KV cache of the running batch
     max_prefill_tokens: int = 4096  # padded prompt tokens prefilled in one forward
+    # A prefill with an echoing prompt keeps the logits of every position ([rows, columns,
+    # vocab]) of every row: at most this many rows x columns (by default one full-context prompt's).
+    max_echo_positions: int = 2048
 
 
 @dataclass(frozen=True)
@@ -303,11 +306,13 @@ class GenerationEngine:
                 if not self._waiting:
                     break
                 candidate = self._waiting[0]
-                # A prompt whose log-probabilities are wanted (echo) keeps the logits of every
-                # position at prefill ([rows, columns, vocab]): such a prompt prefills alone (the
-                # tensor is one prompt's, at most max_context x vocab), the others keep only their
-                # last position's.
-                if joiners and (_echoes(candidate) or _echoes(joiners[0])):
+                # A prompt whose log-probabilities are wanted (echo) makes its prefill keep the
+                # logits of every position of every row ([rows, columns, vocab]): such a prefill
+                # takes prompts while rows x columns stays within max_echo_positions (one
+                # full-context prompt's, by default), so an evaluation harness's batch of short
+                # scored prompts prefills together and the tensor stays bounded; a prefill without
+                # one keeps only each row's last position.
+                if joiners and any(map(_echoes, [candidate, *joiners])) and not self._echo_fits(joiners + [candidate]):
                     break
                 if not self._fits(joiners + [candidate]) or (
                     candidate.request.adapter is not None and not self.pool.can_acquire(candidate.request.adapter)
@@ -325,6 +330,10 @@ class GenerationEngine:
                 continue
             joiners.append(candidate)
         return joiners
+
+    def _echo_fits(self, joiners: list[_Sequence]) -> bool:
+        columns = max(len(s.request.prompt_ids) for s in joiners)
+        return len(joiners) * columns <= self.options.max_echo_positions
 
     def _fits(self, joiners: list[_Sequence]) -> bool:
         rows = len(self._running) + len(joiners)

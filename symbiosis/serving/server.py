@@ -162,10 +162,12 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         reserved_names=(served_name,),
     )
     batch = min(options.max_batch_size, options.max_concurrent_requests)
+    max_context = _max_context(model, tokenizer)
     engine_options = EngineOptions(
         max_batch_size=batch,
         max_waiting=options.max_concurrent_requests - batch,
         kv_cache_bytes=options.kv_cache_mb << 20,
+        max_echo_positions=max_context,
     )
     engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks)
 
@@ -175,7 +177,7 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         spec = next(iter(transport.layer_specs().values()))
         transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
 
-    return EngineParts(model, engine, _max_context(model, tokenizer), probe)
+    return EngineParts(model, engine, max_context, probe)
 
 
 class ApiServer:

@@ -6,6 +6,7 @@ Every greedy completion is compared token for token (``return_token_ids``) with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -375,17 +376,23 @@ def test_echo_scores_prompts_with_the_monolithic_models_logprobs(server, lora_ad
     check_echo(server, lora_adapters, reference)
 
 
-def test_echoed_prompts_prefill_alone(server, monkeypatch):
-    """Only echoing prompts keep every position's logits at prefill, so each prefills alone (the
-    tensor is one prompt's); the others still prefill together."""
+def test_echoing_prefills_keep_every_positions_logits_within_their_bound(server, monkeypatch):
+    """A prefill with an echoing prompt keeps every position's logits of every row, so it takes
+    prompts while rows x columns stays within ``max_echo_positions``: echoing prompts (an
+    evaluation harness's scored prompts) prefill together, with plain ones too, and never past
+    the bound; plain prompts alone still prefill together. (Before: each echoing prompt
+    prefilled alone, and a batch of them one at a time.)"""
     prefills = []
     prefill = server.engine._prefill
 
     def recording(joiners):
-        prefills.append([s.request.params.prompt_logprobs is not None for s in joiners])
+        prefills.append([(s.request.params.prompt_logprobs is not None, len(s.request.prompt_ids)) for s in joiners])
         prefill(joiners)
 
     monkeypatch.setattr(server.engine, "_prefill", recording)
+    longest = max(len(server.engine.tokenizer(p)["input_ids"]) for p in PROMPTS)
+    bound = 3 * longest  # room for three prompts of the longest kind
+    monkeypatch.setattr(server.engine, "options", dataclasses.replace(server.engine.options, max_echo_positions=bound))
     _slow_steps(server, monkeypatch, 0.05)  # let requests pile up, so prefills have several joiners
     client = openai_client(server)
 
@@ -399,9 +406,15 @@ def test_echoed_prompts_prefill_alone(server, monkeypatch):
         list(pool.map(ask, range(12)))  # echoing and plain requests interleaved
         list(pool.map(ask, range(1, 12, 2)))  # plain ones only
         list(pool.map(ask, range(0, 12, 2)))  # echoing ones only
-    assert [True] in prefills, "no echoing prompt was served"
-    assert all(kinds == [True] or not any(kinds) for kinds in prefills), prefills
-    assert any(len(kinds) > 1 for kinds in prefills), "plain prompts no longer prefill together"
+    echoing = [p for p in prefills if any(echo for echo, _ in p)]
+    assert echoing, "no echoing prompt was served"
+    assert all(len(p) * max(n for _, n in p) <= bound for p in echoing if len(p) > 1), prefills
+    assert any(sum(echo for echo, _ in p) > 1 for p in echoing), (
+        f"echoing prompts no longer prefill together: {prefills}"
+    )
+    assert any(len(p) > 1 for p in prefills if not any(echo for echo, _ in p)), (
+        "plain prompts no longer prefill together"
+    )
 
 
 def test_penalties_give_the_tokens_of_monolithic_peft_with_the_same_penalties(server, lora_adapters, reference):
