@@ -30,12 +30,13 @@ changes the others' speed whatever the rule (they share the cores and the execut
 comparison would credit the rule with it. Measured (2026-11-27, 8 client processes of one
 sequence each on this 2-core host, each warming up alone while the others still load its
 model; 96 tokens each): compared across those arrivals, the warm-up epochs rated the convoy
-rule below the others and the tuner kept "predicted" for the whole run in two runs of two
-(16-20 tokens/s in all), while the convoy rule fixed served 25 with half the executor's CPU
-(4x fewer products). Without those comparisons one run of two kept the convoy (24.6 tokens/s);
-the other still left it on the noise of the first decoding epochs (20.0). An epoch counts only
-if two clients or more were served in it (alone, nothing can be batched) and it did not
-overrun (an idle executor says nothing about a rule).
+rule below the others and the tuner left it (three runs, 16.4-19.9 tokens/s in all; "predicted"
+in use at the end of the two whose rule was read), while the convoy rule fixed served 25.2 with
+half the executor's CPU (4x fewer batches, so 4x fewer passes over the weights). Without
+those comparisons one run of two kept the convoy (24.6 tokens/s); the other still left it on
+the noise of the first decoding epochs (20.0). An epoch counts only if two clients or more were
+served in it (alone, nothing can be batched) and it did not overrun (an idle executor says
+nothing about a rule).
 
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average

@@ -376,12 +376,14 @@ def test_echo_scores_prompts_with_the_monolithic_models_logprobs(server, lora_ad
     check_echo(server, lora_adapters, reference)
 
 
-def test_echoing_prefills_keep_every_positions_logits_within_their_bound(server, monkeypatch):
+def test_echoing_prefills_keep_every_positions_logits_within_their_bound(server, monkeypatch, lora_adapters, reference):
     """A prefill with an echoing prompt keeps every position's logits of every row, so it takes
     prompts while rows x columns stays within ``max_echo_positions``: echoing prompts (an
     evaluation harness's scored prompts) prefill together, with plain ones too, and never past
     the bound; plain prompts alone still prefill together. (Before: each echoing prompt
-    prefilled alone, and a batch of them one at a time.)"""
+    prefilled alone, and a batch of them one at a time.) Batched and left-padded, with other
+    rows beside them, the prompts' log-probabilities and the greedy tokens are still the
+    monolithic model's."""
     prefills = []
     prefill = server.engine._prefill
 
@@ -399,13 +401,31 @@ def test_echoing_prefills_keep_every_positions_logits_within_their_bound(server,
     def ask(i):
         echo = i % 2 == 0
         return client.completions.create(
-            model="qv4", prompt=PROMPTS[i % 5], max_tokens=2, temperature=0, echo=echo, logprobs=1 if echo else None
+            model="qv4",
+            prompt=PROMPTS[i % 5],
+            max_tokens=2,
+            temperature=0,
+            echo=echo,
+            logprobs=1 if echo else None,
+            extra_body={"return_token_ids": True},
         )
 
+    asked = [*range(12), *range(1, 12, 2), *range(0, 12, 2)]
     with ThreadPoolExecutor(12) as pool:
-        list(pool.map(ask, range(12)))  # echoing and plain requests interleaved
-        list(pool.map(ask, range(1, 12, 2)))  # plain ones only
-        list(pool.map(ask, range(0, 12, 2)))  # echoing ones only
+        answers = list(pool.map(ask, range(12)))  # echoing and plain requests interleaved
+        answers += list(pool.map(ask, range(1, 12, 2)))  # plain ones only
+        answers += list(pool.map(ask, range(0, 12, 2)))  # echoing ones only
+    adapter = lora_adapters["qv4"]
+    for i, answer in zip(asked, answers):
+        prompt = PROMPTS[i % 5]
+        choice = answer.choices[0]
+        assert choice.token_ids == reference.tokens(prompt, adapter, 2)
+        if i % 2 == 0:
+            ids = reference.tokenizer(prompt)["input_ids"]
+            expected = reference.prompt_logprobs(ids, adapter)
+            chosen = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)]
+            served = torch.tensor(choice.logprobs.token_logprobs[1 : len(ids)])
+            torch.testing.assert_close(served, chosen, atol=1e-4, rtol=0)
     echoing = [p for p in prefills if any(echo for echo, _ in p)]
     assert echoing, "no echoing prompt was served"
     assert all(len(p) * max(n for _, n in p) <= bound for p in echoing if len(p) > 1), prefills
