@@ -8,6 +8,7 @@ exception is logged and answered with a 500 that carries no traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import threading
@@ -70,6 +71,46 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class _AnswerUnexpectedErrors:
+    """ASGI middleware: an exception no handler took becomes OpenAI's 500 body *here*, and the
+    connection stays open. Why not ``exception_handler(Exception)`` alone: Starlette runs that one
+    in its outermost middleware, which sends the 500 and then re-raises, and uvicorn then closes
+    the connection, so the client's next request on it (the ``openai`` package keeps connections
+    alive) fails with a reset. An error after the response began (a stream) still propagates:
+    closing the connection is then the only way to tell the client."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            if started:
+                raise
+            log.exception("unexpected error while answering a request")
+            await _internal_error().response()(scope, receive, send)
+
+
+def _internal_error() -> ApiError:
+    return ApiError(500, "internal server error; see the server log", "internal_error")
+
+
+#: ``top_k`` beyond this is sent as this: the same (no cut, larger than any vocabulary), and it
+#: fits the engine process's wire, whose integers are 64-bit.
+TOP_K_CAP = 2**31 - 1
 
 
 def _not_found(model: str) -> ApiError:
@@ -215,9 +256,11 @@ def create_app(state: ApiState) -> FastAPI:
         ).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception):
+    async def _unexpected(_request: Request, exc: Exception):  # what ``_AnswerUnexpectedErrors`` let through
         log.exception("unexpected error while answering a request")
-        return ApiError(500, "internal server error; see the server log", "internal_error").response()
+        return _internal_error().response()
+
+    app.add_middleware(_AnswerUnexpectedErrors)
 
     def allowed_adapters(request: Request) -> frozenset[str] | None:
         """Adapters the caller may use (None: all); 401 if keys are required and this one is wrong."""
@@ -249,32 +292,28 @@ def create_app(state: ApiState) -> FastAPI:
 
     # ---- models ------------------------------------------------------------------------------------
 
+    def model_card(name: str, parent: str | None) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "symbiosis",
+            "root": name,
+            "parent": parent,
+            "max_model_len": config.max_context,
+        }
+
     @app.get("/v1/models")
     async def list_models(request: Request):
         scope = allowed_adapters(request)
         names = [n for n in engine.pool.names() if scope is None or n in scope]
-        base = {
-            "id": config.served_model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "symbiosis",
-            "root": config.served_model_name,
-            "parent": None,
-            "max_model_len": config.max_context,
-        }
-        adapters = [
-            {
-                "id": name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "symbiosis",
-                "root": name,
-                "parent": config.served_model_name,
-                "max_model_len": config.max_context,
-            }
-            for name in names
-        ]
-        return {"object": "list", "data": [base, *adapters]}
+        base = model_card(config.served_model_name, None)
+        return {"object": "list", "data": [base, *(model_card(name, config.served_model_name) for name in names)]}
+
+    @app.get("/v1/models/{model:path}")  # ``client.models.retrieve``; ``path``: adapter names may hold a '/'
+    async def retrieve_model(model: str, request: Request):
+        adapter = resolve_adapter(model, allowed_adapters(request))  # 404 as for a request naming it
+        return model_card(model, None if adapter is None else config.served_model_name)
 
     # ---- generation ----------------------------------------------------------------------------------
 
@@ -322,6 +361,7 @@ def create_app(state: ApiState) -> FastAPI:
             max_tokens = min(default_tokens, room) if default_tokens is not None else room
         echo = getattr(body, "echo", False)
         check_vocabulary(body.logit_bias or (), "logit_bias")
+        check_vocabulary(body.stop_token_ids or (), "stop_token_ids")
         if max_tokens < (0 if echo else 1) or prompt_len + max_tokens > config.max_context:
             raise ApiError(
                 400,
@@ -338,7 +378,7 @@ def create_app(state: ApiState) -> FastAPI:
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=max(body.top_k, 0),
+            top_k=min(max(body.top_k, 0), TOP_K_CAP),  # a cut at or past the vocabulary's size keeps all of it
             seed=body.seed,
             stop=tuple(body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -359,7 +399,11 @@ def create_app(state: ApiState) -> FastAPI:
         try:
             index = 0
             for ids, param in zip(prompts, params):
-                for _ in range(body.n):
+                for copy in range(body.n):
+                    # With a seed, the n choices of a prompt draw from seed, seed + 1, ... (as vLLM
+                    # does): each is reproducible, and they are not n copies of one sample.
+                    if copy and param.seed is not None:
+                        param = dataclasses.replace(param, seed=param.seed + 1)
                     request = GenerationRequest(ids, adapter, param, choices.sink_for(index))
                     choices.handles.append(engine.submit(request))
                     choices.open += 1

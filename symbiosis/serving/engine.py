@@ -414,13 +414,23 @@ class GenerationEngine:
 
     def _append_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         """Each sequence's next token from its row of ``logits``, with its log-probabilities if asked."""
-        tokens = choose_tokens(logits, [s.sampler for s in sequences])
-        asking = [row for row, s in enumerate(sequences) if s.request.params.logprobs is not None]
+        failures: dict[int, Exception] = {}
+        tokens = choose_tokens(logits, [s.sampler for s in sequences], failures)
+        for row, exc in failures.items():  # a bug one request's sampling found ends that request only
+            traceback.print_exception(exc, file=sys.stderr)
+            self._fail(
+                sequences[row], Failure(500, "internal error while sampling; see the server log", "internal_error")
+            )
+        asking = [
+            row for row, s in enumerate(sequences) if s.request.params.logprobs is not None and row not in failures
+        ]
         found = {}
         if asking:  # one log-softmax and one top-k for every row that asks
             tops = [sequences[row].request.params.logprobs for row in asking]
             found = dict(zip(asking, rows_logprobs(logits[asking], [tokens[row] for row in asking], tops)))
         for row, (sequence, token) in enumerate(zip(sequences, tokens)):
+            if sequence.done:  # failed above
+                continue
             if sequence.request.params.max_tokens == 0:  # only the prompt's log-probabilities were wanted
                 self._finish(sequence, "length")
                 continue

@@ -33,6 +33,10 @@ import torch
 MAX_LOGPROBS = 20
 
 
+#: Temperatures below this sample greedily (``SamplingParams.greedy``); vLLM's ``_SAMPLING_EPS``.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asked for; ``temperature == 0`` is greedy. Validated by the API layer."""
@@ -56,7 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below GREEDY_BELOW, dividing the logits by the temperature overflows float32 to inf and
+        # the softmax to NaN: the limit of such a temperature is the arg-max, so take it (vLLM's rule).
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -159,15 +165,32 @@ class RowSampler:
             drop = cumulative - ordered.softmax(-1) >= params.top_p
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = scores.softmax(-1).cpu()  # the generator is a CPU one, whatever the model's device
+        if not (bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0):
+            # Extreme but valid parameters (a repetition penalty of 1e300, biases that rule out every
+            # token) can leave no distribution to draw from: the limit they tend to is the row's most
+            # likely token.
+            return int(torch.nan_to_num(scores, nan=float("-inf")).argmax())
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def choose_tokens(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
-    """Each row's next token (recorded in its sampler); plain greedy rows in one vectorized arg-max."""
+def choose_tokens(
+    logits: torch.Tensor, samplers: list[RowSampler], failures: dict[int, Exception] | None = None
+) -> list[int]:
+    """Each row's next token (recorded in its sampler); plain greedy rows in one vectorized arg-max.
+
+    ``failures``: where a row whose own choice raised (a bug one request's parameters found) is
+    put, by row, instead of raising: the caller ends that request alone and the batch goes on.
+    Without it, the exception propagates."""
     tokens = logits.argmax(-1).tolist()
     for row, sampler in enumerate(samplers):
         if sampler.own_pass:
-            tokens[row] = sampler.choose(logits[row])
+            try:
+                tokens[row] = sampler.choose(logits[row])
+            except Exception as exc:
+                if failures is None:
+                    raise
+                failures[row] = exc
+                continue
         sampler.record(tokens[row])
     return tokens
 

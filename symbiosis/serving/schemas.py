@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from symbiosis.serving.sampling import MAX_LOGPROBS
 
+#: A seed is a signed 64-bit integer, as OpenAI documents it (the ``n`` choices of a prompt draw from
+#: seed, seed + 1, ..., which ``torch.Generator.manual_seed`` takes up to 2**64 - 1).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -21,9 +25,9 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM extra; 0 or -1: off
+    top_k: int = Field(default=0, ge=-1)  # vLLM extra; 0 or -1: off; over the vocabulary: all of it
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -31,7 +35,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM extra; 1: off
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM extra; 1: off
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias, -100..100
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM extra; 0: off
     min_tokens: int = Field(default=0, ge=0)  # vLLM extra; 0: off

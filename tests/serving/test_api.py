@@ -467,6 +467,11 @@ def test_sampling_with_a_seed_is_repeatable_and_stop_strings_cut_the_text(server
     }
     first, second = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
     assert first == second
+    # n choices with a seed draw from seed, seed + 1, ... (vLLM's rule): not n copies of one sample,
+    # and each is the one a request of n=1 with its seed gets.
+    several = [c.text for c in client.completions.create(**kwargs, n=3).choices]
+    assert several[0] == first and len(set(several)) == 3
+    assert several[1] == client.completions.create(**{**kwargs, "seed": 8}).choices[0].text
     whole = client.completions.create(model="qv4", prompt="abc", max_tokens=16, temperature=0).choices[0].text
     stop = whole[3:5]
     if stop:
@@ -503,6 +508,12 @@ def test_models_lists_the_base_and_every_adapter_with_its_parent(server, lora_ad
     listed = {m.id: m for m in openai_client(server).models.list().data}
     assert set(listed) == {server.served_model_name, *lora_adapters}
     assert all(listed[name].model_extra["parent"] == server.served_model_name for name in lora_adapters)
+    # ``models.retrieve`` (GET /v1/models/{id}) answers what the list says, and 404 as a request would.
+    client = openai_client(server)
+    for name in [server.served_model_name, *lora_adapters]:
+        assert client.models.retrieve(name).model_dump() == listed[name].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-adapter")
 
 
 def test_errors_use_openai_bodies_and_status_codes(server):
@@ -651,6 +662,9 @@ def test_a_key_limited_to_one_adapter_gets_404_for_the_others(api_model, lora_ad
             "no-such-adapter", "X"
         )
         assert {m.id for m in tenant.models.list().data} == {server.served_model_name, "qv4"}
+        assert tenant.models.retrieve("qv4").id == "qv4"
+        with pytest.raises(openai.NotFoundError):
+            tenant.models.retrieve("attn8")  # a model the key may not use is as missing as one that is
         tokenize = server.url + "/tokenize"
         assert post(tokenize, {"model": "qv4", "prompt": "hi"}, "tenant-a-key")[0] == 200
         assert post(tokenize, {"model": "attn8", "prompt": "hi"}, "tenant-a-key")[0] == 404

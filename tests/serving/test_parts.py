@@ -78,6 +78,43 @@ def test_sampling_filters_and_seeds():
     assert [a.choose(logits[0]) for _ in range(10)] == [b.choose(logits[0]) for _ in range(10)]
 
 
+def test_extreme_parameters_still_choose_the_limit_token():
+    """Valid but extreme parameters leave no distribution to draw from (the softmax of inf/NaN):
+    a temperature under 1e-5 is greedy (vLLM's rule), and a row whose scores overflow takes its
+    most likely token instead of raising (which failed every sequence in the batch)."""
+    logits = torch.tensor([[0.5, 3.0, 2.0, -1.0]])
+    tiny = RowSampler(SamplingParams(temperature=1e-300, seed=0))
+    assert tiny.params.greedy and choose_tokens(logits, [tiny]) == [1]
+    # A huge penalty on tokens already seen: positive scores divide to ~0, negative ones go to -inf.
+    crushing = RowSampler(SamplingParams(temperature=1.0, repetition_penalty=1e308, seed=0), (0, 1))
+    assert choose_tokens(logits, [crushing]) == [2]
+    # A penalty so small that dividing by it overflows: the seen token with the larger score wins
+    # (+inf), the others cannot be drawn from.
+    exploding = RowSampler(SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=0), (1, 2))
+    assert choose_tokens(logits, [exploding]) == [1]
+    # Every token biased out of reach and the end of sequence held back: still a token, not an error.
+    nothing = RowSampler(
+        SamplingParams(temperature=1.0, logit_bias=tuple((t, -100.0) for t in range(4)), min_tokens=1, seed=0),
+        eos_ids=frozenset(range(4)),
+    )
+    assert choose_tokens(logits, [nothing]) in ([0], [1], [2], [3])
+
+
+def test_a_row_whose_choice_raises_is_reported_alone():
+    logits = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+
+    class Broken(RowSampler):
+        def choose(self, logits):
+            raise RuntimeError("a bug")
+
+    good, broken = RowSampler(SamplingParams(temperature=1.0, top_k=1, seed=0)), Broken(SamplingParams(temperature=1.0))
+    failures = {}
+    tokens = choose_tokens(logits, [good, broken], failures)
+    assert tokens[0] == 1 and list(failures) == [1] and good.generated == 1 and broken.generated == 0
+    with pytest.raises(RuntimeError, match="a bug"):
+        choose_tokens(logits, [good, broken])
+
+
 def test_repetition_penalty_is_transformers_own():
     from transformers import RepetitionPenaltyLogitsProcessor
 

@@ -1,0 +1,258 @@
+"""Hostile request bodies (hypothesis): every one gets a 2xx or a 4xx with OpenAI's error body,
+never a 500, over one kept-alive connection, and the server serves a plain request afterwards.
+
+What this found (2026-11-27): a seed, ``top_k`` or stop token id past 64 bits passed validation,
+failed to encode for the engine process or to seed a generator and came back as a 500, after
+which uvicorn dropped the connection (the next request on it: "connection reset"); an
+out-of-vocabulary ``stop_token_ids`` and an infinite ``repetition_penalty`` were accepted; and
+extreme but valid values (``temperature`` 1e-243, ``repetition_penalty`` 1e308) made the sampler
+raise, which failed every sequence of the batch, not only the request that asked for them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from symbiosis.serving.sampling import RowSampler
+from tests.serving.test_api import greedy_tokens, openai_client, start_server
+
+# Integers a client may send: small ones of both signs, and ones past every wire width.
+hostile_ints = st.one_of(
+    st.integers(-3, 4),
+    st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30, -(10**30)]),
+)
+hostile_floats = st.one_of(
+    st.floats(-3.0, 3.0), st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 0.0, 2.0, 100.0, 101.0])
+)
+junk = st.recursive(
+    st.none() | st.booleans() | hostile_ints | hostile_floats | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=5,
+)
+
+
+VOCABULARY = 1024  # the tiny llama's (``modelzoo``)
+
+
+#: Text a client would send (lone surrogates cannot be encoded as UTF-8; the hostile values have them).
+def words(min_size: int = 0, max_size: int = 8):
+    return st.text(st.characters(exclude_categories=("Cs",)), min_size=min_size, max_size=max_size)
+
+
+def valid_fields(model: str) -> dict:
+    """Every sampling field with values the server accepts (a body of them is served)."""
+    token = st.integers(0, VOCABULARY - 1)
+    return {
+        "model": st.sampled_from([model, "qv4"]),
+        "max_tokens": st.integers(1, 3),
+        "temperature": st.floats(0.0, 2.0),
+        "top_p": st.floats(0.01, 1.0),
+        "top_k": st.integers(-1, 50),
+        "stop": st.one_of(words(1, 3), st.lists(words(1, 3), max_size=3)),
+        "seed": st.integers(-(2**63), 2**63 - 1),
+        "n": st.integers(1, 3),
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "ignore_eos": st.booleans(),
+        "stop_token_ids": st.lists(token, max_size=3),
+        "presence_penalty": st.floats(-2.0, 2.0),
+        "frequency_penalty": st.floats(-2.0, 2.0),
+        "repetition_penalty": st.floats(0.5, 2.0),
+        "logit_bias": st.dictionaries(token.map(str), st.floats(-100.0, 100.0), max_size=3),
+        "min_p": st.floats(0.0, 1.0),
+        "min_tokens": st.integers(0, 1),
+        "return_token_ids": st.booleans(),
+        "user": words(max_size=4),
+    }
+
+
+def completion_fields(model: str) -> dict:
+    prompt = st.one_of(
+        words(max_size=12),
+        st.lists(words(max_size=6), min_size=1, max_size=3),
+        st.lists(st.integers(0, VOCABULARY - 1), min_size=1, max_size=4),
+    )
+    return {"prompt": prompt, **valid_fields(model), "echo": st.booleans(), "logprobs": st.integers(0, 5)}
+
+
+def chat_fields(model: str) -> dict:
+    content = st.one_of(
+        words(max_size=8),
+        st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words(max_size=4)}), max_size=2),
+    )
+    message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": content})
+    return {
+        "messages": st.lists(message, min_size=1, max_size=3),
+        **valid_fields(model),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 5),
+        "max_completion_tokens": st.integers(1, 3),
+    }
+
+
+@st.composite
+def bodies(draw, fields: dict, required: str) -> dict:
+    """A body of valid fields (the required one and any others), then none, one or two of its
+    fields (or unknown ones) set to hostile values: one bad field among good ones reaches the
+    code past validation, where a body of many bad fields would stop at the first."""
+    names = sorted(fields)
+    chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=6))
+    body = {name: draw(fields[name]) for name in {"model", required, *chosen}}
+    body.setdefault("max_tokens", 2)  # keep a served body short (the default is the whole context)
+    for name in draw(st.lists(st.sampled_from([*names, "suffix", "best_of", "tools"]), unique=True, max_size=2)):
+        body[name] = draw(hostile(name))
+    return body
+
+
+INT_FIELDS = {"max_tokens", "max_completion_tokens", "top_k", "seed", "n", "min_tokens", "logprobs", "top_logprobs"}
+INT_FIELDS |= {"best_of"}
+FLOAT_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
+
+
+def hostile(name: str):
+    """A bad value for field ``name``: of its type but out of every range (past 64 bits, NaN, ...)
+    or of another type altogether."""
+    if name in INT_FIELDS:
+        typed = hostile_ints
+    elif name in FLOAT_FIELDS:
+        typed = hostile_floats
+    elif name in ("stop_token_ids", "prompt"):
+        typed = st.lists(hostile_ints, min_size=1, max_size=3)
+    elif name == "logit_bias":
+        typed = st.dictionaries(hostile_ints.map(str), hostile_floats, min_size=1, max_size=2)
+    else:
+        typed = junk
+    return st.one_of(typed, junk)
+
+
+class KeptConnection:
+    """One HTTP/1.1 connection for every request, as the ``openai`` package keeps one alive: a
+    server that drops it after an answer fails the next request."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+
+    def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        # allow_nan: hostile JSON on purpose (Python writes NaN and Infinity, which strict parsers refuse)
+        self.connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = self.connection.getresponse()
+        return response.status, response.read()
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def check_answer(status: int, raw: bytes, body: dict) -> None:
+    assert status < 500, (status, raw[:300], body)
+    if status >= 400:
+        error = json.loads(raw)["error"]
+        assert error["message"] and error["type"], (raw[:300], body)
+
+
+@pytest.fixture(scope="module", params=["engine-thread", pytest.param("engine-process", marks=pytest.mark.slow)])
+def fuzz_server(request, api_model, lora_adapters):
+    """The server with its engine on a thread (as the tests beside this one run it) and in its
+    own process (as ``symbiosis api`` runs it): there every request crosses one more wire."""
+    server = start_server(
+        api_model, adapters={"qv4": lora_adapters["qv4"]}, engine_process=request.param == "engine-process"
+    )
+    connection = KeptConnection(server.url)
+    yield server, connection
+    connection.close()
+    server.close()
+
+
+#: Examples per test: enough to reach each field's bad values in CI; ``FUZZ_EXAMPLES`` for a longer hunt.
+FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
+FUZZ_SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_hostile_completion_bodies_get_typed_answers_and_keep_the_connection(fuzz_server, data):
+    server, connection = fuzz_server
+    body = data.draw(bodies(completion_fields(server.served_model_name), "prompt"))
+    check_answer(*connection.post("/v1/completions", body), body)
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_hostile_chat_bodies_get_typed_answers_and_keep_the_connection(fuzz_server, data):
+    server, connection = fuzz_server
+    body = data.draw(bodies(chat_fields(server.served_model_name), "messages"))
+    check_answer(*connection.post("/v1/chat/completions", body), body)
+
+
+#: For tests that patch the engine or the sampler: this process runs them only on a thread.
+ON_A_THREAD = pytest.mark.parametrize("fuzz_server", ["engine-thread"], indirect=True)
+
+
+def test_the_server_answers_after_the_fuzzing(fuzz_server):
+    server, _connection = fuzz_server
+    answer = openai_client(server).completions.create(model="qv4", prompt="abc", max_tokens=3, temperature=0)
+    assert answer.usage.completion_tokens == 3
+
+
+@ON_A_THREAD
+def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_open(fuzz_server, monkeypatch):
+    """A bug behind a handler (here: the engine's ``submit`` raising) answers OpenAI's 500 body,
+    and the same connection serves the next request (Starlette's own handler for ``Exception``
+    re-raises, and uvicorn then closes the connection)."""
+    server, connection = fuzz_server
+
+    def broken_submit(*_args, **_kwargs):
+        raise RuntimeError("a bug")
+
+    body = {"model": "qv4", "prompt": "abc", "max_tokens": 2}
+    with monkeypatch.context() as patch:
+        patch.setattr(server.engine, "submit", broken_submit)
+        status, raw = connection.post("/v1/completions", body)
+    assert status == 500 and json.loads(raw)["error"]["type"] == "internal_error"
+    status, raw = connection.post("/v1/completions", body)
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+
+
+@ON_A_THREAD
+def test_a_request_whose_sampling_fails_ends_alone_and_its_batch_goes_on(
+    fuzz_server, monkeypatch, lora_adapters, reference
+):
+    """A bug that one request's parameters find in sampling (here: a sampler that raises at its
+    third token) ends that request with a 500; a greedy request decoding in the same batch gets
+    every token of monolithic peft (the engine used to fail every sequence of the batch)."""
+    server, _connection = fuzz_server
+    original_choose = RowSampler.choose
+    batch_sizes = []
+
+    def choose(self, logits):
+        if self.params.seed == 666 and self.generated >= 2:
+            batch_sizes.append(len(server.engine._running))
+            raise RuntimeError("a bug in one row's sampling")
+        return original_choose(self, logits)
+
+    monkeypatch.setattr(RowSampler, "choose", choose)
+    client = openai_client(server)
+    prompt = "The quick brown fox"
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(
+            lambda: client.completions.create(model="qv4", prompt="abc", max_tokens=8, temperature=1.0, seed=666)
+        )
+        good = pool.submit(greedy_tokens, client, "qv4", prompt, 12)
+        with pytest.raises(openai.InternalServerError):
+            bad.result()
+        assert good.result() == reference.tokens(prompt, lora_adapters["qv4"], 12)
+    assert batch_sizes and max(batch_sizes) >= 2, "the two requests did not share a batch"
