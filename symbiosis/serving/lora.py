@@ -152,6 +152,13 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
             f"adapter {str(path)!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; the layer needs "
             f"A [r, {in_features}] and B [{out_features}, r]"
         )
+    if rank == 0:
+        raise AdapterFormatError(f"adapter {str(path)!r}: {module} has rank 0")
+    # One adapter's NaN or infinity would not stay in its own rows: the stacked layout multiplies
+    # every row by every adapter's columns (masked by 0, and 0 x NaN is NaN), so a diverged
+    # fine-tuning job's adapter would turn its batch-mates' logits to NaN.
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        raise AdapterFormatError(f"adapter {str(path)!r}: {module} holds NaN or infinite weights")
     alpha_pattern = config.get("alpha_pattern") or {}
     alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

@@ -23,6 +23,7 @@ from symbiosis.serving.lora import (
     RowAdapters,
     StackedUpdate,
     choose_layout,
+    load_lora_adapter,
     read_lora_config,
 )
 from symbiosis.serving.sampling import RowSampler, SamplingParams, choose_tokens, prompt_logprobs, rows_logprobs
@@ -214,6 +215,32 @@ def test_only_plain_lora_adapters_are_accepted(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
     with pytest.raises(AdapterFormatError, match="DoRA"):
         read_lora_config(tmp_path)
+
+
+@pytest.mark.parametrize("flaw", ["nan", "inf", "rank 0"])
+def test_adapters_with_non_finite_weights_or_no_rank_are_refused(tmp_path, flaw):
+    """A diverged fine-tuning job's adapter (NaN) must not load: in the stacked layout every row
+    is multiplied by every adapter's columns, and 0 x NaN is NaN, so it would turn its
+    batch-mates' logits to NaN (seen on a live server before this check: another adapter's
+    greedy tokens beside it became [488, 0] instead of 8 tokens)."""
+    from safetensors.torch import save_file
+
+    rank = 0 if flaw == "rank 0" else 2
+    a, b = torch.randn(rank, 3), torch.randn(4, rank)
+    if flaw != "rank 0":
+        a[0, 1] = float(flaw)
+    prefix = "base_model.model.m"
+    save_file({f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 4}))
+    with pytest.raises(AdapterFormatError, match="NaN or infinite" if rank else "rank 0"):
+        load_lora_adapter("x", tmp_path, {"m": (3, 4)}, dtype=torch.float32, device=torch.device("cpu"))
+    if flaw == "nan":  # the same file with finite weights loads
+        a[0, 1] = 0.5
+        save_file(
+            {f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}, str(tmp_path / "adapter_model.safetensors")
+        )
+        loaded = load_lora_adapter("x", tmp_path, {"m": (3, 4)}, dtype=torch.float32, device=torch.device("cpu"))
+        assert loaded.modules["m"].scaling == 2.0
 
 
 @pytest.mark.parametrize("layout", ["stacked", "gathered"])
