@@ -164,9 +164,7 @@ def check_answer(status: int, raw: bytes, body: dict) -> None:
 def fuzz_server(request, api_model, lora_adapters):
     """The server with its engine on a thread (as the tests beside this one run it) and in its
     own process (as ``symbiosis api`` runs it): there every request crosses one more wire."""
-    server = start_server(
-        api_model, adapters={"qv4": lora_adapters["qv4"]}, engine_process=request.param == "engine-process"
-    )
+    server = start_server(api_model, adapters=lora_adapters, engine_process=request.param == "engine-process")
     connection = KeptConnection(server.url)
     yield server, connection
     connection.close()
@@ -256,3 +254,95 @@ def test_a_request_whose_sampling_fails_ends_alone_and_its_batch_goes_on(
             bad.result()
         assert good.result() == reference.tokens(prompt, lora_adapters["qv4"], 12)
     assert batch_sizes and max(batch_sizes) >= 2, "the two requests did not share a batch"
+
+
+# ---- batch invariance: what a request gets does not depend on the requests beside it ---------------
+
+PROMPT_TEXTS = ["The quick brown fox", "a", "Hello there, my friend " * 3, "0 1 2 3", "Once upon a time"]
+
+
+@st.composite
+def served_requests(draw, models: list[str]) -> dict:
+    """A valid completion request as a harness or a chat front end sends it: greedy or seeded
+    sampling, with or without log-probabilities, echo, penalties, bias, stops, several choices."""
+    body = {
+        "model": draw(st.sampled_from(models)),
+        "prompt": draw(st.sampled_from(PROMPT_TEXTS)),
+        "max_tokens": draw(st.integers(1, 10)),
+        "return_token_ids": True,
+        "stream": draw(st.booleans()),
+    }
+    if draw(st.booleans()):  # greedy
+        body["temperature"] = 0
+    else:
+        body |= {"temperature": draw(st.floats(0.5, 1.5)), "seed": draw(st.integers(0, 10**6))}
+        body |= {"top_p": draw(st.floats(0.5, 1.0)), "top_k": draw(st.integers(0, 20))}
+    optional = {
+        "logprobs": st.integers(0, 3),
+        "n": st.integers(1, 3),
+        "stop": st.lists(st.sampled_from(["a", "e", " t", "o"]), min_size=1, max_size=2),
+        "logit_bias": st.dictionaries(st.integers(0, VOCABULARY - 1).map(str), st.floats(-5.0, 5.0), max_size=2),
+        "repetition_penalty": st.floats(0.8, 1.5),
+        "presence_penalty": st.floats(-1.0, 1.0),
+        "min_tokens": st.integers(0, 2),
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=3)):
+        body[name] = draw(optional[name])
+    if draw(st.integers(0, 4)) == 0:  # a scored prompt, as lm-eval sends it
+        body |= {"echo": True, "logprobs": 1, "max_tokens": draw(st.sampled_from([0, 2]))}
+    body["min_tokens"] = min(body.get("min_tokens", 0), body["max_tokens"])
+    return body
+
+
+def answer_of(url: str, body: dict) -> list[tuple[str, list[int], list]]:
+    """Each choice's text, token ids and token log-probabilities, streamed or not."""
+    connection = KeptConnection(url)
+    try:
+        status, raw = connection.post("/v1/completions", body)
+    finally:
+        connection.close()
+    assert status == 200, raw[:300]
+    choices: dict[int, list] = {}
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    for event in events if body["stream"] else [json.loads(raw)]:
+        for choice in event["choices"]:
+            text, ids, logprobs = choices.setdefault(choice["index"], ["", [], []])
+            choices[choice["index"]][0] = text + choice["text"]
+            ids.extend(choice.get("token_ids") or [])
+            logprobs.extend((choice.get("logprobs") or {}).get("token_logprobs") or [])
+    return [tuple(choices[index]) for index in sorted(choices)]
+
+
+def same_answer(alone, together) -> bool:
+    if len(alone) != len(together):
+        return False
+    for (text, ids, logprobs), (text2, ids2, logprobs2) in zip(alone, together):
+        if text != text2 or ids != ids2 or len(logprobs) != len(logprobs2):
+            return False
+        # other batch-mates, other products: log-probabilities equal to ~1e-7 (1e-4 as elsewhere)
+        if any(
+            (a is None) != (b is None) or (a is not None and abs(a - b) > 1e-4) for a, b in zip(logprobs, logprobs2)
+        ):
+            return False
+    return True
+
+
+@settings(
+    max_examples=int(os.environ.get("MIX_EXAMPLES", "4")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_any_mix_of_requests_gets_what_each_gets_alone(fuzz_server, lora_adapters, data):
+    """Requests of every kind (greedy and seeded sampling, log-probabilities, echo, penalties,
+    bias, stop strings, several choices, streamed or not) over mixed adapters, sent together:
+    each gets the tokens and text it gets alone, and its log-probabilities within 1e-4. A row's
+    parameters, adapter or failure must never reach its batch-mates."""
+    server, _connection = fuzz_server
+    models = [*lora_adapters, server.served_model_name]
+    bodies = data.draw(st.lists(served_requests(models), min_size=4, max_size=10))
+    alone = [answer_of(server.url, body) for body in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda body: answer_of(server.url, body), bodies))
+    for body, by_itself, beside_others in zip(bodies, alone, together):
+        assert same_answer(by_itself, beside_others), (body, by_itself, beside_others)
