@@ -40,6 +40,9 @@ from symbiosis.serving.sampling import (
 )
 from symbiosis.threads import with_torch_threads
 
+#: While the executor is down, how often the engine probes it (``GenerationEngine._wait_for_executor``).
+PROBE_EVERY_S = 1.0
+
 
 class ServerOverloadedError(SymbiosisError):
     """The waiting queue is full; try again later (HTTP 429)."""
@@ -172,8 +175,14 @@ class GenerationEngine:
         adapter_context: AdapterContext,
         options: EngineOptions = EngineOptions(),
         hooks: EngineHooks | None = None,
+        executor_probe: Callable[[], None] | None = None,
     ) -> None:
+        """``executor_probe``: one empty request to the executor, raising if it cannot answer.
+        With it, an engine that lost its executor refuses new requests at once (503) and probes
+        every ``PROBE_EVERY_S`` until the executor answers again (see ``_wait_for_executor``);
+        without it, each request finds out for itself."""
         self.model = model
+        self.executor_probe = executor_probe
         self.tokenizer = tokenizer
         self.pool = pool
         self.context = adapter_context
@@ -222,6 +231,8 @@ class GenerationEngine:
         with self._cond:
             if self._stopping:
                 raise ServerOverloadedError("the server is shutting down")
+            if not self.executor_ok and self.executor_probe is not None:  # the loop probes until it is back
+                raise ExecutorUnavailableError(f"the base executor is unavailable: {self.last_error}")
             if len(self._waiting) >= self.options.max_waiting:
                 raise ServerOverloadedError(f"{len(self._waiting)} requests are already waiting; try again later")
             self._waiting.append(sequence)
@@ -246,6 +257,7 @@ class GenerationEngine:
                 "adapter_loads": self.pool.loads,
                 "adapter_load_seconds": self.pool.load_seconds,
                 "executor_ok": self.executor_ok,
+                "executor_error": None if self.executor_ok else self.last_error,
             }
 
     def close(self) -> None:
@@ -268,12 +280,43 @@ class GenerationEngine:
             try:
                 self._step()
             except (ExecutorUnavailableError, ExecutorTimeoutError) as exc:
-                self.executor_ok, self.last_error = False, str(exc)
-                self._fail_all(Failure(503, f"the base executor is unavailable: {exc}", "service_unavailable"))
+                with self._cond:
+                    self.executor_ok, self.last_error = False, str(exc)
+                failure = Failure(503, f"the base executor is unavailable: {exc}", "service_unavailable")
+                self._fail_all(failure)
+                if self.executor_probe is not None:
+                    self._wait_for_executor(failure)
             except Exception:  # noqa: BLE001 (a bug: log it, fail who was affected, keep serving the others)
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(Failure(500, "internal error while generating; see the server log", "internal_error"))
             self._report_queue()
+
+    def _wait_for_executor(self, failure: Failure) -> None:
+        """After the executor failed a step: end the queued requests too (they would wait for as
+        long as it is down, and each new one would spend a connection timeout finding out), and
+        probe it every ``PROBE_EVERY_S`` until it answers or the engine stops; meanwhile
+        ``submit`` refuses at once with 503. The executor keeps no state between calls, so
+        serving resumes as soon as a probe gets through (a restarted ``symbiosis serve`` on the
+        same address, a network back)."""
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for sequence in waiting:
+            self._fail(sequence, failure)
+        self._report_queue()
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+            try:
+                self.executor_probe()
+            except Exception as exc:  # noqa: BLE001 (any failure means: still down)
+                with self._cond:
+                    self.last_error = str(exc) or type(exc).__name__
+                    self._cond.wait(PROBE_EVERY_S)
+                continue
+            with self._cond:
+                self.executor_ok = True
+            return
 
     @torch.no_grad()
     def _step(self) -> None:

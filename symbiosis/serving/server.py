@@ -169,7 +169,6 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         kv_cache_bytes=options.kv_cache_mb << 20,
         max_echo_positions=max_context,
     )
-    engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks)
 
     def probe() -> None:
         """One empty request to the executor: raises if it cannot answer."""
@@ -177,6 +176,7 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         spec = next(iter(transport.layer_specs().values()))
         transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
 
+    engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks, executor_probe=probe)
     return EngineParts(model, engine, max_context, probe)
 
 

@@ -780,6 +780,15 @@ def test_an_unreachable_executor_answers_503(api_model, tmp_path):
         with pytest.raises(openai.InternalServerError) as down:
             greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)
         assert down.value.status_code == 503
+        # Known down: the engine probes in the background, and requests and /health answer 503 at
+        # once with Retry-After (each request spent a connection timeout finding out before).
+        began = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as again:
+            greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)
+        status, body = get(server.url + "/health")
+        assert again.value.status_code == 503 and again.value.response.headers.get("retry-after")
+        assert status == 503 and "probing" in json.loads(body)["reason"]
+        assert time.monotonic() - began < 2.0
         process = start_executor(api_model, address)  # the executor is stateless: serving resumes
         deadline = time.monotonic() + 30
         while get(server.url + "/health")[0] != 200 and time.monotonic() < deadline:
