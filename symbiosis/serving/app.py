@@ -686,13 +686,17 @@ def create_app(state: ApiState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        try:
-            known = await asyncio.to_thread(engine.stats)
-        except Exception:  # noqa: BLE001 (an engine process that cannot answer: the probe below says why)
+        try:  # short: an engine process that cannot answer is the probe's to report
+            known = await asyncio.wait_for(asyncio.to_thread(engine.stats), timeout=1.0)
+        except Exception:  # noqa: BLE001 (including the timeout)
             known = {"executor_ok": True}
         if not known["executor_ok"]:  # the engine found it down and probes it until it is back: no wait here
             reason = f"executor: {known.get('executor_error') or 'unavailable'} (probing until it answers)"
-            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+            return JSONResponse(
+                {"status": "unavailable", "reason": reason},
+                status_code=503,
+                headers={"Retry-After": str(config.retry_after_s)},
+            )
         async with probe_lock:  # one probe at a time, however many pollers
             try:
                 await asyncio.wait_for(asyncio.to_thread(state.health_probe), timeout=3.0)

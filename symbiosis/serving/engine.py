@@ -280,11 +280,15 @@ class GenerationEngine:
             try:
                 self._step()
             except (ExecutorUnavailableError, ExecutorTimeoutError) as exc:
-                with self._cond:
-                    self.executor_ok, self.last_error = False, str(exc)
                 failure = Failure(503, f"the base executor is unavailable: {exc}", "service_unavailable")
-                self._fail_all(failure)
-                if self.executor_probe is not None:
+                self._fail_all(failure)  # the batch's cache is unusable: its sequences end
+                with self._cond:
+                    self.last_error = str(exc)
+                    self.executor_ok = self.executor_probe is not None  # without a probe: down until a step succeeds
+                # A lost connection is down for sure; a timeout may be a slow but live executor,
+                # which answers an empty probe at once: then the queue goes on.
+                lost = isinstance(exc, ExecutorUnavailableError)
+                if self.executor_probe is not None and (lost or not self._probe()):
                     self._wait_for_executor(failure)
             except Exception:  # noqa: BLE001 (a bug: log it, fail who was affected, keep serving the others)
                 traceback.print_exc(file=sys.stderr)
@@ -292,31 +296,51 @@ class GenerationEngine:
             self._report_queue()
 
     def _wait_for_executor(self, failure: Failure) -> None:
-        """After the executor failed a step: end the queued requests too (they would wait for as
-        long as it is down, and each new one would spend a connection timeout finding out), and
-        probe it every ``PROBE_EVERY_S`` until it answers or the engine stops; meanwhile
-        ``submit`` refuses at once with 503. The executor keeps no state between calls, so
-        serving resumes as soon as a probe gets through (a restarted ``symbiosis serve`` on the
-        same address, a network back)."""
+        """The executor failed a step and an empty probe: refuse new requests at once (``submit``:
+        503) and end the queued ones (they would wait for as long as it is down, and each would
+        spend a connection timeout finding out), then probe every ``PROBE_EVERY_S`` until it
+        answers or the engine stops. The executor keeps no state between calls, so serving
+        resumes as soon as a probe gets through (a restarted ``symbiosis serve`` on the same
+        address, a network back)."""
         with self._cond:
+            self.executor_ok = False
             waiting, self._waiting = list(self._waiting), deque()
         for sequence in waiting:
             self._fail(sequence, failure)
         self._report_queue()
-        while True:
+        while not self._probe():
             with self._cond:
                 if self._stopping:
                     return
+                self._cond.wait(PROBE_EVERY_S)
+        with self._cond:
+            self.executor_ok = True
+
+    def _probe(self) -> bool:
+        """Whether the executor answers an empty request. The probe runs on a thread of its own:
+        it may block for a connection timeout, and ``close`` must not wait for it (False when the
+        engine stops meanwhile)."""
+        outcome: dict[str, BaseException | None] = {}
+
+        def probe() -> None:
             try:
                 self.executor_probe()
+                outcome["error"] = None
             except Exception as exc:  # noqa: BLE001 (any failure means: still down)
-                with self._cond:
-                    self.last_error = str(exc) or type(exc).__name__
-                    self._cond.wait(PROBE_EVERY_S)
-                continue
+                outcome["error"] = exc
             with self._cond:
-                self.executor_ok = True
-            return
+                self._cond.notify_all()
+
+        threading.Thread(target=probe, name="symbiosis-api-probe", daemon=True).start()
+        with self._cond:
+            while "error" not in outcome and not self._stopping:
+                self._cond.wait()
+            if "error" not in outcome:  # stopping
+                return False
+            error = outcome["error"]
+            if error is not None:
+                self.last_error = str(error) or type(error).__name__
+            return error is None
 
     @torch.no_grad()
     def _step(self) -> None:

@@ -149,8 +149,8 @@ class RowSampler:
         """The next token from one row of logits ``[vocab]``."""
         params = self.params
         scores = self.penalize(logits) if params.shapes_logits else logits.float()
-        if params.greedy:
-            return int(scores.argmax())
+        if params.greedy:  # a penalty past float32's range can make 0 x inf = NaN, which argmax would pick
+            return int(torch.nan_to_num(scores, nan=float("-inf")).argmax() if params.penalized else scores.argmax())
         scores = scores / params.temperature
         if params.min_p > 0:
             probs = scores.softmax(-1)

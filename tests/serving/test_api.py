@@ -788,7 +788,7 @@ def test_an_unreachable_executor_answers_503(api_model, tmp_path):
         status, body = get(server.url + "/health")
         assert again.value.status_code == 503 and again.value.response.headers.get("retry-after")
         assert status == 503 and "probing" in json.loads(body)["reason"]
-        assert time.monotonic() - began < 2.0
+        assert time.monotonic() - began < 2.8  # before: each request spent the call's 3 s timeout and more
         process = start_executor(api_model, address)  # the executor is stateless: serving resumes
         deadline = time.monotonic() + 30
         while get(server.url + "/health")[0] != 200 and time.monotonic() < deadline:

@@ -35,6 +35,7 @@ def lora_adapter(model_dir, folder):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_architecture_serves_the_tokens_of_monolithic_peft(arch, tiny_checkpoint, tmp_path):
     model_dir = tiny_checkpoint(arch)

@@ -79,25 +79,31 @@ def test_sampling_filters_and_seeds():
     assert [a.choose(logits[0]) for _ in range(10)] == [b.choose(logits[0]) for _ in range(10)]
 
 
-def test_extreme_parameters_still_choose_the_limit_token():
+def test_extreme_parameters_still_choose_the_limit_token(monkeypatch):
     """Valid but extreme parameters leave no distribution to draw from (the softmax of inf/NaN):
     a temperature under 1e-5 is greedy (vLLM's rule), and a row whose scores overflow takes its
-    most likely token instead of raising (which failed every sequence in the batch)."""
-    logits = torch.tensor([[0.5, 3.0, 2.0, -1.0]])
+    most likely token instead of drawing (``multinomial`` raised, which failed every sequence in
+    the batch). ``multinomial`` is made to fail here, so each case below must take that path."""
+
+    def no_draw(*_args, **_kwargs):
+        raise AssertionError("drew from a distribution that does not exist")
+
     tiny = RowSampler(SamplingParams(temperature=1e-300, seed=0))
-    assert tiny.params.greedy and choose_tokens(logits, [tiny]) == [1]
-    # A huge penalty on tokens already seen: positive scores divide to ~0, negative ones go to -inf.
+    assert tiny.params.greedy and choose_tokens(torch.tensor([[0.5, 3.0, 2.0, -1.0]]), [tiny]) == [1]
+    monkeypatch.setattr(torch, "multinomial", no_draw)
+    # A penalty past float32's range on tokens already seen: a seen score of exactly 0 becomes
+    # 0 x inf = NaN (the softmax is NaN everywhere); the limit is the best other token.
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
     crushing = RowSampler(SamplingParams(temperature=1.0, repetition_penalty=1e308, seed=0), (0, 1))
     assert choose_tokens(logits, [crushing]) == [2]
-    # A penalty so small that dividing by it overflows: the seen token with the larger score wins
-    # (+inf), the others cannot be drawn from.
+    greedy_crushing = RowSampler(SamplingParams(temperature=0, repetition_penalty=1e308), (0, 1))
+    assert choose_tokens(logits, [greedy_crushing]) == [2]  # greedy: NaN is not the arg-max either
+    # A penalty so small that dividing by it overflows: the seen tokens' scores become +inf (the
+    # softmax NaN); the first of them is taken.
     exploding = RowSampler(SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=0), (1, 2))
     assert choose_tokens(logits, [exploding]) == [1]
-    # Every token biased out of reach and the end of sequence held back: still a token, not an error.
-    nothing = RowSampler(
-        SamplingParams(temperature=1.0, logit_bias=tuple((t, -100.0) for t in range(4)), min_tokens=1, seed=0),
-        eos_ids=frozenset(range(4)),
-    )
+    # Every token held back (min_tokens, every id an end of sequence): still a token, not an error.
+    nothing = RowSampler(SamplingParams(temperature=1.0, min_tokens=1, seed=0), eos_ids=frozenset(range(4)))
     assert choose_tokens(logits, [nothing]) in ([0], [1], [2], [3])
 
 
