@@ -296,12 +296,12 @@ class GenerationEngine:
             self._report_queue()
 
     def _wait_for_executor(self, failure: Failure) -> None:
-        """The executor failed a step and an empty probe: refuse new requests at once (``submit``:
-        503) and end the queued ones (they would wait for as long as it is down, and each would
-        spend a connection timeout finding out), then probe every ``PROBE_EVERY_S`` until it
-        answers or the engine stops. The executor keeps no state between calls, so serving
-        resumes as soon as a probe gets through (a restarted ``symbiosis serve`` on the same
-        address, a network back)."""
+        """The executor is down (a lost connection, or a timeout and a failed probe): refuse new
+        requests at once (``submit``: 503) and end the queued ones (they would wait for as long as
+        it is down, and each would spend a connection timeout finding out), then probe every
+        ``PROBE_EVERY_S`` until it answers or the engine stops. The executor keeps no state
+        between calls, so serving resumes as soon as a probe gets through (a restarted
+        ``symbiosis serve`` on the same address, a network back)."""
         with self._cond:
             self.executor_ok = False
             waiting, self._waiting = list(self._waiting), deque()

@@ -146,7 +146,7 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
         raise AdapterFormatError(f"adapter {str(path)!r} has only {sorted(pair)} for {module!r}")
     a, b = pair["lora_A"], pair["lora_B"]
     in_features, out_features = layer_shapes[module]
-    rank = a.shape[0] if a.dim() == 2 else -1
+    rank = a.shape[0] if a.dim() == 2 else -1  # -1: not a matrix, refused just below
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
         raise AdapterFormatError(
             f"adapter {str(path)!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; the layer needs "

@@ -165,12 +165,12 @@ class RowSampler:
             drop = cumulative - ordered.softmax(-1) >= params.top_p
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = scores.softmax(-1).cpu()  # the generator is a CPU one, whatever the model's device
-        if not (bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0):
-            # Extreme but valid parameters (a repetition penalty of 1e300, biases that rule out every
-            # token) can leave no distribution to draw from: the limit they tend to is the row's most
-            # likely token.
+        try:
+            return int(torch.multinomial(probs, 1, generator=self.generator))
+        except RuntimeError:  # NaN, inf or no mass: nothing to draw from (checked by multinomial itself, for free)
+            # Extreme but valid parameters (a repetition penalty past float32's range, every token
+            # held back) can leave no distribution: the limit they tend to is the row's most likely token.
             return int(torch.nan_to_num(scores, nan=float("-inf")).argmax())
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 def choose_tokens(

@@ -766,12 +766,13 @@ def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_ad
 
 
 @pytest.mark.slow
-def test_an_unreachable_executor_answers_503(api_model, tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_an_unreachable_executor_answers_503(api_model, tmp_path, engine_process):
     from tests.service_helpers import start_executor, stop
 
     address = f"ipc://{tmp_path}/executor.sock"
     process = start_executor(api_model, address)
-    server = start_server(api_model, ClientOptions(executor=address, timeout_s=3.0))
+    server = start_server(api_model, ClientOptions(executor=address, timeout_s=3.0), engine_process=engine_process)
     try:
         assert get(server.url + "/health")[0] == 200
         stop(process)

@@ -180,20 +180,21 @@ FUZZ_SETTINGS = settings(
 )
 
 
-@FUZZ_SETTINGS
-@given(data=st.data())
-def test_hostile_completion_bodies_get_typed_answers_and_keep_the_connection(fuzz_server, data):
-    server, connection = fuzz_server
-    body = data.draw(bodies(completion_fields(server.served_model_name), "prompt"))
-    check_answer(*connection.post("/v1/completions", body), body)
+#: Each endpoint that generates: its fields and the one it cannot do without.
+GENERATING_ENDPOINTS = {
+    "/v1/completions": (completion_fields, "prompt"),
+    "/v1/chat/completions": (chat_fields, "messages"),
+}
 
 
+@pytest.mark.parametrize("endpoint", sorted(GENERATING_ENDPOINTS))
 @FUZZ_SETTINGS
 @given(data=st.data())
-def test_hostile_chat_bodies_get_typed_answers_and_keep_the_connection(fuzz_server, data):
+def test_hostile_bodies_get_typed_answers_and_keep_the_connection(fuzz_server, endpoint, data):
     server, connection = fuzz_server
-    body = data.draw(bodies(chat_fields(server.served_model_name), "messages"))
-    check_answer(*connection.post("/v1/chat/completions", body), body)
+    fields, required = GENERATING_ENDPOINTS[endpoint]
+    body = data.draw(bodies(fields(server.served_model_name), required))
+    check_answer(*connection.post(endpoint, body), body)
 
 
 #: For tests that patch the engine or the sampler: this process runs them only on a thread.
