@@ -2,7 +2,9 @@
 
 Names come from ``--adapter NAME=DIR``, from every sub-folder of ``--adapter-dir`` that holds an
 ``adapter_config.json`` (looked up when asked, so folders added later are servable), and from
-``POST /v1/load_lora_adapter``. At most ``max_loaded`` adapters are held in memory; the least
+``POST /v1/load_lora_adapter``. ``/v1/models`` lists the folders whose config this server can
+serve (a LoRA adapter without DoRA and the like); a request naming another folder gets the
+reason in a 400. At most ``max_loaded`` adapters are held in memory; the least
 recently used one that no running sequence holds is dropped to make room, and is read again from
 its folder on next use.
 
@@ -65,6 +67,7 @@ class AdapterPool:
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._explicit: dict[str, Path] = {}
         self._forgotten: set[str] = set()  # names under adapter_dir that were unloaded
+        self._servable: dict[Path, tuple[int, bool]] = {}  # config file -> (mtime_ns, servable)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # oldest use first
         self._users: dict[int, int] = {}  # id(adapter) -> running sequences holding it
         self._reserved = set(reserved_names)
@@ -102,10 +105,29 @@ class AdapterPool:
         with self._lock:
             names = set(self._explicit)
             if self._adapter_dir is not None:
-                for folder in self._adapter_dir.iterdir():
-                    if _NAME.match(folder.name) and (folder / "adapter_config.json").is_file():
-                        names.add(folder.name)
+                listed = [f for f in self._adapter_dir.iterdir() if _NAME.match(f.name)]
+                names.update(f.name for f in listed if self._config_is_servable(f / "adapter_config.json"))
+                configs = {f / "adapter_config.json" for f in listed}
+                self._servable = {k: v for k, v in self._servable.items() if k in configs}  # folders removed
             return sorted(names - self._forgotten - self._reserved)
+
+    def _config_is_servable(self, config_file: Path) -> bool:
+        """Whether ``config_file`` exists and describes an adapter this server serves; read again
+        only when the file changes (a folder of thousands of adapters is listed on every
+        ``/v1/models``)."""
+        try:
+            mtime = config_file.stat().st_mtime_ns
+        except OSError:
+            return False
+        known = self._servable.get(config_file)
+        if known is None or known[0] != mtime:
+            try:
+                read_lora_config(config_file.parent)
+                known = (mtime, True)
+            except SymbiosisError:
+                known = (mtime, False)
+            self._servable[config_file] = known
+        return known[1]
 
     # ---- loading ----------------------------------------------------------------------------------
 

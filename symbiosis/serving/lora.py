@@ -154,6 +154,14 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
         )
     if rank == 0:
         raise AdapterFormatError(f"adapter {str(path)!r}: {module} has rank 0")
+    # peft scales by the config's rank, and refuses weights of another: so do we, rather than
+    # serve an update whose scale no monolithic model would use.
+    rank_pattern = config.get("rank_pattern") or {}
+    configured = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.get("r", 8))
+    if configured != rank:
+        raise AdapterFormatError(
+            f"adapter {str(path)!r}: {module} has rank {rank} weights but its adapter_config.json says r={configured}"
+        )
     # One adapter's NaN or infinity would not stay in its own rows: the stacked layout multiplies
     # every row by every adapter's columns (masked by 0, and 0 x NaN is NaN), so a diverged
     # fine-tuning job's adapter would turn its batch-mates' logits to NaN.

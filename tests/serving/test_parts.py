@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -242,7 +243,7 @@ def test_adapters_with_non_finite_weights_or_no_rank_are_refused(tmp_path, flaw)
         a[0, 1] = float(flaw)
     prefix = "base_model.model.m"
     save_file({f"{prefix}.lora_A.weight": a, f"{prefix}.lora_B.weight": b}, str(tmp_path / "adapter_model.safetensors"))
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 4}))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 4, "r": 2}))
     with pytest.raises(AdapterFormatError, match="NaN or infinite" if rank else "rank 0"):
         load_lora_adapter("x", tmp_path, {"m": (3, 4)}, dtype=torch.float32, device=torch.device("cpu"))
     if flaw == "nan":  # the same file with finite weights loads
@@ -319,3 +320,52 @@ def test_decode_steps_append_in_place_and_the_cache_grows_when_its_room_runs_out
         assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     assert layer._key_buffer is not buffer and layer._key_buffer.shape[2] >= 5
     assert batch.cache.get_seq_length() == 5
+
+
+def test_models_lists_only_adapter_folders_the_server_can_serve(tmp_path):
+    """``/v1/models`` reads the pool's names: a folder of another PEFT method, a broken config
+    or DoRA is not listed (requesting it still gets the reason), and a config fixed later is."""
+    configs = {
+        "lora": {"peft_type": "LORA"},
+        "ia3": {"peft_type": "IA3"},
+        "dora": {"peft_type": "LORA", "use_dora": True},
+        "broken": None,
+    }
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{" if config is None else json.dumps(config))
+    (tmp_path / "no-config").mkdir()
+    pool = AdapterPool(lambda name, path: _adapter(name), adapter_dir=tmp_path)
+    assert pool.names() == ["lora"]
+    assert pool.path_of("ia3") == tmp_path / "ia3"  # servable by name: acquiring it gives the reason
+    broken = tmp_path / "broken" / "adapter_config.json"
+    broken.write_text(json.dumps({"peft_type": "LORA"}))
+    os.utime(broken, ns=(broken.stat().st_atime_ns, broken.stat().st_mtime_ns + 10**9))  # a later write
+    assert pool.names() == ["broken", "lora"]
+
+
+def test_weights_of_another_rank_than_the_config_says_are_refused(tmp_path):
+    """peft scales a LoRA update by lora_alpha / r of the config (or its rank_pattern) and refuses
+    weights of another rank; serving them scaled by their own rank would differ from peft."""
+    from safetensors.torch import save_file
+
+    prefix = "base_model.model.layers.0"
+    tensors = {
+        f"{prefix}.{m}.lora_{p}.weight": t
+        for m in ("q", "v")
+        for p, t in (("A", torch.ones(2, 3)), ("B", torch.ones(4, 2)))
+    }
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    shapes = {"layers.0.q": (3, 4), "layers.0.v": (3, 4)}
+
+    def load(config):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 8, **config}))
+        return load_lora_adapter("x", tmp_path, shapes, dtype=torch.float32, device=torch.device("cpu"))
+
+    with pytest.raises(AdapterFormatError, match=r"rank 2 weights but its adapter_config.json says r=8"):
+        load({})  # peft's default r is 8
+    with pytest.raises(AdapterFormatError, match="r=16"):
+        load({"r": 2, "rank_pattern": {"v": 16}})
+    adapter = load({"r": 4, "rank_pattern": {"q": 2, "v": 2}})
+    assert {m.scaling for m in adapter.modules.values()} == {4.0}
+    assert load({"r": 2}).modules["layers.0.q"].scaling == 4.0
