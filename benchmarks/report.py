@@ -344,6 +344,16 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
         "fine-tuning keeps "
         f"{100 * r['finetune_kept']:.0f}% of its solo steps/s."
     )
+    shared = summary.get("coserve_shared")
+    if shared and "api_shared_vs_hf" in r:
+        lines.append(
+            "- The server sharing its embedded executor (`--embedded --executor-bind`; the jobs connect to it over "
+            f"shm): {tps['api_shared']:.0f} tokens/s (x{r['api_shared_vs_hf']:.2f} of HF PEFT, "
+            f"x{r['api_shared_vs_shm']:.2f} of api over shm); co-serving p95 inter-token latency "
+            f"x{r['coserve_shared_itl_p95']:.2f} of alone ({shared['inference_with_finetune']['itl_p95_ms']:.0f} vs "
+            f"{shared['inference_alone']['itl_p95_ms']:.0f} ms), fine-tuning keeps "
+            f"{100 * r['finetune_kept_shared']:.0f}% of its solo steps/s."
+        )
     vllm = summary.get("vllm")
     if isinstance(vllm, dict):
         lines.append(

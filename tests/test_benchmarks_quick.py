@@ -104,6 +104,7 @@ def test_serving_quick_writes_documented_json(tmp_path):
     assert set(summary["tokens_per_s"]) == {
         "hf_peft_mixed",
         "api_embedded",
+        "api_shared",
         "api_shm",
         "api_many_warm",
         "api_many_cold",
@@ -112,7 +113,9 @@ def test_serving_quick_writes_documented_json(tmp_path):
     assert summary["cold_loads_in_warm_rounds"] == 0 and summary["cold_load_ms_per_adapter"] > 0
     assert {"inference_alone", "inference_with_finetune", "finetune_steps_per_s_alone"} <= summary["coserve"].keys()
     assert len(summary["coserve"]["pairs"]) == 1  # --quick: one pair of co-serving phases
-    assert "Serving" in "\n".join(report.serving_section(written, tmp_path, tmp_path))
+    assert summary["coserve_shared"]["finetune_steps_per_s_with_inference"] > 0  # jobs trained on the shared one
+    section = "\n".join(report.serving_section(written, tmp_path, tmp_path))
+    assert "Serving" in section and "--executor-bind" in section
 
 
 def test_coserving_figures_are_medians_over_pairs_of_phases():

@@ -71,7 +71,8 @@ class ExecutorTarget:
     disconnects them all and stops an embedded executor.
     """
 
-    def __init__(self, model_dir: Path, options: ClientOptions) -> None:
+    def __init__(self, model_dir: Path, options: ClientOptions, scheduler_config=None) -> None:
+        """``scheduler_config``: the embedded executor's (None: the defaults)."""
         import symbiosis
 
         self.model_dir = require_model_dir(model_dir)
@@ -80,7 +81,11 @@ class ExecutorTarget:
         self._models: list = []
         if options.embedded:
             self.executor = symbiosis.BaseExecutor.from_pretrained(
-                self.model_dir, device=options.device, dtype=options.dtype, quantization=options.quantization
+                self.model_dir,
+                device=options.device,
+                dtype=options.dtype,
+                quantization=options.quantization,
+                scheduler_config=scheduler_config,
             )
 
     def client(self, client_id: str | None = None):

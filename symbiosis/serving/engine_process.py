@@ -444,8 +444,8 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
     import torch
     import zmq
 
-    from symbiosis.jobs.client import ExecutorTarget, load_tokenizer
-    from symbiosis.serving.server import build_engine
+    from symbiosis.jobs.client import load_tokenizer
+    from symbiosis.serving.server import build_engine, executor_target
 
     # Ctrl+C, or a stop signal to the whole process group, reaches the parent too, which finishes
     # what it serves and then stops us: going first would fail its last requests.
@@ -481,7 +481,7 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
     outbox = _Outbox(send)
     try:
         options = _options_from_wire(first["options"])
-        target = ExecutorTarget(options.model, options.client)
+        target = executor_target(options)
         parts = build_engine(options, target, None, load_tokenizer(options.model), outbox)
     except Exception as exc:  # noqa: BLE001 (reported to the parent, which raises it)
         send({"op": "failed", "error": _error_of(exc)})

@@ -20,10 +20,11 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.serving import lora as lora_module
 from symbiosis.serving.logprobs import LogprobFormatter
-from symbiosis.serving.server import ApiOptions, ApiServer
+from symbiosis.serving.server import ApiConfigError, ApiOptions, ApiServer
 from tests.serving.conftest import make_lora_adapter
 
 PROMPTS = ["The quick brown fox", "Hello there, my friend", "a", "Once upon a time in a land far away", "0 1 2 3"]
@@ -834,6 +835,67 @@ def test_a_fine_tuning_job_publishes_its_adapter_to_the_running_server(api_model
         assert final != served_mid_run[0]  # training moved the adapter, and the server followed
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    "engine_process", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["engine-thread", "engine-process"]
+)
+def test_an_embedded_executor_shared_with_a_fine_tuning_job(
+    api_model, lora_adapters, reference, tmp_path, engine_process
+):
+    """``--embedded --executor-bind ADDRESS``: the server calls its executor in-process while a
+    fine-tuning job in another client connects to ADDRESS (over shared memory here) and trains on
+    the same base, publishing its adapter to the server; every token served, before and after,
+    is the monolithic model's."""
+    from symbiosis.jobs.finetune import FinetuneOptions, TrainOptions, finetune
+    from symbiosis.jobs.publish import PublishOptions
+
+    address = f"ipc://{tmp_path}/shared.sock"
+    server = start_server(
+        api_model,
+        adapters={"qv4": lora_adapters["qv4"]},
+        allow_adapter_updates=True,
+        executor_bind=(address,),
+        engine_process=engine_process,
+    )
+    try:
+        if not engine_process:  # the jobs' bulk products run on a background thread, as in `symbiosis serve`
+            assert server.target.executor.scheduler_config.bulk_lane == "background"
+        client = openai_client(server)
+        assert greedy_tokens(client, "qv4", PROMPTS[1]) == reference.tokens(
+            PROMPTS[1], lora_adapters["qv4"], MAX_TOKENS
+        )
+        data = tmp_path / "train.jsonl"
+        data.write_text("".join(json.dumps({"text": f"sample {i}: the dog ran to {i}"}) + "\n" for i in range(16)))
+        options = FinetuneOptions(
+            model=api_model,
+            data=data,
+            output=tmp_path / "live",
+            client=ClientOptions(executor=f"shm+{address}"),
+            train=TrainOptions(steps=2, batch_size=2, seq_len=16, eval_fraction=0.0, lr=5e-2),
+            progress=False,
+            publish=PublishOptions(server.url, "live", every=2),
+        )
+        finetune(options)
+        assert greedy_tokens(client, "live", PROMPTS[0]) == reference.tokens(PROMPTS[0], tmp_path / "live", MAX_TOKENS)
+        assert greedy_tokens(client, "qv4", PROMPTS[1]) == reference.tokens(
+            PROMPTS[1], lora_adapters["qv4"], MAX_TOKENS
+        )
+    finally:
+        server.close()
+    from symbiosis.transport.schemes import open_transport
+
+    with pytest.raises(ExecutorUnavailableError):  # closing the server stopped the shared executor too
+        open_transport(address, connect_timeout_s=1.0)
+
+
+def test_executor_bind_needs_an_embedded_executor_and_a_local_address(api_model):
+    with pytest.raises(ApiConfigError, match="--executor-bind shares an --embedded executor"):
+        ApiServer(
+            ApiOptions(model=api_model, client=ClientOptions(executor="ipc:///nowhere"), executor_bind=("ipc:///x",))
+        )
+    with pytest.raises(ApiConfigError, match="--executor-bind tcp://0.0.0.0"):
+        start_server(api_model, executor_bind=("tcp://0.0.0.0:0",))
 
 
 @pytest.mark.slow
