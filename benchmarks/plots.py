@@ -53,6 +53,10 @@ def plot_panels(path: Path, title: str, panels: Sequence[Panel], *, columns: int
         else:
             raise ValueError(f"unknown panel kind {panel.kind!r}; use 'bar' or 'line'")
         axis.set_xticks(positions, panel.labels, fontsize=8)
+        if sum(len(label) for label in panel.labels) > 60:  # side by side they would overlap
+            axis.tick_params(axis="x", labelrotation=25)
+            for label in axis.get_xticklabels():
+                label.set_horizontalalignment("right")
         axis.set_title(panel.title, fontsize=10)
         axis.set_ylabel(panel.ylabel)
         if panel.log_y:
