@@ -101,7 +101,9 @@ def api_command(
                 "With --embedded: also serve the embedded executor to other clients at ADDRESS (tcp://127.0.0.1:PORT "
                 "or ipc:///PATH; same-host clients may connect with shm+ipc://PATH), repeatable. Fine-tuning jobs "
                 "(`symbiosis finetune --executor ADDRESS --publish-to URL`) then share the base while the server "
-                "calls it in-process, faster than `--executor` over shm when the host is small. Loopback only."
+                "calls it in-process, faster than `--executor` over shm when the host is small. Loopback tcp or an "
+                "ipc socket file only, and unauthenticated: every local user who can reach it may call the base "
+                "layers (for keys, run `symbiosis serve --curve-secret-key` and `api --executor` instead)."
             ),
         ),
     ] = None,
@@ -151,7 +153,9 @@ def api_command(
     def ready(url: str) -> None:
         typer.echo(
             f"serving {server.served_model_name} and {len(adapters)} adapters with OpenAI's API at {url}/v1 "
-            f"(executor: {executor or 'embedded'}); GET {url}/health, {url}/metrics",
+            f"(executor: {executor or 'embedded'}"
+            + (f", shared at {', '.join(executor_bind)}" if executor_bind else "")
+            + f"); GET {url}/health, {url}/metrics",
         )
 
     server.run(on_ready=ready)

@@ -27,6 +27,9 @@ from symbiosis.serving.lora import LoraAdapter, read_lora_config
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 
 
+RECENT_WRITE_NS = 2_000_000_000  # a config written this recently is read again on the next listing
+
+
 class UnknownAdapterError(SymbiosisError):
     """No adapter of that name is servable."""
 
@@ -67,7 +70,7 @@ class AdapterPool:
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._explicit: dict[str, Path] = {}
         self._forgotten: set[str] = set()  # names under adapter_dir that were unloaded
-        self._servable: dict[Path, tuple[int, bool]] = {}  # config file -> (mtime_ns, servable)
+        self._servable: dict[Path, tuple[tuple, bool]] = {}  # config file -> (stat stamp, servable)
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # oldest use first
         self._users: dict[int, int] = {}  # id(adapter) -> running sequences holding it
         self._reserved = set(reserved_names)
@@ -116,17 +119,22 @@ class AdapterPool:
         only when the file changes (a folder of thousands of adapters is listed on every
         ``/v1/models``)."""
         try:
-            mtime = config_file.stat().st_mtime_ns
+            status = config_file.stat()
         except OSError:
             return False
+        stamp = (status.st_mtime_ns, status.st_ctime_ns, status.st_size, status.st_ino)
         known = self._servable.get(config_file)
-        if known is None or known[0] != mtime:
+        if known is None or known[0] != stamp:
             try:
                 read_lora_config(config_file.parent)
-                known = (mtime, True)
+                servable = True
             except SymbiosisError:
-                known = (mtime, False)
-            self._servable[config_file] = known
+                servable = False
+            known = (stamp, servable)
+            # A file written within the clock's granularity of now may change again under the
+            # same stamp (a copy that truncated first): judge it again next time (git's "racily clean").
+            if time.time_ns() - status.st_mtime_ns > RECENT_WRITE_NS:
+                self._servable[config_file] = known
         return known[1]
 
     # ---- loading ----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,7 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
         raise AdapterFormatError(f"adapter {str(path)!r}: {module} has rank 0")
     # peft scales by the config's rank, and refuses weights of another: so do we, rather than
     # serve an update whose scale no monolithic model would use.
-    rank_pattern = config.get("rank_pattern") or {}
+    rank_pattern = _pattern(path, config, "rank_pattern", module)
     configured = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.get("r", 8))
     if configured != rank:
         raise AdapterFormatError(
@@ -167,10 +168,23 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
     # fine-tuning job's adapter would turn its batch-mates' logits to NaN.
     if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
         raise AdapterFormatError(f"adapter {str(path)!r}: {module} holds NaN or infinite weights")
-    alpha_pattern = config.get("alpha_pattern") or {}
+    alpha_pattern = _pattern(path, config, "alpha_pattern", module)
     alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraModule(a, b, float(scaling))
+
+
+def _pattern(path: Path, config: dict, option: str, module: str) -> dict:
+    """``config[option]`` (peft's per-module ``rank_pattern``/``alpha_pattern``), checked: a
+    pattern that is not a JSON object of valid regular expressions is the adapter's fault (400)."""
+    pattern = config.get(option) or {}
+    try:
+        if not isinstance(pattern, dict):
+            raise TypeError(f"expected an object, got {type(pattern).__name__}")
+        get_pattern_key(list(pattern), module)
+    except (TypeError, re.error) as exc:
+        raise AdapterFormatError(f"adapter {str(path)!r}: {option} is not usable: {exc}") from None
+    return pattern
 
 
 # A gathered layout costs each row ~4 ranks' worth of a stacked one (small batched products run

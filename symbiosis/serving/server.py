@@ -17,7 +17,7 @@ from typing import Self
 
 import torch
 
-from symbiosis.errors import SymbiosisError
+from symbiosis.errors import ERRORS_BY_CODE, ConfigurationError, SymbiosisError
 from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer
 from symbiosis.serving.adapters import AdapterPool, check_adapter_name
 from symbiosis.serving.app import ApiConfig, ApiState, create_app
@@ -30,6 +30,11 @@ from symbiosis.vocabulary import LatencyClass, Op
 
 class ApiConfigError(SymbiosisError):
     """A bad ``symbiosis api`` option (keys file, adapter spec, host)."""
+
+    code = "api_config"
+
+
+ERRORS_BY_CODE[ApiConfigError.code] = ApiConfigError  # raised in the engine process too (engine_process.py)
 
 
 @dataclass
@@ -179,9 +184,9 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         spec = next(iter(transport.layer_specs().values()))
         transport.call(spec.layer_id, Op.FORWARD, torch.zeros((0, spec.in_features)), LatencyClass.DECODE)
 
-    engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks, executor_probe=probe)
-    if options.executor_bind:
+    if options.executor_bind:  # before the engine's thread starts: a failed bind leaves nothing running
         share_embedded_executor(target, options.executor_bind)
+    engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks, executor_probe=probe)
     return EngineParts(model, engine, max_context, probe)
 
 
@@ -201,6 +206,23 @@ def executor_target(options: ApiOptions) -> ExecutorTarget:
         device_type = parse_device(options.client.device).type
         config = resolve_bulk_lane(SchedulerConfig(), device_type, own_process=True)
     return ExecutorTarget(options.model, options.client, scheduler_config=config)
+
+
+def check_executor_bind(addresses) -> None:
+    """Refuse, before anything loads, an ``--executor-bind`` address other processes of other
+    users or hosts could reach without a key: non-loopback tcp, abstract ipc (no file
+    permissions), inproc (not reachable from another process at all)."""
+    from symbiosis.transport.security import check_abstract_ipc
+    from symbiosis.transport.zmq_server import check_bind_address
+
+    for address in addresses:
+        try:
+            if address.startswith("inproc://"):
+                raise ConfigurationError("inproc:// is not reachable from other processes; use ipc:///PATH")
+            check_abstract_ipc(address, None)
+            check_bind_address(address, allow_non_loopback=False)
+        except SymbiosisError as exc:
+            raise ApiConfigError(f"--executor-bind {address}: {exc}") from None
 
 
 def share_embedded_executor(target, addresses) -> None:
@@ -232,6 +254,7 @@ class ApiServer:
                 "--executor-bind shares an --embedded executor; with --executor ADDRESS the jobs connect to that "
                 "executor themselves"
             )
+        check_executor_bind(options.executor_bind)
         self.options = options
         self._shared_executor = executor
         self.in_engine_process = options.engine_process and executor is None

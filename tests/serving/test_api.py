@@ -894,8 +894,9 @@ def test_executor_bind_needs_an_embedded_executor_and_a_local_address(api_model)
         ApiServer(
             ApiOptions(model=api_model, client=ClientOptions(executor="ipc:///nowhere"), executor_bind=("ipc:///x",))
         )
-    with pytest.raises(ApiConfigError, match="--executor-bind tcp://0.0.0.0"):
-        start_server(api_model, executor_bind=("tcp://0.0.0.0:0",))
+    for address in ("tcp://0.0.0.0:0", "ipc://@symbiosis-test", "inproc://x"):  # refused before anything loads
+        with pytest.raises(ApiConfigError, match=f"--executor-bind {address}"):
+            ApiServer(ApiOptions(model=api_model, client=ClientOptions(embedded=True), executor_bind=(address,)))
 
 
 @pytest.mark.slow

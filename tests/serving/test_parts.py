@@ -366,6 +366,10 @@ def test_weights_of_another_rank_than_the_config_says_are_refused(tmp_path):
         load({})  # peft's default r is 8
     with pytest.raises(AdapterFormatError, match="r=16"):
         load({"r": 2, "rank_pattern": {"v": 16}})
+    with pytest.raises(AdapterFormatError, match="rank_pattern is not usable"):
+        load({"r": 2, "rank_pattern": ["q"]})
+    with pytest.raises(AdapterFormatError, match="alpha_pattern is not usable"):
+        load({"r": 2, "alpha_pattern": {"(": 4}})
     adapter = load({"r": 4, "rank_pattern": {"q": 2, "v": 2}})
     assert {m.scaling for m in adapter.modules.values()} == {4.0}
     assert load({"r": 2}).modules["layers.0.q"].scaling == 4.0
