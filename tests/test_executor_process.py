@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
@@ -61,3 +62,25 @@ def test_stats_need_the_metrics_endpoint_and_sigkill_is_reported(tiny_checkpoint
             executor.stats()
         executor.signal(signal.SIGKILL)
         assert executor.wait(timeout_s=30) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_an_owner_that_dies_on_an_exception_leaves_no_executor_running(tiny_checkpoint, tmp_path):
+    """A script that starts an executor process and then fails (an uncaught exception, no
+    ``close``) used to leave ``symbiosis serve`` running with nobody to serve; now its exit stops it."""
+    import subprocess
+    import sys
+
+    path = tiny_checkpoint("llama")
+    pid_file = tmp_path / "pid"
+    script = (
+        "from symbiosis.executor.process import ExecutorProcess\n"
+        f"executor = ExecutorProcess({str(path)!r}, [{f'ipc://{tmp_path}/executor.sock'!r}], threads=1)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(executor.pid))\n"
+        "raise RuntimeError('the owner fails')\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert "the owner fails" in completed.stderr
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # reaped by the owner's exit, not merely signalled
+        os.kill(pid, 0)

@@ -11,6 +11,7 @@ child) into a bounded tail, which error messages quote, and optionally into a lo
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -21,6 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +90,18 @@ class _OutputDrain:
         self._thread.join(timeout_s)
 
 
+# Children not closed yet: stopped when this interpreter exits, so an owner that ends on an
+# uncaught exception (or forgets ``close``) leaves no executor running with nobody to serve.
+_OPEN: weakref.WeakSet[ExecutorProcess] = weakref.WeakSet()
+EXIT_CLOSE_TIMEOUT_S = 10.0
+
+
+@atexit.register
+def _close_open_processes() -> None:
+    for process in list(_OPEN):
+        process.close(timeout_s=EXIT_CLOSE_TIMEOUT_S)
+
+
 class ExecutorProcess:
     """``symbiosis serve MODEL_DIR --bind ADDRESS ...`` in a child process.
 
@@ -136,6 +150,7 @@ class ExecutorProcess:
             text=True,
             env=child_env,
         )
+        _OPEN.add(self)
         self._output = _OutputDrain(self.process.stdout, self._log)
         self._ready: ReadyInfo | None = None
         self._timeout_s = timeout_s
@@ -212,7 +227,9 @@ class ExecutorProcess:
 
     def close(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (``serve`` drains its in-flight requests and exits), SIGKILL after ``timeout_s``;
-        always reaps the child. Returns its exit code."""
+        always reaps the child. Returns its exit code. Children still open when the interpreter
+        exits are closed then (``EXIT_CLOSE_TIMEOUT_S``)."""
+        _OPEN.discard(self)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
