@@ -342,7 +342,9 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
         f"p95 inter-token latency x{r['coserve_itl_p95']:.2f} of inference alone "
         f"({co['inference_with_finetune']['itl_p95_ms']:.0f} vs {co['inference_alone']['itl_p95_ms']:.0f} ms); "
         "fine-tuning keeps "
-        f"{100 * r['finetune_kept']:.0f}% of its solo steps/s."
+        f"{100 * r['finetune_kept']:.0f}% of its solo steps/s"
+        + _long_prompt_clause(co, r.get("coserve_long_ttft"))
+        + "."
     )
     shared = summary.get("coserve_shared")
     if shared and "api_shared_vs_hf" in r:
@@ -352,7 +354,9 @@ def serving_section(result: dict[str, Any] | None, results_dir: Path, relative_t
             f"x{r['api_shared_vs_shm']:.2f} of api over shm); co-serving p95 inter-token latency "
             f"x{r['coserve_shared_itl_p95']:.2f} of alone ({shared['inference_with_finetune']['itl_p95_ms']:.0f} vs "
             f"{shared['inference_alone']['itl_p95_ms']:.0f} ms), fine-tuning keeps "
-            f"{100 * r['finetune_kept_shared']:.0f}% of its solo steps/s."
+            f"{100 * r['finetune_kept_shared']:.0f}% of its solo steps/s"
+            + _long_prompt_clause(shared, r.get("coserve_shared_long_ttft"))
+            + "."
         )
     vllm = summary.get("vllm")
     if isinstance(vllm, dict):
@@ -453,6 +457,16 @@ def main(argv: Sequence[str] | None = None) -> str:
         print(f"updated the results block of {args.readme}")
     print(f"wrote {output} ({len(text.splitlines())} lines)")
     return text
+
+
+def _long_prompt_clause(co: dict, long_ratio: float | None) -> str:
+    """The clause on a long prompt's time to first token, for runs that timed one (since 2026-11-28)."""
+    if long_ratio is None:
+        return ""
+    return (
+        f"; a long prompt's first token x{long_ratio:.2f} of alone ({co['long_prompt_ttft_ms_with_finetune']:.0f} vs "
+        f"{co['long_prompt_ttft_ms_alone']:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

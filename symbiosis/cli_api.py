@@ -69,6 +69,17 @@ def api_command(
     kv_cache_mb: Annotated[
         int, typer.Option(help="Cap on the running batch's KV cache, in MiB; requests wait while it is full.")
     ] = 2048,
+    prefill_chunk_tokens: Annotated[
+        int,
+        typer.Option(
+            help=(
+                "Rows (prompts x tokens) of one prefill forward. Longer prefills run in chunks, one per step, the "
+                "running streams decoding between them; each chunk stays latency work on an executor shared with "
+                "fine-tuning jobs (at most its --decode-share-rows, 256 by default), where a bigger prefill waits "
+                "behind the jobs. 0: one forward, however long."
+            )
+        ),
+    ] = 256,
     allow_adapter_updates: Annotated[
         bool,
         typer.Option(
@@ -142,6 +153,7 @@ def api_command(
         max_batch_size=max_batch_size,
         max_loaded_adapters=max_loaded_adapters,
         kv_cache_mb=kv_cache_mb,
+        prefill_chunk_tokens=prefill_chunk_tokens,
         allow_adapter_updates=allow_adapter_updates,
         allow_non_loopback=allow_non_loopback,
         engine_process=engine_process,

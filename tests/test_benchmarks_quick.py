@@ -114,8 +114,11 @@ def test_serving_quick_writes_documented_json(tmp_path):
     assert {"inference_alone", "inference_with_finetune", "finetune_steps_per_s_alone"} <= summary["coserve"].keys()
     assert len(summary["coserve"]["pairs"]) == 1  # --quick: one pair of co-serving phases
     assert summary["coserve_shared"]["finetune_steps_per_s_with_inference"] > 0  # jobs trained on the shared one
+    for co in (summary["coserve"], summary["coserve_shared"]):  # long prompts timed in every phase
+        assert co["long_prompt_ttft_ms_alone"] > 0 and co["long_prompt_ttft_ms_with_finetune"] > 0
+    assert {"coserve_long_ttft", "coserve_shared_long_ttft"} <= summary["ratios"].keys()
     section = "\n".join(report.serving_section(written, tmp_path, tmp_path))
-    assert "Serving" in section and "--executor-bind" in section
+    assert "Serving" in section and "--executor-bind" in section and "long prompt's first token" in section
 
 
 def test_coserving_figures_are_medians_over_pairs_of_phases():

@@ -51,6 +51,8 @@ class ApiOptions:
     max_batch_size: int = 32
     max_loaded_adapters: int = 64
     kv_cache_mb: int = 2048
+    # Rows of one prefill forward; longer prefills run in chunks (``EngineOptions``). 0: never split.
+    prefill_chunk_tokens: int = 256
     allow_adapter_updates: bool = False
     allow_non_loopback: bool = False
     # The engine (split client, adapters, KV caches) in a process of its own, beside the HTTP
@@ -176,6 +178,7 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
         max_waiting=options.max_concurrent_requests - batch,
         kv_cache_bytes=options.kv_cache_mb << 20,
         max_echo_positions=max_context,
+        prefill_chunk_tokens=options.prefill_chunk_tokens,
     )
 
     def probe() -> None:
@@ -249,6 +252,8 @@ class ApiServer:
             )
         if options.max_concurrent_requests < 1 or options.max_batch_size < 1:
             raise ApiConfigError("--max-concurrent-requests and --max-batch-size must be at least 1")
+        if options.prefill_chunk_tokens < 0:
+            raise ApiConfigError("--prefill-chunk-tokens must be 0 (never split a prefill) or more")
         if options.executor_bind and (executor is not None or not options.client.embedded):
             raise ApiConfigError(
                 "--executor-bind shares an --embedded executor; with --executor ADDRESS the jobs connect to that "

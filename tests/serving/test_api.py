@@ -386,13 +386,13 @@ def test_echoing_prefills_keep_every_positions_logits_within_their_bound(server,
     rows beside them, the prompts' log-probabilities and the greedy tokens are still the
     monolithic model's."""
     prefills = []
-    prefill = server.engine._prefill
+    start_prefill = server.engine._start_prefill
 
     def recording(joiners):
         prefills.append([(s.request.params.prompt_logprobs is not None, len(s.request.prompt_ids)) for s in joiners])
-        prefill(joiners)
+        return start_prefill(joiners)
 
-    monkeypatch.setattr(server.engine, "_prefill", recording)
+    monkeypatch.setattr(server.engine, "_start_prefill", recording)
     longest = max(len(server.engine.tokenizer(p)["input_ids"]) for p in PROMPTS)
     bound = 3 * longest  # room for three prompts of the longest kind
     monkeypatch.setattr(server.engine, "options", dataclasses.replace(server.engine.options, max_echo_positions=bound))
@@ -574,6 +574,60 @@ def test_metrics_use_the_names_dashboards_chart(server):
         assert name in text, name
     status, body = get(server.url + "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_long_prefills_run_in_chunks_between_decode_steps_and_give_the_same_tokens(
+    api_model, lora_adapters, reference, monkeypatch
+):
+    """A prefill of more rows than ``prefill_chunk_tokens`` runs a chunk of columns per step,
+    the running streams decoding between chunks: no forward carries more rows than a chunk (so
+    on an executor shared with fine-tuning jobs its base-layer requests stay latency work), a
+    long prompt stops the others for a chunk, not for its whole prefill, and the tokens and the
+    echoed prompts' log-probabilities are still the monolithic model's."""
+    chunk = 4
+    server = start_server(api_model, adapters=lora_adapters, prefill_chunk_tokens=chunk)
+    try:
+        engine = server.engine
+        steps: list[tuple[str, int]] = []  # ("chunk", rows) or ("decode", rows), in order
+        prefill_chunk, decode = engine._prefill_chunk, engine._decode
+
+        def recording_chunk(prefill):
+            columns = min(prefill.chunk_columns, prefill.columns - prefill.done_columns)
+            steps.append(("chunk", len(prefill.joiners) * columns))
+            prefill_chunk(prefill)
+
+        def recording_decode():
+            steps.append(("decode", len(engine._running)))
+            decode()
+
+        monkeypatch.setattr(engine, "_prefill_chunk", recording_chunk)
+        monkeypatch.setattr(engine, "_decode", recording_decode)
+        check_concurrent_greedy(server, lora_adapters, reference)
+        check_echo(server, lora_adapters, reference)
+        chunks = [rows for kind, rows in steps if kind == "chunk"]
+        # At most a chunk's rows, or one column of more prompts than that admitted together.
+        assert max(chunks) <= max(chunk, engine.options.max_batch_size), "a prefill forward was not split"
+        assert len(chunks) > 2 * len(PROMPTS), "prompts were not prefilled in chunks"
+
+        # One stream decoding while a long prompt prefills: it gets tokens between the chunks.
+        _slow_steps(server, monkeypatch, 0.01)
+        client = openai_client(server)
+        stream = client.completions.create(
+            model="attn8", prompt="go on", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        steps.clear()
+        long_prompt = " ".join(PROMPTS)
+        assert len(reference.tokenizer(long_prompt)["input_ids"]) > 3 * chunk
+        expected = reference.tokens(long_prompt, lora_adapters["mlp16"], 3)
+        assert greedy_tokens(client, "mlp16", long_prompt, 3) == expected
+        stream.close()
+        chunk_steps = [i for i, step in enumerate(steps) if step[0] == "chunk"]
+        assert len(chunk_steps) > 3 and all(steps[i][1] <= chunk for i in chunk_steps), steps
+        between = [step for step in steps[chunk_steps[0] : chunk_steps[-1]] if step[0] == "decode"]
+        assert len(between) == len(chunk_steps) - 1 and all(rows == 1 for _, rows in between), steps
+    finally:
+        server.close()
 
 
 def _slow_steps(server: ApiServer, monkeypatch, seconds: float) -> None:
@@ -764,6 +818,12 @@ def test_a_server_on_a_remote_executor_serves_the_same_tokens(api_model, lora_ad
         check_penalties(server, lora_adapters, reference)
     finally:
         server.close()
+    chunked = start_server(api_model, ClientOptions(executor=address), adapters=lora_adapters, prefill_chunk_tokens=4)
+    try:  # prompts prefilled a few rows a step, over the same transport
+        check_concurrent_greedy(chunked, lora_adapters, reference)
+        check_echo(chunked, lora_adapters, reference)
+    finally:
+        chunked.close()
 
 
 @pytest.mark.slow
