@@ -421,6 +421,17 @@ def create_app(state: ApiState) -> FastAPI:
             raise
         return choices
 
+    async def next_while_connected(choices: _Choices, request: Request) -> tuple[int, Delta | Failure]:
+        """The next event; a client that went away meanwhile cancels the choices (checked every
+        half second: a prompt may wait in the queue or prefill for long before its first token)."""
+        while True:
+            try:
+                return await asyncio.wait_for(choices.next(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    choices.cancel()
+                    raise ApiError(499, "client closed the request") from None
+
     async def collect(choices: _Choices, request: Request) -> list[dict]:
         """Every choice's full text, or the first failure as an ApiError; cancels on disconnect."""
         texts: dict[int, list[str]] = {}
@@ -430,13 +441,7 @@ def create_app(state: ApiState) -> FastAPI:
         finish: dict[int, tuple[str, Any]] = {}
         try:
             while choices.open > 0:
-                try:
-                    index, event = await asyncio.wait_for(choices.next(), timeout=0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        choices.cancel()
-                        raise ApiError(499, "client closed the request") from None
-                    continue
+                index, event = await next_while_connected(choices, request)
                 if isinstance(event, Failure):
                     raise _failure_error(event)
                 texts.setdefault(index, []).append(event.text)
@@ -462,13 +467,21 @@ def create_app(state: ApiState) -> FastAPI:
             for i in sorted(finish)
         ]
 
-    async def stream(choices: _Choices, make_chunk, finish_chunks, include_usage: bool) -> StreamingResponse:
+    async def stream(
+        choices: _Choices, request: Request, make_chunk, finish_chunks, include_usage: bool
+    ) -> StreamingResponse:
         """Server-sent events of ``make_chunk(index, event)`` payloads, ending with ``data: [DONE]``.
 
         The first event is awaited before answering, so an error before the first token is a
-        proper HTTP error. Events that are ready together go out in one write.
+        proper HTTP error; a client that goes away before it cancels its choices (before, they
+        were prefilled and generated a token for nobody). Events that are ready together go out
+        in one write.
         """
-        first = await choices.next()
+        try:
+            first = await next_while_connected(choices, request)
+        except BaseException:
+            choices.cancel()
+            raise
         if isinstance(first[1], Failure):
             choices.cancel()
             raise _failure_error(first[1])
@@ -560,7 +573,7 @@ def create_app(state: ApiState) -> FastAPI:
                     yield envelope([choice])
 
             return await stream(
-                choices, make_chunk, lambda usage: envelope([], usage=usage), body.include_usage_in_stream
+                choices, request, make_chunk, lambda usage: envelope([], usage=usage), body.include_usage_in_stream
             )
         results = await collect(choices, request)
         usage = _usage(results, len(prompts), body.n)
@@ -618,6 +631,7 @@ def create_app(state: ApiState) -> FastAPI:
 
             return await stream(
                 choices,
+                request,
                 make_chunk,
                 lambda usage: envelope([], "chat.completion.chunk", usage=usage),
                 body.include_usage_in_stream,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -661,6 +662,41 @@ def test_a_client_that_goes_away_mid_stream_frees_its_sequence(api_model, monkey
             time.sleep(0.05)
         stats = server.engine.stats()
         assert stats["running"] == 0 and stats["kv_cache_bytes"] == 0
+        assert 'symbiosis:request_success_total{finished_reason="abort"} 1.0' in get(server.url + "/metrics")[1]
+    finally:
+        server.close()
+
+
+def test_a_client_that_goes_away_during_a_chunked_prefill_stops_it(api_model, monkeypatch):
+    """A prompt still being prefilled, a chunk a step, counts as running; when its only client
+    goes away (before its first token: the stream has not begun) the rest of its chunks are not
+    run and nothing of it is left. (Before: a streamed request was not cancelled until its first
+    token, so it was prefilled for nobody.)"""
+    server = start_server(api_model, prefill_chunk_tokens=1)  # one column a step
+    try:
+        _slow_steps(server, monkeypatch, 0.02)
+        chunks = []
+        prefill_chunk = server.engine._prefill_chunk
+        monkeypatch.setattr(server.engine, "_prefill_chunk", lambda prefill: (chunks.append(1), prefill_chunk(prefill)))
+        prompt = " ".join(PROMPTS * 3)
+        columns = len(server.tokenizer(prompt)["input_ids"])
+        body = json.dumps({"model": server.served_model_name, "prompt": prompt, "max_tokens": 5, "stream": True})
+        # A raw connection: the openai client returns only once the response starts (the first token).
+        connection = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+        connection.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        deadline = time.monotonic() + 10
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.engine.stats()["running"] == 1 and server.engine._prefilling is not None
+        connection.close()  # gone before its first token
+        while server.engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = server.engine.stats()
+        assert stats["running"] == 0 and stats["kv_cache_bytes"] == 0 and server.engine._prefilling is None
+        assert len(chunks) < columns, "the whole prompt was prefilled for nobody"
         assert 'symbiosis:request_success_total{finished_reason="abort"} 1.0' in get(server.url + "/metrics")[1]
     finally:
         server.close()
