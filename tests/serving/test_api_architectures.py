@@ -1,12 +1,13 @@
 """``symbiosis api`` on every architecture family the project makes checkpoints of: greedy tokens
 of a LoRA adapter (peft's default target modules for the family, or every linear layer where peft
 has no default, e.g. phi3's fused ``qkv_proj``/``gate_up_proj``) and of the base model equal
-monolithic ``transformers`` + ``peft`` generating alone, and chat answers (template or the plain
-transcript). The other API tests run on llama only.
+monolithic ``transformers`` + ``peft`` generating alone, also with prompts prefilled in chunks,
+and chat answers (template or the plain transcript). The other API tests run on llama only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -50,5 +51,11 @@ def test_every_architecture_serves_the_tokens_of_monolithic_peft(arch, tiny_chec
                 assert served == reference.tokens(prompt, folder, NEW_TOKENS), (arch, model, prompt)
         chat = client.chat.completions.create(model="ad", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert chat.usage.completion_tokens >= 1
+        # Prompts prefilled a column or two a step (chunked prefill), sliding windows and all.
+        server.engine.options = dataclasses.replace(server.engine.options, prefill_chunk_tokens=2)
+        long_prompt = " ".join(PROMPTS * 3)
+        for model, folder in [("ad", adapter), (server.served_model_name, None)]:
+            served = greedy_tokens(client, model, long_prompt, NEW_TOKENS)
+            assert served == reference.tokens(long_prompt, folder, NEW_TOKENS), (arch, model, "chunked")
     finally:
         server.close()
