@@ -6,7 +6,10 @@ running sequences — so each base layer gets one request carrying every running
 (4) hands each sequence its new text and retires finished ones, freeing their cache rows.
 
 Long prefills go in chunks (``EngineOptions.prefill_chunk_tokens`` rows a forward, like vLLM's
-chunked prefill), one chunk per step, the running sequences decoding between chunks. Two reasons.
+chunked prefill), one chunk per step, the running sequences decoding between chunks; requests that
+arrive meanwhile are admitted as a prefill group of their own, and a step's chunk comes from the
+group with the least left, or from the oldest every other step when several are under way (a short
+prompt is not held behind a long one's chunks, and a long one still advances). Two reasons.
 On an executor shared with fine-tuning jobs, a base-layer request of more rows than the
 executor's ``decode_share_rows`` is bulk work, served at the jobs' background priority and
 shared with them: a 512-token prompt's time to first token was x2.1-2.2 of alone beside 2 jobs
@@ -163,7 +166,7 @@ class _Prefill:
     echoing: list[bool]
     chunk_columns: int
     done_columns: int = 0
-    echo_logits: list[torch.Tensor] = field(default_factory=list)  # every position's, when echoing
+    echo_logits: torch.Tensor | None = None  # [rows, columns, vocab], every position's, when echoing
 
     @property
     def columns(self) -> int:
@@ -233,7 +236,8 @@ class GenerationEngine:
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._admitting: list[_Sequence] = []  # admitted, not yet in the batch (being prefilled)
-        self._prefilling: _Prefill | None = None  # their prefill, while its chunks run
+        self._prefills: list[_Prefill] = []  # their prefill groups, oldest first, while their chunks run
+        self._oldest_turn = False  # whose chunk the next step runs when several groups are under way
         self._batch: PaddedBatch | None = None
         self._rows: RowAdapters | None = None  # adapters of the running rows, while they last
         self._stopping = False
@@ -379,31 +383,38 @@ class GenerationEngine:
     @torch.no_grad()
     def _step(self) -> None:
         self._drop_cancelled()
-        if self._prefilling is None:
-            joiners = self._admit()
-            if joiners:
-                with self._cond:
-                    self._admitting = joiners
-                self._prefilling = self._start_prefill(joiners)
-        if self._prefilling is not None:
-            self._prefill_chunk(self._prefilling)
+        joiners = self._admit()
+        if joiners:
+            with self._cond:
+                self._admitting = self._admitting + joiners
+            self._prefills.append(self._start_prefill(joiners))
+        if self._prefills:
+            self._prefill_chunk(self._next_prefill())
         if self._running:
             self._decode()
         self.steps += 1
         self.executor_ok = True
+
+    def _next_prefill(self) -> _Prefill:
+        """The group whose chunk runs this step: the one with the fewest columns left, or, every
+        other step while several are under way, the oldest (so that arrivals of short prompts
+        cannot hold a long one back for good)."""
+        self._oldest_turn = not self._oldest_turn and len(self._prefills) > 1
+        if self._oldest_turn:
+            return self._prefills[0]
+        return min(self._prefills, key=lambda prefill: prefill.columns - prefill.done_columns)
 
     def _drop_cancelled(self) -> None:
         with self._cond:
             for sequence in [s for s in self._waiting if s.cancelled]:
                 self._waiting.remove(sequence)
                 self._finish(sequence, "abort", emit=False)
-        prefill = self._prefilling
-        if prefill is not None and all(s.cancelled for s in prefill.joiners):  # nobody waits for the rest of it
-            for sequence in prefill.joiners:
+        for prefill in [p for p in self._prefills if all(s.cancelled for s in p.joiners)]:
+            for sequence in prefill.joiners:  # nobody waits for the rest of their prefill
                 self._finish(sequence, "abort", emit=False)
-            self._prefilling = None
+            self._prefills.remove(prefill)
             with self._cond:
-                self._admitting = []
+                self._admitting = _without(self._admitting, prefill.joiners)
         if any(s.cancelled for s in self._running):
             for sequence in self._running:
                 if sequence.cancelled:
@@ -448,7 +459,8 @@ class GenerationEngine:
         return len(joiners) * columns <= self.options.max_echo_positions
 
     def _fits(self, joiners: list[_Sequence]) -> bool:
-        rows = len(self._running) + len(joiners)
+        """Whether ``joiners`` fit beside the running sequences and those still prefilling."""
+        rows = len(self._running) + len(self._admitting) + len(joiners)
         if rows > self.options.max_batch_size:
             return False
         if (
@@ -456,9 +468,14 @@ class GenerationEngine:
             and len(joiners) * max(len(s.request.prompt_ids) for s in joiners) > self.options.max_prefill_tokens
         ):
             return False
-        everyone = self._running + joiners
+        everyone = self._running + self._admitting + joiners
+        # The running batch gains a column every step until these prefills end: at most one step
+        # per chunk of each group still prefilling and of the joiners' (one chunk a step).
+        steps = sum(-(-(p.columns - p.done_columns) // p.chunk_columns) for p in self._prefills)
+        steps += -(-max(len(s.request.prompt_ids) for s in joiners) // self._chunk_columns(joiners))
         columns = max(
-            [self._batch.columns if self._batch is not None else 0] + [len(s.request.prompt_ids) for s in joiners]
+            [self._batch.columns + steps if self._batch is not None else 0]
+            + [len(s.request.prompt_ids) for s in self._admitting + joiners]
         )
         peak = rows * (columns + max(s.remaining_tokens for s in everyone)) * self.bytes_per_token
         return rows == 1 or peak <= self.options.kv_cache_bytes
@@ -486,18 +503,28 @@ class GenerationEngine:
 
     def _start_prefill(self, joiners: list[_Sequence]) -> _Prefill:
         ids, mask, positions = left_pad([s.request.prompt_ids for s in joiners], self.pad_id)
-        chunk = self.options.prefill_chunk_tokens
+        chunk_columns = self._chunk_columns(joiners)
+        # The first chunk allocates the cache with room for the later chunks and the tokens to come:
+        # sized for the first chunk alone it would double at each chunk that outgrew it.
+        room = ids.shape[1] - min(chunk_columns, ids.shape[1]) + max(s.remaining_tokens for s in joiners)
         return _Prefill(
             joiners=joiners,
             ids=ids,
             mask=mask,
             positions=positions,
-            cache=roomy_cache(max(s.remaining_tokens for s in joiners)),
+            cache=roomy_cache(room),
             adapters=RowAdapters([s.adapter for s in joiners]),
             echoing=[_echoes(s) for s in joiners],
-            # at least one column: a chunk never holds more rows than the prompts admitted together
-            chunk_columns=max(1, chunk // len(joiners)) if chunk > 0 else ids.shape[1],
+            chunk_columns=chunk_columns,
         )
+
+    def _chunk_columns(self, joiners: list[_Sequence]) -> int:
+        """Columns of one chunk of these prompts' prefill: at least one (a chunk then holds more
+        rows than ``prefill_chunk_tokens`` only when more prompts than that were admitted together)."""
+        chunk = self.options.prefill_chunk_tokens
+        if chunk <= 0:
+            return max(len(s.request.prompt_ids) for s in joiners)
+        return max(1, chunk // len(joiners))
 
     def _prefill_chunk(self, prefill: _Prefill) -> None:
         """The next chunk of ``prefill``'s columns; after the last, the joiners' first tokens and
@@ -516,10 +543,12 @@ class GenerationEngine:
             every_position=echoing,
         )
         prefill.done_columns = end
-        if echoing:
-            prefill.echo_logits.append(logits)
+        if echoing:  # every position's logits, filled in place (a list joined at the end would peak at twice)
+            if prefill.echo_logits is None:
+                prefill.echo_logits = logits.new_empty((logits.shape[0], prefill.columns, logits.shape[-1]))
+            prefill.echo_logits[:, start:end] = logits
         if last:
-            self._finish_prefill(prefill, torch.cat(prefill.echo_logits, dim=1) if echoing else logits)
+            self._finish_prefill(prefill, prefill.echo_logits if echoing else logits)
 
     def _finish_prefill(self, prefill: _Prefill, logits: torch.Tensor) -> None:
         joiners = prefill.joiners
@@ -535,10 +564,10 @@ class GenerationEngine:
         if self._batch is not None:
             batch = self._batch.merge(batch, max(s.remaining_tokens for s in self._running + joiners))
         self._batch = batch
-        self._prefilling = None
+        self._prefills.remove(prefill)
         with self._cond:
             self._running.extend(joiners)
-            self._admitting = []
+            self._admitting = _without(self._admitting, joiners)
             self.peak_running = max(self.peak_running, len(self._running))
         self._rows = None
         self._append_all(joiners, logits)
@@ -642,7 +671,8 @@ class GenerationEngine:
             self._fail(sequence, failure)
         with self._cond:
             self._running, self._admitting = [], []
-        self._batch, self._rows, self._prefilling = None, None, None
+        self._batch, self._rows = None, None
+        self._prefills = []
 
     def _retire_done(self) -> None:
         keep = [i for i, s in enumerate(self._running) if not s.done]
@@ -667,6 +697,12 @@ class GenerationEngine:
         with torch.no_grad():
             self._forward(ids, torch.ones_like(ids), torch.zeros_like(ids), cache, RowAdapters([None]), last_only=True)
         return max(1, PaddedBatch(cache, torch.ones_like(ids), torch.zeros(1, dtype=torch.long)).cache_bytes())
+
+
+def _without(sequences: list[_Sequence], gone: list[_Sequence]) -> list[_Sequence]:
+    """``sequences`` but those of ``gone`` (the very objects: sequences compare by identity here)."""
+    ids = {id(sequence) for sequence in gone}
+    return [sequence for sequence in sequences if id(sequence) not in ids]
 
 
 def _echoes(sequence: _Sequence) -> bool:

@@ -627,6 +627,19 @@ def test_long_prefills_run_in_chunks_between_decode_steps_and_give_the_same_toke
         assert len(chunk_steps) > 3 and all(steps[i][1] <= chunk for i in chunk_steps), steps
         between = [step for step in steps[chunk_steps[0] : chunk_steps[-1]] if step[0] == "decode"]
         assert len(between) == len(chunk_steps) - 1 and all(rows == 1 for _, rows in between), steps
+
+        # A lone long prompt's cache is what it needs (prompt + tokens to come), not a multiple.
+        deadline = time.monotonic() + 10
+        while engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lone_prompt = " ".join(PROMPTS * 2)  # many more columns than a chunk and the tokens to come
+        lone = client.completions.create(
+            model="attn8", prompt=lone_prompt, max_tokens=3, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(lone))
+        needed = (len(reference.tokenizer(lone_prompt)["input_ids"]) + 3) * engine.bytes_per_token
+        assert 0 < engine.stats()["kv_cache_bytes"] <= needed
+        lone.close()
     finally:
         server.close()
 
@@ -667,6 +680,50 @@ def test_a_client_that_goes_away_mid_stream_frees_its_sequence(api_model, monkey
         server.close()
 
 
+def test_a_short_prompt_is_not_held_behind_a_long_prompts_chunks(api_model, reference, monkeypatch):
+    """A request that arrives while a long prompt prefills in chunks is admitted as a prefill
+    group of its own and gets its first token long before the long prompt's (the step's chunk
+    comes from the group with the least left), while the long one still advances every other step."""
+    server = start_server(api_model, prefill_chunk_tokens=2)
+    try:
+        engine = server.engine
+        _slow_steps(server, monkeypatch, 0.01)
+        chunks: list[int] = []  # the prompt length of the group each step's chunk came from
+        finished: list[int] = []  # the prompt length of each group whose prefill ended
+        prefill_chunk, finish_prefill = engine._prefill_chunk, engine._finish_prefill
+
+        def recording_chunk(prefill):
+            chunks.append(prefill.columns)
+            prefill_chunk(prefill)
+
+        def recording_finish(prefill, logits):
+            finished.append(prefill.columns)
+            finish_prefill(prefill, logits)
+
+        monkeypatch.setattr(engine, "_prefill_chunk", recording_chunk)
+        monkeypatch.setattr(engine, "_finish_prefill", recording_finish)
+        client = openai_client(server)
+        model = server.served_model_name
+        long_prompt, short_prompt = " ".join(PROMPTS * 4), PROMPTS[0]
+        long_columns = len(reference.tokenizer(long_prompt)["input_ids"])
+        short_columns = len(reference.tokenizer(short_prompt)["input_ids"])
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(greedy_tokens, client, model, long_prompt, 3)
+            deadline = time.monotonic() + 10
+            while not chunks and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert greedy_tokens(client, model, short_prompt, 3) == reference.tokens(short_prompt, None, 3)
+            assert not long.done(), "the long prompt's prefill ended first"
+            assert long.result() == reference.tokens(long_prompt, None, 3)
+        assert finished == [short_columns, long_columns]
+        assert short_columns > 2  # so the short prompt has chunks of its own to interleave
+        first, last = chunks.index(short_columns), len(chunks) - 1 - chunks[::-1].index(short_columns)
+        assert long_columns in chunks[first:last], "the long prompt stood still meanwhile"
+        assert chunks.count(long_columns) == -(-long_columns // 2)  # each of its chunks ran once
+    finally:
+        server.close()
+
+
 def test_a_client_that_goes_away_during_a_chunked_prefill_stops_it(api_model, monkeypatch):
     """A prompt still being prefilled, a chunk a step, counts as running; when its only client
     goes away (before its first token: the stream has not begun) the rest of its chunks are not
@@ -690,12 +747,12 @@ def test_a_client_that_goes_away_during_a_chunked_prefill_stops_it(api_model, mo
         deadline = time.monotonic() + 10
         while not chunks and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert server.engine.stats()["running"] == 1 and server.engine._prefilling is not None
+        assert server.engine.stats()["running"] == 1 and server.engine._prefills
         connection.close()  # gone before its first token
         while server.engine.stats()["running"] and time.monotonic() < deadline:
             time.sleep(0.02)
         stats = server.engine.stats()
-        assert stats["running"] == 0 and stats["kv_cache_bytes"] == 0 and server.engine._prefilling is None
+        assert stats["running"] == 0 and stats["kv_cache_bytes"] == 0 and not server.engine._prefills
         assert len(chunks) < columns, "the whole prompt was prefilled for nobody"
         assert 'symbiosis:request_success_total{finished_reason="abort"} 1.0' in get(server.url + "/metrics")[1]
     finally:
