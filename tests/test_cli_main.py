@@ -182,3 +182,22 @@ def test_help_of_every_verb_loads_no_torch_peft_or_transformers():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_help_of_every_verb_shows_every_flag_whole_in_80_columns():
+    """``VERB --help`` in an 80-column terminal or a pipe names every flag in full. (typer's rich
+    panels cut long names there: ``--max-concurrent…``, ``--prefill-chunk-…``; the help is
+    click's plain layout now.)"""
+    import typer
+    from typer.testing import CliRunner
+
+    cli._register_optional_commands()
+    group = typer.main.get_command(cli.app)
+    runner = CliRunner()
+    for name, command in group.commands.items():
+        result = runner.invoke(cli.app, [name, "--help"], terminal_width=80)
+        assert result.exit_code == 0, result.output
+        for param in command.params:
+            for flag in [*param.opts, *param.secondary_opts]:
+                if flag.startswith("--"):
+                    assert flag in result.output, (name, flag)
