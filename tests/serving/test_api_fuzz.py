@@ -332,11 +332,14 @@ def same_answer(alone, together) -> bool:
     return True
 
 
-@settings(
+MIX_SETTINGS = settings(
     max_examples=int(os.environ.get("MIX_EXAMPLES", "4")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+@MIX_SETTINGS
 @given(data=st.data())
 def test_any_mix_of_requests_gets_what_each_gets_alone(fuzz_server, lora_adapters, data):
     """Requests of every kind (greedy and seeded sampling, log-probabilities, echo, penalties,
@@ -344,6 +347,25 @@ def test_any_mix_of_requests_gets_what_each_gets_alone(fuzz_server, lora_adapter
     each gets the tokens and text it gets alone, and its log-probabilities within 1e-4. A row's
     parameters, adapter or failure must never reach its batch-mates."""
     server, _connection = fuzz_server
+    check_mix(server, lora_adapters, data)
+
+
+@pytest.fixture(scope="module")
+def chunked_server(api_model, lora_adapters):
+    server = start_server(api_model, adapters=lora_adapters, prefill_chunk_tokens=3)
+    yield server
+    server.close()
+
+
+@MIX_SETTINGS
+@given(data=st.data())
+def test_any_mix_of_requests_prefilled_in_chunks_gets_what_each_gets_alone(chunked_server, lora_adapters, data):
+    """The same with prompts prefilled a few rows a step: together, requests land in several
+    prefill groups whose chunks interleave with each other and with decode steps."""
+    check_mix(chunked_server, lora_adapters, data)
+
+
+def check_mix(server, lora_adapters, data) -> None:
     models = [*lora_adapters, server.served_model_name]
     bodies = data.draw(st.lists(served_requests(models), min_size=4, max_size=10))
     alone = [answer_of(server.url, body) for body in bodies]
