@@ -112,6 +112,9 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     quantization: str = ""  # how the executor stores the base: "" (full precision), "int8", "fp8-rowwise"
     routes: list[Route] = []  # a sharded executor's other ranks (clients that ignore it are relayed)
     lane_port: int = 0  # where a tcp client may open a lane (``transport/lane.py``) on the same host; 0: none
+    # A decode or prefill request of at most this many rows is latency work there (its scheduler's
+    # ``decode_share_rows``); 0: not said (an older executor, or none is).
+    latency_rows: int = 0
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):

@@ -99,6 +99,13 @@ class BaseExecutor:
         """How the base weights are stored: None (full precision ``dtype``), "int8" or "fp8-rowwise"."""
         return self.weights.quantization
 
+    @property
+    def latency_rows(self) -> int:
+        """A decode or prefill request of at most this many rows is latency work, served before
+        bulk work (``SchedulerConfig.decode_share_rows``): clients that split long prompts into
+        chunks (the API server's chunked prefill) make their chunks no larger."""
+        return self.scheduler_config.decode_share_rows
+
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return self.weights.specs
 

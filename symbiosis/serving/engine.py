@@ -212,12 +212,16 @@ class GenerationEngine:
         options: EngineOptions = EngineOptions(),
         hooks: EngineHooks | None = None,
         executor_probe: Callable[[], None] | None = None,
+        latency_rows: Callable[[], int | None] | None = None,
     ) -> None:
         """``executor_probe``: one empty request to the executor, raising if it cannot answer.
         With it, an engine that lost its executor refuses new requests at once (503) and probes
         every ``PROBE_EVERY_S`` until the executor answers again (see ``_wait_for_executor``);
-        without it, each request finds out for itself."""
+        without it, each request finds out for itself. ``latency_rows``: the executor's bound on a
+        latency-work request (``BaseExecutor.latency_rows``, a remote executor's Welcome), asked at
+        each prefill: chunks are no larger, whatever ``prefill_chunk_tokens`` says."""
         self.model = model
+        self.latency_rows = latency_rows
         self.executor_probe = executor_probe
         self.tokenizer = tokenizer
         self.pool = pool
@@ -521,10 +525,17 @@ class GenerationEngine:
     def _chunk_columns(self, joiners: list[_Sequence]) -> int:
         """Columns of one chunk of these prompts' prefill: at least one (a chunk then holds more
         rows than ``prefill_chunk_tokens`` only when more prompts than that were admitted together)."""
-        chunk = self.options.prefill_chunk_tokens
+        chunk = self.chunk_tokens()
         if chunk <= 0:
             return max(len(s.request.prompt_ids) for s in joiners)
         return max(1, chunk // len(joiners))
+
+    def chunk_tokens(self) -> int:
+        """Rows of one prefill chunk (0: no chunks): the option, or the executor's latency bound
+        when smaller (a chunk above it would be bulk work there, behind fine-tuning jobs)."""
+        chunk = self.options.prefill_chunk_tokens
+        bound = self.latency_rows() if self.latency_rows is not None else None
+        return min(chunk, bound) if chunk > 0 and bound else chunk
 
     def _prefill_chunk(self, prefill: _Prefill) -> None:
         """The next chunk of ``prefill``'s columns; after the last, the joiners' first tokens and

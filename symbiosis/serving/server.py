@@ -189,7 +189,17 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
 
     if options.executor_bind:  # before the engine's thread starts: a failed bind leaves nothing running
         share_embedded_executor(target, options.executor_bind)
-    engine = GenerationEngine(model, tokenizer, pool, context, engine_options, hooks, executor_probe=probe)
+    transport = model.symbiosis_transport
+    engine = GenerationEngine(
+        model,
+        tokenizer,
+        pool,
+        context,
+        engine_options,
+        hooks,
+        executor_probe=probe,
+        latency_rows=lambda: getattr(transport, "latency_rows", None),
+    )
     return EngineParts(model, engine, max_context, probe)
 
 

@@ -37,6 +37,11 @@ class InProcTransport:
         without the attribute)."""
         return getattr(self.service, "quantization", None)
 
+    @property
+    def latency_rows(self) -> int | None:
+        """Rows up to which a decode or prefill request is latency work (None: the service does not say)."""
+        return getattr(self.service, "latency_rows", None) or None
+
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return self.service.layer_specs()
 

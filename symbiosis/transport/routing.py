@@ -72,6 +72,10 @@ class RoutingTransport:
     def quantization(self) -> str | None:
         return self._entry.quantization
 
+    @property
+    def latency_rows(self) -> int | None:
+        return getattr(self._entry, "latency_rows", None)
+
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return self._entry.layer_specs()
 

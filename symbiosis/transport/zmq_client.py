@@ -428,6 +428,13 @@ class ZmqTransport:
         assert self._welcome is not None
         return self._welcome.quantization or None
 
+    @property
+    def latency_rows(self) -> int | None:
+        """Rows up to which a decode or prefill request is latency work on the executor (None: it
+        did not say, or no Welcome yet), from its Welcome."""
+        welcome = self._welcome
+        return (welcome.latency_rows or None) if welcome is not None else None
+
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return dict(self._specs)
 

@@ -911,6 +911,7 @@ class ZmqServer:
             quantization=self._quantization,
             routes=self._routes,
             lane_port=self._lane_listener.port if self._lane_listener is not None else 0,
+            latency_rows=getattr(self._service, "latency_rows", None) or 0,
         )
         self.send(identity, welcome)
 

@@ -680,6 +680,47 @@ def test_a_client_that_goes_away_mid_stream_frees_its_sequence(api_model, monkey
         server.close()
 
 
+def test_prefill_chunks_are_no_larger_than_what_the_executor_serves_as_latency_work(
+    api_model, lora_adapters, reference, tmp_path, monkeypatch
+):
+    """An executor whose latency work is smaller than ``--prefill-chunk-tokens``
+    (``decode_share_rows``) says so in its Welcome, and the server's chunks follow it, in-process
+    and over the wire: a bigger chunk would wait behind fine-tuning jobs there."""
+    import symbiosis
+
+    executor = symbiosis.BaseExecutor.from_pretrained(api_model, decode_share_rows=8)
+    address = f"ipc://{tmp_path}/share.sock"
+    served = executor.serve(address)
+    try:
+        for server in (
+            start_server(api_model, ClientOptions(executor=address), adapters=lora_adapters),
+            ApiServer(ApiOptions(model=api_model, client=ClientOptions(embedded=True), port=0), executor=executor),
+        ):
+            try:
+                server.start()
+                engine = server.engine
+                assert engine.options.prefill_chunk_tokens == 256 and engine.chunk_tokens() == 8
+                rows: list[int] = []
+                prefill_chunk = engine._prefill_chunk
+
+                def recording(prefill, prefill_chunk=prefill_chunk, rows=rows):
+                    rows.append(
+                        len(prefill.joiners) * min(prefill.chunk_columns, prefill.columns - prefill.done_columns)
+                    )
+                    prefill_chunk(prefill)
+
+                monkeypatch.setattr(engine, "_prefill_chunk", recording)
+                prompt = " ".join(PROMPTS)
+                model = "attn8" if "attn8" in server.pool.names() else server.served_model_name
+                expected = reference.tokens(prompt, lora_adapters.get(model), 4)
+                assert greedy_tokens(openai_client(server), model, prompt, 4) == expected
+                assert len(rows) > 2 and max(rows) <= 8, rows
+            finally:
+                server.close()
+    finally:
+        served.close()
+
+
 def test_a_short_prompt_is_not_held_behind_a_long_prompts_chunks(api_model, reference, monkeypatch):
     """A request that arrives while a long prompt prefills in chunks is admitted as a prefill
     group of its own and gets its first token long before the long prompt's (the step's chunk
