@@ -239,8 +239,9 @@ class GenerationEngine:
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._admitting: list[_Sequence] = []  # admitted, not yet in the batch (being prefilled)
-        self._prefills: list[_Prefill] = []  # their prefill groups, oldest first, while their chunks run
+        # Admitted sequences not yet in the batch, as prefill groups (oldest first) while their
+        # chunks run. Replaced, never mutated, and under ``_cond``: ``stats`` reads it from other threads.
+        self._prefills: list[_Prefill] = []
         self._oldest_turn = False  # whose chunk the next step runs when several groups are under way
         self._batch: PaddedBatch | None = None
         self._rows: RowAdapters | None = None  # adapters of the running rows, while they last
@@ -287,6 +288,11 @@ class GenerationEngine:
             sequence.cancelled = True
             self._cond.notify_all()
 
+    @property
+    def _admitting(self) -> list[_Sequence]:
+        """Sequences being prefilled (admitted, not yet in the running batch)."""
+        return [sequence for prefill in self._prefills for sequence in prefill.joiners]
+
     def stats(self) -> dict:
         with self._cond:
             return {
@@ -315,7 +321,7 @@ class GenerationEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._running and not self._admitting:
+                while not self._stopping and not self._waiting and not self._running and not self._prefills:
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -389,9 +395,9 @@ class GenerationEngine:
         self._drop_cancelled()
         joiners = self._admit()
         if joiners:
+            prefill = self._start_prefill(joiners)
             with self._cond:
-                self._admitting = self._admitting + joiners
-            self._prefills.append(self._start_prefill(joiners))
+                self._prefills = [*self._prefills, prefill]
         if self._prefills:
             self._prefill_chunk(self._next_prefill())
         if self._running:
@@ -416,9 +422,8 @@ class GenerationEngine:
         for prefill in [p for p in self._prefills if all(s.cancelled for s in p.joiners)]:
             for sequence in prefill.joiners:  # nobody waits for the rest of their prefill
                 self._finish(sequence, "abort", emit=False)
-            self._prefills.remove(prefill)
             with self._cond:
-                self._admitting = _without(self._admitting, prefill.joiners)
+                self._prefills = [p for p in self._prefills if p is not prefill]
         if any(s.cancelled for s in self._running):
             for sequence in self._running:
                 if sequence.cancelled:
@@ -464,7 +469,8 @@ class GenerationEngine:
 
     def _fits(self, joiners: list[_Sequence]) -> bool:
         """Whether ``joiners`` fit beside the running sequences and those still prefilling."""
-        rows = len(self._running) + len(self._admitting) + len(joiners)
+        admitting = self._admitting
+        rows = len(self._running) + len(admitting) + len(joiners)
         if rows > self.options.max_batch_size:
             return False
         if (
@@ -472,14 +478,14 @@ class GenerationEngine:
             and len(joiners) * max(len(s.request.prompt_ids) for s in joiners) > self.options.max_prefill_tokens
         ):
             return False
-        everyone = self._running + self._admitting + joiners
+        everyone = self._running + admitting + joiners
         # The running batch gains a column every step until these prefills end: at most one step
         # per chunk of each group still prefilling and of the joiners' (one chunk a step).
         steps = sum(-(-(p.columns - p.done_columns) // p.chunk_columns) for p in self._prefills)
         steps += -(-max(len(s.request.prompt_ids) for s in joiners) // self._chunk_columns(joiners))
         columns = max(
             [self._batch.columns + steps if self._batch is not None else 0]
-            + [len(s.request.prompt_ids) for s in self._admitting + joiners]
+            + [len(s.request.prompt_ids) for s in admitting + joiners]
         )
         peak = rows * (columns + max(s.remaining_tokens for s in everyone)) * self.bytes_per_token
         return rows == 1 or peak <= self.options.kv_cache_bytes
@@ -575,10 +581,9 @@ class GenerationEngine:
         if self._batch is not None:
             batch = self._batch.merge(batch, max(s.remaining_tokens for s in self._running + joiners))
         self._batch = batch
-        self._prefills.remove(prefill)
         with self._cond:
             self._running.extend(joiners)
-            self._admitting = _without(self._admitting, joiners)
+            self._prefills = [p for p in self._prefills if p is not prefill]
             self.peak_running = max(self.peak_running, len(self._running))
         self._rows = None
         self._append_all(joiners, logits)
@@ -681,9 +686,8 @@ class GenerationEngine:
         for sequence in [*self._admitting, *self._running]:
             self._fail(sequence, failure)
         with self._cond:
-            self._running, self._admitting = [], []
+            self._running, self._prefills = [], []
         self._batch, self._rows = None, None
-        self._prefills = []
 
     def _retire_done(self) -> None:
         keep = [i for i, s in enumerate(self._running) if not s.done]
@@ -708,12 +712,6 @@ class GenerationEngine:
         with torch.no_grad():
             self._forward(ids, torch.ones_like(ids), torch.zeros_like(ids), cache, RowAdapters([None]), last_only=True)
         return max(1, PaddedBatch(cache, torch.ones_like(ids), torch.zeros(1, dtype=torch.long)).cache_bytes())
-
-
-def _without(sequences: list[_Sequence], gone: list[_Sequence]) -> list[_Sequence]:
-    """``sequences`` but those of ``gone`` (the very objects: sequences compare by identity here)."""
-    ids = {id(sequence) for sequence in gone}
-    return [sequence for sequence in sequences if id(sequence) not in ids]
 
 
 def _echoes(sequence: _Sequence) -> bool:

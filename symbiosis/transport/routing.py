@@ -74,7 +74,7 @@ class RoutingTransport:
 
     @property
     def latency_rows(self) -> int | None:
-        return getattr(self._entry, "latency_rows", None)
+        return self._entry.latency_rows
 
     def layer_specs(self) -> Mapping[str, LayerSpec]:
         return self._entry.layer_specs()
