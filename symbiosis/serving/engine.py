@@ -395,7 +395,14 @@ class GenerationEngine:
         self._drop_cancelled()
         joiners = self._admit()
         if joiners:
-            prefill = self._start_prefill(joiners)
+            try:
+                prefill = self._start_prefill(joiners)
+            except BaseException:  # not yet in a group, which ``_fail_all`` would end: end them here
+                for sequence in joiners:
+                    self._fail(
+                        sequence, Failure(500, "internal error while admitting; see the server log", "internal_error")
+                    )
+                raise
             with self._cond:
                 self._prefills = [*self._prefills, prefill]
         if self._prefills:

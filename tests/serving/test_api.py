@@ -765,6 +765,30 @@ def test_a_short_prompt_is_not_held_behind_a_long_prompts_chunks(api_model, refe
         server.close()
 
 
+def test_a_failure_while_admitting_answers_500_and_the_server_goes_on(api_model, monkeypatch):
+    """Sequences taken from the queue but not yet in a prefill group are answered when building
+    the group fails (a bug): a 500 for them, and the next request is served."""
+    server = start_server(api_model)
+    try:
+        start_prefill = server.engine._start_prefill
+        failures = iter([RuntimeError("a slip in our code")])
+
+        def failing_once(joiners):
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+            return start_prefill(joiners)
+
+        monkeypatch.setattr(server.engine, "_start_prefill", failing_once)
+        body = {"model": server.served_model_name, "prompt": "hi", "max_tokens": 2}
+        status, text = post(server.url + "/v1/completions", body)
+        assert status == 500 and "internal error" in text
+        status, _ = post(server.url + "/v1/completions", body)
+        assert status == 200 and server.engine.stats()["running"] == 0
+    finally:
+        server.close()
+
+
 def test_a_client_that_goes_away_during_a_chunked_prefill_stops_it(api_model, monkeypatch):
     """A prompt still being prefilled, a chunk a step, counts as running; when its only client
     goes away (before its first token: the stream has not begun) the rest of its chunks are not
