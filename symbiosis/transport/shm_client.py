@@ -61,14 +61,19 @@ MAX_HANDED_OUT = 4
 FREELY_HANDED_OUT = 2
 
 #: Calls whose rows and result are both smaller than this travel inline, on the session's lane
-#: (``lane.py``) like an ``ipc://`` call, not through a segment: for a decode step's few rows the
-#: segment costs more (a lease from the pool, a second header, the server's mapping lookup, and
-#: the result copied out anyway below ``HANDOUT_MIN_BYTES``) than the bytes the lane copies.
-#: Up to about what one lane message carries with Linux's default socket buffer limit (~200 KiB):
-#: at 64 KiB, a decode step of 16 sequences on a hidden-512 llama (results of 96-128 KiB) went
-#: through segments and ran x1.72-2.01 of monolithic against x1.55-1.84 over ipc's lane; at
-#: 192 KiB x1.58-1.64, with ipc (``benchmarks.split_overhead --systems shm+ipc ipc``, 2026-11-25).
-INLINE_THRESHOLD = 192 << 10
+#: (``lane.py``) like an ``ipc://`` call, not through a segment: below ``HANDOUT_MIN_BYTES`` a
+#: result is copied out of the segment anyway, so the segment saves only the rows' kernel copies
+#: and costs more (a lease from the pool, a second header, the executor's general request path and
+#: mapping lookup) than the lane's copies of a payload this size, even one longer than a lane
+#: message (whose size follows the host's socket buffer limits), sent as a long message.
+#: Measured (2026-11-28, this 2-core host, one ``serve`` process, the fused gate/up product of the
+#: hidden-512 llama, results of 256-960 KiB, clients of each kind in one throwaway process taking
+#: turns): through a segment 1160-1181 us a call at 16 rows, inline 1089-1114 (ipc 1095-1119);
+#: 2021 vs 1973 at 32 rows, 2385 vs 2329 at 60. In ``benchmarks.split_overhead`` a 16-sequence
+#: decode step over shm+ipc then matched ipc (25.7/25.3, 25.2/25.7, 25.2/24.9 ms in three runs)
+#: where it had trailed it by -0.6 to +4.2 ms. An earlier bound of 64 KiB (2026-11-25) was worse
+#: still: x1.72-2.01 of monolithic against ipc's x1.55-1.84.
+INLINE_THRESHOLD = HANDOUT_MIN_BYTES
 
 assert MIN_BUFFER_BYTES % ALIGNMENT == 0
 

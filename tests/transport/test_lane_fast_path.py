@@ -169,6 +169,22 @@ def test_shared_memory_small_calls_inline_large_calls_in_segments(
         assert len(transport._free) == 1
 
 
+def test_shared_memory_results_copied_out_anyway_ride_the_lane(
+    executor: BaseExecutor, addresses: dict[str, str]
+) -> None:
+    """A result under ``HANDOUT_MIN_BYTES`` would be copied out of a segment anyway: such calls
+    travel on the lane (as a long message where one lane message is shorter), not through a segment."""
+    from symbiosis.transport.shm_client import HANDOUT_MIN_BYTES
+
+    with open_transport(addresses["shm"]) as transport:
+        lane = transport._conn.lane
+        rows = torch.randn(20, 32)  # a result of 320 KiB on "wide" (a 16-sequence decode's gate/up: 256 KiB)
+        assert 20 * 4096 * 4 < HANDOUT_MIN_BYTES
+        got = transport.call("wide", Op.FORWARD, rows, LatencyClass.DECODE)
+        assert_same_product(got, executor.run("wide", Op.FORWARD, rows))
+        assert not transport._free and not transport._leased and lane.calls == 1  # no segment made
+
+
 def test_an_executor_error_on_the_fast_path_reaches_the_client_typed(
     executor: BaseExecutor, addresses: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
