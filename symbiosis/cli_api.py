@@ -118,6 +118,16 @@ def api_command(
             ),
         ),
     ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            help=(
+                "Seconds that requests in flight may still run once the server is told to stop (SIGINT/SIGTERM); "
+                "then they end with a 503 (a stream's last event is the error, then [DONE]). 0: at once. A second "
+                "Ctrl-C stops at once whatever this says."
+            )
+        ),
+    ] = 0.0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     timeout: TimeoutOpt = 60.0,
@@ -158,6 +168,7 @@ def api_command(
         allow_non_loopback=allow_non_loopback,
         engine_process=engine_process,
         executor_bind=tuple(executor_bind or ()),
+        shutdown_timeout_s=shutdown_timeout,
     )
     server = ApiServer(options)
     adapters = server.pool.names()

@@ -3,11 +3,20 @@
 The server is one client of the executor: an embedded one, or one at an address shared with
 fine-tuning jobs and other servers. :class:`ApiServer` is what the CLI, the demo and the tests
 start; ``start()`` runs uvicorn on a background thread, ``run()`` in the foreground.
+
+Stopping (SIGINT/SIGTERM, or ``close()``), as vLLM's ``--shutdown-timeout`` does: uvicorn stops
+taking connections at once; requests in flight get ``ApiOptions.shutdown_timeout_s`` to finish
+(default 0), then the engine ends the rest with a 503 ("the server is shutting down") -- a
+stream's last event is that error, then ``data: [DONE]`` -- and the process exits. Before, uvicorn
+waited its own 5 s for streams that could not finish, then cancelled them: the client got a stream
+cut mid-way, the log a traceback, and the process took ~9 s to exit.
 """
 
 from __future__ import annotations
 
+import math
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -61,6 +70,14 @@ class ApiOptions:
     # With an embedded executor: also serve it to other clients (fine-tuning jobs, other servers)
     # at these loopback/ipc addresses, so they share the base while the server calls it in-process.
     executor_bind: tuple[str, ...] = ()
+    # Once told to stop: how long requests in flight may still run before they end with a 503 (0:
+    # at once). See the module doc.
+    shutdown_timeout_s: float = 0.0
+
+
+#: How long uvicorn waits for connections beyond ``shutdown_timeout_s`` (the engine has ended every
+#: request by then; this covers writing their last events) before it cancels what is left.
+SHUTDOWN_GRACE_S = 5.0
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, Path]:
@@ -109,17 +126,20 @@ def _max_context(model, tokenizer) -> int:
     return value if isinstance(value, int) and 0 < value < 1 << 24 else 2048
 
 
-def _uvicorn_server(config):
+def _uvicorn_server(config, on_exit):
     """uvicorn's Server, except that SIGINT/SIGTERM end ``serve()`` cleanly instead of being
-    re-raised after shutdown (uvicorn's default kills the process before our cleanup runs)."""
+    re-raised after shutdown (uvicorn's default kills the process before our cleanup runs), and
+    call ``on_exit(forced)`` (``forced``: a second signal, uvicorn stops without waiting)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            forced = self.should_exit  # uvicorn: the second signal forces the exit
             super().handle_exit(sig, frame)
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()
+            on_exit(forced)
 
     return Server(config)
 
@@ -264,6 +284,8 @@ class ApiServer:
             raise ApiConfigError("--max-concurrent-requests and --max-batch-size must be at least 1")
         if options.prefill_chunk_tokens < 0:
             raise ApiConfigError("--prefill-chunk-tokens must be 0 (never split a prefill) or more")
+        if not options.shutdown_timeout_s >= 0 or math.isinf(options.shutdown_timeout_s):
+            raise ApiConfigError("--shutdown-timeout must be 0 (end requests in flight at once) or more seconds")
         if options.executor_bind and (executor is not None or not options.client.embedded):
             raise ApiConfigError(
                 "--executor-bind shares an --embedded executor; with --executor ADDRESS the jobs connect to that "
@@ -285,6 +307,9 @@ class ApiServer:
             raise
         self._uvicorn = None
         self._thread: threading.Thread | None = None
+        self._stopping_lock = threading.Lock()
+        self._stopper: threading.Thread | None = None  # ends the requests in flight (``_begin_stopping``)
+        self._end_now = threading.Event()  # stop waiting for requests in flight
 
     def _build(self, options: ApiOptions) -> None:
         self.tokenizer = load_tokenizer(options.model)
@@ -326,7 +351,8 @@ class ApiServer:
             http="auto",
             loop="auto",
             log_level="warning",
-            timeout_graceful_shutdown=5,
+            # The engine ends every request in flight after shutdown_timeout_s (``_begin_stopping``).
+            timeout_graceful_shutdown=math.ceil(self.options.shutdown_timeout_s + SHUTDOWN_GRACE_S),
             lifespan="off",
         )
 
@@ -371,7 +397,22 @@ class ApiServer:
         """Serve in this thread until SIGINT/SIGTERM; ``on_ready(url)`` once listening."""
         import asyncio
 
-        self._uvicorn = _uvicorn_server(self._config())
+        def on_exit(forced: bool) -> None:
+            if not forced:
+                timeout = self.options.shutdown_timeout_s
+                print(
+                    "stopping: requests in flight "
+                    + (
+                        f"have up to {timeout:g} s to finish, then end with 503 (Ctrl-C again to stop at once)"
+                        if timeout
+                        else "end now with 503 (--shutdown-timeout SECONDS lets them finish)"
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._begin_stopping(forced)
+
+        self._uvicorn = _uvicorn_server(self._config(), on_exit)
 
         async def serve() -> None:
             task = asyncio.create_task(self._uvicorn.serve(sockets=sockets))
@@ -389,12 +430,38 @@ class ApiServer:
         finally:
             self.close()
 
+    def _begin_stopping(self, at_once: bool = False) -> None:
+        """uvicorn stops taking connections: give the requests in flight ``shutdown_timeout_s``
+        (none ``at_once``), then end what is left with a 503 so their responses complete and
+        uvicorn's wait for them ends. On a thread of its own: called from a signal handler."""
+
+        def end_requests_in_flight() -> None:
+            self._end_now.wait(self.options.shutdown_timeout_s)
+            if self.engine is not None:
+                self.engine.close()  # every sequence left ends with 503 "the server is shutting down"
+
+        if at_once:
+            self._end_now.set()
+        with self._stopping_lock:
+            if self._stopper is None:
+                self._stopper = threading.Thread(
+                    target=end_requests_in_flight, name="symbiosis-api-stopping", daemon=True
+                )
+                self._stopper.start()
+
     def close(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
+            if self._thread is not None:  # ``start()``: run() stops on a signal (``_begin_stopping`` there)
+                self._begin_stopping()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=self.options.shutdown_timeout_s + SHUTDOWN_GRACE_S + 5)
             self._thread = None
+        self._end_now.set()  # uvicorn is done: nothing is left to wait for
+        with self._stopping_lock:
+            stopper = self._stopper
+        if stopper is not None:
+            stopper.join()  # its engine.close() first: not two at once
         if self.engine is not None:
             self.engine.close()
         self._close_client()

@@ -25,7 +25,7 @@ from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.serving import lora as lora_module
 from symbiosis.serving.logprobs import LogprobFormatter
-from symbiosis.serving.server import ApiConfigError, ApiOptions, ApiServer
+from symbiosis.serving.server import SHUTDOWN_GRACE_S, ApiConfigError, ApiOptions, ApiServer
 from tests.serving.conftest import make_lora_adapter
 
 PROMPTS = ["The quick brown fox", "Hello there, my friend", "a", "Once upon a time in a land far away", "0 1 2 3"]
@@ -680,6 +680,69 @@ def test_a_client_that_goes_away_mid_stream_frees_its_sequence(api_model, monkey
         server.close()
 
 
+def _stream_tokens(server: ApiServer, max_tokens: int):
+    """A greedy stream of ``max_tokens`` (no EOS) from the base model; its first chunk already read."""
+    stream = openai_client(server).completions.create(
+        model=server.served_model_name,
+        prompt="go on",
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    return chunks
+
+
+def _close_in_background(server: ApiServer) -> tuple[threading.Thread, list[float]]:
+    took: list[float] = []
+
+    def close() -> None:
+        began = time.monotonic()
+        server.close()
+        took.append(time.monotonic() - began)
+
+    thread = threading.Thread(target=close)
+    thread.start()
+    return thread, took
+
+
+def test_stopping_ends_requests_in_flight_with_503_at_once(api_model, monkeypatch):
+    """uvicorn used to wait 5 s for streams that could not finish, then cut them (no error, no
+    [DONE]) and log a traceback. Now the engine ends them: the stream's last event is the 503."""
+    server = start_server(api_model)
+    _slow_steps(server, monkeypatch, 0.02)  # 200 tokens: 4 s or more
+    chunks = _stream_tokens(server, 200)
+    closing, took = _close_in_background(server)
+    with pytest.raises(openai.APIError, match="the server is shutting down"):
+        for _ in chunks:
+            pass
+    closing.join(timeout=60)
+    assert took and took[0] < SHUTDOWN_GRACE_S, took
+
+
+def test_a_shutdown_timeout_lets_requests_in_flight_finish(api_model, monkeypatch):
+    server = start_server(api_model, shutdown_timeout_s=30.0)
+    _slow_steps(server, monkeypatch, 0.02)
+    chunks = _stream_tokens(server, 20)
+    closing, took = _close_in_background(server)
+    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finish[-1] == "length"  # it ran to its end after the server was told to stop
+    closing.join(timeout=60)
+    assert took and took[0] < 30.0, took
+    # and one that cannot finish in time ends with the 503 when the time is up
+    server = start_server(api_model, shutdown_timeout_s=0.5)
+    _slow_steps(server, monkeypatch, 0.02)
+    chunks = _stream_tokens(server, 200)
+    closing, took = _close_in_background(server)
+    with pytest.raises(openai.APIError, match="the server is shutting down"):
+        for _ in chunks:
+            pass
+    closing.join(timeout=60)
+    assert took and 0.5 <= took[0] < 0.5 + SHUTDOWN_GRACE_S, took
+
+
 def test_prefill_chunks_are_no_larger_than_what_the_executor_serves_as_latency_work(
     api_model, lora_adapters, reference, tmp_path, monkeypatch
 ):
@@ -1118,7 +1181,7 @@ def test_executor_bind_needs_an_embedded_executor_and_a_local_address(api_model)
 
 
 @pytest.mark.slow
-def test_the_command_line_serves_until_sigterm(api_model, lora_adapters):
+def test_the_command_line_serves_until_sigterm_and_ends_streams_in_flight(api_model, lora_adapters):
     import signal
     import socket
     import subprocess
@@ -1158,10 +1221,31 @@ def test_the_command_line_serves_until_sigterm(api_model, lora_adapters):
             pytest.fail(f"symbiosis api never answered /health 200 (exit {process.returncode}): {err[-2000:]}")
         status, body = post(url + "/v1/completions", {"model": "qv4", "prompt": "hi", "max_tokens": 3})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+        # A stream in flight (16 choices to the context's end: hundreds of steps) when SIGTERM comes
+        # ends with the 503 and [DONE], the process exits without a traceback, well before uvicorn's
+        # own wait would have cut the stream (before: ~9 s, a cut stream, a traceback).
+        import http.client
+
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        stream_body = {"model": "qv4", "prompt": "hi", "max_tokens": 250, "n": 16, "stream": True, "ignore_eos": True}
+        connection.request("POST", "/v1/completions", json.dumps(stream_body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: {")
+        signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
+        events = [line.strip() for line in response if line.startswith(b"data: ")]
         out, err = process.communicate(timeout=60)
+        exited_after = time.monotonic() - signalled
+        assert events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][6:])["error"] == {
+            "message": "the server is shutting down",
+            "type": "service_unavailable",
+            "code": 503,
+        }
+        assert exited_after < SHUTDOWN_GRACE_S, exited_after
         assert process.returncode == 0, err[-2000:]
-        assert f"{url}/v1" in out and "Traceback" not in err
+        assert f"{url}/v1" in out and "Traceback" not in err and "requests in flight end now with 503" in err
     finally:
         if process.poll() is None:
             process.kill()
