@@ -61,6 +61,7 @@ class ServingMetrics(EngineHooks):
             "symbiosis:request_success", "Sequences finished, by reason", ["finished_reason"], registry=r
         )
         self.model_name = model_name
+        self.sequences_in_flight = 0  # running + waiting at the engine's last report (read on shutdown)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,6 +71,7 @@ class ServingMetrics(EngineHooks):
     def queue_changed(self, running: int, waiting: int, cache_bytes: int, adapters_loaded: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+        self.sequences_in_flight = running + waiting
         self.cache_bytes.set(cache_bytes)
         self.adapters_loaded.set(adapters_loaded)
 

@@ -398,10 +398,11 @@ class ApiServer:
         import asyncio
 
         def on_exit(forced: bool) -> None:
-            if not forced:
+            in_flight = self.metrics.sequences_in_flight
+            if not forced and in_flight:
                 timeout = self.options.shutdown_timeout_s
                 print(
-                    "stopping: requests in flight "
+                    f"stopping: {in_flight} sequence(s) in flight "
                     + (
                         f"have up to {timeout:g} s to finish, then end with 503 (Ctrl-C again to stop at once)"
                         if timeout

@@ -1245,7 +1245,7 @@ def test_the_command_line_serves_until_sigterm_and_ends_streams_in_flight(api_mo
         }
         assert exited_after < SHUTDOWN_GRACE_S, exited_after
         assert process.returncode == 0, err[-2000:]
-        assert f"{url}/v1" in out and "Traceback" not in err and "requests in flight end now with 503" in err
+        assert f"{url}/v1" in out and "Traceback" not in err and "16 sequence(s) in flight end now with 503" in err
     finally:
         if process.poll() is None:
             process.kill()
