@@ -458,13 +458,9 @@ class ApiServer:
         if self._thread is not None:
             self._thread.join(timeout=self.options.shutdown_timeout_s + SHUTDOWN_GRACE_S + 5)
             self._thread = None
-        self._end_now.set()  # uvicorn is done: nothing is left to wait for
-        with self._stopping_lock:
-            stopper = self._stopper
-        if stopper is not None:
-            stopper.join()  # its engine.close() first: not two at once
-        if self.engine is not None:
-            self.engine.close()
+        self._begin_stopping(at_once=True)  # uvicorn is done (or never ran): end the engine now
+        assert self._stopper is not None
+        self._stopper.join()  # the one engine.close(), there
         self._close_client()
 
     def _close_client(self) -> None:

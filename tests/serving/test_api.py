@@ -708,39 +708,49 @@ def _close_in_background(server: ApiServer) -> tuple[threading.Thread, list[floa
     return thread, took
 
 
+def _stream_ended_by_shutdown(server: ApiServer, max_tokens: int) -> float:
+    """Close ``server`` while a stream of ``max_tokens`` runs: the stream must end with the 503
+    error event (the openai client raises it); returns how long ``close()`` took."""
+    chunks = _stream_tokens(server, max_tokens)
+    closing, took = _close_in_background(server)
+    with pytest.raises(openai.APIError, match="the server is shutting down"):
+        for _ in chunks:
+            pass
+    closing.join(timeout=60)
+    assert took, "close() did not return"
+    return took[0]
+
+
 def test_stopping_ends_requests_in_flight_with_503_at_once(api_model, monkeypatch):
     """uvicorn used to wait 5 s for streams that could not finish, then cut them (no error, no
     [DONE]) and log a traceback. Now the engine ends them: the stream's last event is the 503."""
     server = start_server(api_model)
-    _slow_steps(server, monkeypatch, 0.02)  # 200 tokens: 4 s or more
-    chunks = _stream_tokens(server, 200)
-    closing, took = _close_in_background(server)
-    with pytest.raises(openai.APIError, match="the server is shutting down"):
-        for _ in chunks:
-            pass
-    closing.join(timeout=60)
-    assert took and took[0] < SHUTDOWN_GRACE_S, took
+    try:
+        _slow_steps(server, monkeypatch, 0.02)  # 200 tokens: 4 s or more
+        assert _stream_ended_by_shutdown(server, 200) < SHUTDOWN_GRACE_S
+    finally:
+        server.close()
 
 
 def test_a_shutdown_timeout_lets_requests_in_flight_finish(api_model, monkeypatch):
     server = start_server(api_model, shutdown_timeout_s=30.0)
-    _slow_steps(server, monkeypatch, 0.02)
-    chunks = _stream_tokens(server, 20)
-    closing, took = _close_in_background(server)
-    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
-    assert finish[-1] == "length"  # it ran to its end after the server was told to stop
-    closing.join(timeout=60)
-    assert took and took[0] < 30.0, took
+    try:
+        _slow_steps(server, monkeypatch, 0.02)
+        chunks = _stream_tokens(server, 20)
+        closing, took = _close_in_background(server)
+        finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+        assert finish[-1] == "length"  # it ran to its end after the server was told to stop
+        closing.join(timeout=60)
+        assert took and took[0] < 30.0, took
+    finally:
+        server.close()
     # and one that cannot finish in time ends with the 503 when the time is up
     server = start_server(api_model, shutdown_timeout_s=0.5)
-    _slow_steps(server, monkeypatch, 0.02)
-    chunks = _stream_tokens(server, 200)
-    closing, took = _close_in_background(server)
-    with pytest.raises(openai.APIError, match="the server is shutting down"):
-        for _ in chunks:
-            pass
-    closing.join(timeout=60)
-    assert took and 0.5 <= took[0] < 0.5 + SHUTDOWN_GRACE_S, took
+    try:
+        _slow_steps(server, monkeypatch, 0.02)
+        assert 0.5 <= _stream_ended_by_shutdown(server, 200) < 0.5 + SHUTDOWN_GRACE_S
+    finally:
+        server.close()
 
 
 def test_prefill_chunks_are_no_larger_than_what_the_executor_serves_as_latency_work(
