@@ -85,6 +85,18 @@ def serve(
     failure_linger_s: Annotated[
         float, typer.Option(min=0.0, help=SHARD_HELP["failure_linger_s"])
     ] = ShardOptions.failure_linger_s,
+    tune_matmul: Annotated[
+        bool,
+        typer.Option(
+            help=(
+                "Time the two ways of writing a forward product of 1-64 rows on CPU (rows @ W.T as nn.Linear does, "
+                "or (W @ rows.T).T) the first time each weight shape and row count comes up, and keep the faster "
+                "one for the life of the process: BLAS libraries' small-batch kernels differ between the two, "
+                "x0.2-x1.7 here. Results then agree with nn.Linear's within float tolerance, not bit for bit. "
+                "--no-tune-matmul (or SYMBIOSIS_TUNE_MATMUL=0) always runs nn.Linear's form."
+            )
+        ),
+    ] = True,
     scheduler_config: SchedulerConfig | None = None,  # made by @with_scheduler_options from its options
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
@@ -106,6 +118,11 @@ def serve(
     from symbiosis.executor.quantized import parse_quantization
 
     quantization = parse_quantization(quantization)  # an unknown name fails before anything loads
+    if not tune_matmul:
+        from symbiosis.executor.matmul_forms import MATMUL_FORMS, TUNE_VARIABLE
+
+        os.environ[TUNE_VARIABLE] = "0"  # and for the ranks of a sharded executor, which read it at import
+        MATMUL_FORMS.enabled = False
     if shards > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several processes (torchrun, or --shards)
         if quantization:
             raise typer.BadParameter("--quantization is not supported with a sharded executor (--shards, torchrun) yet")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from symbiosis.errors import ConfigurationError
+from symbiosis.executor import matmul_forms
 from symbiosis.executor.engine import ExecutionEngine
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights
@@ -202,6 +203,7 @@ class BaseExecutor:
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
         stats["quantization"] = self.quantization or "none"
         stats["kernels"] = self.weights.kernels()
+        stats["matmul_forms"] = matmul_forms.MATMUL_FORMS.chosen()
         return stats
 
     def health(self) -> dict:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from symbiosis.executor.matmul_forms import LARGEST_TUNED_ROWS, MATMUL_FORMS, Form, forward
 from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
@@ -43,7 +44,8 @@ def apply_op(
     ``out``: where to write the result (e.g. a transport's reply region), used only when it is a
     contiguous tensor of the result's shape in the weights' dtype and device that does not
     overlap ``rows``; then the result *is* ``out``. The same kernel runs either way (``@`` on
-    matrices is ``mm``), so the numbers are the same bits.
+    matrices is ``mm``), so the numbers are the same bits. A forward of a few rows runs in the
+    form timed fastest on this host for its shape and row count (``matmul_forms.py``).
 
     A quantized layer (``quantized.py``) computes the same ops against its dequantized weight
     with its own kernels, and never writes into ``out`` (the caller copies, as for any result
@@ -57,18 +59,18 @@ def apply_op(
     weight = layer.weight
     if out is not None and not (out_fits if out_fits is not None else out_fits_product(layer, op, rows, out)):
         out = None
-    if op is Op.FORWARD:
-        if layer.bias is None:
-            return rows @ layer.weight_t if out is None else torch.mm(rows, layer.weight_t, out=out)
-        return (
-            torch.addmm(layer.bias, rows, layer.weight_t)
-            if out is None
-            else torch.addmm(layer.bias, rows, layer.weight_t, out=out)
-        )
     if op is Op.BACKWARD:
         return rows @ weight if out is None else torch.mm(rows, weight, out=out)
-    if op is Op.NOISE:
-        return rows @ layer.weight_t if out is None else torch.mm(rows, layer.weight_t, out=out)
+    if op is Op.FORWARD or op is Op.NOISE:
+        bias = layer.bias if op is Op.FORWARD else None  # noise: no bias, see above
+        n = rows.shape[0]
+        form = Form.ROWS_BY_WEIGHT
+        if n <= LARGEST_TUNED_ROWS:
+            key = (bias is not None, n, torch.get_num_threads())
+            form = layer.forms.get(key)
+            if form is None:
+                form = layer.forms[key] = MATMUL_FORMS.form(weight, bias, n)
+        return forward(form, weight, bias, rows, out, layer.weight_t)
     raise ValueError(f"unknown op {op!r}")
 
 

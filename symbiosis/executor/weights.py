@@ -32,6 +32,7 @@ from symbiosis.checkpoint import (
     locate_tensors,
 )
 from symbiosis.errors import CheckpointError
+from symbiosis.executor.matmul_forms import MATMUL_FORMS
 from symbiosis.executor.quantized import (
     FbgemmInt8Weights,
     QuantizedWeights,
@@ -53,9 +54,13 @@ class LayerWeights:
     # ``weight.t()``, made once: a forward product uses it, and making the view is a torch call
     # per product (a few µs of a lone decode call, see ``runner.apply_op``).
     weight_t: torch.Tensor = field(init=False, repr=False, compare=False)
+    # (has bias, rows, torch threads) -> the form its forwards run (``matmul_forms.py``), kept
+    # here so that a product looks it up in one small dict.
+    forms: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_t", self.weight.t())
+        object.__setattr__(self, "forms", {})
 
     kernel = "matmul"  # what computes its products (stats)
 
@@ -116,6 +121,8 @@ class _GroupResolver:
         start = sum(self._specs[m].out_features for m in self._blocks[block][:first])
         stop = start + sum(self._specs[m].out_features for m in members)
         weights = self._block_weights[block].rows(start, stop)
+        if type(weights) is LayerWeights:
+            MATMUL_FORMS.remember([weights.weight])  # peers for timing its shape (``matmul_forms.py``)
         head = self._specs[members[0]]
         spec = LayerSpec(layer_id, head.in_features, stop - start, head.has_bias)
         self._resolved[layer_id] = (spec, weights)
@@ -228,6 +235,7 @@ class BaseModelWeights:
                 stop = start + specs[member].out_features
                 layers[member] = whole.rows(start, stop)
                 start = stop
+        MATMUL_FORMS.remember(w.weight for w in [*layers.values(), *block_weights] if type(w) is LayerWeights)
         resolver = _GroupResolver(specs, layers, blocks, block_weights)
         return cls(_Registry(specs, resolver, 0), _Registry(layers, resolver, 1), fingerprint, model_type, quantization)
 

@@ -1,0 +1,197 @@
+"""Which of two ways of writing a forward product the executor runs, chosen by timing both here.
+
+Why. A base layer's forward is ``rows @ weight.T`` -- what ``nn.Linear`` runs -- and that is also
+``(weight @ rows.T).T``. The two reach the BLAS library as different calls (torch passes the
+first as a gemm with the weight transposed, the second with the rows transposed), and for a few
+rows the library's kernels for them differ a lot. Measured on this project's 2-core AMD EPYC host
+(torch 2.13 CPU, MKL; 2026-11-28; weights streaming from memory, ~105M llama's shapes): at 2 to 8
+rows the first takes about twice as long as one row (MKL runs it as one pass over the weight per
+row), the second about as long as one row; with two threads the second also uses both cores where
+the first uses one, so a 2-row gate/up product took 232 us against 960 (x0.24), 8 rows 519 against
+831; at one row, the second with the row given twice ran at x0.39-0.87 of the first (MKL's gemv
+uses one core). But not everywhere: the down projection at 4-8 rows on one thread took x1.6-1.7
+with the second, and past ~64 rows neither wins by more than the noise. So neither is written in:
+the first time a (weight shape, row count, thread count) comes up, both are timed on this host and
+the faster is kept for the life of the process -- as cuBLAS's heuristics or a Triton autotuner
+pick among kernels. Every product with those shapes then runs the same way: results never change
+between calls, only, where the second form won, in the last bits against ``nn.Linear``'s (within
+float tolerance, as any batch's rows already are: MKL's kernels change with the row count).
+
+How. Only full-precision CPU forwards of 1 to ``LARGEST_TUNED_ROWS`` rows are tuned; anything else
+(backward products, accelerators, training-sized batches, quantized layers) runs the first form.
+A trial runs each form ``ROUNDS`` times, alternating, each time over up to ``PEERS`` weights of
+the same shape (the model's other layers: one weight timed again and again would sit in the cache,
+which a decode step's does not) and keeps the median; the second form must beat the first by
+``MARGIN`` to be kept, so noise leaves torch's own form in place. A trial costs a few products per
+peer (tens of milliseconds for a ~1B model's largest layers), once per shape and row count.
+
+``SYMBIOSIS_TUNE_MATMUL=0`` (read at import; ``symbiosis serve --no-tune-matmul`` sets it) turns
+tuning off: every product runs the first form, bit for bit ``nn.Linear``'s.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import statistics
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
+#: Products of more rows always run the first form (measured: neither wins past ~64 rows).
+LARGEST_TUNED_ROWS = 64
+#: Times each form is timed in a trial (alternating), and weights of the shape each time covers.
+ROUNDS = 3
+PEERS = 4
+#: The second form is kept only when its median is under this fraction of the first's.
+MARGIN = 0.9
+
+
+class Form(enum.Enum):
+    """How a forward product is written (module doc)."""
+
+    ROWS_BY_WEIGHT = "rows @ weight.T"  # nn.Linear's
+    WEIGHT_BY_ROWS = "(weight @ rows.T).T"
+
+
+def _enabled_by_environment() -> bool:
+    return os.environ.get(TUNE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def forward(
+    form: Form,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor,
+    out: torch.Tensor | None = None,
+    weight_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``rows @ weight.T (+ bias)`` written as ``form``; into ``out`` when given (a contiguous
+    tensor of the result's shape that the caller checked). ``weight_t``: ``weight.t()`` if the
+    caller keeps one (making the view is a torch call)."""
+    if form is Form.ROWS_BY_WEIGHT:
+        weight_t = weight.t() if weight_t is None else weight_t
+        if bias is None:
+            return rows @ weight_t if out is None else torch.mm(rows, weight_t, out=out)
+        return torch.addmm(bias, rows, weight_t) if out is None else torch.addmm(bias, rows, weight_t, out=out)
+    n = rows.shape[0]
+    # One row is given twice: a single column would make this a gemv again (module doc).
+    columns = rows.t() if n > 1 else rows.expand(2, -1).contiguous().t()
+    product = torch.mm(weight, columns) if bias is None else torch.addmm(bias.unsqueeze(1), weight, columns)
+    result = product.t() if n > 1 else product[:, :1].t()
+    return result.contiguous() if out is None else out.copy_(result)
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The CPU's largest cache (Linux's sysfs), or ``default`` where it cannot be read."""
+    for index in (3, 2):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        except ValueError:
+            continue
+    return default
+
+
+class MatmulForms:
+    """The form each (shape, row count) runs, timed on first use (module doc). Thread-safe: a
+    decided form is read without a lock; trials run one at a time."""
+
+    def __init__(self, enabled: bool | None = None, cache_bytes: int | None = None) -> None:
+        self.enabled = _enabled_by_environment() if enabled is None else enabled
+        self._clock = time.perf_counter
+        self._cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+        self._chosen: dict[tuple, Form] = {}
+        self._weights: dict[int, weakref.ref] = {}  # id -> every weight offered, as loaded
+        self._trial_lock = threading.Lock()
+        self.trials = 0  # how many trials ran (tests, stats)
+
+    def remember(self, weights: Iterable[torch.Tensor]) -> None:
+        """Offer a model's weights for trials: peers of a shape are timed in turn, the others are
+        read between turns when the model is larger than the cache, as serving it reads them."""
+        self._weights = {key: ref for key, ref in self._weights.items() if ref() is not None}  # ids are reused
+        for weight in weights:
+            if weight.device.type == "cpu" and weight.dim() == 2 and id(weight) not in self._weights:
+                self._weights[id(weight)] = weakref.ref(weight)
+
+    def form(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Form:
+        """The form a forward of ``rows`` rows against ``weight`` runs (trying both if not known)."""
+        if not self.enabled or rows > LARGEST_TUNED_ROWS or rows < 1 or weight.device.type != "cpu":
+            return Form.ROWS_BY_WEIGHT
+        key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads())
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            with self._trial_lock:
+                chosen = self._chosen.get(key)
+                if chosen is None:
+                    chosen = self._chosen[key] = self._trial(weight, bias, rows)
+                    self.trials += 1
+        return chosen
+
+    def trial_weights(self, weight: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The weights a trial for ``weight``'s shape times (it first, then up to ``PEERS - 1``
+        others of its shape), and those it reads between turns: serving a model larger than the
+        cache reads every other weight between two products of one layer, so each timed weight
+        should come from memory; a model that fits is served from the cache, and timed so."""
+        alive = [w for ref in list(self._weights.values()) if (w := ref()) is not None and w is not weight]
+        same = [w for w in alive if w.shape == weight.shape and w.dtype == weight.dtype]
+        timed = [weight, *same[: PEERS - 1]]
+        evict: list[torch.Tensor] = []
+        if sum(_nbytes(w) for w in alive) + _nbytes(weight) > self._cache_bytes:
+            budget = 2 * self._cache_bytes
+            for w in alive:
+                if budget <= 0:
+                    break
+                if all(w is not t for t in timed):
+                    evict.append(w)
+                    budget -= _nbytes(w)
+        return timed, evict
+
+    def _trial(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Form:
+        timed, evict = self.trial_weights(weight)
+        inputs = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
+        timings: dict[Form, list[float]] = {form: [] for form in Form}
+        with torch.no_grad():
+            for form in Form:  # one untimed pass each: first-call costs (allocations, OpenMP start)
+                forward(form, weight, bias, inputs)
+            for _ in range(ROUNDS):
+                for form in Form:
+                    for w in evict:
+                        w.sum()
+                    timings[form].append(self._time_pass(form, timed, bias, inputs))
+        first, second = (statistics.median(timings[form]) for form in Form)
+        return Form.WEIGHT_BY_ROWS if second < MARGIN * first else Form.ROWS_BY_WEIGHT
+
+    def _time_pass(self, form: Form, weights: list[torch.Tensor], bias: torch.Tensor | None, inputs) -> float:
+        """Seconds ``form`` takes over ``weights``, one product each (tests replace this)."""
+        spent = 0.0
+        for w in weights:
+            began = self._clock()
+            forward(form, w, bias, inputs)
+            spent += self._clock() - began
+        return spent
+
+    def chosen(self) -> dict[str, int]:
+        """How many (shape, row count) pairs run each form so far (stats)."""
+        counts = {form.value: 0 for form in Form}
+        for form in list(self._chosen.values()):
+            counts[form.value] += 1
+        return counts
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+#: The process's forms: the choice is a fact of this host and these shapes, shared by every
+#: executor in the process (so two executors give the same bits).
+MATMUL_FORMS = MatmulForms()

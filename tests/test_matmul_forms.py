@@ -1,0 +1,145 @@
+"""The executor times two ways of writing a small forward product and keeps the faster
+(``symbiosis/executor/matmul_forms.py``): both give ``nn.Linear``'s result within float tolerance,
+a choice is made once per (shape, rows, threads) and then every product runs it, and anything not
+tuned runs ``nn.Linear``'s own form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import symbiosis
+from symbiosis.executor import matmul_forms as mf
+from symbiosis.executor import runner
+from symbiosis.vocabulary import Op
+
+# Both forms sum the same products in another order: float32 rounding, not a different result.
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _fake_timings(monkeypatch, seconds: dict[mf.Form, float]) -> list[mf.Form]:
+    """Make every timed pass of ``form`` take ``seconds[form]``; returns the forms timed, in order."""
+    timed: list[mf.Form] = []
+
+    def time_pass(self, form, weights, bias, inputs):
+        timed.append(form)
+        return seconds[form] * len(weights)
+
+    monkeypatch.setattr(mf.MatmulForms, "_time_pass", time_pass)
+    return timed
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("form", list(mf.Form))
+def test_both_forms_give_nn_linears_result(rows, with_bias, form):
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(48, 32, generator=g), torch.randn(rows, 32, generator=g)
+    bias = torch.randn(48, generator=g) if with_bias else None
+    want = F.linear(x, weight, bias)
+    got = mf.forward(form, weight, bias, x)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, **TOL)
+    out = torch.empty(rows, 48)
+    assert mf.forward(form, weight, bias, x, out) is out  # a reply region is written, not replaced
+    torch.testing.assert_close(out, want, **TOL)
+
+
+def test_the_first_form_is_nn_linears_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    weight, bias, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(3, 24, generator=g)
+    assert torch.equal(mf.forward(mf.Form.ROWS_BY_WEIGHT, weight, bias, x), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize(
+    ("first_s", "second_s", "kept"),
+    [
+        (1.0, 0.5, mf.Form.WEIGHT_BY_ROWS),  # clearly faster: kept
+        (1.0, 0.95, mf.Form.ROWS_BY_WEIGHT),  # within the margin: nn.Linear's form stays
+        (1.0, 1.7, mf.Form.ROWS_BY_WEIGHT),
+    ],
+)
+def test_a_trial_keeps_the_faster_form_by_a_margin(monkeypatch, first_s, second_s, kept):
+    timed = _fake_timings(monkeypatch, {mf.Form.ROWS_BY_WEIGHT: first_s, mf.Form.WEIGHT_BY_ROWS: second_s})
+    forms = mf.MatmulForms(enabled=True)
+    weight = torch.randn(16, 8)
+    assert forms.form(weight, None, 4) is kept
+    assert timed == list(mf.Form) * mf.ROUNDS  # alternating, so a slow spell hits both
+
+
+def test_a_choice_is_made_once_per_shape_rows_and_bias(monkeypatch):
+    _fake_timings(monkeypatch, {mf.Form.ROWS_BY_WEIGHT: 1.0, mf.Form.WEIGHT_BY_ROWS: 0.5})
+    forms = mf.MatmulForms(enabled=True)
+    weight, other = torch.randn(16, 8), torch.randn(16, 8)
+    for _ in range(3):
+        forms.form(weight, None, 4)
+        forms.form(other, None, 4)  # same shape: the same choice
+    assert forms.trials == 1
+    forms.form(weight, torch.zeros(16), 4)
+    forms.form(weight, None, 5)
+    forms.form(torch.randn(8, 16), None, 4)
+    assert forms.trials == 4
+    assert forms.chosen() == {mf.Form.ROWS_BY_WEIGHT.value: 0, mf.Form.WEIGHT_BY_ROWS.value: 4}
+
+
+def test_what_is_not_tuned_runs_nn_linears_form(monkeypatch):
+    _fake_timings(monkeypatch, {mf.Form.ROWS_BY_WEIGHT: 1.0, mf.Form.WEIGHT_BY_ROWS: 0.1})
+    forms = mf.MatmulForms(enabled=True)
+    weight = torch.randn(16, 8)
+    assert forms.form(weight, None, mf.LARGEST_TUNED_ROWS + 1) is mf.Form.ROWS_BY_WEIGHT  # training-sized
+    assert forms.form(weight, None, 0) is mf.Form.ROWS_BY_WEIGHT
+    off = mf.MatmulForms(enabled=False)
+    assert off.form(weight, None, 4) is mf.Form.ROWS_BY_WEIGHT
+    assert forms.trials == 0 and off.trials == 0
+
+
+@pytest.mark.parametrize(("value", "enabled"), [("0", False), ("off", False), ("1", True), ("", True)])
+def test_the_environment_turns_tuning_off(monkeypatch, value, enabled):
+    monkeypatch.setenv(mf.TUNE_VARIABLE, value)
+    assert mf.MatmulForms().enabled is enabled
+
+
+def test_trials_time_peers_of_the_shape_and_read_the_rest_when_the_model_exceeds_the_cache():
+    forms = mf.MatmulForms(enabled=True, cache_bytes=4096)
+    same = [torch.randn(16, 16) for _ in range(6)]  # 1 KiB each
+    others = [torch.randn(32, 16) for _ in range(20)]  # 2 KiB each
+    forms.remember([*same, *others])
+    timed, evict = forms.trial_weights(same[0])
+    assert timed[0] is same[0] and len(timed) == mf.PEERS and all(t.shape == (16, 16) for t in timed)
+    assert evict and all(all(e is not t for t in timed) for e in evict)
+    assert sum(e.numel() * 4 for e in evict) >= 2 * 4096  # enough to push the timed weights out
+    roomy = mf.MatmulForms(enabled=True, cache_bytes=1 << 30)  # a model that fits is served from the cache
+    roomy.remember([*same, *others])
+    assert roomy.trial_weights(same[0])[1] == []
+
+
+def test_forgotten_weights_are_not_kept_alive():
+    forms = mf.MatmulForms(enabled=True)
+    weight = torch.randn(8, 8)
+    forms.remember([weight])
+    del weight
+    forms.remember([])
+    assert forms.trial_weights(torch.randn(8, 8))[0][1:] == []
+
+
+def test_an_executors_products_run_the_chosen_form_every_time(monkeypatch, tiny_checkpoint):
+    """Whichever form won, the executor's results agree with nn.Linear's, and repeat bit for bit."""
+    path = tiny_checkpoint("llama")
+    for winner in mf.Form:
+        forms = mf.MatmulForms(enabled=True)
+        monkeypatch.setattr(mf, "MATMUL_FORMS", forms)
+        monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
+        monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, winner=winner: winner)
+        with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+            layer_id = next(iter(executor.layer_specs()))
+            layer = executor.weights.layers[layer_id]
+            for rows in (1, 3):
+                x = torch.randn(rows, layer.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+                first = runner.apply_op(layer, Op.FORWARD, x)
+                torch.testing.assert_close(first, F.linear(x, layer.weight, layer.bias), **TOL)
+                assert torch.equal(runner.apply_op(layer, Op.FORWARD, x), first)
+                noise = runner.apply_op(layer, Op.NOISE, x)  # no bias, whatever the layer has
+                torch.testing.assert_close(noise, x @ layer.weight.t(), **TOL)
+            assert forms.chosen()[winner.value] >= 2
+            assert executor.stats()["matmul_forms"] == forms.chosen()
