@@ -30,15 +30,19 @@ def result_file(folder: Path, name: str, suffix: str = ".json") -> Path:
     return Path(folder) / f"{name}{suffix}"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (all of them where affinity is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: CPU count and affinity, torch threads, library versions, load."""
     import peft
     import transformers
 
-    try:
-        usable_cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable_cpus = os.cpu_count()
     try:
         load_average = list(os.getloadavg())
     except OSError:
@@ -47,7 +51,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "usable_cpus": usable_cpus,
+        "usable_cpus": usable_cpus(),
         "load_average_1_5_15min": load_average,
         "python": platform.python_version(),
         "torch": torch.__version__,

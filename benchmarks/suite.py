@@ -5,10 +5,12 @@ Each scenario is a module of ``benchmarks/scenarios/`` whose ``run(ctx) -> dict`
 (``run``, the command line, the worker entry point). Processes are real: ``symbiosis serve`` for the
 executor, one child per client or baseline job (``python -m benchmarks.suite worker SPEC``, JSON
 lines on stdin/stdout, see ``benchmarks/workers.py`` and ``benchmarks/scenarios/processes.py``).
-Every process runs ``--threads`` torch threads (default 1: on a shared 2-core machine, more
-threads mostly wait for busy cores). Memory is the sum of the processes' RSS sampled with psutil
-every 0.1 s (peak of the sum), next to each process's exact ``ru_maxrss``. Compared runs
-alternate their order from one size to the next.
+Every client and baseline process runs ``--threads`` torch threads (default 1: on a shared 2-core
+machine, more threads mostly wait for busy cores); the executor, the one process every client
+waits on, ``--executor-threads`` (default: the usable CPUs, as ``symbiosis serve`` takes them).
+Memory is the sum of the processes' RSS sampled with psutil every 0.1 s (peak of the sum), next
+to each process's exact ``ru_maxrss``. Compared runs alternate their order from one size to the
+next.
 
 1. ``multi_job_finetune``: K fine-tuning jobs, Symbiosis vs one ``transformers+peft`` process per
    job: throughput, peak memory, jobs that fit a memory budget (also for a ~1B model).
@@ -60,6 +62,7 @@ def run(
     output: Path = Path("bench-results"),
     cache: Path | None = None,
     threads: int = 1,
+    executor_threads: int | None = None,
     budget_gib: float = 24.0,
     command: str | None = None,
     log: Callable[[str], None] = print,
@@ -83,6 +86,7 @@ def run(
         command
         or "symbiosis bench " + " ".join([*scenarios, *(["--quick"] if quick else []), "--output", str(output)]),
         log,
+        executor_threads,
     )
     ctx.cache.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -119,7 +123,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="Folder for <scenario>/<scenario>.json, .png (plot) and .md (table).",
     )
     parser.add_argument("--cache", type=Path, default=None, help="Where benchmark checkpoints are made once and kept.")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process (default: %(default)s).")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of every client and baseline process (default: %(default)s).",
+    )
+    parser.add_argument(
+        "--executor-threads",
+        type=int,
+        default=None,
+        help="torch threads of the executor process (default: the usable CPUs, as symbiosis serve takes them).",
+    )
     parser.add_argument(
         "--budget-gib",
         type=float,
@@ -133,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         output=args.output,
         cache=args.cache,
         threads=args.threads,
+        executor_threads=args.executor_threads,
         budget_gib=args.budget_gib,
         command=command_line(argv, MODULE),
     )

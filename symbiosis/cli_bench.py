@@ -69,7 +69,17 @@ def bench(
             )
         ),
     ] = None,
-    threads: Annotated[int, typer.Option(help="torch threads of every process (executor, clients, baselines).")] = 1,
+    threads: Annotated[int, typer.Option(help="torch threads of every client and baseline process.")] = 1,
+    executor_threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help=(
+                "torch threads of the executor process (default: the usable CPUs, as `symbiosis serve` takes them: "
+                "it is the one process every client waits on)."
+            ),
+        ),
+    ] = None,
     budget_gib: Annotated[
         float, typer.Option(help="Memory budget (GiB) for counting how many fine-tuning jobs fit.")
     ] = 24.0,
@@ -89,6 +99,7 @@ def bench(
         output=output,
         cache=cache,
         threads=threads,
+        executor_threads=executor_threads,
         budget_gib=budget_gib,
         command=command,
         log=lambda line: typer.echo(line),

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from benchmarks import report, suite
+from benchmarks.results import usable_cpus
 
 SMALLEST = dataclasses.replace(
     suite.QUICK,
@@ -85,6 +86,10 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     assert finetune_json["config"]["env"]["symbiosis_client"]["OMP_WAIT_POLICY"] == os.environ.get(
         "OMP_WAIT_POLICY", "PASSIVE"
     )
+
+    # the executor, the process every client waits on, gets the host's cores unless told otherwise
+    assert finetune_json["config"]["executor_threads"] == usable_cpus()
+    assert finetune_json["config"]["env"]["symbiosis_executor"]["OMP_NUM_THREADS"] == str(usable_cpus())
 
     memory = json.loads((output / "executor_memory" / "executor_memory.json").read_text())["results"]
     assert [level["clients"] for level in memory["levels"]] == [0, 1]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.plots import plot_panels
-from benchmarks.results import machine_info, result_file
+from benchmarks.results import machine_info, result_file, usable_cpus
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,13 @@ class Context:
     budget_gib: float
     command: str
     log: Callable[[str], None] = print
+    # torch threads of a scenario's executor process: a shared server gets the host's cores, as
+    # ``symbiosis serve`` takes them by default (None: that default, ``usable_cpus()``).
+    executor_threads: int | None = None
+
+    @property
+    def executor_thread_count(self) -> int:
+        return self.executor_threads or usable_cpus()
 
     def checkpoint(self, preset: str | None = None) -> Path:
         from symbiosis.modelzoo import make_model
@@ -95,7 +102,13 @@ def finish(
         "scenario": name,
         "command": ctx.command,
         "machine": machine_info(),
-        "config": {"profile": asdict(ctx.profile), "quick": ctx.quick, "threads_per_process": ctx.threads, **config},
+        "config": {
+            "profile": asdict(ctx.profile),
+            "quick": ctx.quick,
+            "threads_per_process": ctx.threads,
+            "executor_threads": ctx.executor_thread_count,
+            **config,
+        },
         "results": results,
         "headline": headline,
         "losses": losses,

@@ -190,7 +190,7 @@ def run(ctx: Context) -> dict:
             "transport": "shm+ipc (symbiosis); in-process (symbiosis_mixed_batch)",
             "sequences_per_client": 1,
             "systems": systems,
-            "executor_env": env_record(ctx.threads),
+            "executor_env": env_record(ctx.executor_thread_count),
         },
     )
 

@@ -188,7 +188,7 @@ def run(ctx: Context) -> dict:
             "baseline": "K transformers+peft processes, each loading the whole model",
             "env": {
                 "symbiosis_client": env_record(ctx.threads, "split"),
-                "symbiosis_executor": env_record(ctx.threads),
+                "symbiosis_executor": env_record(ctx.executor_thread_count),
                 "hf_peft": env_record(ctx.threads, "monolithic"),
             },
         },

@@ -251,7 +251,7 @@ class ScenarioExecutor:
     def __init__(self, ctx: Context, path: Path) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="symbiosis-suite-")
         self.server = ExecutorProcess(
-            path, [f"ipc://{self._folder.name}/executor.sock"], threads=ctx.threads, wait=False
+            path, [f"ipc://{self._folder.name}/executor.sock"], threads=ctx.executor_thread_count, wait=False
         )
 
     def __enter__(self) -> ExecutorProcess:
