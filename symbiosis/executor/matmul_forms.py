@@ -10,7 +10,8 @@ row), the second about as long as one row; with two threads the second also uses
 the first uses one, so a 2-row gate/up product took 232 us against 960 (x0.24), 8 rows 519 against
 831; at one row, the second with the row given twice ran at x0.39-0.87 of the first (MKL's gemv
 uses one core). But not everywhere: the down projection at 4-8 rows on one thread took x1.6-1.7
-with the second, and past ~64 rows neither wins by more than the noise. So neither is written in:
+with the second, and past 64 rows it went either way (two threads: x0.83 at 128 rows, x1.42 at
+1024; training's products are that size, and are left to torch's form). So neither is written in:
 the first time a (weight shape, row count, thread count) comes up, both are timed on this host and
 the faster is kept for the life of the process -- as cuBLAS's heuristics or a Triton autotuner
 pick among kernels. Every product with those shapes then runs the same way: results never change
@@ -20,10 +21,12 @@ float tolerance, as any batch's rows already are: MKL's kernels change with the 
 How. Only full-precision CPU forwards of 1 to ``LARGEST_TUNED_ROWS`` rows are tuned; anything else
 (backward products, accelerators, training-sized batches, quantized layers) runs the first form.
 A trial runs each form ``ROUNDS`` times, alternating, each time over up to ``PEERS`` weights of
-the same shape (the model's other layers: one weight timed again and again would sit in the cache,
-which a decode step's does not) and keeps the median; the second form must beat the first by
-``MARGIN`` to be kept, so noise leaves torch's own form in place. A trial costs a few products per
-peer (tens of milliseconds for a ~1B model's largest layers), once per shape and row count.
+the same shape (the model's other layers: one weight timed again and again would sit in the cache)
+after reading twice the last-level cache's worth of the model's other weights when the model is
+larger than that cache (as a decode step reads them between two products of one layer), and keeps
+the median; the second form must beat the first by ``MARGIN`` to be kept, so noise leaves torch's
+own form in place. A trial costs ~6 such reads and ~30 products (tens of milliseconds on a ~105M
+model), once per shape and row count: 84 trials, every shape at 12 row counts, took ~5 s there.
 
 ``SYMBIOSIS_TUNE_MATMUL=0`` (read at import; ``symbiosis serve --no-tune-matmul`` sets it) turns
 tuning off: every product runs the first form, bit for bit ``nn.Linear``'s.
@@ -43,7 +46,7 @@ from pathlib import Path
 import torch
 
 TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
-#: Products of more rows always run the first form (measured: neither wins past ~64 rows).
+#: Products of more rows always run the first form (training-sized: see the module doc).
 LARGEST_TUNED_ROWS = 64
 #: Times each form is timed in a trial (alternating), and weights of the shape each time covers.
 ROUNDS = 3
