@@ -5,6 +5,8 @@ tuned runs ``nn.Linear``'s own form."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,3 +145,16 @@ def test_an_executors_products_run_the_chosen_form_every_time(monkeypatch, tiny_
                 torch.testing.assert_close(noise, x @ layer.weight.t(), **TOL)
             assert forms.chosen()[winner.value] >= 2
             assert executor.stats()["matmul_forms"] == forms.chosen()
+
+
+def test_serve_no_tune_matmul_turns_tuning_off_before_loading(tmp_path, capsys, monkeypatch):
+    """``symbiosis serve --no-tune-matmul``: this process's forms and any rank it starts (which read
+    the environment) run nn.Linear's form; it is set before the checkpoint is read."""
+    from tests.cli_helpers import run_cli
+
+    monkeypatch.setattr(mf.MATMUL_FORMS, "enabled", True)
+    monkeypatch.setenv(mf.TUNE_VARIABLE, "1")  # restored (unset, if it was) after the test
+    code, _out, err = run_cli(["serve", str(tmp_path / "no-such-model"), "--no-tune-matmul"], capsys, monkeypatch)
+    assert code != 0 and "no-such-model" in err  # the load failed, after the flag took effect
+    assert mf.MATMUL_FORMS.enabled is False
+    assert os.environ[mf.TUNE_VARIABLE] == "0"
