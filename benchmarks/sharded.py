@@ -44,7 +44,7 @@ import torch
 from benchmarks.memory import GIB, MIB, own_memory
 from benchmarks.options import add_common_arguments, checkpoint_path, quiet_libraries, resolve_common
 from benchmarks.plots import Panel, plot_panels
-from benchmarks.results import command_line, machine_info, write_json
+from benchmarks.results import command_line, machine_info, usable_cpus, write_json
 from benchmarks.timing import percentile, time_interleaved
 from benchmarks.workers import Worker, emit_event
 
@@ -67,7 +67,7 @@ def systems(quick: bool) -> list[dict[str, Any]]:
 def start_system(path: Path, system: dict[str, Any], address: str, serve_args: Sequence[str] = ()):
     from symbiosis.executor.process import ExecutorProcess
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cpus()
     extra: list[str] = list(serve_args)
     if system["ranks"] > 1:
         extra += ["--shards", str(system["ranks"]), "--shard-strategy", system["strategy"], "--max-restarts", "0"]

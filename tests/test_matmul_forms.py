@@ -158,3 +158,43 @@ def test_serve_no_tune_matmul_turns_tuning_off_before_loading(tmp_path, capsys, 
     assert code != 0 and "no-such-model" in err  # the load failed, after the flag took effect
     assert mf.MATMUL_FORMS.enabled is False
     assert os.environ[mf.TUNE_VARIABLE] == "0"
+
+
+@pytest.mark.parametrize("transport", ["inproc", "ipc", "shm", "tcp", "dist"])
+def test_the_second_form_is_exact_over_every_transport(transport, tiny_checkpoint, tmp_path, monkeypatch):
+    """With every small forward run as ``(W @ rows.T).T`` (written into the transport's reply
+    region where there is one), a split model still matches monolithic transformers+peft: logits,
+    loss, adapter gradients and greedy tokens."""
+    from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
+
+    forms = mf.MatmulForms(enabled=True)
+    monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows: mf.Form.WEIGHT_BY_ROWS)
+    monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
+    if transport == "dist":  # every payload over the gloo pair group: small ones would ride inline
+        monkeypatch.setattr("symbiosis.transport.dist_client.INLINE_THRESHOLD", {"gloo": 0, "nccl": 0})
+    path = tiny_checkpoint("llama")
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+        servers = []
+        if transport == "inproc":
+            address = executor
+        else:
+            server = executor.serve("tcp://127.0.0.1:0" if transport in ("tcp", "dist") else f"ipc://{tmp_path}/e.sock")
+            servers.append(server)
+            address = {"ipc": "", "shm": "shm+", "tcp": "", "dist": "dist+"}[transport] + server.address
+        reference, split = make_pair(path, address, "lora", "llama")
+        try:
+            input_ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+            # as tests/test_split_reference.py: float32 sums in another order, far inside these
+            assert_matches_reference(
+                loss_and_grads(split, input_ids), loss_and_grads(reference, input_ids), rtol=1e-4, atol=1e-5
+            )
+            prompt = input_ids[:1, :5]
+            with torch.no_grad():
+                want = reference.generate(input_ids=prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+                got = split.generate(input_ids=prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert torch.equal(got, want)
+            assert forms.chosen()[mf.Form.WEIGHT_BY_ROWS.value] > 0  # the products did run that form
+        finally:
+            close_client(split)
+            for server in servers:
+                server.close()
