@@ -14,7 +14,7 @@ import symbiosis
 from symbiosis.errors import ConfigurationError
 from symbiosis.executor import engine as engine_module
 from symbiosis.executor.requests import PendingRequest
-from symbiosis.executor.scheduler import Lane, Scheduler, SchedulerConfig
+from symbiosis.executor.scheduler import SPLIT_MIN_ROWS, Lane, Scheduler, SchedulerConfig
 from symbiosis.executor.scheduler_config import resolve_bulk_lane
 from symbiosis.vocabulary import LatencyClass, Op
 
@@ -33,8 +33,9 @@ def _expected(executor, rows):
 
 
 class BlockedBulkProduct:
-    """Stands in for ``run_batch``: a product with ``BULK_ROWS`` rows or more stops until
-    ``release`` is set, recording the thread that runs it; others run as usual."""
+    """Stands in for ``run_batch``: a product of a bulk request (``SPLIT_MIN_ROWS`` rows or more:
+    several bulk threads may each run a part of one) stops until ``release`` is set, recording the
+    thread that runs it; others run as usual."""
 
     def __init__(self, monkeypatch):
         self.started, self.release = threading.Event(), threading.Event()
@@ -42,7 +43,7 @@ class BlockedBulkProduct:
         real = engine_module.run_batch
 
         def run_batch(layer, op, rows_list):
-            if sum(r.shape[0] for r in rows_list) >= BULK_ROWS:
+            if sum(r.shape[0] for r in rows_list) >= SPLIT_MIN_ROWS:
                 self.thread_name, self.native_id = threading.current_thread().name, threading.get_native_id()
                 self.started.set()
                 assert self.release.wait(30), "the test never released the bulk product"
@@ -80,7 +81,7 @@ def test_a_decode_request_is_served_while_a_bulk_product_runs(path, monkeypatch)
         finally:
             blocked.release.set()
         torch.testing.assert_close(bulk.result(timeout=10), _expected(ex, bulk_rows), rtol=1e-5, atol=1e-6)
-        assert blocked.thread_name == "symbiosis-bulk"
+        assert blocked.thread_name.startswith("symbiosis-bulk")
         if hasattr(os, "SCHED_IDLE"):
             assert os.sched_getscheduler(blocked.native_id) == os.SCHED_IDLE
         assert ex.stats()["batches_run_by"]["bulk_thread"] >= 1
@@ -97,7 +98,7 @@ def test_shared_bulk_lane_runs_one_product_at_a_time(path, monkeypatch):
             blocked.release.set()
         torch.testing.assert_close(decode.result(timeout=10), _expected(ex, decode_rows), rtol=1e-5, atol=1e-6)
         bulk.result(timeout=10)
-        assert blocked.thread_name != "symbiosis-bulk"
+        assert not blocked.thread_name.startswith("symbiosis-bulk")
         assert "bulk_thread" not in ex.stats()["batches_run_by"]
 
 
@@ -232,7 +233,7 @@ def test_auto_is_background_only_for_a_cpu_executor_in_its_own_process(device, o
 def test_an_in_process_executor_keeps_one_runner_by_default(path):
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         assert "bulk_thread" not in ex.stats()["batches_run_by"]
-        assert ex._engine._bulk_thread is None
+        assert ex._engine._bulk_threads == []
 
 
 @pytest.mark.parametrize("policy", ["lockstep", "opportunistic"])
@@ -264,3 +265,106 @@ def test_a_clients_next_bulk_request_does_not_jump_its_running_one(path, monkeyp
         # ... and once it is done, the lone client's path is open again.
         result = ex._engine.try_alone("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE)
         torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
+
+
+# ---- several bulk threads (``SchedulerConfig.bulk_threads``) --------------------------------------
+
+
+def test_idle_bulk_threads_split_a_lone_bulk_batch_into_equal_parts():
+    scheduler = Scheduler(SchedulerConfig(policy="immediate"))
+    scheduler.add(_req(1, "trainer", 100, LatencyClass.FINETUNE))
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=2)) == [(1, 0, 50)]
+    # The thread that comes next, alone now: the rest whole.
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=1)) == [(1, 50, 100)]
+    scheduler.add(_req(2, "trainer", 100, LatencyClass.FINETUNE))
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=4)) == [(2, 0, 34)]  # 3 parts of >= 32 rows
+
+
+@pytest.mark.parametrize(("rows", "share"), [(100, 1), (63, 2)])
+def test_a_bulk_batch_is_not_split_for_one_thread_or_into_parts_under_the_floor(rows, share):
+    assert rows < 2 * SPLIT_MIN_ROWS or share == 1
+    scheduler = Scheduler(SchedulerConfig(policy="immediate"))
+    scheduler.add(_req(1, "trainer", rows, LatencyClass.FINETUNE))
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=share)) == [(1, 0, rows)]
+
+
+def test_bulk_work_in_two_groups_goes_whole_to_two_threads():
+    scheduler = Scheduler(SchedulerConfig(policy="immediate"))
+    scheduler.add(_req(1, "a", 100, LatencyClass.FINETUNE, layer="l0"))
+    scheduler.add(_req(2, "b", 100, LatencyClass.FINETUNE, layer="l1"))
+    first = _slices(scheduler.next_batch(0.0, Lane.BULK, share=2))
+    second = _slices(scheduler.next_batch(0.0, Lane.BULK, share=1))
+    assert sorted(first + second) == [(1, 0, 100), (2, 0, 100)]
+
+
+class MeetingBulkProducts:
+    """Stands in for ``run_batch``: each product of ``SPLIT_MIN_ROWS`` rows or more records its
+    thread, that thread's torch thread count and its rows, then waits until ``parties`` such
+    products are running at once (so the test fails, by the barrier's timeout, unless they run
+    side by side)."""
+
+    def __init__(self, monkeypatch, parties: int):
+        self.seen: list[tuple[str, int, int]] = []
+        barrier = threading.Barrier(parties, timeout=20)
+        real = engine_module.run_batch
+
+        def run_batch(layer, op, rows_list):
+            rows = sum(r.shape[0] for r in rows_list)
+            if rows >= SPLIT_MIN_ROWS:
+                self.seen.append((threading.current_thread().name, torch.get_num_threads(), rows))
+                barrier.wait()
+            return real(layer, op, rows_list)
+
+        monkeypatch.setattr(engine_module, "run_batch", run_batch)
+
+
+def test_two_bulk_threads_split_a_lone_request_each_on_one_torch_thread(path, monkeypatch):
+    meeting = MeetingBulkProducts(monkeypatch, parties=2)
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background", bulk_threads=2) as ex:
+        assert ex.stats()["bulk_threads"] == 2
+        rows = torch.randn(BULK_ROWS, 64, generator=torch.Generator().manual_seed(3))
+        result = ex.submit("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
+        # The halves' products (150 rows each, one torch thread) against the whole one in this
+        # thread: float32 rounding may differ with the kernel's blocking, ~1e-7 relative.
+        torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
+    assert sorted(rows for _, _, rows in meeting.seen) == [BULK_ROWS // 2, BULK_ROWS // 2]
+    assert len({name for name, _, _ in meeting.seen}) == 2
+    assert [(name[:14], threads) for name, threads, _ in meeting.seen] == [("symbiosis-bulk", 1)] * 2, meeting.seen
+
+
+def test_two_jobs_bulk_requests_run_side_by_side(path, monkeypatch):
+    meeting = MeetingBulkProducts(monkeypatch, parties=2)
+    other = "model.layers.1.self_attn.q_proj"
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background", bulk_threads=2) as ex:
+        g = torch.Generator().manual_seed(4)
+        a_rows, b_rows = torch.randn(40, 64, generator=g), torch.randn(40, 64, generator=g)
+        a = ex.submit("job-a", LAYER, Op.FORWARD, a_rows, LatencyClass.FINETUNE)
+        b = ex.submit("job-b", other, Op.BACKWARD, b_rows, LatencyClass.FINETUNE)
+        torch.testing.assert_close(a.result(timeout=30), _expected(ex, a_rows), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b.result(timeout=30), b_rows @ ex.weights.layers[other].weight, rtol=1e-5, atol=1e-6)
+    assert sorted(rows for _, _, rows in meeting.seen) == [40, 40]
+
+
+def test_one_bulk_thread_runs_each_product_on_every_torch_thread(path, monkeypatch):
+    meeting = MeetingBulkProducts(monkeypatch, parties=1)
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background", bulk_threads=1) as ex:
+        rows = torch.randn(BULK_ROWS, 64)
+        ex.submit("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
+    assert [(threads, n) for _, threads, n in meeting.seen] == [(torch.get_num_threads(), BULK_ROWS)]
+
+
+def test_bulk_threads_must_be_a_count():
+    with pytest.raises(ConfigurationError, match="bulk_threads"):
+        SchedulerConfig(bulk_threads=-1)
+
+
+def test_bulk_threads_leave_other_threads_torch_thread_count_alone(path):
+    """A bulk thread's one torch thread is its own: torch hands the count last set in any thread
+    to threads that start later, so the engine sets its creator's back."""
+    threads = torch.get_num_threads()
+    seen = []
+    with symbiosis.BaseExecutor.from_pretrained(path, bulk_lane="background", bulk_threads=2):
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+    assert torch.get_num_threads() == threads and seen == [threads]

@@ -23,18 +23,28 @@ by whichever thread finds it ready first:
 - ``submit`` (tools, servers without a driver) enqueues and returns a future; the engine's own
   compute thread runs what no waiting caller and no driver is there to run.
 
-Bulk work (fine-tuning, long prompts: the scheduler's bulk lane) has a thread of its own when
-``SchedulerConfig.bulk_lane`` says ``background`` (``symbiosis serve``'s default on a CPU): it runs one bulk batch
-at a time, beside the latency runners above, at the OS's background CPU priority (SCHED_IDLE), so
-a decode request never waits behind a bulk product -- the OS takes the core back for latency work
-the moment it wakes -- and bulk work gets the CPU time latency work leaves. The latency runners
-then take latency work only. Measured (co-serving phase of ``benchmarks/serving.py``: a serving
-client over shm beside 2 fine-tuning jobs): p95 inter-token latency x1.09-1.48 of inference
-alone (median x1.23, 14 runs) against x2.5-3.0 with one runner for both lanes. With ``shared``
-(the default on an accelerator, whose products share one stream anyway, and in-process: the bulk
-thread's OpenMP team would be a second team in the clients' process, see below) the latency
-runners run bulk batches too, paced and cut into chunks by the scheduler. The bulk thread starts
-its OpenMP team at once, so that a server's thread count does not grow at the first bulk product.
+Bulk work (fine-tuning, long prompts: the scheduler's bulk lane) has threads of its own when
+``SchedulerConfig.bulk_lane`` says ``background`` (``symbiosis serve``'s default on a CPU): they run
+bulk batches beside the latency runners above, at the OS's background CPU priority (SCHED_IDLE),
+so a decode request never waits behind a bulk product -- the OS takes the core back for latency
+work the moment it wakes -- and bulk work gets the CPU time latency work leaves. The latency
+runners then take latency work only. Measured (co-serving phase of ``benchmarks/serving.py``: a
+serving client over shm beside 2 fine-tuning jobs): p95 inter-token latency x1.09-1.48 of
+inference alone (median x1.23, 14 runs) against x2.5-3.0 with one runner for both lanes. With
+``shared`` (the default on an accelerator, whose products share one stream anyway, and
+in-process: the bulk threads' OpenMP teams would be more teams in the clients' process, see
+below) the latency runners run bulk batches too, paced and cut into chunks by the scheduler.
+
+There is one bulk thread per torch thread of the executor (``SchedulerConfig.bulk_threads``),
+each multiplying on one core: different jobs' batches side by side, and a lone batch's rows split
+between the idle threads (``Scheduler.next_batch``'s ``share``). One product on every core does
+less on a CPU: its threads meet at every step of it, and a sleeping one is woken each time.
+Measured (2026-11-28, this 2-core host, the ~105M llama's forward and input-gradient products of
+its layers): 64-row products 300 tokens/s on 2 threads, 425 as two 1-thread streams side by side,
+365 as one 64-row batch split in two 32-row halves (128 rows: 350, 475, 430); 8 fine-tuning
+client processes (``symbiosis bench multi_job_finetune``) 285 against 232 tokens/s. The bulk
+threads start their OpenMP teams at once, so that a server's thread count does not grow at the
+first bulk product.
 
 Running products in the callers' threads also keeps a second OpenMP team out of the process: the
 compute thread of an in-process executor never multiplies while a client waits, so it never
@@ -162,15 +172,29 @@ class ExecutionEngine:
         # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
         # (``_bulk_loop``); the other runners then take latency work only.
         self._latency_lane: Lane | None = Lane.LATENCY if bulk_thread else None
-        self._bulk_computing = False
+        self._bulk_computing = 0  # bulk threads running a batch now
         self._bulk_cv = threading.Condition(self._lock)
-        self._bulk_thread = None
+        self._bulk_threads: list[threading.Thread] = []
         if bulk_thread:
             self._batches_run_by["bulk_thread"] = 0
-            self._bulk_thread = threading.Thread(
-                target=with_torch_threads(self._bulk_loop), name="symbiosis-bulk", daemon=True
-            )
-            self._bulk_thread.start()
+            threads = torch.get_num_threads()
+            count = scheduler.config.bulk_threads or threads
+            self._bulk_idle = count  # bulk threads not running a batch (``next_batch``'s share)
+            started = threading.Semaphore(0)
+            for index in range(count):
+                thread = threading.Thread(
+                    target=with_torch_threads(self._bulk_loop),
+                    args=(count > 1, started),
+                    name=f"symbiosis-bulk-{index}",
+                    daemon=True,
+                )
+                thread.start()
+                self._bulk_threads.append(thread)
+            for _ in range(count):
+                started.acquire(timeout=10)
+            # torch keeps the count last set in any thread as the one threads that start later
+            # take at their first parallel op: this thread's own again, not a bulk thread's 1.
+            torch.set_num_threads(threads)
         self._thread = threading.Thread(target=with_torch_threads(self._loop), name="symbiosis-executor", daemon=True)
         self._thread.start()
 
@@ -410,7 +434,7 @@ class ExecutionEngine:
         self._inflight[request_id] = _Admitted(local, future, rows.dtype, rows.device, now)
         self._owner[request_id] = client_id
         self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
-        if self._bulk_thread is not None and self.scheduler.lane_of(latency_class, rows.shape[0]) is Lane.BULK:
+        if self._bulk_threads and self.scheduler.lane_of(latency_class, rows.shape[0]) is Lane.BULK:
             self._bulk_cv.notify()
         counters = self._per_layer[layer_id]
         counters.requests += 1
@@ -455,8 +479,8 @@ class ExecutionEngine:
             self._fail_all(ExecutorUnavailableError("the executor was closed"))
             self._notify_everyone()
         self._thread.join(timeout=5)
-        if self._bulk_thread is not None:
-            self._bulk_thread.join(timeout=5)
+        for thread in self._bulk_threads:
+            thread.join(timeout=5)
 
     def _notify_everyone(self) -> None:
         """Membership or lifecycle changed (holding ``_cond``): everyone re-checks."""
@@ -474,6 +498,7 @@ class ExecutionEngine:
                 "layers": {k: v.as_dict() for k, v in self._per_layer.items()},
                 "inflight_requests": len(self._inflight),
                 "batches_run_by": dict(self._batches_run_by),
+                "bulk_threads": len(self._bulk_threads),
                 "scheduler": self.scheduler.stats(),
             }
 
@@ -503,19 +528,31 @@ class ExecutionEngine:
                     wakeup = None  # callers or drivers run the batches; they notify when they stop
                 self._compute_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
 
-    def _bulk_loop(self) -> None:
-        """The bulk thread: runs bulk batches (fine-tuning, long prompts) as they become ready, at
+    def _bulk_loop(self, one_thread: bool, started: threading.Semaphore) -> None:
+        """A bulk thread: runs bulk batches (fine-tuning, long prompts) as they become ready, at
         the OS's background priority, so that a latency product never waits behind one: on a
-        core the latency runners want, the OS stops this thread at once (SCHED_IDLE)."""
+        core the latency runners want, the OS stops this thread at once (SCHED_IDLE).
+        ``one_thread``: its products run on one torch thread (one of several bulk threads).
+        Releases ``started`` once its thread count is set."""
         enter_background_priority()
+        if one_thread:
+            torch.get_num_threads()  # torch's first use in a thread takes the count last set anywhere
+            torch.set_num_threads(1)  # then this thread's own (OpenMP and MKL keep one per thread)
         warm = torch.ones(128, 128)
         torch.mm(warm, warm)  # OpenMP starts this thread's team now (see the module doc)
+        started.release()
         with self._cond:
             while self._running:
                 now = self._clock()
-                batch = self.scheduler.next_batch(now, Lane.BULK)
+                batch = self.scheduler.next_batch(now, Lane.BULK, share=self._bulk_idle)
                 if batch is not None:
-                    self._run_locked(batch, "bulk_thread")
+                    self._bulk_idle -= 1
+                    if self._bulk_idle and self.scheduler.has_pending(Lane.BULK):
+                        self._bulk_cv.notify()  # rows left (a part of this batch's, or another group)
+                    try:
+                        self._run_locked(batch, "bulk_thread")
+                    finally:
+                        self._bulk_idle += 1
                 else:  # bulk work is never held (see ``Scheduler.next_batch``): none is pending
                     self._bulk_cv.wait()
 
@@ -532,7 +569,7 @@ class ExecutionEngine:
                 counters.queue_wait_s += now - inflight.submitted_s
         bulk = runner == "bulk_thread"
         if bulk:
-            self._bulk_computing = True
+            self._bulk_computing += 1
         else:
             self._computing = True
         self._batches_run_by[runner] += 1
@@ -545,7 +582,7 @@ class ExecutionEngine:
             if duration is not None:
                 self.scheduler.batch_done(batch, duration, self._clock())  # the cost model learns from it
             if bulk:  # the latency runners' work is not changed by it: only its callers learn
-                self._bulk_computing = False
+                self._bulk_computing -= 1
                 self._notify_callers_of(finished)
             else:
                 self._computing_done(finished, runner == "caller")
@@ -609,8 +646,8 @@ class ExecutionEngine:
         finished: list[tuple[_Admitted, torch.Tensor]] = []
         finished_ids: list[int] = []
         # The copies first, without the lock (a bulk batch's are megabytes, and every runner and
-        # arriving request needs the lock). A request's chunks are all in one lane, whose runner
-        # runs one batch at a time, so no other thread writes its ``output`` meanwhile.
+        # arriving request needs the lock). Two bulk threads may each be copying a chunk of one
+        # request: their rows do not overlap, and the buffer is made once, under the lock.
         results: list[torch.Tensor | None] = []
         for (s, inflight), out in zip(parts, outputs):
             if s.start == 0 and s.stop == inflight.rows.shape[0]:
@@ -619,7 +656,9 @@ class ExecutionEngine:
                 results.append(out if len(parts) == 1 else out.clone())
             else:  # served in chunks: assemble into one buffer
                 if inflight.output is None:
-                    inflight.output = out.new_empty((inflight.rows.shape[0], out.shape[1]))
+                    with self._lock:
+                        if inflight.output is None:
+                            inflight.output = out.new_empty((inflight.rows.shape[0], out.shape[1]))
                 inflight.output[s.start : s.stop] = out
                 results.append(None)
         now = self._clock()

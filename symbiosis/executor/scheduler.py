@@ -102,6 +102,9 @@ MAX_OWED_SHARE = 0.95
 NOMINAL_PRODUCT_S = 1e-4
 # A client counts as active (for the bulk lane's fair share) this long after its last request.
 ACTIVE_CLIENT_S = 1.0
+# Bulk threads split a lone bulk batch between them (``next_batch``'s ``share``) into parts of no
+# fewer rows than this: below it a part's product pays a whole pass over the weight for too few rows.
+SPLIT_MIN_ROWS = 32
 
 
 class Lane(enum.IntEnum):
@@ -544,27 +547,49 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- batching
 
-    def next_batch(self, now_s: float, lane: Lane | None = None) -> Batch | None:
+    def next_batch(self, now_s: float, lane: Lane | None = None, share: int = 1) -> Batch | None:
         """The batch to run now, or None if every group with pending work should keep waiting.
 
         ``lane``: for an engine that runs the two lanes in two threads at once (bulk work at the
         OS's background priority, which preempts it for latency work): only that lane's rows, and
         bulk work neither paced nor cut into chunks for the decoders -- the OS keeps it out of
-        their way. None: one runner serves both, as the module doc says."""
+        their way. None: one runner serves both, as the module doc says.
+
+        ``share`` (bulk lane only): how many idle bulk threads, this one included, could take bulk
+        work now. When the bulk work is all in one group, the batch takes an equal part of its
+        rows (one of ``share``, or fewer parts of ``SPLIT_MIN_ROWS`` rows or more), leaving the
+        rest to the others: each thread then multiplies its part on one core, rather than one
+        product on every core (see ``engine.py``); with bulk work in several groups each thread
+        takes a group whole."""
         if not self._groups:
             return None
         lead, reason, _ = self._plan(now_s, lane)
         if lead is None:
             return None
         self._ready_reasons[reason] += 1
-        return self._fill(lead, now_s, lane)
+        return self._fill(lead, now_s, lane, share)
 
-    def _fill(self, lead: _Entry, now_s: float, only: Lane | None = None) -> Batch:
+    def _split_limit(self, lead: _Entry, share: int) -> int:
+        """The most rows a bulk thread takes of ``lead``'s group when ``share`` threads are idle
+        (see ``next_batch``)."""
+        if share <= 1:
+            return self._row_budget
+        group = lead.group
+        for other in self._groups.values():
+            if other is not group and any(self._lane(e) == BULK for e in other.entries):
+                return self._row_budget  # another group for another thread: no need to cut this one
+        rows = sum(e.remaining for e in group.entries if self._lane(e) == BULK)
+        parts = min(share, rows // SPLIT_MIN_ROWS)
+        return self._row_budget if parts <= 1 else min(self._row_budget, -(-rows // parts))
+
+    def _fill(self, lead: _Entry, now_s: float, only: Lane | None = None, share: int = 1) -> Batch:
         group = lead.group
         aged_before_s = now_s - self._aging_s
         bulk_limit: int | None = None  # at the first bulk entry: a batch of latency rows never needs it
         if only is BULK:
-            bulk_limit = self._row_budget  # its own thread: the OS, not the chunk size, protects decoders
+            # Its own threads: the OS, not the chunk size, protects decoders; the rows are cut only
+            # to give idle bulk threads a part each.
+            bulk_limit = self._split_limit(lead, share)
         others = sorted(
             (e for e in group.entries if e is not lead and (only is None or self._lane(e) == only)),
             key=lambda e: (

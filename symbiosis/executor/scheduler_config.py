@@ -143,6 +143,16 @@ class SchedulerConfig:
             "bulk thread's OpenMP team would be a second one there, which slows every torch op of the clients)."
         ),
     )
+    bulk_threads: int = field(
+        default=0,
+        metadata=_help(
+            "With --bulk-lane background: how many bulk threads run bulk products side by side, each on one "
+            "torch thread -- different jobs' batches at once, and a lone batch's rows split between the idle "
+            "ones (parts of 32 rows or more). On a CPU this does more per core than one product on every "
+            "core (whose threads wait for each other at every step of it). 0 (default): one per torch "
+            "thread of the executor. 1: one bulk thread, each product on every torch thread."
+        ),
+    )
     min_chunk_rows: int = field(
         default=16,
         metadata=_help(
@@ -154,7 +164,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigurationError(f"SchedulerConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        for name, least in (("row_budget", 1), ("decode_share_rows", 0), ("min_chunk_rows", 1)):
+        for name, least in (("row_budget", 1), ("decode_share_rows", 0), ("bulk_threads", 0), ("min_chunk_rows", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigurationError(f"SchedulerConfig.{name} must be an integer >= {least}, got {value!r}")
