@@ -271,18 +271,19 @@ def test_a_clients_next_bulk_request_does_not_jump_its_running_one(path, monkeyp
 
 
 def test_idle_bulk_threads_split_a_lone_bulk_batch_into_equal_parts():
+    rows = 3 * SPLIT_MIN_ROWS
     scheduler = Scheduler(SchedulerConfig(policy="immediate"))
-    scheduler.add(_req(1, "trainer", 100, LatencyClass.FINETUNE))
-    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=2)) == [(1, 0, 50)]
+    scheduler.add(_req(1, "trainer", rows, LatencyClass.FINETUNE))
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=2)) == [(1, 0, rows // 2)]
     # The thread that comes next, alone now: the rest whole.
-    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=1)) == [(1, 50, 100)]
-    scheduler.add(_req(2, "trainer", 100, LatencyClass.FINETUNE))
-    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=4)) == [(2, 0, 34)]  # 3 parts of >= 32 rows
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=1)) == [(1, rows // 2, rows)]
+    scheduler.add(_req(2, "trainer", rows, LatencyClass.FINETUNE))
+    # Four idle threads, but rows for three parts of SPLIT_MIN_ROWS.
+    assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=4)) == [(2, 0, SPLIT_MIN_ROWS)]
 
 
-@pytest.mark.parametrize(("rows", "share"), [(100, 1), (63, 2)])
+@pytest.mark.parametrize(("rows", "share"), [(4 * SPLIT_MIN_ROWS, 1), (2 * SPLIT_MIN_ROWS - 1, 2)])
 def test_a_bulk_batch_is_not_split_for_one_thread_or_into_parts_under_the_floor(rows, share):
-    assert rows < 2 * SPLIT_MIN_ROWS or share == 1
     scheduler = Scheduler(SchedulerConfig(policy="immediate"))
     scheduler.add(_req(1, "trainer", rows, LatencyClass.FINETUNE))
     assert _slices(scheduler.next_batch(0.0, Lane.BULK, share=share)) == [(1, 0, rows)]
@@ -298,19 +299,18 @@ def test_bulk_work_in_two_groups_goes_whole_to_two_threads():
 
 
 class MeetingBulkProducts:
-    """Stands in for ``run_batch``: each product of ``SPLIT_MIN_ROWS`` rows or more records its
-    thread, that thread's torch thread count and its rows, then waits until ``parties`` such
-    products are running at once (so the test fails, by the barrier's timeout, unless they run
-    side by side)."""
+    """Stands in for ``run_batch``: each product of ``min_rows`` rows or more records its thread,
+    that thread's torch thread count and its rows, then waits until ``parties`` such products are
+    running at once (so the test fails, by the barrier's timeout, unless they run side by side)."""
 
-    def __init__(self, monkeypatch, parties: int):
+    def __init__(self, monkeypatch, parties: int, min_rows: int = 32):
         self.seen: list[tuple[str, int, int]] = []
         barrier = threading.Barrier(parties, timeout=20)
         real = engine_module.run_batch
 
         def run_batch(layer, op, rows_list):
             rows = sum(r.shape[0] for r in rows_list)
-            if rows >= SPLIT_MIN_ROWS:
+            if rows >= min_rows:
                 self.seen.append((threading.current_thread().name, torch.get_num_threads(), rows))
                 barrier.wait()
             return real(layer, op, rows_list)

@@ -42,7 +42,9 @@ less on a CPU: its threads meet at every step of it, and a sleeping one is woken
 Measured (2026-11-28, this 2-core host, the ~105M llama's forward and input-gradient products of
 its layers): 64-row products 300 tokens/s on 2 threads, 425 as two 1-thread streams side by side,
 365 as one 64-row batch split in two 32-row halves (128 rows: 350, 475, 430); 8 fine-tuning
-client processes (``symbiosis bench multi_job_finetune``) 285 against 232 tokens/s. The bulk
+client processes (``symbiosis bench multi_job_finetune``) 285 against 232 tokens/s. Only batches
+of twice ``SPLIT_MIN_ROWS`` or more are split (see there: a split costs when the other cores have
+other work). The bulk
 threads start their OpenMP teams at once, so that a server's thread count does not grow at the
 first bulk product.
 
