@@ -368,3 +368,26 @@ def test_bulk_threads_leave_other_threads_torch_thread_count_alone(path):
         later.start()
         later.join()
     assert torch.get_num_threads() == threads and seen == [threads]
+
+
+def test_a_lone_jobs_batch_uses_every_bulk_threads_core(path, monkeypatch):
+    """One fine-tuning job, nothing else of the bulk lane waiting: its batch (too small to split)
+    runs on the torch threads of every bulk thread, as with one bulk thread, not on one core."""
+    meeting = MeetingBulkProducts(monkeypatch, parties=1)
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background", bulk_threads=2) as ex:
+        rows = torch.randn(64, 64)
+        result = ex.submit("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
+        torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
+    assert [(threads, n) for _, threads, n in meeting.seen] == [(2, 64)]
+
+
+def test_active_clients_of_a_lane():
+    scheduler = Scheduler(SchedulerConfig(policy="immediate"))
+    scheduler.add(_req(1, "job-a", 64, LatencyClass.FINETUNE, 0.0))
+    scheduler.add(_req(2, "job-b", 64, LatencyClass.FINETUNE, 0.0))
+    scheduler.add(_req(3, "decoder", 1, LatencyClass.DECODE, 0.0))
+    assert scheduler.active_clients(Lane.BULK, 0.5) == 2 and scheduler.active_clients(Lane.LATENCY, 0.5) == 1
+    for _ in range(3):
+        scheduler.next_batch(0.5)
+    assert scheduler.active_clients(Lane.BULK, 0.9) == 2  # nothing pending, but recent
+    assert scheduler.active_clients(Lane.BULK, 5.0) == 0  # gone quiet

@@ -44,9 +44,11 @@ its layers): 64-row products 300 tokens/s on 2 threads, 425 as two 1-thread stre
 365 as one 64-row batch split in two 32-row halves (128 rows: 350, 475, 430); 8 fine-tuning
 client processes (``symbiosis bench multi_job_finetune``) 285 against 232 tokens/s. Only batches
 of twice ``SPLIT_MIN_ROWS`` or more are split (see there: a split costs when the other cores have
-other work). The bulk
-threads start their OpenMP teams at once, so that a server's thread count does not grow at the
-first bulk product.
+other work). One core each holds only while other bulk work waits or other jobs share the lane
+(``_bulk_threads_for``): a lone job's batch gets the threads no bulk product uses, so that on a
+many-core host a fine-tuning job beside decoders is not held to one core. The bulk threads start
+their OpenMP teams at once, so that a server's thread count does not grow at the first bulk
+product.
 
 Running products in the callers' threads also keeps a second OpenMP team out of the process: the
 compute thread of an in-process executor never multiplies while a client waits, so it never
@@ -182,6 +184,7 @@ class ExecutionEngine:
             threads = torch.get_num_threads()
             count = scheduler.config.bulk_threads or threads
             self._bulk_idle = count  # bulk threads not running a batch (``next_batch``'s share)
+            self._bulk_cores_busy = 0  # torch threads of the bulk products running now
             started = threading.Semaphore(0)
             for index in range(count):
                 thread = threading.Thread(
@@ -534,11 +537,12 @@ class ExecutionEngine:
         """A bulk thread: runs bulk batches (fine-tuning, long prompts) as they become ready, at
         the OS's background priority, so that a latency product never waits behind one: on a
         core the latency runners want, the OS stops this thread at once (SCHED_IDLE).
-        ``one_thread``: its products run on one torch thread (one of several bulk threads).
-        Releases ``started`` once its thread count is set."""
+        ``one_thread``: one of several bulk threads (see ``_bulk_threads_for``). Releases
+        ``started`` once its thread count is set."""
         enter_background_priority()
+        threads = torch.get_num_threads()  # torch's first use in a thread takes the count last set anywhere
         if one_thread:
-            torch.get_num_threads()  # torch's first use in a thread takes the count last set anywhere
+            threads = 1
             torch.set_num_threads(1)  # then this thread's own (OpenMP and MKL keep one per thread)
         warm = torch.ones(128, 128)
         torch.mm(warm, warm)  # OpenMP starts this thread's team now (see the module doc)
@@ -549,14 +553,34 @@ class ExecutionEngine:
                 batch = self.scheduler.next_batch(now, Lane.BULK, share=self._bulk_idle)
                 if batch is not None:
                     self._bulk_idle -= 1
-                    if self._bulk_idle and self.scheduler.has_pending(Lane.BULK):
+                    more = self.scheduler.has_pending(Lane.BULK)
+                    if self._bulk_idle and more:
                         self._bulk_cv.notify()  # rows left (a part of this batch's, or another group)
+                    if one_thread:
+                        wanted = self._bulk_threads_for(now, more)
+                        if wanted != threads:
+                            threads = wanted
+                            torch.set_num_threads(wanted)
+                    self._bulk_cores_busy += threads
                     try:
                         self._run_locked(batch, "bulk_thread")
                     finally:
                         self._bulk_idle += 1
+                        self._bulk_cores_busy -= threads
                 else:  # bulk work is never held (see ``Scheduler.next_batch``): none is pending
                     self._bulk_cv.wait()
+
+    def _bulk_threads_for(self, now: float, more: bool) -> int:
+        """The torch threads of the batch a bulk thread just took (holding ``_cond``): one when
+        other bulk work is waiting (the other bulk threads take it, one core each), else the
+        executor's threads shared between the bulk clients, within those no running bulk product
+        uses: a lone fine-tuning job beside decoders gets every core the decoders leave (as with
+        one bulk thread), two jobs on two cores one each."""
+        if more:
+            return 1
+        cores = len(self._bulk_threads)
+        fair = cores // max(1, self.scheduler.active_clients(Lane.BULK, now))
+        return max(1, min(fair, cores - self._bulk_cores_busy))
 
     def _run_locked(self, batch: Batch, runner: str) -> None:
         """Run ``batch`` with ``_cond`` held on entry and exit, released around the product."""

@@ -351,6 +351,15 @@ class Scheduler:
         small = rows <= self.config.decode_share_rows
         return LATENCY if small and latency_class is not LatencyClass.FINETUNE else BULK
 
+    def active_clients(self, lane: Lane, now_s: float) -> int:
+        """Clients of ``lane`` now: whose last request was of that lane, and that have one pending
+        or sent one in the last ``ACTIVE_CLIENT_S``."""
+        return sum(
+            1
+            for c in self._client_state.values()
+            if c.last_lane == lane and (c.entries or now_s - c.last_arrival_s <= ACTIVE_CLIENT_S)
+        )
+
     def has_pending(self, lane: Lane) -> bool:
         """Whether rows of ``lane``'s work are waiting to be handed out."""
         return any(self._lane(e) == lane for e in self._entries.values())

@@ -147,8 +147,9 @@ class SchedulerConfig:
         default=0,
         metadata=_help(
             "With --bulk-lane background: how many bulk threads run bulk products side by side, each on one "
-            "torch thread -- different jobs' batches at once, and a lone batch's rows split between the idle "
-            "ones (parts of 128 rows or more). On a CPU this does more per core than one product on every "
+            "torch thread while other bulk work waits -- different jobs' batches at once, and a lone batch's "
+            "rows split between the idle ones (parts of 128 rows or more); a lone job's batch gets the "
+            "threads no bulk product uses. On a CPU this does more per core than one product on every "
             "core (whose threads wait for each other at every step of it). 0 (default): one per torch "
             "thread of the executor. 1: one bulk thread, each product on every torch thread."
         ),
