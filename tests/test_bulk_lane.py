@@ -391,3 +391,22 @@ def test_active_clients_of_a_lane():
         scheduler.next_batch(0.5)
     assert scheduler.active_clients(Lane.BULK, 0.9) == 2  # nothing pending, but recent
     assert scheduler.active_clients(Lane.BULK, 5.0) == 0  # gone quiet
+
+
+def test_bulk_products_start_no_threads_after_startup(path):
+    """The bulk threads start their OpenMP teams at the most threads they will use: a lone job's
+    batch on every bulk thread's core, then jobs side by side, add no thread to the process (the
+    soak test holds an executor to its idle thread count)."""
+
+    def thread_count() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background", bulk_threads=2) as ex:
+        before = thread_count()
+        rows = torch.randn(64, 64)
+        for _ in range(3):
+            ex.submit("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE).result(timeout=30)
+        futures = [ex.submit(f"job-{i}", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE) for i in range(4)]
+        for future in futures:
+            future.result(timeout=30)
+        assert thread_count() == before

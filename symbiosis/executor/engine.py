@@ -184,6 +184,7 @@ class ExecutionEngine:
             threads = torch.get_num_threads()
             count = scheduler.config.bulk_threads or threads
             self._bulk_idle = count  # bulk threads not running a batch (``next_batch``'s share)
+            self._bulk_cores = threads  # the most torch threads a bulk product runs on
             self._bulk_cores_busy = 0  # torch threads of the bulk products running now
             started = threading.Semaphore(0)
             for index in range(count):
@@ -540,12 +541,17 @@ class ExecutionEngine:
         ``one_thread``: one of several bulk threads (see ``_bulk_threads_for``). Releases
         ``started`` once its thread count is set."""
         enter_background_priority()
-        threads = torch.get_num_threads()  # torch's first use in a thread takes the count last set anywhere
+        # OpenMP starts this thread's team now, at the most threads it will use (the executor's:
+        # see ``_bulk_threads_for``), so that a server's thread count never grows at a later
+        # product (see the module doc).
+        torch.get_num_threads()  # torch's first use in a thread takes the count last set anywhere,
+        threads = self._bulk_cores  # which another bulk thread may just have set to 1
+        torch.set_num_threads(threads)
+        warm = torch.ones(128, 128)
+        torch.mm(warm, warm)
         if one_thread:
             threads = 1
-            torch.set_num_threads(1)  # then this thread's own (OpenMP and MKL keep one per thread)
-        warm = torch.ones(128, 128)
-        torch.mm(warm, warm)  # OpenMP starts this thread's team now (see the module doc)
+            torch.set_num_threads(1)  # this thread's own count (OpenMP and MKL keep one per thread)
         started.release()
         with self._cond:
             while self._running:
@@ -578,7 +584,7 @@ class ExecutionEngine:
         one bulk thread), two jobs on two cores one each."""
         if more:
             return 1
-        cores = len(self._bulk_threads)
+        cores = self._bulk_cores
         fair = cores // max(1, self.scheduler.active_clients(Lane.BULK, now))
         return max(1, min(fair, cores - self._bulk_cores_busy))
 
