@@ -370,7 +370,16 @@ def test_bulk_threads_leave_other_threads_torch_thread_count_alone(path):
     assert torch.get_num_threads() == threads and seen == [threads]
 
 
-def test_a_lone_jobs_batch_uses_every_bulk_threads_core(path, monkeypatch):
+@pytest.fixture
+def two_torch_threads():
+    """This thread (the executor's creator) on two torch threads, whatever earlier tests left."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_lone_jobs_batch_uses_every_bulk_threads_core(path, monkeypatch, two_torch_threads):
     """One fine-tuning job, nothing else of the bulk lane waiting: its batch (too small to split)
     runs on the torch threads of every bulk thread, as with one bulk thread, not on one core."""
     meeting = MeetingBulkProducts(monkeypatch, parties=1)
@@ -393,7 +402,7 @@ def test_active_clients_of_a_lane():
     assert scheduler.active_clients(Lane.BULK, 5.0) == 0  # gone quiet
 
 
-def test_bulk_products_start_no_threads_after_startup(path):
+def test_bulk_products_start_no_threads_after_startup(path, two_torch_threads):
     """The bulk threads start their OpenMP teams at the most threads they will use: a lone job's
     batch on every bulk thread's core, then jobs side by side, add no thread to the process (the
     soak test holds an executor to its idle thread count)."""
