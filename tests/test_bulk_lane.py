@@ -418,4 +418,4 @@ def test_bulk_products_start_no_threads_after_startup(path, two_torch_threads):
         futures = [ex.submit(f"job-{i}", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE) for i in range(4)]
         for future in futures:
             future.result(timeout=30)
-        assert thread_count() == before
+        assert thread_count() <= before  # (a thread of an earlier test may end meanwhile)

@@ -25,7 +25,8 @@ from tests.service_helpers import compare_client, loopback_address, start_execut
 def test_client_processes_match_monolithic(tiny_checkpoint, tmp_path, all_bulk):
     """One executor process listening on tcp and ipc; a client process per transport. ``all-bulk``:
     ``--decode-share-rows 0`` makes every request bulk work, so every product runs on the
-    server's background bulk thread (its default lane) -- exact over every transport there too."""
+    server's background bulk threads (its default lane; one per core, side by side) -- exact over
+    every transport there too."""
     path = tiny_checkpoint("qwen2")
     tcp, ipc = loopback_address("tcp", tmp_path), loopback_address("ipc", tmp_path)
     extra = ["--decode-share-rows", "0"] if all_bulk else []

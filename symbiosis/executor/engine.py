@@ -42,7 +42,8 @@ less on a CPU: its threads meet at every step of it, and a sleeping one is woken
 Measured (2026-11-28, this 2-core host, the ~105M llama's forward and input-gradient products of
 its layers): 64-row products 300 tokens/s on 2 threads, 425 as two 1-thread streams side by side,
 365 as one 64-row batch split in two 32-row halves (128 rows: 350, 475, 430); 8 fine-tuning
-client processes (``symbiosis bench multi_job_finetune``) 285 against 232 tokens/s. Only batches
+client processes 261-270 against 233-244 tokens/s with one bulk thread (interleaved runs; see
+docs/performance.md). Only batches
 of twice ``SPLIT_MIN_ROWS`` or more are split (see there: a split costs when the other cores have
 other work). One core each holds only while other bulk work waits or other jobs share the lane
 (``_bulk_threads_for``): a lone job's batch gets the threads no bulk product uses, so that on a
@@ -183,7 +184,6 @@ class ExecutionEngine:
             self._batches_run_by["bulk_thread"] = 0
             threads = torch.get_num_threads()
             count = scheduler.config.bulk_threads or threads
-            self._bulk_idle = count  # bulk threads not running a batch (``next_batch``'s share)
             self._bulk_cores = threads  # the most torch threads a bulk product runs on
             self._bulk_cores_busy = 0  # torch threads of the bulk products running now
             started = threading.Semaphore(0)
@@ -556,11 +556,11 @@ class ExecutionEngine:
         with self._cond:
             while self._running:
                 now = self._clock()
-                batch = self.scheduler.next_batch(now, Lane.BULK, share=self._bulk_idle)
+                idle = len(self._bulk_threads) - self._bulk_computing  # this one included
+                batch = self.scheduler.next_batch(now, Lane.BULK, share=idle)
                 if batch is not None:
-                    self._bulk_idle -= 1
                     more = self.scheduler.has_pending(Lane.BULK)
-                    if self._bulk_idle and more:
+                    if idle > 1 and more:
                         self._bulk_cv.notify()  # rows left (a part of this batch's, or another group)
                     if one_thread:
                         wanted = self._bulk_threads_for(now, more)
@@ -571,7 +571,6 @@ class ExecutionEngine:
                     try:
                         self._run_locked(batch, "bulk_thread")
                     finally:
-                        self._bulk_idle += 1
                         self._bulk_cores_busy -= threads
                 else:  # bulk work is never held (see ``Scheduler.next_batch``): none is pending
                     self._bulk_cv.wait()
