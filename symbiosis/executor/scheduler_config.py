@@ -140,7 +140,7 @@ class SchedulerConfig:
             "and cut into chunks for the decoders as --decode-slo-ms and --decode-slowdown say. 'auto' "
             "(default): background for `symbiosis serve` on a CPU (not yet with --shards); shared on an "
             "accelerator (its products share one stream) and for an executor in its clients' process (the "
-            "bulk thread's OpenMP team would be a second one there, which slows every torch op of the clients)."
+            "bulk threads' OpenMP teams would be more teams there, which slows every torch op of the clients)."
         ),
     )
     bulk_threads: int = field(
