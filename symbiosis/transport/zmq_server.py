@@ -512,9 +512,9 @@ class ZmqServer:
                 continue
             lane = self._lanes.get(key)
             if lane is not None:
-                if events[key] & zmq.POLLOUT:
+                if events[key] & _POLLOUT:
                     self._flush_lane(lane)
-                    if events[key] == zmq.POLLOUT:
+                    if events[key] == _POLLOUT:
                         continue
                 # How long the client computed since its last reply; the pieces of a long message
                 # are no such gaps (they arrive back to back and would make this thread spin).
@@ -1123,6 +1123,7 @@ class ZmqServer:
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's IntFlag arithmetic costs microseconds per message
 _POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 
