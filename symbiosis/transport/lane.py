@@ -97,11 +97,10 @@ ALIGNMENT = 64
 _LENGTHS = struct.Struct("<II")  # message length (after this field), header length
 _LENGTH = struct.Struct("<I")
 _PADDING = bytes(ALIGNMENT)
-# Plain ints: the socket module's flags are IntFlags, and ``|`` on them costs ~0.5 us per call
-# (several per call, more in a spin loop that retries a nonblocking receive).
+# Plain ints: the socket module's flags are IntFlags, and ``|`` on them costs ~0.5 us each time
+# (a spin loop retrying a nonblocking receive paid it at every try).
 _MSG_TRUNC = int(socket.MSG_TRUNC)
-_DONTWAIT = int(socket.MSG_DONTWAIT)
-_TRUNC_NOWAIT = _MSG_TRUNC | _DONTWAIT
+_TRUNC_NOWAIT = _MSG_TRUNC | int(socket.MSG_DONTWAIT)
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 #: A lane call's timeout is re-set when it differs from the one set by more than this fraction.
 _TIMEOUT_SLACK = 0.02

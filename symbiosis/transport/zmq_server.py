@@ -512,9 +512,10 @@ class ZmqServer:
                 continue
             lane = self._lanes.get(key)
             if lane is not None:
-                if events[key] & _POLLOUT:
+                event = events[key]
+                if event & _POLLOUT:
                     self._flush_lane(lane)
-                    if events[key] == _POLLOUT:
+                    if event == _POLLOUT:
                         continue
                 # How long the client computed since its last reply; the pieces of a long message
                 # are no such gaps (they arrive back to back and would make this thread spin).
