@@ -26,7 +26,7 @@ def _fake_timings(monkeypatch, seconds: dict[mf.Form, float]) -> list[mf.Form]:
 
     def time_pass(self, form, weights, bias, inputs):
         timed.append(form)
-        return seconds[form] * len(weights)
+        return [seconds[form]] * len(weights)
 
     monkeypatch.setattr(mf.MatmulForms, "_time_pass", time_pass)
     return timed
@@ -68,6 +68,25 @@ def test_a_trial_keeps_the_faster_form_by_a_margin(monkeypatch, first_s, second_
     weight = torch.randn(16, 8)
     assert forms.form(weight, None, 4) is kept
     assert timed == list(mf.Form) * mf.ROUNDS  # alternating, so a slow spell hits both
+
+
+@pytest.mark.parametrize("slowed", list(mf.Form))
+def test_a_slow_spell_does_not_decide_a_trial(monkeypatch, slowed):
+    """Another process taking the core mid-product makes some products slow: each product's
+    fastest time decides, so a spell that slows most rounds of one form changes nothing."""
+    calls = {form: 0 for form in mf.Form}
+    quiet = {mf.Form.ROWS_BY_WEIGHT: 1.0, mf.Form.WEIGHT_BY_ROWS: 0.5}
+
+    def time_pass(self, form, weights, bias, inputs):
+        calls[form] += 1
+        spell = form is slowed and calls[form] < mf.ROUNDS  # every round but the last
+        return [quiet[form] * (10.0 if spell and i % 2 == 0 else 1.0) for i in range(len(weights))]
+
+    monkeypatch.setattr(mf.MatmulForms, "_time_pass", time_pass)
+    forms = mf.MatmulForms(enabled=True)
+    weight = torch.randn(16, 8)
+    forms.remember([weight, torch.randn(16, 8), torch.randn(16, 8)])
+    assert forms.form(weight, None, 4) is mf.Form.WEIGHT_BY_ROWS
 
 
 def test_a_choice_is_made_once_per_shape_rows_and_bias(monkeypatch):

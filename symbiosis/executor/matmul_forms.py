@@ -24,8 +24,9 @@ A trial runs each form ``ROUNDS`` times, alternating, each time over up to ``PEE
 the same shape (the model's other layers: one weight timed again and again would sit in the cache)
 after reading twice the last-level cache's worth of the model's other weights when the model is
 larger than that cache (as a decode step reads them between two products of one layer), and keeps
-the median; the second form must beat the first by ``MARGIN`` to be kept, so noise leaves torch's
-own form in place. A trial costs ~6 such reads and ~30 products (tens of milliseconds on a ~105M
+each product's fastest time over the rounds (noise only adds time: another process taking a core
+mid-product); the second form must beat the first by ``MARGIN`` to be kept, so what noise is
+left leaves torch's own form in place. A trial costs ~10 such reads and ~50 products (tens of milliseconds on a ~105M
 model), once per shape and row count: 84 trials, every shape at 12 row counts, took ~5 s there.
 
 ``SYMBIOSIS_TUNE_MATMUL=0`` (read at import; ``symbiosis serve --no-tune-matmul`` sets it) turns
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import enum
 import os
-import statistics
 import threading
 import time
 import weakref
@@ -49,7 +49,7 @@ TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
 #: Products of more rows always run the first form (training-sized: see the module doc).
 LARGEST_TUNED_ROWS = 64
 #: Times each form is timed in a trial (alternating), and weights of the shape each time covers.
-ROUNDS = 3
+ROUNDS = 5
 PEERS = 4
 #: The second form is kept only when its median is under this fraction of the first's.
 MARGIN = 0.9
@@ -162,7 +162,11 @@ class MatmulForms:
     def _trial(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Form:
         timed, evict = self.trial_weights(weight)
         inputs = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
-        timings: dict[Form, list[float]] = {form: [] for form in Form}
+        # Per form, each timed weight's fastest product over the rounds: another process that
+        # takes a core mid-product only ever adds time, so the fastest is the product's own cost
+        # (a median or a sum of whole passes took that noise for a difference: on a host busy with
+        # clients, servers started side by side chose differently and ran 20-30% apart).
+        fastest: dict[Form, list[float]] = {form: [float("inf")] * len(timed) for form in Form}
         with torch.no_grad():
             for form in Form:  # one untimed pass each: first-call costs (allocations, OpenMP start)
                 forward(form, weight, bias, inputs)
@@ -170,17 +174,18 @@ class MatmulForms:
                 for form in Form:
                     for w in evict:
                         w.sum()
-                    timings[form].append(self._time_pass(form, timed, bias, inputs))
-        first, second = (statistics.median(timings[form]) for form in Form)
+                    seconds = self._time_pass(form, timed, bias, inputs)
+                    fastest[form] = [min(a, b) for a, b in zip(fastest[form], seconds)]
+        first, second = (sum(fastest[form]) for form in Form)
         return Form.WEIGHT_BY_ROWS if second < MARGIN * first else Form.ROWS_BY_WEIGHT
 
-    def _time_pass(self, form: Form, weights: list[torch.Tensor], bias: torch.Tensor | None, inputs) -> float:
-        """Seconds ``form`` takes over ``weights``, one product each (tests replace this)."""
-        spent = 0.0
+    def _time_pass(self, form: Form, weights: list[torch.Tensor], bias: torch.Tensor | None, inputs) -> list[float]:
+        """Seconds ``form``'s product takes with each of ``weights`` (tests replace this)."""
+        spent = []
         for w in weights:
             began = self._clock()
             forward(form, w, bias, inputs)
-            spent += self._clock() - began
+            spent.append(self._clock() - began)
         return spent
 
     def chosen(self) -> dict[str, int]:
