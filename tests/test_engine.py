@@ -105,6 +105,63 @@ def test_lockstep_waits_for_every_joined_client(path):
         assert ex.stats()["layers"][layer_id]["batches"] == 1
 
 
+class _Sink:
+    """A ``ResultSink`` (``executor/engine.py``) that records what it was given."""
+
+    def __init__(self, takes_views: bool) -> None:
+        self.takes_views = takes_views
+        self.results: list[torch.Tensor] = []
+        self.errors: list[BaseException] = []
+        self.filled = threading.Event()
+
+    def done(self) -> bool:
+        return self.filled.is_set()
+
+    def set_result(self, result: torch.Tensor) -> None:
+        self.results.append(result)
+        self.filled.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self.errors.append(error)
+        self.filled.set()
+
+
+def test_a_sink_gets_its_result_once_and_a_view_only_if_it_takes_views(path):
+    """``submit(..., sink=)``: the result goes to the sink, not a new future; a sink that copies
+    its result out at once (a transport's reply) gets its rows of the shared batch output, any
+    other its own tensor (a view would pin the batch and be a view to autograd)."""
+    layer_id = "model.layers.0.self_attn.q_proj"
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=10_000) as ex:
+        ex.register_client("a")
+        ex.register_client("b")
+        g = torch.Generator().manual_seed(3)
+        rows_a, rows_b = torch.randn(2, 64, generator=g), torch.randn(3, 64, generator=g)
+        viewer, owner = _Sink(takes_views=True), _Sink(takes_views=False)
+        assert ex.submit("a", layer_id, Op.FORWARD, rows_a, LatencyClass.DECODE, sink=viewer) is viewer
+        ex.submit("b", layer_id, Op.FORWARD, rows_b, LatencyClass.DECODE, sink=owner)
+        assert viewer.filled.wait(5) and owner.filled.wait(5)
+        assert ex.stats()["layers"][layer_id]["batches"] == 1  # one product for both
+        assert len(viewer.results) == len(owner.results) == 1 and not viewer.errors and not owner.errors
+        torch.testing.assert_close(viewer.results[0], _expected(ex, layer_id, "forward", rows_a), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(owner.results[0], _expected(ex, layer_id, "forward", rows_b), rtol=1e-5, atol=1e-6)
+        batch_numel = (2 + 3) * 64
+        assert viewer.results[0].untyped_storage().nbytes() == batch_numel * 4  # the batch's output
+        assert owner.results[0].untyped_storage().nbytes() == 3 * 64 * 4  # a copy of its own rows
+
+
+def test_a_leaving_clients_sink_gets_the_error(path):
+    layer_id = "model.layers.0.self_attn.q_proj"
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=10_000) as ex:
+        ex.register_client("a")
+        ex.register_client("b")
+        sink = _Sink(takes_views=True)
+        ex.submit("a", layer_id, Op.FORWARD, torch.ones(1, 64), LatencyClass.DECODE, sink=sink)
+        ex.unregister_client("a")
+        assert sink.filled.wait(5) and not sink.results
+        assert [type(e) for e in sink.errors] == [symbiosis.ExecutorUnavailableError]
+        assert ex.stats()["inflight_requests"] == 0
+
+
 def test_leaving_client_drops_its_pending_work(path):
     layer_id = "model.layers.0.self_attn.q_proj"
     with symbiosis.BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=10_000) as ex:

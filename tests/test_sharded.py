@@ -116,7 +116,15 @@ def test_sharded_executor_matches_monolithic(arch, world_size, strategy, tiny_ch
     path = tiny_checkpoint(arch)
     with ranks_in_threads(path, world_size, strategy) as ranks:
         _check_reference(path, serve_all(ranks), arch)
-        per_rank = ranks[0].stats()["shards"]
+        # Each rank counts a gather once its own part of the collective returns, which may be a
+        # moment after the client had its last reply: read until the counts settle.
+        deadline = time.monotonic() + 5
+        while True:
+            per_rank = ranks[0].stats()["shards"]
+            counts = {s["shard"]["gathers"]["gathers"] for s in per_rank if s["shard"]["gathers"]}
+            if len(counts) <= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
     shards = [s["shard"] for s in per_rank]
     assert [s["rank"] for s in shards] == list(range(world_size)) and all(s["up"] for s in shards)
     assert all(s["relayed_requests"] == 0 for s in shards)  # nothing needed a relay

@@ -67,6 +67,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -93,15 +94,38 @@ DRIVER_SLICE_S = 0.0005
 ALONE_TIMING_EVERY = 4
 
 
+class ResultSink(Protocol):
+    """Where ``ExecutionEngine.submit`` puts a request's result instead of a new ``Future`` (the
+    methods of a ``Future`` the engine uses). A transport server passes one that answers the
+    request at once: a ``Future`` per request, its done-callback and its lock were a fifth of the
+    server's work per queued 1-row request.
+
+    ``takes_views``: the result may be a view of the batch's shared output, which the sink copies
+    out (a reply) before anyone could modify it, so the engine skips the per-request copy it makes
+    for other callers (a view of a shared output would pin the whole batch and be a view to
+    autograd). ``set_result``/``set_exception`` are called once, outside the engine's lock, in the
+    thread that ran the batch (or that dropped the request)."""
+
+    takes_views: bool
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: torch.Tensor) -> None: ...
+
+    def set_exception(self, error: BaseException) -> None: ...
+
+
 @dataclass
 class _Admitted:
     """A request between submit and completion (the only per-request state the executor has)."""
 
     rows: torch.Tensor  # input rows, already in the executor's dtype and device
-    future: Future
+    future: Future | ResultSink
     out_dtype: torch.dtype
     out_device: torch.device
     submitted_s: float
+    cast_back: bool = True  # the result goes back to ``out_dtype``/``out_device`` (the rows were cast)
+    takes_views: bool = False  # see ``ResultSink``
     output: torch.Tensor | None = None  # only for requests served in several chunks
     rows_done: int = 0
     started: bool = False  # its first rows reached a matrix product
@@ -230,11 +254,15 @@ class ExecutionEngine:
         latency_class: LatencyClass,
         *,
         wake: bool = True,
-    ) -> Future:
+        sink: ResultSink | None = None,
+    ) -> Future | ResultSink:
         """Enqueue a request; a waiting caller, a driver or the compute thread runs it. A driver
-        that will call ``run_ready`` itself next passes ``wake=False`` (no one else is woken)."""
-        future = self._prepare(layer_id, op, rows)
-        if future.done():
+        that will call ``run_ready`` itself next passes ``wake=False`` (no one else is woken).
+        The result goes to ``sink`` when given (returned), else to a new ``Future``."""
+        self.validate(layer_id, op, rows)
+        future: Future | ResultSink = Future() if sink is None else sink
+        if rows.shape[0] == 0:
+            future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
             return future
         local = rows.to(device=self.device, dtype=self.dtype)  # cast here: the computing thread only multiplies
         with self._cond:
@@ -423,21 +451,15 @@ class ExecutionEngine:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
-    def _prepare(self, layer_id: str, op: Op, rows: torch.Tensor) -> Future:
-        """Validate; a future already resolved for an empty request, else a pending one."""
-        self.validate(layer_id, op, rows)
-        future: Future = Future()
-        if rows.shape[0] == 0:
-            future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
-        return future
-
     def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future) -> int:
         """Record the request and hand it to the scheduler (holding ``_cond``)."""
         if not self._accepting:
             raise ExecutorUnavailableError("the executor is shutting down and accepts no new requests")
         request_id = next(self._ids)
         now = self._clock()
-        self._inflight[request_id] = _Admitted(local, future, rows.dtype, rows.device, now)
+        self._inflight[request_id] = _Admitted(
+            local, future, rows.dtype, rows.device, now, local is not rows, getattr(future, "takes_views", False)
+        )
         self._owner[request_id] = client_id
         self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))
         if self._bulk_threads and self.scheduler.lane_of(latency_class, rows.shape[0]) is Lane.BULK:
@@ -683,8 +705,9 @@ class ExecutionEngine:
         for (s, inflight), out in zip(parts, outputs):
             if s.start == 0 and s.stop == inflight.rows.shape[0]:
                 # A slice of a shared batch output would pin the whole batch in memory and
-                # be a view to autograd; give each request its own tensor.
-                results.append(out if len(parts) == 1 else out.clone())
+                # be a view to autograd; give each request its own tensor (unless its sink
+                # copies it out at once).
+                results.append(out if len(parts) == 1 or inflight.takes_views else out.clone())
             else:  # served in chunks: assemble into one buffer
                 if inflight.output is None:
                     with self._lock:
@@ -710,5 +733,7 @@ class ExecutionEngine:
                 finished_ids.append(s.request_id)
         for inflight, result in finished:
             if not inflight.future.done():  # a caller that timed out has its error already
-                inflight.future.set_result(result.to(device=inflight.out_device, dtype=inflight.out_dtype))
+                if inflight.cast_back:
+                    result = result.to(device=inflight.out_device, dtype=inflight.out_dtype)
+                inflight.future.set_result(result)
         return finished_ids

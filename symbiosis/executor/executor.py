@@ -16,7 +16,7 @@ import torch
 
 from symbiosis.errors import ConfigurationError
 from symbiosis.executor import matmul_forms
-from symbiosis.executor.engine import ExecutionEngine
+from symbiosis.executor.engine import ExecutionEngine, ResultSink
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
@@ -125,8 +125,12 @@ class BaseExecutor:
         latency_class: LatencyClass,
         *,
         wake: bool = True,
-    ) -> Future[torch.Tensor]:
-        return self._engine.submit(client_id, layer_id, Op(op), rows, LatencyClass(latency_class), wake=wake)
+        sink: ResultSink | None = None,
+    ) -> Future[torch.Tensor] | ResultSink:
+        """See ``ExecutionEngine.submit`` (``sink``: where the result goes instead of a new future)."""
+        op = op if type(op) is Op else Op(op)  # an enum call costs a microsecond on the queued path
+        latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
+        return self._engine.submit(client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink)
 
     def attach_driver(self, wake) -> None:
         """See ``ExecutionEngine.attach_driver``: a server thread that runs ready batches itself."""

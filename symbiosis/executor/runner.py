@@ -108,4 +108,4 @@ def run_batch(layer: StoredLayer, op: Op, inputs: Sequence[torch.Tensor]) -> lis
         return [apply_op(layer, op, aligned(inputs[0]))]
     stacked = torch.cat(list(inputs), dim=0)
     result = apply_op(layer, op, stacked)
-    return list(torch.split(result, [t.shape[0] for t in inputs], dim=0))
+    return list(result.split_with_sizes([t.shape[0] for t in inputs]))  # torch.split's Python wrapper costs more

@@ -48,7 +48,7 @@ from symbiosis.errors import (
     ShapeError,
     UnknownLayerError,
 )
-from symbiosis.executor.engine import ExecutionEngine
+from symbiosis.executor.engine import ExecutionEngine, ResultSink
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.sharding import messages as M
 from symbiosis.sharding.endpoints import EndpointBook, rank_address, routes_for
@@ -61,6 +61,16 @@ from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 STATS_TIMEOUT_S = 2.0
 _LOCAL = -1  # the source of a client that has a session on this rank (peers are sources by rank)
+
+
+def _pass_on(done: Future, sink: ResultSink) -> None:
+    """A relayed request's result (or failure) to the sink it was submitted with."""
+    if done.cancelled():
+        sink.set_exception(ExecutorUnavailableError("the relayed request was cancelled"))
+    elif done.exception() is not None:
+        sink.set_exception(done.exception())  # type: ignore[arg-type]
+    else:
+        sink.set_result(done.result())
 
 
 @dataclass
@@ -155,18 +165,25 @@ class ShardedExecutor:
         latency_class: LatencyClass,
         *,
         wake: bool = True,
-    ) -> Future:
+        sink: ResultSink | None = None,
+    ) -> Future | ResultSink:
+        """See ``BaseExecutor.submit``; a request for another rank's layer is relayed there (its
+        result comes back through a future, passed on to ``sink`` when given)."""
         self._check_up()
         owner = self.owner_of(layer_id)
         op, latency_class = Op(op), LatencyClass(latency_class)
         if owner == self.rank:
-            return self._engine.submit(client_id, layer_id, op, rows, latency_class, wake=wake)
+            return self._engine.submit(client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink)
         self._check_request(layer_id, op, rows)
         if rows.shape[0] == 0:
             future: Future = Future()
             future.set_result(rows.new_empty((0, op.output_width(self._specs[layer_id]))))
+        else:
+            future = self._relay.forward(owner, client_id, layer_id, op, rows, latency_class)
+        if sink is None:
             return future
-        return self._relay.forward(owner, client_id, layer_id, op, rows, latency_class)
+        future.add_done_callback(lambda done: _pass_on(done, sink))
+        return sink
 
     # ---- the driver interface (ZmqServer's socket thread runs local products itself) --------
 

@@ -1,0 +1,69 @@
+"""Requests a real executor queues (its client is not alone) are answered through the server's
+result sinks (``_ReplySink`` in ``transport/zmq_server.py``), not futures: exact results for every
+op and row count -- an empty request included, whose result comes back inside ``submit`` before
+the server has booked it -- on every same-host transport, and nothing left in flight."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.transport.schemes import open_transport
+from symbiosis.transport.zmq_server import ZmqServer
+from symbiosis.vocabulary import LatencyClass, Op
+
+LAYER = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_checkpoint) -> Iterator[symbiosis.BaseExecutor]:
+    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("qwen2")) as ex:  # q/k/v have biases
+        yield ex
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="symb-q-", dir="/tmp")  # short: ipc paths are limited to ~100 chars
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _expected(executor: symbiosis.BaseExecutor, op: Op, rows: torch.Tensor) -> torch.Tensor:
+    layer = executor.weights.layers[LAYER]
+    if op is Op.FORWARD:
+        return rows @ layer.weight.t() + layer.bias
+    if op is Op.BACKWARD:
+        return rows @ layer.weight
+    return rows @ layer.weight.t()
+
+
+@pytest.mark.parametrize("kind", ["ipc", "shm+ipc", "tcp"])
+def test_queued_requests_are_answered_exactly(executor, sock_dir: str, kind: str) -> None:
+    bind = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/executor.sock"
+    server = ZmqServer(executor, bind, allow_shm=kind == "shm+ipc").start()
+    try:
+        assert server._takes_sinks  # a BaseExecutor takes sinks: the path under test
+        address = server.address if kind != "shm+ipc" else "shm+" + server.address
+        start = executor.stats()
+        before, alone_before = start["layers"].get(LAYER, {}).get("requests", 0), start["batches_run_by"]["alone"]
+        with open_transport(address) as caller, open_transport(address):  # the second one joins: no one is alone
+            g = torch.Generator().manual_seed(5)
+            for op in Op:
+                for n in (0, 1, 5):
+                    width = op.input_width(executor.weights.specs[LAYER])
+                    rows = torch.randn(n, width, generator=g)
+                    got = caller.call(LAYER, op, rows, LatencyClass.DECODE)
+                    # Computed in another thread and batch than here: the same sums in another order.
+                    torch.testing.assert_close(got, _expected(executor, op, rows), rtol=1e-5, atol=1e-6)
+                    got.add_(1)  # a tensor of its own, writable
+        stats = executor.stats()
+        assert stats["inflight_requests"] == 0
+        assert stats["layers"][LAYER]["requests"] - before == 2 * len(Op)  # the empty ones never reach it
+        assert stats["batches_run_by"]["alone"] == alone_before  # queued, never the lone-client path
+    finally:
+        server.close(drain=False)
