@@ -179,9 +179,9 @@ class _ReplySink:
         # At once only once the request is on the server's books: a result that comes back inside
         # ``submit`` (an empty request, a relayed one already answered) waits until it is.
         if threading.get_ident() == server._socket_thread_id and key in server._inflight:
-            server._finish(key, result, error)
+            server._finish(key, self, result, error)
         else:
-            server.call_soon(lambda: server._finish(key, result, error))
+            server.call_soon(lambda: server._finish(key, self, result, error))
 
 
 def _cost(req: P.Request, spec: LayerSpec | None) -> int:
@@ -1066,7 +1066,7 @@ class ZmqServer:
         else:
             future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
         entry.future = future
-        future.add_done_callback(lambda _f: self.call_soon(lambda: self._complete(key)))
+        future.add_done_callback(lambda done: self.call_soon(lambda: self._complete(key, done)))
 
     def _forget(self, key: RequestKey) -> _InFlight | None:
         """Take an in-flight request off the books (its session's account too)."""
@@ -1076,25 +1076,23 @@ class ZmqServer:
             entry.session.inflight_bytes -= entry.cost
         return entry
 
-    def _complete(self, key: RequestKey) -> None:
+    def _complete(self, key: RequestKey, future: Future) -> None:
         """A future completed: reply (on the socket thread)."""
-        entry = self._inflight.get(key)
-        if entry is None:  # its session ended meanwhile; nobody waits for it
-            return
-        future = entry.future
-        assert isinstance(future, Future)
         if future.cancelled():
-            self._finish(key, None, ExecutorUnavailableError("the executor dropped this request"))
+            self._finish(key, future, None, ExecutorUnavailableError("the executor dropped this request"))
         else:
             error = future.exception()
-            self._finish(key, None if error is not None else future.result(), error)
+            self._finish(key, future, None if error is not None else future.result(), error)
 
-    def _finish(self, key: RequestKey, result: torch.Tensor | None, error: BaseException | None) -> None:
-        """A request's result or failure is in: reply (on the socket thread, which may be inside
-        the executor's ``run_ready``: nothing may escape to it)."""
-        entry = self._forget(key)
-        if entry is None:  # its session ended meanwhile; nobody waits for it
+    def _finish(
+        self, key: RequestKey, source: object, result: torch.Tensor | None, error: BaseException | None
+    ) -> None:
+        """The result or failure of the request ``source`` (its future or sink) is in: reply (on the
+        socket thread, which may be inside the executor's ``run_ready``: nothing may escape to it)."""
+        entry = self._inflight.get(key)
+        if entry is None or entry.future is not source:  # its session ended meanwhile; nobody waits for it
             return
+        self._forget(key)
         try:
             if error is None:
                 self._reply(key, entry, result)
