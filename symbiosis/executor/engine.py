@@ -20,8 +20,8 @@ by whichever thread finds it ready first:
   it polls its sockets no longer than until the scheduler's next wake-up; ``wake`` callbacks tell
   it when work arrives from elsewhere. So a remote request, too, is received, multiplied and
   answered by one thread.
-- ``submit`` (tools, servers without a driver) enqueues and returns a future; the engine's own
-  compute thread runs what no waiting caller and no driver is there to run.
+- ``submit`` (tools, servers) enqueues and returns a future, or fills the caller's ``ResultSink``;
+  the engine's own compute thread runs what no waiting caller and no driver is there to run.
 
 Bulk work (fine-tuning, long prompts: the scheduler's bulk lane) has threads of its own when
 ``SchedulerConfig.bulk_lane`` says ``background`` (``symbiosis serve``'s default on a CPU): they run
@@ -97,8 +97,8 @@ ALONE_TIMING_EVERY = 4
 class ResultSink(Protocol):
     """Where ``ExecutionEngine.submit`` puts a request's result instead of a new ``Future`` (the
     methods of a ``Future`` the engine uses). A transport server passes one that answers the
-    request at once: a ``Future`` per request, its done-callback and its lock were a fifth of the
-    server's work per queued 1-row request.
+    request at once: without a ``Future`` per request, its done-callback and the per-request copy,
+    a queued 1-row round trip took x0.85-0.88 of the time (``benchmarks/roundtrip.py``, ``+joined``).
 
     ``takes_views``: the result may be a view of the batch's shared output, which the sink copies
     out (a reply) before anyone could modify it, so the engine skips the per-request copy it makes

@@ -26,8 +26,11 @@ after reading twice the last-level cache's worth of the model's other weights wh
 larger than that cache (as a decode step reads them between two products of one layer), and keeps
 each product's fastest time over the rounds (noise only adds time: another process taking a core
 mid-product); the second form must beat the first by ``MARGIN`` to be kept, so what noise is
-left leaves torch's own form in place. A trial costs ~10 such reads and ~50 products (tens of milliseconds on a ~105M
-model), once per shape and row count: 84 trials, every shape at 12 row counts, took ~5 s there.
+left leaves torch's own form in place. A trial costs ~10 such reads and ~40 products, once per
+shape and row count: on the ~105M llama 54 ms (33 ms with three rounds and medians, whose choices
+moved with the host's load), so a fresh server serving every row count from 1 to 64 spends ~17 s
+in 320 trials over its first requests (2026-11-29, this 2-core host; three rounds of fastest
+times still moved some 8-row choices on a quiet host).
 
 ``SYMBIOSIS_TUNE_MATMUL=0`` (read at import; ``symbiosis serve --no-tune-matmul`` sets it) turns
 tuning off: every product runs the first form, bit for bit ``nn.Linear``'s.
@@ -51,7 +54,7 @@ LARGEST_TUNED_ROWS = 64
 #: Times each form is timed in a trial (alternating), and weights of the shape each time covers.
 ROUNDS = 5
 PEERS = 4
-#: The second form is kept only when its median is under this fraction of the first's.
+#: The second form is kept only when its fastest times sum to under this fraction of the first's.
 MARGIN = 0.9
 
 

@@ -67,8 +67,8 @@ def _pass_on(done: Future, sink: ResultSink) -> None:
     """A relayed request's result (or failure) to the sink it was submitted with."""
     if done.cancelled():
         sink.set_exception(ExecutorUnavailableError("the relayed request was cancelled"))
-    elif done.exception() is not None:
-        sink.set_exception(done.exception())  # type: ignore[arg-type]
+    elif (error := done.exception()) is not None:
+        sink.set_exception(error)
     else:
         sink.set_result(done.result())
 

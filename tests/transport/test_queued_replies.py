@@ -1,7 +1,7 @@
 """Requests a real executor queues (its client is not alone) are answered through the server's
 result sinks (``_ReplySink`` in ``transport/zmq_server.py``), not futures: exact results for every
 op and row count -- an empty request included, whose result comes back inside ``submit`` before
-the server has booked it -- on every same-host transport, and nothing left in flight."""
+the server has booked it -- on every transport, and nothing left in flight."""
 
 from __future__ import annotations
 
@@ -42,16 +42,19 @@ def _expected(executor: symbiosis.BaseExecutor, op: Op, rows: torch.Tensor) -> t
     return rows @ layer.weight.t()
 
 
-@pytest.mark.parametrize("kind", ["ipc", "shm+ipc", "tcp"])
+@pytest.mark.parametrize("kind", ["ipc", "shm+ipc", "tcp", "dist+tcp"])
 def test_queued_requests_are_answered_exactly(executor, sock_dir: str, kind: str) -> None:
-    bind = "tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{sock_dir}/executor.sock"
+    bind = "tcp://127.0.0.1:0" if kind.endswith("tcp") else f"ipc://{sock_dir}/executor.sock"
     server = ZmqServer(executor, bind, allow_shm=kind == "shm+ipc").start()
     try:
         assert server._takes_sinks  # a BaseExecutor takes sinks: the path under test
-        address = server.address if kind != "shm+ipc" else "shm+" + server.address
+        address = server.address if "+" not in kind else kind.split("+")[0] + "+" + server.address
         start = executor.stats()
         before, alone_before = start["layers"].get(LAYER, {}).get("requests", 0), start["batches_run_by"]["alone"]
-        with open_transport(address) as caller, open_transport(address):  # the second one joins: no one is alone
+        # dist: every payload over the gloo pair group, not inline (its rows reach the executor
+        # after the server booked the request)
+        options = {"inline_threshold": 0} if kind.startswith("dist") else {}
+        with open_transport(address, **options) as caller, open_transport(address):  # the second joins: no one is alone
             g = torch.Generator().manual_seed(5)
             for op in Op:
                 for n in (0, 1, 5):
