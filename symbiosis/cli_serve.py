@@ -97,6 +97,18 @@ def serve(
             )
         ),
     ] = True,
+    pack_weights: Annotated[
+        bool,
+        typer.Option(
+            help=(
+                "Run forward products on CPU against a copy of each weight in oneDNN's blocked layout, made the "
+                "first time a forward uses the layer: x0.5-0.9 of the time of torch's mm here (most at decode's "
+                "few rows), at the cost of holding the forward-used weights twice in memory. Results agree with "
+                "nn.Linear's within float tolerance. --no-pack-weights (or SYMBIOSIS_PACK_WEIGHTS=0) keeps one "
+                "copy and torch's mm."
+            )
+        ),
+    ] = True,
     scheduler_config: SchedulerConfig | None = None,  # made by @with_scheduler_options from its options
 ) -> None:
     """Load the base layers of MODEL_DIR and serve them to clients until interrupted.
@@ -123,6 +135,11 @@ def serve(
 
         os.environ[TUNE_VARIABLE] = "0"  # and for the ranks of a sharded executor, which read it at import
         MATMUL_FORMS.enabled = False
+    if not pack_weights:
+        from symbiosis.executor.packed_weights import PACK_VARIABLE, WEIGHT_PACKING
+
+        os.environ[PACK_VARIABLE] = "0"  # and for the ranks of a sharded executor, which read it at import
+        WEIGHT_PACKING.enabled = False
     if shards > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several processes (torchrun, or --shards)
         if quantization:
             raise typer.BadParameter("--quantization is not supported with a sharded executor (--shards, torchrun) yet")

@@ -20,6 +20,14 @@ from symbiosis.vocabulary import Op
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
+@pytest.fixture(autouse=True)
+def _weights_unpacked(monkeypatch):
+    """Forms decide only where weights are not packed (``packed_weights.py``): off here."""
+    from symbiosis.executor.packed_weights import WEIGHT_PACKING
+
+    monkeypatch.setattr(WEIGHT_PACKING, "enabled", False)
+
+
 def _fake_timings(monkeypatch, seconds: dict[mf.Form, float]) -> list[mf.Form]:
     """Make every timed pass of ``form`` take ``seconds[form]``; returns the forms timed, in order."""
     timed: list[mf.Form] = []

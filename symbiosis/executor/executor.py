@@ -203,6 +203,7 @@ class BaseExecutor:
         stats = self._engine.stats()
         stats["config"] = dataclasses.asdict(self.scheduler_config)
         stats["weights_bytes"] = self.weights.nbytes()
+        stats["packed_weights_bytes"] = self.weights.packed_nbytes()
         stats["device"] = str(self.device)
         stats["dtype"] = str(self.dtype).removeprefix("torch.")
         stats["quantization"] = self.quantization or "none"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from symbiosis.executor.matmul_forms import LARGEST_TUNED_ROWS, MATMUL_FORMS, Form, forward
+from symbiosis.executor.packed_weights import linear
 from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
@@ -44,8 +45,10 @@ def apply_op(
     ``out``: where to write the result (e.g. a transport's reply region), used only when it is a
     contiguous tensor of the result's shape in the weights' dtype and device that does not
     overlap ``rows``; then the result *is* ``out``. The same kernel runs either way (``@`` on
-    matrices is ``mm``), so the numbers are the same bits. A forward of a few rows runs in the
-    form timed fastest on this host for its shape and row count (``matmul_forms.py``).
+    matrices is ``mm``; a packed product is copied into ``out``), so the numbers are the same
+    bits. A forward on CPU runs against the weight packed in oneDNN's layout
+    (``packed_weights.py``); where packing is off, a forward of a few rows runs in the form timed
+    fastest on this host for its shape and row count (``matmul_forms.py``).
 
     A quantized layer (``quantized.py``) computes the same ops against its dequantized weight
     with its own kernels, and never writes into ``out`` (the caller copies, as for any result
@@ -63,6 +66,12 @@ def apply_op(
         return rows @ weight if out is None else torch.mm(rows, weight, out=out)
     if op is Op.FORWARD or op is Op.NOISE:
         bias = layer.bias if op is Op.FORWARD else None  # noise: no bias, see above
+        packed = layer.packed
+        if packed is None:
+            packed = layer.pack()
+        if packed is not False:
+            result = linear(rows, packed, bias)
+            return result if out is None else out.copy_(result)
         n = rows.shape[0]
         form = Form.ROWS_BY_WEIGHT
         if n <= LARGEST_TUNED_ROWS:

@@ -33,6 +33,7 @@ from symbiosis.checkpoint import (
 )
 from symbiosis.errors import CheckpointError
 from symbiosis.executor.matmul_forms import MATMUL_FORMS
+from symbiosis.executor.packed_weights import WEIGHT_PACKING, packed_nbytes
 from symbiosis.executor.quantized import (
     FbgemmInt8Weights,
     QuantizedWeights,
@@ -51,16 +52,33 @@ class LayerWeights:
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
+    # Whether forwards may pack this weight on first use (``packed_weights.py``): not for the
+    # weights an fsdp rank gathers per call, which a pack would outlive by one product.
+    packable: bool = field(default=True, compare=False)
     # ``weight.t()``, made once: a forward product uses it, and making the view is a torch call
     # per product (a few µs of a lone decode call, see ``runner.apply_op``).
     weight_t: torch.Tensor = field(init=False, repr=False, compare=False)
     # (has bias, rows, torch threads) -> the form its forwards run (``matmul_forms.py``), kept
     # here so that a product looks it up in one small dict.
     forms: dict = field(init=False, repr=False, compare=False)
+    # The weight in oneDNN's blocked layout for forward products (``packed_weights.py``): None
+    # until the first forward, then the packed tensor, or False where packing does not apply.
+    packed: torch.Tensor | bool | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_t", self.weight.t())
         object.__setattr__(self, "forms", {})
+        object.__setattr__(self, "packed", None if self.packable else False)
+
+    def pack(self) -> torch.Tensor | bool:
+        """The packed weight, made now if this is the first forward; False where it does not
+        apply. Two threads racing here both pack and one copy is kept: no lock on the hot path."""
+        packed = self.packed
+        if packed is None:
+            made = WEIGHT_PACKING.pack(self.weight)
+            packed = False if made is None else made
+            object.__setattr__(self, "packed", packed)
+        return packed
 
     kernel = "matmul"  # what computes its products (stats)
 
@@ -73,13 +91,19 @@ class LayerWeights:
         return self.weight.dtype
 
     def rows(self, start: int, stop: int) -> LayerWeights:
-        return LayerWeights(self.weight[start:stop], None if self.bias is None else self.bias[start:stop])
+        bias = None if self.bias is None else self.bias[start:stop]
+        return LayerWeights(self.weight[start:stop], bias, packable=self.packable)
 
     def storage_items(self) -> Iterator[tuple[object, int]]:
         for tensor in (self.weight, self.bias):
             if tensor is not None:
                 storage = tensor.untyped_storage()
                 yield ("storage", storage.data_ptr()), storage.nbytes()
+
+    def packed_nbytes(self) -> int:
+        """Bytes of this layer's packed copy (0 until a forward made one)."""
+        packed = self.packed
+        return packed_nbytes(packed) if isinstance(packed, torch.Tensor) else 0
 
 
 StoredLayer = LayerWeights | QuantizedWeights
@@ -127,6 +151,10 @@ class _GroupResolver:
         spec = LayerSpec(layer_id, head.in_features, stop - start, head.has_bias)
         self._resolved[layer_id] = (spec, weights)
         return spec, weights
+
+    def resolved_layers(self) -> list[StoredLayer]:
+        """The weights of every group resolved so far."""
+        return [weights for _, weights in list(self._resolved.values())]
 
 
 class _Registry(Mapping):
@@ -260,6 +288,14 @@ class BaseModelWeights:
         """Bytes of the stored weights, scales and biases (each storage once: block members share theirs)."""
         stored = dict(item for layer in self.layers.values() for item in layer.storage_items())
         return sum(stored.values())
+
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed copies forwards made so far (``packed_weights.py``): real layers
+        and resolved sibling groups alike."""
+        layers = list(self.layers.values())
+        if isinstance(self.layers, _Registry):
+            layers += self.layers._resolver.resolved_layers()
+        return sum(layer.packed_nbytes() for layer in layers if type(layer) is LayerWeights)
 
 
 def _concatenate(members: list[StoredLayer]) -> StoredLayer:

@@ -326,7 +326,7 @@ class _GatheringLayers(Mapping):
             raise KeyError(layer_id)
         unit, start, stop = located
         weight, bias = self._sequencer.fetch(unit)
-        return LayerWeights(weight[start:stop], None if bias is None else bias[start:stop])
+        return LayerWeights(weight[start:stop], None if bias is None else bias[start:stop], packable=False)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._layout.specs)
