@@ -93,7 +93,9 @@ def serve(
                 "or (W @ rows.T).T) the first time each weight shape and row count comes up, and keep the faster "
                 "one for the life of the process: BLAS libraries' small-batch kernels differ between the two, "
                 "x0.2-x1.7 here. Results then agree with nn.Linear's within float tolerance, not bit for bit. "
-                "--no-tune-matmul (or SYMBIOSIS_TUNE_MATMUL=0) always runs nn.Linear's form."
+                "With packed weights (--pack-weights) oneDNN's packed product is a third candidate. "
+                "--no-tune-matmul (or SYMBIOSIS_TUNE_MATMUL=0) times nothing: packed layers run the packed product, "
+                "the others nn.Linear's form."
             )
         ),
     ] = True,
@@ -101,10 +103,11 @@ def serve(
         bool,
         typer.Option(
             help=(
-                "Run forward products on CPU against a copy of each weight in oneDNN's blocked layout, made the "
-                "first time a forward uses the layer: x0.5-0.9 of the time of torch's mm here (most at decode's "
-                "few rows), at the cost of holding the forward-used weights twice in memory. Results agree with "
-                "nn.Linear's within float tolerance. --no-pack-weights (or SYMBIOSIS_PACK_WEIGHTS=0) keeps one "
+                "Keep a copy of each weight in oneDNN's blocked layout, made the first time a forward uses the "
+                "layer, and run forward products on CPU against it: x0.4-0.9 of the time of torch's mm here at 3 "
+                "rows and more (at 1-2 rows the timed forms of --tune-matmul may keep torch's), at the cost of "
+                "holding the forward-used weights twice in memory (up to a quarter of the machine's). Results agree "
+                "with nn.Linear's within float tolerance. --no-pack-weights (or SYMBIOSIS_PACK_WEIGHTS=0) keeps one "
                 "copy and torch's mm."
             )
         ),

@@ -13,11 +13,14 @@ import torch.nn.functional as F
 
 import symbiosis
 from symbiosis.executor import matmul_forms as mf
+from symbiosis.executor import packed_weights as pw
 from symbiosis.executor import runner
 from symbiosis.vocabulary import Op
 
 # Both forms sum the same products in another order: float32 rounding, not a different result.
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+#: The forms of a layer without a packed copy (``Form.PACKED``: ``tests/test_packed_weights.py``).
+UNPACKED_FORMS = [mf.Form.ROWS_BY_WEIGHT, mf.Form.WEIGHT_BY_ROWS]
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +35,7 @@ def _fake_timings(monkeypatch, seconds: dict[mf.Form, float]) -> list[mf.Form]:
     """Make every timed pass of ``form`` take ``seconds[form]``; returns the forms timed, in order."""
     timed: list[mf.Form] = []
 
-    def time_pass(self, form, weights, bias, inputs):
+    def time_pass(self, form, weights, bias, inputs, packs=None):
         timed.append(form)
         return [seconds[form]] * len(weights)
 
@@ -43,16 +46,21 @@ def _fake_timings(monkeypatch, seconds: dict[mf.Form, float]) -> list[mf.Form]:
 @pytest.mark.parametrize("rows", [1, 2, 5, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("form", list(mf.Form))
-def test_both_forms_give_nn_linears_result(rows, with_bias, form):
+def test_every_form_gives_nn_linears_result(rows, with_bias, form):
     g = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(48, 32, generator=g), torch.randn(rows, 32, generator=g)
     bias = torch.randn(48, generator=g) if with_bias else None
+    packed = None
+    if form is mf.Form.PACKED:
+        packed = pw.WeightPacking(enabled=True).pack(weight)
+        if packed is None:
+            pytest.skip("this torch has no oneDNN linear")
     want = F.linear(x, weight, bias)
-    got = mf.forward(form, weight, bias, x)
+    got = mf.forward(form, weight, bias, x, packed=packed)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, **TOL)
     out = torch.empty(rows, 48)
-    assert mf.forward(form, weight, bias, x, out) is out  # a reply region is written, not replaced
+    assert mf.forward(form, weight, bias, x, out, packed=packed) is out  # a reply region is written, not replaced
     torch.testing.assert_close(out, want, **TOL)
 
 
@@ -75,17 +83,17 @@ def test_a_trial_keeps_the_faster_form_by_a_margin(monkeypatch, first_s, second_
     forms = mf.MatmulForms(enabled=True)
     weight = torch.randn(16, 8)
     assert forms.form(weight, None, 4) is kept
-    assert timed == list(mf.Form) * mf.ROUNDS  # alternating, so a slow spell hits both
+    assert timed == UNPACKED_FORMS * mf.ROUNDS  # alternating, so a slow spell hits both
 
 
-@pytest.mark.parametrize("slowed", list(mf.Form))
+@pytest.mark.parametrize("slowed", UNPACKED_FORMS)
 def test_a_slow_spell_does_not_decide_a_trial(monkeypatch, slowed):
     """Another process taking the core mid-product makes some products slow: each product's
     fastest time decides, so a spell that slows most rounds of one form changes nothing."""
-    calls = {form: 0 for form in mf.Form}
+    calls = {form: 0 for form in UNPACKED_FORMS}
     quiet = {mf.Form.ROWS_BY_WEIGHT: 1.0, mf.Form.WEIGHT_BY_ROWS: 0.5}
 
-    def time_pass(self, form, weights, bias, inputs):
+    def time_pass(self, form, weights, bias, inputs, packs=None):
         calls[form] += 1
         spell = form is slowed and calls[form] < mf.ROUNDS  # every round but the last
         return [quiet[form] * (10.0 if spell and i % 2 == 0 else 1.0) for i in range(len(weights))]
@@ -109,7 +117,7 @@ def test_a_choice_is_made_once_per_shape_rows_and_bias(monkeypatch):
     forms.form(weight, None, 5)
     forms.form(torch.randn(8, 16), None, 4)
     assert forms.trials == 4
-    assert forms.chosen() == {mf.Form.ROWS_BY_WEIGHT.value: 0, mf.Form.WEIGHT_BY_ROWS.value: 4}
+    assert forms.chosen() == {mf.Form.ROWS_BY_WEIGHT.value: 0, mf.Form.WEIGHT_BY_ROWS.value: 4, mf.Form.PACKED.value: 0}
 
 
 def test_what_is_not_tuned_runs_nn_linears_form(monkeypatch):
@@ -155,11 +163,11 @@ def test_forgotten_weights_are_not_kept_alive():
 def test_an_executors_products_run_the_chosen_form_every_time(monkeypatch, tiny_checkpoint):
     """Whichever form won, the executor's results agree with nn.Linear's, and repeat bit for bit."""
     path = tiny_checkpoint("llama")
-    for winner in mf.Form:
+    for winner in UNPACKED_FORMS:
         forms = mf.MatmulForms(enabled=True)
         monkeypatch.setattr(mf, "MATMUL_FORMS", forms)
         monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
-        monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, winner=winner: winner)
+        monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, packed=None, winner=winner: winner)
         with symbiosis.BaseExecutor.from_pretrained(path) as executor:
             layer_id = next(iter(executor.layer_specs()))
             layer = executor.weights.layers[layer_id]
@@ -195,7 +203,7 @@ def test_the_second_form_is_exact_over_every_transport(transport, tiny_checkpoin
     from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
 
     forms = mf.MatmulForms(enabled=True)
-    monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows: mf.Form.WEIGHT_BY_ROWS)
+    monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, packed=None: mf.Form.WEIGHT_BY_ROWS)
     monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
     if transport == "dist":  # every payload over the gloo pair group: small ones would ride inline
         monkeypatch.setattr("symbiosis.transport.dist_client.INLINE_THRESHOLD", {"gloo": 0, "nccl": 0})

@@ -27,7 +27,11 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 @pytest.fixture
 def packing_on(monkeypatch):
+    """Packing on and product forms untimed: every forward runs the packed form."""
+    from symbiosis.executor import matmul_forms as mf
+
     monkeypatch.setattr(pw.WEIGHT_PACKING, "enabled", True)
+    monkeypatch.setattr(runner, "MATMUL_FORMS", mf.MatmulForms(enabled=False))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 300])
@@ -155,3 +159,30 @@ def test_a_dropped_layer_gives_its_share_of_the_budget_back():
     del packed
     gc.collect()
     assert packing.packed_bytes == 0
+
+
+def test_a_trial_with_a_packed_copy_times_three_forms_and_keeps_the_fastest(monkeypatch):
+    from symbiosis.executor import matmul_forms as mf
+
+    seconds = {mf.Form.ROWS_BY_WEIGHT: 1.0, mf.Form.WEIGHT_BY_ROWS: 0.7, mf.Form.PACKED: 0.4}
+    timed = []
+
+    def time_pass(self, form, weights, bias, inputs, packs=None):
+        timed.append(form)
+        if form is mf.Form.PACKED:
+            assert packs is not None and len(packs) == len(weights)  # the timed peers' packed copies
+        return [seconds[form]] * len(weights)
+
+    monkeypatch.setattr(mf.MatmulForms, "_time_pass", time_pass)
+    forms = mf.MatmulForms(enabled=True)
+    weight = torch.randn(16, 8)
+    forms.remember([weight, torch.randn(16, 8)])
+    packed = pw.WeightPacking(enabled=True).pack(weight)
+    assert forms.form(weight, None, 4, packed) is mf.Form.PACKED
+    assert timed == list(mf.Form) * mf.ROUNDS
+    assert forms.form(weight, None, 4) is mf.Form.WEIGHT_BY_ROWS  # no packed copy: two forms, another trial
+    seconds[mf.Form.PACKED] = 0.95  # not 10% better than nn.Linear's, and slower than the second form
+    assert forms.form(weight, None, 5, packed) is mf.Form.WEIGHT_BY_ROWS
+    assert forms.form(weight, None, mf.LARGEST_TUNED_ROWS + 1, packed) is mf.Form.PACKED  # untuned: packed
+    off = mf.MatmulForms(enabled=False)
+    assert off.form(weight, None, 4, packed) is mf.Form.PACKED and off.form(weight, None, 4) is mf.Form.ROWS_BY_WEIGHT

@@ -1,4 +1,4 @@
-"""Which of two ways of writing a forward product the executor runs, chosen by timing both here.
+"""Which way of writing a forward product the executor runs, chosen by timing them here.
 
 Why. A base layer's forward is ``rows @ weight.T`` -- what ``nn.Linear`` runs -- and that is also
 ``(weight @ rows.T).T``. The two reach the BLAS library as different calls (torch passes the
@@ -32,8 +32,17 @@ moved with the host's load), so a fresh server serving every row count from 1 to
 in 320 trials over its first requests (2026-11-29, this 2-core host; three rounds of fastest
 times still moved some 8-row choices on a quiet host).
 
+A third form joins a trial where the layer has a packed copy (``packed_weights.py``): oneDNN's
+linear against the weight in its blocked layout. Measured the same way (2026-11-29, the ~105M and
+hidden-512 llamas' shapes, ~200 MB of weights, fastest of 7 passes): at 3-8 rows it took x0.4-0.7
+of the best of the other two, at 1-2 rows x1.05-1.6 (the transposed form's gemm wins there), so
+it too is timed, not written in; past ``LARGEST_TUNED_ROWS`` a packed layer runs it untimed
+(x0.66-0.87 of ``nn.Linear``'s form at 64-1,024 rows on every shape measured). The peers' packed
+copies a trial times are made for the trial and dropped after it.
+
 ``SYMBIOSIS_TUNE_MATMUL=0`` (read at import; ``symbiosis serve --no-tune-matmul`` sets it) turns
-tuning off: every product runs the first form, bit for bit ``nn.Linear``'s.
+tuning off: every product runs the first form, bit for bit ``nn.Linear``'s -- or, on a layer
+with a packed copy, the packed form.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from symbiosis.executor.packed_weights import LAYOUT_BATCH_HINT
+from symbiosis.executor.packed_weights import linear as packed_linear
 
 TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
 #: Products of more rows always run the first form (training-sized: see the module doc).
@@ -63,6 +75,7 @@ class Form(enum.Enum):
 
     ROWS_BY_WEIGHT = "rows @ weight.T"  # nn.Linear's
     WEIGHT_BY_ROWS = "(weight @ rows.T).T"
+    PACKED = "oneDNN linear, packed weight"  # ``packed_weights.py``; only where the layer has a packed copy
 
 
 def _enabled_by_environment() -> bool:
@@ -76,10 +89,15 @@ def forward(
     rows: torch.Tensor,
     out: torch.Tensor | None = None,
     weight_t: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rows @ weight.T (+ bias)`` written as ``form``; into ``out`` when given (a contiguous
     tensor of the result's shape that the caller checked). ``weight_t``: ``weight.t()`` if the
-    caller keeps one (making the view is a torch call)."""
+    caller keeps one (making the view is a torch call). ``packed``: the weight packed for
+    ``Form.PACKED`` (``packed_weights.py``)."""
+    if form is Form.PACKED:
+        result = packed_linear(rows, packed, bias)
+        return result if out is None else out.copy_(result)
     if form is Form.ROWS_BY_WEIGHT:
         weight_t = weight.t() if weight_t is None else weight_t
         if bias is None:
@@ -129,17 +147,23 @@ class MatmulForms:
             if weight.device.type == "cpu" and weight.dim() == 2 and id(weight) not in self._weights:
                 self._weights[id(weight)] = weakref.ref(weight)
 
-    def form(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Form:
-        """The form a forward of ``rows`` rows against ``weight`` runs (trying both if not known)."""
+    def form(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, packed: torch.Tensor | None = None
+    ) -> Form:
+        """The form a forward of ``rows`` rows against ``weight`` runs (trying each if not known).
+        ``packed``: the layer's packed copy, if it has one: then ``Form.PACKED`` is a candidate,
+        and what runs untuned (past the tuned row counts, where it won on every shape measured,
+        or with tuning off)."""
+        untuned = Form.ROWS_BY_WEIGHT if packed is None else Form.PACKED
         if not self.enabled or rows > LARGEST_TUNED_ROWS or rows < 1 or weight.device.type != "cpu":
-            return Form.ROWS_BY_WEIGHT
-        key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads())
+            return untuned
+        key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads(), packed is not None)
         chosen = self._chosen.get(key)
         if chosen is None:
             with self._trial_lock:
                 chosen = self._chosen.get(key)
                 if chosen is None:
-                    chosen = self._chosen[key] = self._trial(weight, bias, rows)
+                    chosen = self._chosen[key] = self._trial(weight, bias, rows, packed)
                     self.trials += 1
         return chosen
 
@@ -162,37 +186,56 @@ class MatmulForms:
                     budget -= _nbytes(w)
         return timed, evict
 
-    def _trial(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Form:
+    def _trial(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, packed: torch.Tensor | None = None
+    ) -> Form:
         timed, evict = self.trial_weights(weight)
         inputs = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
+        forms = list(Form) if packed is not None else [Form.ROWS_BY_WEIGHT, Form.WEIGHT_BY_ROWS]
+        # The peers' packed copies for this trial only (a layer packs its own on its first forward).
+        packs = None
+        if packed is not None:
+            with torch.no_grad():
+                packs = [packed] + [torch.ops.mkldnn._reorder_linear_weight(w, LAYOUT_BATCH_HINT) for w in timed[1:]]
         # Per form, each timed weight's fastest product over the rounds: another process that
         # takes a core mid-product only ever adds time, so the fastest is the product's own cost
         # (a median or a sum of whole passes took that noise for a difference: on a host busy with
         # clients, servers started side by side chose differently and ran 20-30% apart).
-        fastest: dict[Form, list[float]] = {form: [float("inf")] * len(timed) for form in Form}
+        fastest: dict[Form, list[float]] = {form: [float("inf")] * len(timed) for form in forms}
         with torch.no_grad():
-            for form in Form:  # one untimed pass each: first-call costs (allocations, OpenMP start)
-                forward(form, weight, bias, inputs)
+            for form in forms:  # one untimed pass each: first-call costs (allocations, OpenMP start)
+                forward(form, weight, bias, inputs, packed=packed)
             for _ in range(ROUNDS):
-                for form in Form:
+                for form in forms:
                     for w in evict:
                         w.sum()
-                    seconds = self._time_pass(form, timed, bias, inputs)
+                    seconds = self._time_pass(form, timed, bias, inputs, packs)
                     fastest[form] = [min(a, b) for a, b in zip(fastest[form], seconds)]
-        first, second = (sum(fastest[form]) for form in Form)
-        return Form.WEIGHT_BY_ROWS if second < MARGIN * first else Form.ROWS_BY_WEIGHT
+        totals = {form: sum(fastest[form]) for form in forms}
+        best = min(forms[1:], key=totals.__getitem__)
+        return best if totals[best] < MARGIN * totals[Form.ROWS_BY_WEIGHT] else Form.ROWS_BY_WEIGHT
 
-    def _time_pass(self, form: Form, weights: list[torch.Tensor], bias: torch.Tensor | None, inputs) -> list[float]:
-        """Seconds ``form``'s product takes with each of ``weights`` (tests replace this)."""
+    def _time_pass(
+        self,
+        form: Form,
+        weights: list[torch.Tensor],
+        bias: torch.Tensor | None,
+        inputs,
+        packs: list[torch.Tensor] | None = None,
+    ) -> list[float]:
+        """Seconds ``form``'s product takes with each of ``weights`` (``packs``: their packed
+        copies, for ``Form.PACKED``; tests replace this)."""
         spent = []
-        for w in weights:
+        for i, w in enumerate(weights):
+            packed = packs[i] if packs is not None else None
             began = self._clock()
-            forward(form, w, bias, inputs)
+            forward(form, w, bias, inputs, packed=packed)
             spent.append(self._clock() - began)
         return spent
 
     def chosen(self) -> dict[str, int]:
-        """How many (shape, row count) pairs run each form so far (stats)."""
+        """How many (shape, row count) pairs run each form so far (stats; past the tuned row
+        counts a packed layer runs ``Form.PACKED`` untimed and uncounted)."""
         counts = {form.value: 0 for form in Form}
         for form in list(self._chosen.values()):
             counts[form.value] += 1

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 
 from symbiosis.executor.matmul_forms import LARGEST_TUNED_ROWS, MATMUL_FORMS, Form, forward
-from symbiosis.executor.packed_weights import linear
 from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
@@ -46,9 +45,10 @@ def apply_op(
     contiguous tensor of the result's shape in the weights' dtype and device that does not
     overlap ``rows``; then the result *is* ``out``. The same kernel runs either way (``@`` on
     matrices is ``mm``; a packed product is copied into ``out``), so the numbers are the same
-    bits. A forward on CPU runs against the weight packed in oneDNN's layout
-    (``packed_weights.py``); where packing is off, a forward of a few rows runs in the form timed
-    fastest on this host for its shape and row count (``matmul_forms.py``).
+    bits. A forward of a few rows runs in the form timed fastest on this host for its shape and
+    row count (``matmul_forms.py``): ``nn.Linear``'s, the transposed one, or oneDNN's against the
+    layer's packed copy (``packed_weights.py``, made on its first forward), which also runs every
+    larger forward.
 
     A quantized layer (``quantized.py``) computes the same ops against its dequantized weight
     with its own kernels, and never writes into ``out`` (the caller copies, as for any result
@@ -69,17 +69,16 @@ def apply_op(
         packed = layer.packed
         if packed is None:
             packed = layer.pack()
-        if packed is not False:
-            result = linear(rows, packed, bias)
-            return result if out is None else out.copy_(result)
+        packed = packed if packed is not False else None
         n = rows.shape[0]
-        form = Form.ROWS_BY_WEIGHT
         if n <= LARGEST_TUNED_ROWS:
             key = (bias is not None, n, torch.get_num_threads())
             form = layer.forms.get(key)
             if form is None:
-                form = layer.forms[key] = MATMUL_FORMS.form(weight, bias, n)
-        return forward(form, weight, bias, rows, out, layer.weight_t)
+                form = layer.forms[key] = MATMUL_FORMS.form(weight, bias, n, packed)
+        else:
+            form = Form.ROWS_BY_WEIGHT if packed is None else Form.PACKED
+        return forward(form, weight, bias, rows, out, layer.weight_t, packed)
     raise ValueError(f"unknown op {op!r}")
 
 
