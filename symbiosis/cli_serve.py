@@ -93,7 +93,8 @@ def serve(
                 "or (W @ rows.T).T) the first time each weight shape and row count comes up, and keep the faster "
                 "one for the life of the process: BLAS libraries' small-batch kernels differ between the two, "
                 "x0.2-x1.7 here. Results then agree with nn.Linear's within float tolerance, not bit for bit. "
-                "With packed weights (--pack-weights) oneDNN's packed product is a third candidate. "
+                "A layer with a packed copy (--pack-weights) times three forms, oneDNN's packed product among them, "
+                "and only at 1-2 rows. "
                 "--no-tune-matmul (or SYMBIOSIS_TUNE_MATMUL=0) times nothing: packed layers run the packed product, "
                 "the others nn.Linear's form."
             )

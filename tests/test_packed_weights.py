@@ -161,7 +161,7 @@ def test_a_dropped_layer_gives_its_share_of_the_budget_back():
     assert packing.packed_bytes == 0
 
 
-def test_a_trial_with_a_packed_copy_times_three_forms_and_keeps_the_fastest(monkeypatch):
+def test_a_packed_layer_times_three_forms_at_few_rows_and_runs_packed_above(monkeypatch):
     from symbiosis.executor import matmul_forms as mf
 
     seconds = {mf.Form.ROWS_BY_WEIGHT: 1.0, mf.Form.WEIGHT_BY_ROWS: 0.7, mf.Form.PACKED: 0.4}
@@ -178,11 +178,14 @@ def test_a_trial_with_a_packed_copy_times_three_forms_and_keeps_the_fastest(monk
     weight = torch.randn(16, 8)
     forms.remember([weight, torch.randn(16, 8)])
     packed = pw.WeightPacking(enabled=True).pack(weight)
-    assert forms.form(weight, None, 4, packed) is mf.Form.PACKED
+    assert forms.form(weight, None, 1, packed) is mf.Form.PACKED
     assert timed == list(mf.Form) * mf.ROUNDS
-    assert forms.form(weight, None, 4) is mf.Form.WEIGHT_BY_ROWS  # no packed copy: two forms, another trial
+    assert forms.form(weight, None, 1) is mf.Form.WEIGHT_BY_ROWS  # no packed copy: two forms, another trial
     seconds[mf.Form.PACKED] = 0.95  # not 10% better than nn.Linear's, and slower than the second form
-    assert forms.form(weight, None, 5, packed) is mf.Form.WEIGHT_BY_ROWS
-    assert forms.form(weight, None, mf.LARGEST_TUNED_ROWS + 1, packed) is mf.Form.PACKED  # untuned: packed
+    assert forms.form(weight, None, mf.PACKED_TIMED_ROWS, packed) is mf.Form.WEIGHT_BY_ROWS
+    trials = forms.trials
+    for rows in (mf.PACKED_TIMED_ROWS + 1, mf.LARGEST_TUNED_ROWS, mf.LARGEST_TUNED_ROWS + 1):
+        assert forms.form(weight, None, rows, packed) is mf.Form.PACKED  # untimed above: packed
+    assert forms.trials == trials
     off = mf.MatmulForms(enabled=False)
-    assert off.form(weight, None, 4, packed) is mf.Form.PACKED and off.form(weight, None, 4) is mf.Form.ROWS_BY_WEIGHT
+    assert off.form(weight, None, 1, packed) is mf.Form.PACKED and off.form(weight, None, 1) is mf.Form.ROWS_BY_WEIGHT

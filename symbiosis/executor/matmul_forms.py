@@ -32,13 +32,17 @@ moved with the host's load), so a fresh server serving every row count from 1 to
 in 320 trials over its first requests (2026-11-29, this 2-core host; three rounds of fastest
 times still moved some 8-row choices on a quiet host).
 
-A third form joins a trial where the layer has a packed copy (``packed_weights.py``): oneDNN's
-linear against the weight in its blocked layout. Measured the same way (2026-11-29, the ~105M and
-hidden-512 llamas' shapes, ~200 MB of weights, fastest of 7 passes): at 3-8 rows it took x0.4-0.7
-of the best of the other two, at 1-2 rows x1.05-1.6 (the transposed form's gemm wins there), so
-it too is timed, not written in; past ``LARGEST_TUNED_ROWS`` a packed layer runs it untimed
-(x0.66-0.87 of ``nn.Linear``'s form at 64-1,024 rows on every shape measured). The peers' packed
-copies a trial times are made for the trial and dropped after it.
+A layer with a packed copy (``packed_weights.py``: oneDNN's linear against the weight in its
+blocked layout) has a third form, and there trials are few. Measured the same way (2026-11-29, the
+~105M and hidden-512 llamas' shapes, ~200 MB of weights, fastest of 7 passes): at 3-8 rows the
+packed product took x0.4-0.7 of the best of the other two, at 16-1,024 rows x0.5-0.87 of
+``nn.Linear``'s form, but at 1-2 rows x1.05-1.6 of the transposed form's (a GEMM kernel's blocking
+against what is nearly a GEMV). So a packed layer times all three only at up to
+``PACKED_TIMED_ROWS`` rows and runs the packed product untimed above: a trial costs ~80-100 ms of
+the first requests that bring its row count (three forms, and the peers' packed copies made for it
+and dropped after), and with trials at every row count from 1 to 64 the suite's eight one-adapter
+decoding processes, whose batches bring row counts 1-8 and the prefills' larger ones during the
+measurement, made x0.60 of eight HF processes' tokens/s against x1.02 with no trials at all.
 
 ``SYMBIOSIS_TUNE_MATMUL=0`` (read at import; ``symbiosis serve --no-tune-matmul`` sets it) turns
 tuning off: every product runs the first form, bit for bit ``nn.Linear``'s -- or, on a layer
@@ -63,6 +67,8 @@ from symbiosis.executor.packed_weights import linear as packed_linear
 TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
 #: Products of more rows always run the first form (training-sized: see the module doc).
 LARGEST_TUNED_ROWS = 64
+#: A layer with a packed copy times its forms only up to this many rows (module doc).
+PACKED_TIMED_ROWS = 2
 #: Times each form is timed in a trial (alternating), and weights of the shape each time covers.
 ROUNDS = 5
 PEERS = 4
@@ -151,11 +157,11 @@ class MatmulForms:
         self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, packed: torch.Tensor | None = None
     ) -> Form:
         """The form a forward of ``rows`` rows against ``weight`` runs (trying each if not known).
-        ``packed``: the layer's packed copy, if it has one: then ``Form.PACKED`` is a candidate,
-        and what runs untuned (past the tuned row counts, where it won on every shape measured,
-        or with tuning off)."""
+        ``packed``: the layer's packed copy, if it has one: then ``Form.PACKED`` is a candidate up
+        to ``PACKED_TIMED_ROWS`` rows and runs untimed above (and with tuning off)."""
         untuned = Form.ROWS_BY_WEIGHT if packed is None else Form.PACKED
-        if not self.enabled or rows > LARGEST_TUNED_ROWS or rows < 1 or weight.device.type != "cpu":
+        timed_up_to = LARGEST_TUNED_ROWS if packed is None else PACKED_TIMED_ROWS
+        if not self.enabled or rows > timed_up_to or rows < 1 or weight.device.type != "cpu":
             return untuned
         key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads(), packed is not None)
         chosen = self._chosen.get(key)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from symbiosis.executor.matmul_forms import LARGEST_TUNED_ROWS, MATMUL_FORMS, Form, forward
+from symbiosis.executor.matmul_forms import LARGEST_TUNED_ROWS, MATMUL_FORMS, PACKED_TIMED_ROWS, Form, forward
 from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
@@ -45,10 +45,9 @@ def apply_op(
     contiguous tensor of the result's shape in the weights' dtype and device that does not
     overlap ``rows``; then the result *is* ``out``. The same kernel runs either way (``@`` on
     matrices is ``mm``; a packed product is copied into ``out``), so the numbers are the same
-    bits. A forward of a few rows runs in the form timed fastest on this host for its shape and
-    row count (``matmul_forms.py``): ``nn.Linear``'s, the transposed one, or oneDNN's against the
-    layer's packed copy (``packed_weights.py``, made on its first forward), which also runs every
-    larger forward.
+    bits. A forward runs oneDNN's product against the layer's packed copy (``packed_weights.py``,
+    made on its first forward), or, at 1-2 rows (1-64 where weights are not packed), the form
+    timed fastest on this host for its shape and row count (``matmul_forms.py``).
 
     A quantized layer (``quantized.py``) computes the same ops against its dequantized weight
     with its own kernels, and never writes into ``out`` (the caller copies, as for any result
@@ -71,7 +70,7 @@ def apply_op(
             packed = layer.pack()
         packed = packed if packed is not False else None
         n = rows.shape[0]
-        if n <= LARGEST_TUNED_ROWS:
+        if n <= (LARGEST_TUNED_ROWS if packed is None else PACKED_TIMED_ROWS):
             key = (bias is not None, n, torch.get_num_threads())
             form = layer.forms.get(key)
             if form is None:
