@@ -134,16 +134,16 @@ def serve(
     from symbiosis.executor.quantized import parse_quantization
 
     quantization = parse_quantization(quantization)  # an unknown name fails before anything loads
-    if not tune_matmul:
-        from symbiosis.executor.matmul_forms import MATMUL_FORMS, TUNE_VARIABLE
+    from symbiosis.executor.matmul_forms import MATMUL_FORMS, TUNE_VARIABLE
+    from symbiosis.executor.packed_weights import PACK_VARIABLE, WEIGHT_PACKING
 
-        os.environ[TUNE_VARIABLE] = "0"  # and for the ranks of a sharded executor, which read it at import
-        MATMUL_FORMS.enabled = False
-    if not pack_weights:
-        from symbiosis.executor.packed_weights import PACK_VARIABLE, WEIGHT_PACKING
-
-        os.environ[PACK_VARIABLE] = "0"  # and for the ranks of a sharded executor, which read it at import
-        WEIGHT_PACKING.enabled = False
+    for wanted, variable, setting in (
+        (tune_matmul, TUNE_VARIABLE, MATMUL_FORMS),
+        (pack_weights, PACK_VARIABLE, WEIGHT_PACKING),
+    ):
+        if not wanted:
+            os.environ[variable] = "0"  # and for the ranks of a sharded executor, which read it at import
+            setting.enabled = False
     if shards > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # several processes (torchrun, or --shards)
         if quantization:
             raise typer.BadParameter("--quantization is not supported with a sharded executor (--shards, torchrun) yet")

@@ -182,17 +182,24 @@ def test_an_executors_products_run_the_chosen_form_every_time(monkeypatch, tiny_
             assert executor.stats()["matmul_forms"] == forms.chosen()
 
 
-def test_serve_no_tune_matmul_turns_tuning_off_before_loading(tmp_path, capsys, monkeypatch):
-    """``symbiosis serve --no-tune-matmul``: this process's forms and any rank it starts (which read
-    the environment) run nn.Linear's form; it is set before the checkpoint is read."""
+@pytest.mark.parametrize(
+    ("flag", "setting", "variable"),
+    [
+        ("--no-tune-matmul", mf.MATMUL_FORMS, mf.TUNE_VARIABLE),
+        ("--no-pack-weights", pw.WEIGHT_PACKING, pw.PACK_VARIABLE),
+    ],
+)
+def test_serve_turns_a_product_setting_off_before_loading(flag, setting, variable, tmp_path, capsys, monkeypatch):
+    """``symbiosis serve --no-tune-matmul`` / ``--no-pack-weights``: this process's setting and
+    any rank it starts (which reads the environment) are off before the checkpoint is read."""
     from tests.cli_helpers import run_cli
 
-    monkeypatch.setattr(mf.MATMUL_FORMS, "enabled", True)
-    monkeypatch.setenv(mf.TUNE_VARIABLE, "1")  # restored (unset, if it was) after the test
-    code, _out, err = run_cli(["serve", str(tmp_path / "no-such-model"), "--no-tune-matmul"], capsys, monkeypatch)
+    monkeypatch.setattr(setting, "enabled", True)
+    monkeypatch.setenv(variable, "1")  # restored (unset, if it was) after the test
+    code, _out, err = run_cli(["serve", str(tmp_path / "no-such-model"), flag], capsys, monkeypatch)
     assert code != 0 and "no-such-model" in err  # the load failed, after the flag took effect
-    assert mf.MATMUL_FORMS.enabled is False
-    assert os.environ[mf.TUNE_VARIABLE] == "0"
+    assert setting.enabled is False
+    assert os.environ[variable] == "0"
 
 
 @pytest.mark.parametrize("transport", ["inproc", "ipc", "shm", "tcp", "dist"])

@@ -6,8 +6,6 @@ reference matrix's (``tests/test_split_reference.py``, ``tests/transport``), whi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,19 +115,6 @@ def test_an_executor_packs_what_forwards_use_and_reports_it(packing_on, tiny_che
         assert executor.weights.nbytes() // 2 < packed <= 2 * executor.weights.nbytes()
 
 
-def test_serve_no_pack_weights_turns_packing_off_before_loading(tmp_path, capsys, monkeypatch):
-    """``symbiosis serve --no-pack-weights``: this process and any rank it starts (which read the
-    environment) keep every product on torch's mm; set before the checkpoint is read."""
-    from tests.cli_helpers import run_cli
-
-    monkeypatch.setattr(pw.WEIGHT_PACKING, "enabled", True)
-    monkeypatch.setenv(pw.PACK_VARIABLE, "1")  # restored (unset, if it was) after the test
-    code, _out, err = run_cli(["serve", str(tmp_path / "no-such-model"), "--no-pack-weights"], capsys, monkeypatch)
-    assert code != 0 and "no-such-model" in err  # the load failed, after the flag took effect
-    assert pw.WEIGHT_PACKING.enabled is False
-    assert os.environ[pw.PACK_VARIABLE] == "0"
-
-
 def test_packing_stops_at_its_budget(monkeypatch):
     """Past the budget a layer keeps torch's mm (and keeps it: its products never change)."""
     packing = pw.WeightPacking(enabled=True, budget_bytes=3 * 16 * 16 * 4)
@@ -144,10 +129,12 @@ def test_packing_stops_at_its_budget(monkeypatch):
     assert layers[3].pack() is False  # decided once
 
 
-def test_the_default_budget_is_a_share_of_the_machine_s_memory():
+def test_the_default_budget_leaves_most_of_the_machine_s_memory_alone():
+    """Packed copies may double the forward-used weights: by default never past a part of memory."""
     import psutil
 
-    assert pw.WeightPacking().budget_bytes == int(pw.BUDGET_SHARE_OF_MEMORY * psutil.virtual_memory().total)
+    total = psutil.virtual_memory().total
+    assert 0 < pw.WeightPacking().budget_bytes <= total // 2
 
 
 def test_a_dropped_layer_gives_its_share_of_the_budget_back():

@@ -61,8 +61,8 @@ from pathlib import Path
 
 import torch
 
-from symbiosis.executor.packed_weights import LAYOUT_BATCH_HINT
 from symbiosis.executor.packed_weights import linear as packed_linear
+from symbiosis.executor.packed_weights import reorder
 
 TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
 #: Products of more rows always run the first form (training-sized: see the module doc).
@@ -82,6 +82,12 @@ class Form(enum.Enum):
     ROWS_BY_WEIGHT = "rows @ weight.T"  # nn.Linear's
     WEIGHT_BY_ROWS = "(weight @ rows.T).T"
     PACKED = "oneDNN linear, packed weight"  # ``packed_weights.py``; only where the layer has a packed copy
+
+
+def timed_rows(packed: torch.Tensor | None) -> int:
+    """The most rows whose forms are timed: ``PACKED_TIMED_ROWS`` for a layer with a packed copy,
+    ``LARGEST_TUNED_ROWS`` for one without (module doc)."""
+    return LARGEST_TUNED_ROWS if packed is None else PACKED_TIMED_ROWS
 
 
 def _enabled_by_environment() -> bool:
@@ -159,10 +165,8 @@ class MatmulForms:
         """The form a forward of ``rows`` rows against ``weight`` runs (trying each if not known).
         ``packed``: the layer's packed copy, if it has one: then ``Form.PACKED`` is a candidate up
         to ``PACKED_TIMED_ROWS`` rows and runs untimed above (and with tuning off)."""
-        untuned = Form.ROWS_BY_WEIGHT if packed is None else Form.PACKED
-        timed_up_to = LARGEST_TUNED_ROWS if packed is None else PACKED_TIMED_ROWS
-        if not self.enabled or rows > timed_up_to or rows < 1 or weight.device.type != "cpu":
-            return untuned
+        if not self.enabled or rows > timed_rows(packed) or rows < 1 or weight.device.type != "cpu":
+            return Form.ROWS_BY_WEIGHT if packed is None else Form.PACKED
         key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads(), packed is not None)
         chosen = self._chosen.get(key)
         if chosen is None:
@@ -199,10 +203,7 @@ class MatmulForms:
         inputs = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
         forms = list(Form) if packed is not None else [Form.ROWS_BY_WEIGHT, Form.WEIGHT_BY_ROWS]
         # The peers' packed copies for this trial only (a layer packs its own on its first forward).
-        packs = None
-        if packed is not None:
-            with torch.no_grad():
-                packs = [packed] + [torch.ops.mkldnn._reorder_linear_weight(w, LAYOUT_BATCH_HINT) for w in timed[1:]]
+        packs = None if packed is None else [packed] + [reorder(w) for w in timed[1:]]
         # Per form, each timed weight's fastest product over the rounds: another process that
         # takes a core mid-product only ever adds time, so the fastest is the product's own cost
         # (a median or a sum of whole passes took that noise for a difference: on a host busy with

@@ -19,14 +19,17 @@ rows     one thread                 two threads
 1024     x0.87                      x0.81
 =======  =========================  =========================
 
-The unpacked oneDNN call and MKL's own prepacked weights gained little here (both measured in
-earlier sessions, ``docs/performance.md``): the layout is what pays.
+At 1-2 rows MKL's other form, ``(W @ rows.T).T``, beat it here, so which of them runs is timed
+there (``matmul_forms.py``); above, a packed layer runs the packed product. The unpacked oneDNN
+call and MKL's own prepacked weights gained little here (both measured in earlier sessions,
+``docs/performance.md``): the layout is what pays.
 
-Exactness. A packed product is deterministic, gives a row the same bits whatever rows share its
-batch and whatever the batch size the layout was made for, and the same bits at any input
-alignment (checked in ``tests/test_packed_weights.py``); against a float64 reference its error is
-~2x MKL's (1.2-2.3e-6 against 0.4-1e-6 on outputs of ~0.5): float tolerance, as
-``matmul_forms``' second form already is, not ``nn.Linear``'s bits.
+Exactness. A packed product is deterministic and gives the same bits at any input alignment
+(both checked in ``tests/test_packed_weights.py``); here it also gave a row the same bits whatever
+rows shared its batch and whatever batch size the layout was made for (seen on this host, not
+relied on). Against a float64 reference its error is ~2x MKL's (1.2-2.3e-6 against 0.4-1e-6 on
+outputs of ~0.5): float tolerance, as ``matmul_forms``' second form already is, not
+``nn.Linear``'s bits.
 
 Cost. The packed copy is as large as the weight, and the plain weight stays: backward products
 (``g @ W``) and everything else read it, and unpacking per backward would cost ~8% of a
@@ -97,8 +100,7 @@ class WeightPacking:
             if self.packed_bytes + nbytes > self.budget_bytes:
                 return None
             self.packed_bytes += nbytes
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), LAYOUT_BATCH_HINT)
+        packed = reorder(weight)
         weakref.finalize(packed, self._give_back, nbytes)  # an executor closed and dropped frees its share
         return packed
 
@@ -108,6 +110,13 @@ class WeightPacking:
 
 
 WEIGHT_PACKING = WeightPacking()
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] copied into oneDNN's blocked layout (no budget, no checks: the
+    mechanism under ``WeightPacking.pack``, and what a form trial times peers with)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), LAYOUT_BATCH_HINT)
 
 
 def linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from symbiosis.executor.matmul_forms import LARGEST_TUNED_ROWS, MATMUL_FORMS, PACKED_TIMED_ROWS, Form, forward
+from symbiosis.executor.matmul_forms import MATMUL_FORMS, Form, forward, timed_rows
 from symbiosis.executor.weights import LayerWeights, StoredLayer
 from symbiosis.vocabulary import Op
 
@@ -70,7 +70,7 @@ def apply_op(
             packed = layer.pack()
         packed = packed if packed is not False else None
         n = rows.shape[0]
-        if n <= (LARGEST_TUNED_ROWS if packed is None else PACKED_TIMED_ROWS):
+        if n <= timed_rows(packed):  # remembered per layer: the lookup costs a small dict's get
             key = (bias is not None, n, torch.get_num_threads())
             form = layer.forms.get(key)
             if form is None:
