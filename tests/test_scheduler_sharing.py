@@ -450,6 +450,39 @@ def test_tuner_does_not_compare_epochs_whose_clients_differ():
     assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
 
 
+def test_tuner_starts_over_for_a_new_set_of_clients():
+    """Two clients, under which "predicted" serves 40% more, leave; eight new ones arrive, under
+    which the convoy serves 35% more. Kept, the first pair's ratings held the eight on "predicted"
+    (rated clearly better: the convoy retried only every 20th epoch; measured with client
+    processes, 42 tokens/s against 53 with the convoy). Ratings measured on clients of whom none
+    is left are dropped: the tuner tries each rule again and keeps the convoy."""
+    tuner = WaitTuner(epoch_s=0.25)
+    first = {"none": 1.0, "predicted": 1.4, "convoy": 1.0}
+    second = {"none": 1.0, "predicted": 1.0, "convoy": 1.35}
+
+    def load(epoch, rule):
+        if epoch < 20:
+            return {"a0": (400.0 * first[rule], 1), "a1": (400.0 * first[rule], 1)}
+        return {f"b{k}": (150.0 * second[rule], 1) for k in range(8)}
+
+    used = run_client_epochs(tuner, 45, load)
+    assert "predicted" in used[10:20] and used[10:20].count("predicted") >= 7  # the first pair's rule
+    assert tuner.resets == 1 and tuner.stats()["resets"] == 1
+    assert used[21 : 21 + len(FIRST_TRIALS) - 1] == list(FIRST_TRIALS[1:])  # every rule tried again
+    assert tuner.chosen == "convoy" and used[-12:].count("convoy") >= 10
+
+
+def test_tuner_keeps_its_ratings_while_a_client_stays():
+    """Clients come and go one at a time, some always at work: no new set of clients, no reset."""
+    tuner = WaitTuner(epoch_s=0.25)
+
+    def load(epoch, rule):
+        return {"steady": (300.0, 1), f"c{epoch // 4}": (300.0 * (1.3 if rule == "convoy" else 1.0), 1)}
+
+    run_client_epochs(tuner, 40, load)
+    assert tuner.resets == 0 and tuner.chosen == "convoy"
+
+
 def test_tuner_ignores_epochs_that_say_nothing():
     tuner = WaitTuner(epoch_s=0.2)
     tuner.tick(0.0)

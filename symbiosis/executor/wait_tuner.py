@@ -54,6 +54,16 @@ whichever it was. Measured (client processes on this 2-core host, 8 decoders of 
 1-16): the convoy rule, tried first during the prefill, was rated far below "none" and hardly
 tried again, although it served x1.6 more tokens/s when fixed.
 
+Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
+(none took part in a counted epoch since the ratings began: a benchmark's next group of client
+processes, a new batch of jobs after the last one left), the tuner starts over (``resets`` in its
+stats): what waiting paid for two clients of one sequence says little about eight. Measured
+(2026-11-29, this 2-core host, one ``serve`` process for groups of 2 then 8 one-sequence client
+processes of the ~105M llama): the ratings of the 2-client group (predicted x1.29 over the convoy)
+kept the 8-client group on "predicted" -- rated clearly better, so the convoy was retried only
+every 20th epoch -- at 7.7 rows a batch and 42 tokens/s, against 12.7 rows and 53 tokens/s for a
+server whose tuner had chosen the convoy (one HF process per adapter: 44).
+
 The first epochs try each rule (``FIRST_TRIALS``): "none" first, as the clients' start is compared
 with nothing (see above) and not waiting costs that start the least; then convoy, and none again,
 so that convoy, which gains or loses the most, is compared twice; then predicted. The rule in use
@@ -95,6 +105,9 @@ class WaitTuner:
         self.ratings: dict[str, float] = {}  # relative, from adjacent epochs; only rules tried
         self.chosen: str | None = None  # the rule used between trials
         self.epochs = 0  # epochs that counted
+        self.resets = 0  # times the tuner started over for a new set of clients
+        self._since_reset = 0  # epochs that counted since then (the first trials, exploration)
+        self._population: set[str] = set()  # clients of the counted epochs since then
         self.trials = {rule: 0 for rule in RULES}
         self.history: list[tuple[str, int, int]] = []  # the last epochs: (rule, requests/s, rows/s)
         self._last_tried = {rule: -1 for rule in RULES}
@@ -131,6 +144,9 @@ class WaitTuner:
         requests = sum(n for n, _ in self._per_client.values())
         if elapsed_s <= 2.0 * self._epoch_s and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
             rows = sum(r for _, r in self._per_client.values())
+            if self._population.isdisjoint(self._per_client):
+                self._start_over()
+            self._population.update(self._per_client)
             self._rate(
                 {c: (n, math.log(max(r, 1) / n), math.log(n / scored_s)) for c, (n, r) in self._per_client.items()}
             )
@@ -139,10 +155,20 @@ class WaitTuner:
             self.trials[self.rule] += 1
             self._last_tried[self.rule] = self.epochs
             self.epochs += 1
+            self._since_reset += 1
             self.rule = self._next_rule()
         else:
             self._previous = None  # what follows an epoch that said nothing is not compared with it
         self._start_s, self._per_client = now_s, {}
+
+    def _start_over(self) -> None:
+        """Forget the ratings (they were measured on other clients) and try each rule again."""
+        if self._population:
+            self.resets += 1
+        self.ratings, self.chosen, self._previous, self._settled = {}, None, None, set()
+        self._last_tried = {rule: -1 for rule in RULES}
+        self._since_reset = 0
+        self._population = set()
 
     def _rate(self, clients: dict[str, tuple[int, float, float]]) -> None:
         """Rate the epoch just ended from ``clients``: per client its requests, its rows per
@@ -166,16 +192,16 @@ class WaitTuner:
         self._previous = (rule, clients)
 
     def _next_rule(self) -> str:
-        if self.epochs < len(FIRST_TRIALS):
-            return FIRST_TRIALS[self.epochs]
+        if self._since_reset < len(FIRST_TRIALS):
+            return FIRST_TRIALS[self._since_reset]
         top = max(self.ratings, key=self.ratings.__getitem__)
         if self.chosen is None:
             self.chosen = START_RULE if START_RULE in self.ratings else top
         if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
             self.chosen = top
         best = self.chosen
-        if self.epochs % EXPLORE_EVERY == 0:
-            rare = self.epochs % (EXPLORE_EVERY * RARE_FACTOR) == 0
+        if self._since_reset % EXPLORE_EVERY == 0:
+            rare = self._since_reset % (EXPLORE_EVERY * RARE_FACTOR) == 0
             others = [
                 rule
                 for rule in RULES
@@ -190,6 +216,7 @@ class WaitTuner:
             "rule": self.rule,
             "chosen": self.chosen,
             "epochs": self.epochs,
+            "resets": self.resets,
             "trials": dict(self.trials),
             "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
             "history": [list(entry) for entry in self.history],
