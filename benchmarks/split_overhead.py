@@ -111,7 +111,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
 import statistics
@@ -135,7 +134,7 @@ from benchmarks.timing import ratio
 from benchmarks.timing import summarize as summarize_samples
 from benchmarks.workers import Worker, loopback_binds, serve_worker
 from symbiosis.executor.process import ExecutorProcess
-from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE
+from symbiosis.threads import client_env
 from symbiosis.vocabulary import GROUP_SEPARATOR
 
 NAME = "split_overhead"
@@ -545,11 +544,7 @@ def measure(
                 entries = [{"key": key, "path": str(path)} for key, path in models.items()]
                 # Clients of an executor in another process run with the setting the project documents
                 # for them (symbiosis/threads.py); `symbiosis serve` applies it to the executor itself.
-                env = (
-                    {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)}
-                    if system in remote
-                    else None
-                )
+                env = client_env() if system in remote else None
                 workers[system] = Worker(
                     MODULE, dict(spec, role=system, system=system, models=entries), threads=threads, env=env
                 )

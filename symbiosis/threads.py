@@ -53,13 +53,64 @@ import enum
 import functools
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
 
 WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
 SHARED_HOST_POLICY = "PASSIVE"
+
+# ---- a short spin in clients ----------------------------------------------------------------------
+#
+# The problem. Under PASSIVE an idle OpenMP worker sleeps at once, so every parallel region of a
+# client's own ops (a training step's attention, norms, adapters, their backward: ~1,500 regions
+# a step at hidden 512) first wakes a sleeping worker, whose core may have halted: in-process
+# (libgomp's default, workers spin) the client's ops of one h512 training step took ~160 ms,
+# across processes ~220. The executor's products, between those ops, last milliseconds.
+#
+# The setting. A client of an executor in another process (``finetune``/``generate``/``api`` with
+# ``--executor``; the benchmarks' client processes) lets its idle workers spin for
+# ``CLIENT_SPIN_COUNT`` iterations (libgomp's ``GOMP_SPINCOUNT``, ~0.1-0.5 ms by the CPU) before
+# sleeping: long enough to bridge the microseconds between its own ops, short against a call to
+# the executor, so they sleep while it computes. The executor keeps sleeping at once (its
+# workers' idle time is the clients' compute time). An explicit ``GOMP_SPINCOUNT`` wins.
+#
+# Measured (2026-11-29, this 2-core host, one ``serve`` process of the hidden-512 llama, 2
+# threads, a client process of 2 threads over shm+ipc, training steps of 8 x 128 tokens, runs
+# alternated): 714-776 ms a step with 10,000 spins against 753-787 PASSIVE (6 pairs: 5 faster by
+# 3-7%, one 2% slower); 3,000 spins about half that; 30,000 slower (+2-5%: the spinning worker
+# takes a core from the executor's products). Decode steps (1 and 16 sequences, small forwards on
+# one thread, ``one_thread_for_small_forwards``) were the same within the noise (3 pairs). Both
+# sides spinning (earlier, decode and training) never beat PASSIVE beyond the noise. In
+# ``benchmarks.split_overhead`` (the same model and threads, the client setting alone switched,
+# four runs alternated): training step over shm+ipc x1.04-1.09 of monolithic with the spin,
+# x1.13-1.14 without; over ipc x1.12-1.22 either way; 16-sequence decode within the noise.
+
+SPIN_COUNT_VARIABLE = "GOMP_SPINCOUNT"
+CLIENT_SPIN_COUNT = "10000"
+
+
+def client_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """OpenMP variables for a client process of an executor in another process on this host:
+    ``OMP_WAIT_POLICY=PASSIVE`` and, with it, ``GOMP_SPINCOUNT=CLIENT_SPIN_COUNT`` (see above);
+    values already in ``environ`` (default: this process's) win."""
+    environ = os.environ if environ is None else environ
+    env = {WAIT_POLICY_VARIABLE: environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)}
+    if SPIN_COUNT_VARIABLE in environ:
+        env[SPIN_COUNT_VARIABLE] = environ[SPIN_COUNT_VARIABLE]
+    elif env[WAIT_POLICY_VARIABLE] == SHARED_HOST_POLICY:
+        env[SPIN_COUNT_VARIABLE] = CLIENT_SPIN_COUNT
+    return env
+
+
+def is_client_of_another_process(argv: Sequence[str]) -> bool:
+    """Whether the command in ``argv`` is a client of an executor in another process: the jobs
+    and ``api`` given ``--executor ADDRESS``."""
+    verb = next((arg for arg in argv if not arg.startswith("-")), None)
+    return verb in ("finetune", "generate", "api") and any(
+        arg == "--executor" or arg.startswith("--executor=") for arg in argv
+    )
 
 
 def shares_host_with_executor(argv: Sequence[str]) -> bool:
@@ -82,7 +133,9 @@ def configure_for_command(argv: Sequence[str]) -> str | None:
     """Set the OpenMP wait policy for the command in ``argv`` unless the user set one, and the CPU
     priority its ``--cpu-priority`` asks for (see ``cpu_priority_for_command``); returns the
     wait policy now in force for it (None: libgomp's default)."""
-    if shares_host_with_executor(argv):
+    if is_client_of_another_process(argv):
+        os.environ.update(client_env())
+    elif shares_host_with_executor(argv):
         os.environ.setdefault(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)
     if cpu_priority_for_command(argv) == CpuPriority.BACKGROUND:
         enter_background_priority()

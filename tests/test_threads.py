@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from symbiosis.threads import (
+    CLIENT_SPIN_COUNT,
     SHARED_HOST_POLICY,
+    client_env,
     configure_for_command,
     cpu_priority_for_command,
     shares_host_with_executor,
@@ -41,6 +43,33 @@ def test_an_explicit_policy_wins(monkeypatch):
     assert configure_for_command(["serve", "M"]) == "ACTIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert configure_for_command(["serve", "M"]) == SHARED_HOST_POLICY
+
+
+@pytest.mark.parametrize(
+    "argv, spin",
+    [
+        (["finetune", "--executor", "ipc:///tmp/x.sock", "--model", "M"], CLIENT_SPIN_COUNT),
+        (["generate", "--executor=tcp://127.0.0.1:7000"], CLIENT_SPIN_COUNT),
+        (["api", "--model", "M", "--executor", "ipc:///tmp/x.sock"], CLIENT_SPIN_COUNT),
+        (["serve", "MODEL", "--bind", "ipc:///tmp/x.sock"], None),  # the executor sleeps at once
+        (["api", "--model", "M", "--embedded", "--executor-bind", "ipc:///tmp/x.sock"], None),
+        (["demo"], None),  # its executor process would inherit the spin
+        (["finetune", "--embedded", "--model", "M"], None),
+    ],
+)
+def test_clients_of_another_process_spin_briefly_and_executors_do_not(argv, spin, monkeypatch):
+    for variable in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # set first: monkeypatch then restores what was there
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+    configure_for_command(argv)
+    assert os.environ.get("GOMP_SPINCOUNT") == spin
+
+
+def test_the_clients_spin_yields_to_the_users_settings():
+    assert client_env({}) == {"OMP_WAIT_POLICY": SHARED_HOST_POLICY, "GOMP_SPINCOUNT": CLIENT_SPIN_COUNT}
+    assert client_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
+    # another wait policy is the user's whole choice: no spin count added to it
+    assert client_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_the_command_line_does_not_import_torch_before_configuring():

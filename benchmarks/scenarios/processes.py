@@ -33,7 +33,12 @@ from benchmarks.scenarios.context import Context
 from benchmarks.timing import ratio
 from benchmarks.workers import Worker, serve_worker
 from symbiosis.executor.process import ExecutorProcess
-from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE  # no torch import: safe before OpenMP starts
+from symbiosis.threads import (  # no torch import: safe before OpenMP starts
+    SHARED_HOST_POLICY,
+    SPIN_COUNT_VARIABLE,
+    WAIT_POLICY_VARIABLE,
+    client_env,
+)
 
 WORKER_MODULE = "benchmarks.suite"  # the children's entry point: ``python -m benchmarks.suite worker SPEC``
 
@@ -170,10 +175,11 @@ def worker_main(spec: dict) -> None:
 
 
 def worker_env(spec: dict) -> dict[str, str]:
-    """Variables a worker gets on top of ``process_env``: ``OMP_WAIT_POLICY=PASSIVE`` for
-    split clients (the executor is another process on this host), nothing for the others."""
+    """Variables a worker gets on top of ``process_env``: split clients (the executor is another
+    process on this host) get a client's OpenMP settings (``threads.client_env``:
+    ``OMP_WAIT_POLICY=PASSIVE``, a short ``GOMP_SPINCOUNT``), the others nothing."""
     if spec["mode"] == "split":
-        return {WAIT_POLICY_VARIABLE: os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)}
+        return client_env()
     return {}
 
 
@@ -185,7 +191,11 @@ def env_record(threads: int, mode: str | None = None) -> dict[str, str | None]:
         policy = os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)  # symbiosis/threads.py: configure_for_command
     else:
         policy = worker_env({"mode": mode}).get(WAIT_POLICY_VARIABLE, os.environ.get(WAIT_POLICY_VARIABLE))
-    return {WAIT_POLICY_VARIABLE: policy, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    record = {WAIT_POLICY_VARIABLE: policy, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    spin = worker_env({"mode": mode}).get(SPIN_COUNT_VARIABLE) if mode is not None else None
+    if spin is not None:
+        record[SPIN_COUNT_VARIABLE] = spin
+    return record
 
 
 def start_worker(spec: dict, threads: int) -> Worker:
