@@ -455,7 +455,8 @@ def test_tuner_starts_over_for_a_new_set_of_clients():
     which the convoy serves 35% more. Kept, the first pair's ratings held the eight on "predicted"
     (rated clearly better: the convoy retried only every 20th epoch; measured with client
     processes, 42 tokens/s against 53 with the convoy). Ratings measured on clients of whom none
-    is left are dropped: the tuner tries each rule again and keeps the convoy."""
+    is left are dropped: the tuner starts the new clients on the convoy, tries each rule again on
+them and keeps the convoy."""
     tuner = WaitTuner(epoch_s=0.25)
     first = {"none": 1.0, "predicted": 1.4, "convoy": 1.0}
     second = {"none": 1.0, "predicted": 1.0, "convoy": 1.35}
@@ -468,8 +469,21 @@ def test_tuner_starts_over_for_a_new_set_of_clients():
     used = run_client_epochs(tuner, 45, load)
     assert "predicted" in used[10:20] and used[10:20].count("predicted") >= 7  # the first pair's rule
     assert tuner.resets == 1 and tuner.stats()["resets"] == 1
-    assert used[21 : 21 + len(FIRST_TRIALS) - 1] == list(FIRST_TRIALS[1:])  # every rule tried again
+    assert used[21:25] == ["convoy"] * 4  # the eight start on the convoy at once
+    assert set(used[21:]) == set(RULES)  # and every rule is tried again on them
     assert tuner.chosen == "convoy" and used[-12:].count("convoy") >= 10
+
+
+def test_tuner_leaves_the_convoy_for_a_new_set_of_clients_it_does_not_suit():
+    tuner = WaitTuner(epoch_s=0.25)
+
+    def load(epoch, rule):
+        if epoch < 20:  # the first pair: the convoy serves 40% more
+            return {f"a{k}": (400.0 * (1.4 if rule == "convoy" else 1.0), 1) for k in range(2)}
+        return {f"b{k}": (150.0 * (1.4 if rule == "none" else 1.0), 1) for k in range(8)}
+
+    used = run_client_epochs(tuner, 70, load)
+    assert tuner.resets == 1 and tuner.chosen == "none" and used[-12:].count("none") >= 9
 
 
 def test_tuner_keeps_its_ratings_while_a_client_stays():

@@ -57,7 +57,9 @@ tried again, although it served x1.6 more tokens/s when fixed.
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
 processes, a new batch of jobs after the last one left), the tuner starts over (``resets`` in its
-stats): what waiting paid for two clients of one sequence says little about eight. Measured
+stats) from ``START_RULE``, exploring the others at the usual pace (not the first trials again:
+two epochs of not waiting cost a short workload most): what waiting paid for two clients of one
+sequence says little about eight. Measured
 (2026-11-29, this 2-core host, one ``serve`` process for groups of 2 then 8 one-sequence client
 processes of the ~105M llama): the ratings of the 2-client group (predicted x1.29 over the convoy)
 kept the 8-client group on "predicted" -- rated clearly better, so the convoy was retried only
@@ -162,12 +164,20 @@ class WaitTuner:
         self._start_s, self._per_client = now_s, {}
 
     def _start_over(self) -> None:
-        """Forget the ratings (they were measured on other clients) and try each rule again."""
+        """Forget the ratings (they were measured on other clients). The first time, the first
+        trials come next; after that the new clients start on ``START_RULE`` and the others are
+        explored at the usual pace: a workload's first trials cost it two epochs of not waiting,
+        and a new group is as often a short one (a benchmark's next group of processes, a batch
+        of jobs) as a long one."""
+        self._previous, self._settled = None, set()
+        self._last_tried = {rule: -1 for rule in RULES}
         if self._population:
             self.resets += 1
-        self.ratings, self.chosen, self._previous, self._settled = {}, None, None, set()
-        self._last_tried = {rule: -1 for rule in RULES}
-        self._since_reset = 0
+            self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
+            self._since_reset = len(FIRST_TRIALS) + 1  # the next exploration EXPLORE_EVERY epochs on
+        else:
+            self.ratings, self.chosen = {}, None
+            self._since_reset = 0
         self._population = set()
 
     def _rate(self, clients: dict[str, tuple[int, float, float]]) -> None:
