@@ -174,7 +174,7 @@ class WaitTuner:
         if self._population:
             self.resets += 1
             self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
-            self._since_reset = len(FIRST_TRIALS) + 1  # the next exploration EXPLORE_EVERY epochs on
+            self._since_reset = len(FIRST_TRIALS) + 1  # past the first trials; explores at 2 * EXPLORE_EVERY
         else:
             self.ratings, self.chosen = {}, None
             self._since_reset = 0
