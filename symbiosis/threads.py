@@ -83,9 +83,10 @@ SHARED_HOST_POLICY = "PASSIVE"
 # takes a core from the executor's products). Decode steps (1 and 16 sequences, small forwards on
 # one thread, ``one_thread_for_small_forwards``) were the same within the noise (3 pairs). Both
 # sides spinning (earlier, decode and training) never beat PASSIVE beyond the noise. In
-# ``benchmarks.split_overhead`` (the same model and threads, the client setting alone switched,
-# four runs alternated): training step over shm+ipc x1.04-1.09 of monolithic with the spin,
-# x1.13-1.14 without; over ipc x1.12-1.22 either way; 16-sequence decode within the noise.
+# ``benchmarks.split_overhead`` (the same model and threads, the client setting alone switched;
+# two runs each, alternated, each timing two copies of the model): training step over shm+ipc
+# x1.04-1.09 of monolithic with the spin, x1.13-1.14 without; over ipc x1.12-1.22 either way;
+# 16-sequence decode within the noise.
 
 SPIN_COUNT_VARIABLE = "GOMP_SPINCOUNT"
 CLIENT_SPIN_COUNT = "10000"
@@ -104,34 +105,39 @@ def client_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _verb(argv: Sequence[str]) -> str | None:
+    """The command's verb: its first word that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _has_option(argv: Sequence[str], name: str) -> bool:
+    """Whether ``argv`` gives option ``name`` (``--name VALUE`` or ``--name=VALUE``)."""
+    return any(arg == name or arg.startswith(name + "=") for arg in argv)
+
+
 def is_client_of_another_process(argv: Sequence[str]) -> bool:
     """Whether the command in ``argv`` is a client of an executor in another process: the jobs
     and ``api`` given ``--executor ADDRESS``."""
-    verb = next((arg for arg in argv if not arg.startswith("-")), None)
-    return verb in ("finetune", "generate", "api") and any(
-        arg == "--executor" or arg.startswith("--executor=") for arg in argv
-    )
+    return _verb(argv) in ("finetune", "generate", "api") and _has_option(argv, "--executor")
 
 
 def shares_host_with_executor(argv: Sequence[str]) -> bool:
     """Whether the command in ``argv`` (without the program name) runs next to an executor in
     another process, or serves one to other processes: ``serve``, ``demo``, the jobs and ``api``
     given ``--executor ADDRESS``, and ``api --embedded --executor-bind ADDRESS``."""
-    verb = next((arg for arg in argv if not arg.startswith("-")), None)
-    if verb in ("serve", "demo"):
-        return True
-    if verb in ("finetune", "generate", "api"):
-        # api --embedded --executor-bind ADDRESS serves clients in other processes too.
-        return any(
-            arg in ("--executor", "--executor-bind") or arg.startswith(("--executor=", "--executor-bind="))
-            for arg in argv
-        )
-    return False
+    verb = _verb(argv)
+    # api --embedded --executor-bind ADDRESS serves clients in other processes too.
+    return (
+        verb in ("serve", "demo")
+        or is_client_of_another_process(argv)
+        or (verb in ("finetune", "generate", "api") and _has_option(argv, "--executor-bind"))
+    )
 
 
 def configure_for_command(argv: Sequence[str]) -> str | None:
-    """Set the OpenMP wait policy for the command in ``argv`` unless the user set one, and the CPU
-    priority its ``--cpu-priority`` asks for (see ``cpu_priority_for_command``); returns the
+    """Set the OpenMP wait policy for the command in ``argv`` unless the user set one (for a client
+    of an executor in another process, with a short spin: ``client_env``), and the CPU priority its
+    ``--cpu-priority`` asks for (see ``cpu_priority_for_command``); returns the
     wait policy now in force for it (None: libgomp's default)."""
     if is_client_of_another_process(argv):
         os.environ.update(client_env())
@@ -172,8 +178,7 @@ def cpu_priority_for_command(argv: Sequence[str]) -> CpuPriority:
     """``background`` or ``normal`` for the command in ``argv``: for ``finetune``, what its
     ``--cpu-priority`` says, and for ``auto`` (the default) background when it reaches an executor
     in another process (``--executor``); normal for every other command."""
-    verb = next((arg for arg in argv if not arg.startswith("-")), None)
-    if verb != "finetune":  # the only command with the option
+    if _verb(argv) != "finetune":  # the only command with the option
         return CpuPriority.NORMAL
     asked = CpuPriority.AUTO
     for index, arg in enumerate(argv):
@@ -264,7 +269,7 @@ def warn_if_client_spins(address: str | None) -> bool:
         f"this process is a client of the executor at {address} on the same host, with OpenMP's default "
         f"wait policy: its idle threads spin on the cores the executor needs (a training step's products "
         f"took ~1.4x as long in our measurement). Start it with {WAIT_POLICY_VARIABLE}={SHARED_HOST_POLICY} "
-        f"(before torch is imported), as `symbiosis` commands do.",
+        f"{SPIN_COUNT_VARIABLE}={CLIENT_SPIN_COUNT} (before torch is imported), as `symbiosis` commands do.",
         SpinningClientWarning,
         stacklevel=3,
     )

@@ -452,10 +452,10 @@ def test_tuner_does_not_compare_epochs_whose_clients_differ():
 
 def test_tuner_starts_over_for_a_new_set_of_clients():
     """Two clients, under which "predicted" serves 40% more, leave; eight new ones arrive, under
-        which the convoy serves 35% more. Kept, the first pair's ratings held the eight on "predicted"
-        (rated clearly better: the convoy retried only every 20th epoch; measured with client
-        processes, 42 tokens/s against 53 with the convoy). Ratings measured on clients of whom none
-        is left are dropped: the tuner starts the new clients on the convoy, tries each rule again on
+    which the convoy serves 35% more. Kept, the first pair's ratings held the eight on "predicted"
+    (rated clearly better: the convoy retried only every 20th epoch; measured with client
+    processes, 42 tokens/s against 53 with the convoy). Ratings measured on clients of whom none
+    is left are dropped: the tuner starts the new clients on the convoy, tries each rule again on
     them and keeps the convoy."""
     tuner = WaitTuner(epoch_s=0.25)
     first = {"none": 1.0, "predicted": 1.4, "convoy": 1.0}
@@ -475,6 +475,8 @@ def test_tuner_starts_over_for_a_new_set_of_clients():
 
 
 def test_tuner_leaves_the_convoy_for_a_new_set_of_clients_it_does_not_suit():
+    """Starting a new set of clients on the convoy is a start, not a verdict: where not waiting
+    serves them 40% more, the tuner's explorations find it and keep it."""
     tuner = WaitTuner(epoch_s=0.25)
 
     def load(epoch, rule):

@@ -189,13 +189,13 @@ def env_record(threads: int, mode: str | None = None) -> dict[str, str | None]:
     default wait policy)."""
     if mode is None:
         policy = os.environ.get(WAIT_POLICY_VARIABLE, SHARED_HOST_POLICY)  # symbiosis/threads.py: configure_for_command
+        spin = None
     else:
-        policy = worker_env({"mode": mode}).get(WAIT_POLICY_VARIABLE, os.environ.get(WAIT_POLICY_VARIABLE))
+        env = worker_env({"mode": mode})
+        policy = env.get(WAIT_POLICY_VARIABLE, os.environ.get(WAIT_POLICY_VARIABLE))
+        spin = env.get(SPIN_COUNT_VARIABLE)
     record = {WAIT_POLICY_VARIABLE: policy, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    spin = worker_env({"mode": mode}).get(SPIN_COUNT_VARIABLE) if mode is not None else None
-    if spin is not None:
-        record[SPIN_COUNT_VARIABLE] = spin
-    return record
+    return record if spin is None else {**record, SPIN_COUNT_VARIABLE: spin}
 
 
 def start_worker(spec: dict, threads: int) -> Worker:
