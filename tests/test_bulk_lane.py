@@ -419,3 +419,22 @@ def test_bulk_products_start_no_threads_after_startup(path, two_torch_threads):
         for future in futures:
             future.result(timeout=30)
         assert thread_count() <= before  # (a thread of an earlier test may end meanwhile)
+
+
+def test_bulk_threads_serve_rows_that_require_grad(path):
+    """An in-process training client's rows require grad (``FrozenLinearFunction`` passes them as
+    they are); a bulk thread runs with autograd on unless told otherwise, so a request split
+    between the bulk threads once made its chunks' products require grad, the assembly into one
+    output raised, the bulk thread died and the request was never answered (a fine-tuning
+    client hung). Products on the executor's own threads never record autograd."""
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="immediate", bulk_lane="background") as ex:
+        g = torch.Generator().manual_seed(2)
+        ex.call("decoder", LAYER, Op.FORWARD, torch.randn(1, 64, generator=g), LatencyClass.DECODE)  # not alone
+        for rows in (torch.randn(4 * SPLIT_MIN_ROWS, 64, generator=g, requires_grad=True),) * 3:
+            for op in (Op.FORWARD, Op.BACKWARD):
+                result = ex.call("trainer", LAYER, op, rows, LatencyClass.FINETUNE, timeout_s=10)
+                assert not result.requires_grad
+                layer = ex.weights.layers[LAYER]
+                expected = rows.detach() @ layer.weight.t() + layer.bias if op is Op.FORWARD else rows.detach() @ layer.weight
+                torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+        assert ex.stats()["batches_run_by"]["bulk_thread"] > 0

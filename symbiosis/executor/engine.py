@@ -434,7 +434,11 @@ class ExecutionEngine:
         started = self._clock()
         cpu_started = self._product_clock() if timed else 0.0
         try:
-            result = apply_op(layer, op, local, out, out_fits)
+            if torch.is_grad_enabled():  # see ``_compute``
+                with torch.no_grad():
+                    result = apply_op(layer, op, local, out, out_fits)
+            else:
+                result = apply_op(layer, op, local, out, out_fits)
         finally:
             cost = self._product_clock() - cpu_started if timed else None
             with self._lock:
@@ -543,6 +547,7 @@ class ExecutionEngine:
 
     def _loop(self) -> None:
         """The compute thread: runs what is ready while no caller is waiting to run it."""
+        torch.set_grad_enabled(False)  # (thread-local) base products never record autograd
         with self._cond:
             while self._running:
                 now = self._clock()
@@ -563,6 +568,7 @@ class ExecutionEngine:
         ``one_thread``: one of several bulk threads (see ``_bulk_threads_for``). Releases
         ``started`` once its thread count is set."""
         enter_background_priority()
+        torch.set_grad_enabled(False)  # (thread-local) see ``_compute``
         # OpenMP starts this thread's team now, at the most threads it will use (the executor's:
         # see ``_bulk_threads_for``), so that a server's thread count never grows at a later
         # product (see the module doc).
@@ -673,6 +679,14 @@ class ExecutionEngine:
     def _compute(self, batch: Batch, parts) -> tuple[float | None, list[int]]:
         """The product and completing its requests' futures (called without ``_cond`` held): the
         product's duration in seconds (None if it failed), and the ids of the requests it ended."""
+        if torch.is_grad_enabled():
+            # A caller's thread outside autograd's own ``forward`` (``call`` used directly): its
+            # rows may require grad. Base products never record autograd: the client's
+            # ``FrozenLinearFunction`` does, and a chunk's product that required grad made the
+            # assembly of a split request raise in a bulk thread, which died with the request
+            # unanswered (the executor's own threads turn autograd off when they start).
+            with torch.no_grad():
+                return self._compute(batch, parts)
         layer = self.weights.layers[batch.layer_id]
         started = self._product_clock()
         try:
@@ -680,7 +694,10 @@ class ExecutionEngine:
         except Exception as exc:  # a failed product fails its batch, never the executor
             return None, self._fail_batch(batch.layer_id, parts, exc)
         duration = self._product_clock() - started
-        return duration, self._complete(batch, parts, outputs)
+        try:
+            return duration, self._complete(batch, parts, outputs)
+        except Exception as exc:  # nor does a failure handing its results out (the runner lives on)
+            return None, self._fail_batch(batch.layer_id, parts, exc)
 
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> list[int]:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")
@@ -733,7 +750,11 @@ class ExecutionEngine:
                 finished_ids.append(s.request_id)
         for inflight, result in finished:
             if not inflight.future.done():  # a caller that timed out has its error already
-                if inflight.cast_back:
-                    result = result.to(device=inflight.out_device, dtype=inflight.out_dtype)
+                try:
+                    if inflight.cast_back:
+                        result = result.to(device=inflight.out_device, dtype=inflight.out_dtype)
+                except Exception as exc:  # (memory) this request fails; the others get theirs
+                    inflight.future.set_exception(SymbiosisError(f"executor failed on {batch.layer_id}: {exc!r}"))
+                    continue
                 inflight.future.set_result(result)
         return finished_ids
