@@ -434,7 +434,7 @@ def test_bulk_threads_serve_rows_that_require_grad(path):
             for op in (Op.FORWARD, Op.BACKWARD):
                 result = ex.call("trainer", LAYER, op, rows, LatencyClass.FINETUNE, timeout_s=10)
                 assert not result.requires_grad
-                layer = ex.weights.layers[LAYER]
-                expected = rows.detach() @ layer.weight.t() + layer.bias if op is Op.FORWARD else rows.detach() @ layer.weight
+                layer, plain = ex.weights.layers[LAYER], rows.detach()
+                expected = plain @ layer.weight.t() + layer.bias if op is Op.FORWARD else plain @ layer.weight
                 torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
         assert ex.stats()["batches_run_by"]["bulk_thread"] > 0
