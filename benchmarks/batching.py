@@ -64,6 +64,7 @@ from benchmarks.batching_clients import (
     ClientSpec,
     counters_from_stats,
     make_client,
+    remote_counters,
     run_measured,
     summarize_run,
     warm_up,
@@ -158,9 +159,7 @@ def run_once(path: Path, target, specs: Sequence[ClientSpec], args: argparse.Nam
     stop = threading.Event()
 
     def start_window() -> None:  # runs once, when every client is warm and waiting
-        counters["start"] = (
-            counters_from_stats(executor.stats()["scheduler"]) if executor else {"batches": 0, "rows": 0}
-        )
+        counters["start"] = counters_from_stats(executor.stats()["scheduler"]) if executor else remote_counters()
         window["end_s"] = time.perf_counter() + args.window_s
 
     barrier = threading.Barrier(len(made), action=start_window)
@@ -186,7 +185,7 @@ def run_once(path: Path, target, specs: Sequence[ClientSpec], args: argparse.Nam
         time.sleep(0.005)
     if "start" in counters:
         time.sleep(max(0.0, window["end_s"] - time.perf_counter()))
-        counters["end"] = counters_from_stats(executor.stats()["scheduler"]) if executor else {"batches": 0, "rows": 0}
+        counters["end"] = counters_from_stats(executor.stats()["scheduler"]) if executor else remote_counters()
     stop.set()
     for thread in threads:
         thread.join(timeout=120)
@@ -208,6 +207,7 @@ SCALARS = (
     "flood_rows_per_s",
     "mean_rows_per_batch",
     "batches",
+    "cpu_cores_busy",
 )
 
 
@@ -272,6 +272,11 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
             "finetune_tokens_per_s_alone": agg["finetune_alone", base]["finetune_tokens_per_s"],
             "finetune_tokens_per_s_mixed": agg["inference_with_finetune", v]["finetune_tokens_per_s"],
             "finetune_kept": median_ratio(mixed, ft_alone, "finetune_tokens_per_s"),
+            # Cores busy (of the host's): closed-loop decoders alone leave idle only what they
+            # cannot use, and that is all background fine-tuning gets without slowing them.
+            "cpu_cores_busy_inference_alone": agg["inference_alone", base]["cpu_cores_busy"],
+            "cpu_cores_busy_finetune_alone": agg["finetune_alone", base]["cpu_cores_busy"],
+            "cpu_cores_busy_mixed": agg["inference_with_finetune", v]["cpu_cores_busy"],
             "decode_slo_ms": timing.median_or_nan(slo_ms) if v == SLO_VARIANT else None,
             "slo_p95_ratio": timing.median_or_nan([timing.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms)])
             if v == SLO_VARIANT
@@ -577,6 +582,7 @@ def _brief(run: dict) -> str:
         ("finetune_tokens_per_s", "ft tok/s"),
         ("flood_rows_per_s", "flood rows/s"),
         ("mean_rows_per_batch", "rows/batch"),
+        ("cpu_cores_busy", "cores busy"),
     ):
         if run.get(key) is not None:
             parts.append(f"{label} {run[key]:.1f}")

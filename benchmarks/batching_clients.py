@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import peft
+import psutil
 import torch
 
 from benchmarks.timing import percentile
@@ -206,9 +207,22 @@ def run_measured(client, record: ClientRecord, end_s: float, stop: Callable[[], 
             record.tokens += tokens_per_step
 
 
+def host_cpu_busy_s() -> float:
+    """CPU seconds this host's cores have been busy since boot, summed over the cores: every
+    process's (this run's and any other's; background priority too), not time the hypervisor stole."""
+    times = psutil.cpu_times()
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+
+
+def remote_counters() -> dict:
+    """What a run reads at its window's start and end when the executor's stats are not visible."""
+    return {"batches": 0, "rows": 0, "cpu_busy_s": host_cpu_busy_s()}
+
+
 def counters_from_stats(stats: dict) -> dict:
-    """The scheduler counters a run reads at its window's start and end."""
+    """The scheduler counters a run reads at its window's start and end, and the host's busy CPU time."""
     return {
+        "cpu_busy_s": host_cpu_busy_s(),
         "batches": stats["batches"],
         "rows": stats["rows_served"],
         "mean_first_wait_ms": stats["mean_first_wait_ms"],
@@ -238,6 +252,9 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
         else None,
         "flood_rows_per_s": sum(r.tokens for r in flood) / window_s if flood else None,
         "mean_rows_per_batch": rows / batches if have_stats and batches else None,
+        # Cores the host kept busy over the window (of machine.cpus): what a closed-loop load
+        # leaves idle is what background work could have without slowing it.
+        "cpu_cores_busy": (counters["end"]["cpu_busy_s"] - counters["start"]["cpu_busy_s"]) / window_s,
         "batches": batches if have_stats else None,
         # Time from arrival to first rows handed out, per latency class (whole run, warm-up included).
         "mean_first_wait_ms": end.get("mean_first_wait_ms"),

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.batching_clients import ClientRecord, ClientSpec, counters_from_stats, summarize_run
+from benchmarks.batching_clients import ClientRecord, ClientSpec, counters_from_stats, remote_counters, summarize_run
 from symbiosis.executor.process import ExecutorProcess
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE, enter_background_priority
@@ -147,7 +147,7 @@ class ProcessPool:
 
         def counters() -> dict:
             if executor is None:
-                return {"batches": 0, "rows": 0}
+                return remote_counters()
             return counters_from_stats(executor.stats()["scheduler"])
 
         used = self._processes_for(specs)

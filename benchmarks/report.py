@@ -247,6 +247,14 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
                     else "."
                 )
             )
+        cores = (summary["mixed"].get("opportunistic") or {}).get("cpu_cores_busy_inference_alone")
+        if cores is not None:
+            f = summary["mixed"]["opportunistic"]
+            lines.append(
+                f"- Cores busy (host, of {data['machine'].get('cpu_count', '?')}): the 6 inference clients alone "
+                f"{_num(cores)}, the 2 fine-tuning clients alone {_num(f['cpu_cores_busy_finetune_alone'])}, "
+                f"together {_num(f['cpu_cores_busy_mixed'])} (opportunistic)."
+            )
         for v, f in summary["mixed"].items():
             slo = (
                 f" (target {_num(f['decode_slo_ms'], 1, '.0f')} ms: p95 at x{_num(f['slo_p95_ratio'])} of it)"

@@ -35,6 +35,9 @@ def test_batching_quick_writes_documented_json(tmp_path):
     mixed = runs["inference_with_finetune"][batching.SLO_VARIANT][0]
     assert mixed["config"]["decode_slo_ms"] > 0  # derived from opportunistic's inference-alone p95
     assert runs["flood_decode"]["opportunistic"][0]["flood_rows_per_s"] is not None
+    cpus = written["machine"]["cpu_count"]  # the host's counters count every core
+    assert 0 < inference["cpu_cores_busy"] <= cpus + 0.5  # (the host's counters tick at 100 Hz)
+    assert summary["mixed"]["opportunistic"]["cpu_cores_busy_finetune_alone"] > 0
     assert {t["name"] for t in summary["targets"]} >= {
         "heterogeneous: opportunistic tokens/s / immediate >= 1",
         "heterogeneous: opportunistic mean per-token latency / lockstep <= 1",

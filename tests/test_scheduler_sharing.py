@@ -184,11 +184,12 @@ def test_finetuning_progresses_at_the_rate_the_slo_leaves_and_never_stops():
     assert 0 < steps[0.8] < steps[1.2] < steps[2.0]
 
 
-def test_a_target_the_decoders_meet_leaves_their_convoys_alone():
-    """With ``decode_slo_ms`` the decoders' holds are cut to their slack only while one of them is
-    over the target: the slack (the target's share of a call less the decoder's time per call)
-    counts the convoy's own holds against it, so cutting every hold broke the convoys that kept
-    the decoders within the target (7 rows a batch instead of 22 here, p95 +6% at 1.2x)."""
+def test_a_decode_target_never_cuts_the_decoders_holds_for_each_other():
+    """``decode_slo_ms`` paces and cuts bulk work; the decoders' holds for each other stay the
+    policy's. Cutting them to the decoders' slack (the target's share of a call less their time
+    per call, which the convoy's own holds are part of) broke the convoys that made decoders fast:
+    7 rows a batch instead of 22 here, p95 +6% at a target of 1.2x alone's, and the same when the
+    cap applied only while a decoder missed the target (0.8x)."""
 
     def convoy(**target):
         walkers = [Walker(f"d{i}", rows=1 + 3 * i, gap_s=0.0004 + 0.0002 * i, start_s=1e-4 * i) for i in range(4)]
@@ -198,11 +199,9 @@ def test_a_target_the_decoders_meet_leaves_their_convoys_alone():
         return rows, p95([t for w in walkers for t in w.token_times(skip=20)])
 
     rows, alone_p95 = convoy()
-    for factor in (1.05, 1.2):
-        met_rows, met_p95 = convoy(decode_slo_ms=factor * 1e3 * alone_p95)
-        assert met_rows >= 0.95 * rows and met_p95 <= factor * alone_p95
-    missed_rows, _ = convoy(decode_slo_ms=0.8 * 1e3 * alone_p95)  # out of reach: holds give way
-    assert missed_rows < 0.5 * rows
+    for factor in (0.8, 1.05, 1.2):
+        with_target_rows, with_target_p95 = convoy(decode_slo_ms=factor * 1e3 * alone_p95)
+        assert with_target_rows >= 0.95 * rows and with_target_p95 <= 1.01 * alone_p95
 
 
 # ------------------------------------------------------------------------------------ pacing units
@@ -554,3 +553,24 @@ def test_opportunistic_stops_waiting_when_waiting_does_not_pay():
             )
     assert results["opportunistic"] <= 1.1 * results["immediate"]
     assert math.isfinite(results["immediate"])
+
+
+def test_tuner_is_asked_for_the_decoders_token_times_only_when_an_epoch_may_end(monkeypatch):
+    """The scheduler plans on every arrival and hand-out; the epoch's length (five of the slowest
+    decoder's tokens) costs a look at every decoder, so it is computed only once the epoch as
+    last measured has run out (``WaitTuner.due``): per plan, that look was ~15% of the scheduler's
+    time with 8 decoders, and a server's socket thread does all of it."""
+    tuner = WaitTuner(epoch_s=0.2)
+    assert tuner.due(0.0)  # not started: the first tick starts it
+    tuner.tick(0.0)
+    assert not tuner.due(0.1) and tuner.due(0.2)
+    tuner.tick(0.2, min_epoch_s=0.5)  # the decoders' tokens make the epoch longer: not over yet
+    assert not tuner.due(0.45) and tuner.due(0.5)
+
+    calls = []
+    walkers = [Walker(f"d{i}", rows=1, gap_s=0.0005, start_s=1e-4 * i) for i in range(4)]
+    sim = Simulation(SchedulerConfig(), walkers)
+    real = pacing.DecodeGuard.longest_token_s
+    monkeypatch.setattr(pacing.DecodeGuard, "longest_token_s", lambda self, now: calls.append(now) or real(self, now))
+    sim.run(1.0)
+    assert 0 < len(calls) < 0.1 * len(sim.batches)

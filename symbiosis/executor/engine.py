@@ -60,6 +60,7 @@ and wakes its workers with syscalls once more threads exist than cores).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -85,6 +86,8 @@ from symbiosis.executor.scheduler import Lane, Scheduler
 from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.threads import enter_background_priority, with_torch_threads
 from symbiosis.vocabulary import LatencyClass, Op
+
+log = logging.getLogger(__name__)
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
@@ -198,6 +201,11 @@ class ExecutionEngine:
         self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
         self._alone_calls = 0
         bulk_thread = scheduler.config.bulk_lane == "background"  # "auto": see resolve_bulk_lane
+        if bulk_thread and scheduler.config.decode_slo_ms is not None:
+            log.warning(
+                "decode_slo_ms has no effect with bulk_lane='background': bulk work runs at the OS's background "
+                "priority instead of being paced to the target (bulk_lane='shared' paces it)"
+            )
         # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
         # (``_bulk_loop``); the other runners then take latency work only.
         self._latency_lane: Lane | None = Lane.LATENCY if bulk_thread else None

@@ -284,12 +284,6 @@ class DecodeGuard:
             if d.decoding and (d.pending or now_s - d.last_event_s <= max(ACTIVE_HORIZON_S, 2.0 * (d.token_s or 0.0)))
         ]
 
-    def missing_target(self, now_s: float) -> bool:
-        """With a target: an active decoder's recent token time (EWMA) is over it."""
-        if self.slo_s is None:
-            return False
-        return any((self._decoders[c].token_s or 0.0) > self.slo_s for c in self.active(now_s))
-
     def longest_token_s(self, now_s: float) -> float:
         """The longest token time (EWMA) among active decoders; 0 if none is known."""
         return max((self._decoders[c].token_s or 0.0 for c in self.active(now_s)), default=0.0)

@@ -395,17 +395,13 @@ class Scheduler:
             return group.budget_deadline_s, "deadline"
         convoy = rule == "convoy"
         deadline_s = group.oldest_arrival_s() + self._lockstep_timeout_s if convoy else group.budget_deadline_s
-        if self._guard.missing_target(now_s):
-            # A decoder is over the target: no hold may eat more than the decoders' slack. Only
-            # then: the slack per call is the target's share less the decoder's time per call,
-            # which holds for a convoy are part of, so capping every hold by it broke the convoys
-            # that kept decoders within the target (measured, 6 client threads, llama small,
-            # target 150 ms against ~120 alone: 12-19 rows a batch instead of 30-32, p95
-            # 128-131 ms instead of 119-120; tests/test_scheduler_sharing.py has the same in
-            # simulation).
-            budget_s = self._delay_budget_s(now_s)
-            if budget_s is not None:
-                deadline_s = min(deadline_s, group.oldest_arrival_s() + budget_s)
+        # No cap from ``decode_slo_ms`` here: the target paces and cuts bulk work, not the decoders'
+        # holds for each other. Cutting holds to the decoders' slack (the target's share of a call
+        # less their time per call, which a convoy's holds are part of) broke the convoys that made
+        # them fast, and capping only while a decoder missed the target broke them just when speed
+        # mattered: 6 client processes beside 2 fine-tuning jobs, p95 x1.46 and x1.54 of a
+        # 1.2x-alone target with that cap, x0.96 and x1.09 without (alternated runs, 2026-11-29);
+        # alone, 6 client threads ran 12-19 rows a batch with a cap against 30-32 without.
         if convoy:  # (its walkers were found by _plan; latency work never waits for bulk work)
             if self._convoy_waits_for(group):
                 return deadline_s, "deadline"
@@ -455,7 +451,7 @@ class Scheduler:
         otherwise the earliest time something may become ready without new arrivals. With
         ``only``, only that lane's work is considered, and bulk work is not paced (see
         ``next_batch``)."""
-        if self._tuner is not None:
+        if self._tuner is not None and self._tuner.due(now_s):
             self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
         rule = self._rule()
         ready: dict[_Group, str] = {}

@@ -105,7 +105,9 @@ class SchedulerConfig:
             "Per-token latency target of decode clients (ms; met at p95), FlexLLM-style co-serving: bulk rows "
             "(fine-tuning, long prompts) are cut into chunks short enough, and bulk work is paced to the share of "
             "time the target leaves (learned from the decoders' token times; never below 5%). Unset: no target, "
-            "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows)."
+            "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows). Acts on a shared bulk lane "
+            "only: with --bulk-lane background (serve's default on a CPU) bulk work runs at the OS's background "
+            "priority instead, which already gives decoders every core they want, and the target changes nothing."
         ),
     )
     decode_slowdown: float = field(

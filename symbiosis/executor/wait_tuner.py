@@ -132,6 +132,12 @@ class WaitTuner:
                 counts[0] += requests
                 counts[1] += rows
 
+    def due(self, now_s: float) -> bool:
+        """Whether ``tick`` could end the epoch now (as long as it was when last asked): the
+        scheduler asks this on every plan, and ``tick``'s ``min_epoch_s`` costs a look at every
+        decoder, so it is computed only then."""
+        return self._start_s is None or now_s - self._start_s >= self._epoch_s
+
     def tick(self, now_s: float, min_epoch_s: float = 0.0) -> None:
         """End the epoch if it is due, score it, and pick the next rule. ``min_epoch_s``: the epoch
         lasts at least this long (a few of the clients' steps, so a rule has time to show)."""
