@@ -252,7 +252,7 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
         else None,
         "flood_rows_per_s": sum(r.tokens for r in flood) / window_s if flood else None,
         "mean_rows_per_batch": rows / batches if have_stats and batches else None,
-        # Cores the host kept busy over the window (of machine.cpus): what a closed-loop load
+        # Cores the host kept busy over the window (of machine.cpu_count): what a closed-loop load
         # leaves idle is what background work could have without slowing it.
         "cpu_cores_busy": (counters["end"]["cpu_busy_s"] - counters["start"]["cpu_busy_s"]) / window_s,
         "batches": batches if have_stats else None,

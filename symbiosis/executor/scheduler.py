@@ -63,7 +63,8 @@ it is free: base layers are row-independent, so any row chunking gives the same 
 target, the share bulk work is owed, and the most of the wall clock it may use while decoders are
 active (a second credit), are ``bulk_share``: a share that feedback from the decoders' measured
 token times keeps as large as the target allows (never below ``MIN_BULK_SHARE``), so fine-tuning
-gets everything the target leaves. Without a target, a client with a backlog (a flood: several
+gets everything the target leaves. The target never shortens the decoders' holds for each other
+(see ``_hold_until_s``). Without a target, a client with a backlog (a flood: several
 requests queued) is paced the same way, on its own share (``backlog_share``) and against each
 decoder's own pace (``1 + decode_slowdown`` times its fastest token), since it slows decoders
 outside the queue too (the server's socket thread, the host's cores); its rows riding along in a
