@@ -271,6 +271,41 @@ def test_without_a_target_a_flood_is_cut_to_a_decoders_own_pace_not_its_starved_
     assert guard._decoders["d"].floor_token_s == pytest.approx(0.030, rel=0.05)
 
 
+def test_a_decoder_that_pauses_between_tokens_keeps_its_token_time():
+    """A client that stops between two tokens (it waits for its own next job, or for the other
+    clients at a start line) was timed as if that pause were one token: its token time (an
+    average) rose to seconds, the wait tuner's epochs -- five of the slowest decoder's tokens --
+    with it, so one trial rule could hold for most of a run (seen once with 8 client processes
+    that wait for each other at a benchmark's start line: 7 epochs counted in 8 s, the window
+    served "not waiting", 397 tokens/s against 503-540 in the runs beside it). A pass during
+    which the decoder went inactive is no token sample: not a token time, not a miss of a target."""
+    for slo_s in (None, 0.05):
+        guard = DecodeGuard(slo_s=slo_s, slowdown=1.0)
+        now = 0.0
+
+        def token(pause_s=0.0, guard=guard):  # 4 layer calls of 1 ms, 1.5 ms of its own work between
+            nonlocal now
+            for position in range(4):
+                guard.arrived("d", Op.FORWARD, True, position, now)
+                guard.handed_out("d", now + 0.001)
+                now += 0.0025 + (pause_s if position == 1 else 0.0)
+
+        for _ in range(20):  # a token is sampled when the next one starts: 19 samples
+            token()
+        assert guard.longest_token_s(now) == pytest.approx(0.010) and guard.tokens_seen == 19
+        now += 3.0  # a pause between two tokens: inactive meanwhile
+        assert guard.active(now) == []
+        for _ in range(3):  # the pass spanning the pause is no sample
+            token()
+        assert guard.tokens_seen == 19 + 2
+        token(pause_s=0.5)  # a pause within a pass (between its layer calls)
+        token()
+        token()
+        assert guard.tokens_seen == 19 + 2 + 1 + 1  # the pass before, and the one after it
+        assert guard.longest_token_s(now) == pytest.approx(0.010)
+        assert guard.backlog_share == 1.0 and guard.bulk_share == 1.0 and guard.slo_misses == 0
+
+
 def test_a_decoders_prefill_pass_keeps_it_protected():
     """A serving client admits new sequences with a prefill pass between its decode passes, and its
     running sequences wait for that pass too: bulk products must stay within their budget then."""
@@ -409,6 +444,32 @@ def test_tuner_does_not_compare_a_prefill_epoch_with_a_decode_epoch():
     used, _, _ = run_epochs(tuner, 20, lambda epoch, rule: (300.0, 100) if epoch < 2 else (1000.0 * gain[rule], 5))
     assert used[1] == "convoy" and tuner.chosen == "convoy"  # convoy's first trial was a prefill epoch
     assert used[len(FIRST_TRIALS) :].count("convoy") >= 13
+    assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
+
+
+def test_tuner_is_not_decided_by_one_epoch_in_which_the_clients_stalled():
+    """Eight decoding clients; the convoy serves each 20% faster than "predicted" and 40% faster
+    than not waiting. After two epochs of prefill, in the third (a "none" trial) the clients
+    stall at a seventh of their speed -- they wait for each other at a start line, or for the
+    host -- whatever the rule. Compared with that epoch, the "predicted" trial after it looked
+    seven times faster; taken at face value, that one comparison rated it above the convoy by
+    more than the switching margin and the tuner kept "predicted" for the rest of the run
+    (measured with 8 client processes of batch 1-16 on a 2-core host: x0.85 of the convoy's
+    tokens/s). No waiting rule changes every client's speed sevenfold; a comparison counts at
+    most ``MAX_SPEEDUP`` either way, so one such epoch cannot decide and the tuner keeps the
+    convoy."""
+    tuner = WaitTuner(epoch_s=0.25)
+    gain = {"none": 1.0, "predicted": 1.4 / 1.2, "convoy": 1.4}
+
+    def load(epoch, rule):
+        if epoch < 2:  # the start: prefill (not compared with decoding)
+            return {f"c{k}": (15.0, 80) for k in range(8)}
+        stall = 0.15 if epoch == 2 else 1.0
+        return {f"c{k}": (150.0 * gain[rule] * stall, 4) for k in range(8)}
+
+    used = run_client_epochs(tuner, 30, load)
+    assert used[2:4] == ["none", "predicted"]  # the stalled epoch, then the trial compared with it
+    assert tuner.chosen == "convoy" and used[len(FIRST_TRIALS) :].count("convoy") >= 20
     assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
 
 

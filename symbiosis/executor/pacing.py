@@ -10,7 +10,13 @@ request labelled decode that is larger than a decode-sized share):
 - ``DecodeGuard`` follows the clients that are decoding (their last request was a forward
   request of class ``decode``): their pace per layer call (from ``ArrivalPredictor``), the time of
   each token (arrival of one pass's first layer to the next), and from those the *delay budget*:
-  how long one product may delay one of their layer calls.
+  how long one product may delay one of their layer calls. A pass during which the decoder went
+  inactive (``active``: a pause for its own next job, or at a start line) is no token: counted,
+  one pause of a few seconds raised a decoder's token time (an EWMA) by a second, and the wait
+  tuner's epochs (five of the slowest decoder's tokens) with it, so that one trial rule could
+  hold for most of a benchmark window. Seen once (8 client processes that wait for each other at
+  the benchmark's start line): 7 epochs in 8 s, "not waiting" for 6901 of the window's 7970
+  batches, 397 tokens/s against 503-540 in the runs beside it.
 
   - With a per-token target (``decode_slo_ms``): a decoder walking ``n`` layer calls per token,
     each taking ``gap`` of its own, meets the target if no call waits more than
@@ -171,6 +177,7 @@ class _Decoder:
         "floor_token_s",
         "decoding",
         "pending",
+        "paused",
     )
 
     def __init__(self) -> None:
@@ -182,6 +189,11 @@ class _Decoder:
         self.floor_token_s: float | None = None  # lower envelope of its token times (module doc)
         self.decoding = False  # its last forward request was class decode
         self.pending = False  # that request waits in the queue (then it is active however long it waits)
+        self.paused = False  # it stopped (went inactive) during the pass in progress: no token sample
+
+    def horizon_s(self) -> float:
+        """How long it may go without an event and still count as active (see ``active``)."""
+        return max(ACTIVE_HORIZON_S, 2.0 * (self.token_s or 0.0))
 
 
 class DecodeGuard:
@@ -218,12 +230,19 @@ class DecodeGuard:
             if not is_decode:
                 return
             decoder = self._decoders[client_id] = _Decoder()
+        if (
+            decoder.token_s is not None
+            and not decoder.pending
+            and arrival_s - decoder.last_event_s > decoder.horizon_s()
+        ):
+            decoder.paused = True  # it went inactive: waiting for its own next job, not for us
         decoder.last_event_s = arrival_s
         if position <= decoder.pass_position or decoder.pass_start_s is None:  # a new pass (token) starts
-            if is_latency and decoder.decoding and decoder.pass_start_s is not None:
+            if is_latency and decoder.decoding and decoder.pass_start_s is not None and not decoder.paused:
                 clean = self._bulk_ran_s < decoder.pass_start_s  # no bulk batch started during this token
                 self._token(decoder, arrival_s - decoder.pass_start_s, clean)
             decoder.pass_start_s = arrival_s
+            decoder.paused = False
         decoder.pass_position = position
         decoder.decoding = is_latency
         decoder.pending = True
@@ -281,7 +300,7 @@ class DecodeGuard:
         return [
             client_id
             for client_id, d in self._decoders.items()
-            if d.decoding and (d.pending or now_s - d.last_event_s <= max(ACTIVE_HORIZON_S, 2.0 * (d.token_s or 0.0)))
+            if d.decoding and (d.pending or now_s - d.last_event_s <= d.horizon_s())
         ]
 
     def longest_token_s(self, now_s: float) -> float:

@@ -54,6 +54,18 @@ whichever it was. Measured (client processes on this 2-core host, 8 decoders of 
 1-16): the convoy rule, tried first during the prefill, was rated far below "none" and hardly
 tried again, although it served x1.6 more tokens/s when fixed.
 
+One comparison counts at most ``MAX_SPEEDUP`` (x1.5) either way. No waiting rule changes every
+client's speed sevenfold from one epoch to the next; clients that stall together do (waiting for
+each other at a start line, for the host, for their own next job), whatever the rule, and the
+rule that ran next to that epoch took the whole swing as its credit. Measured (client processes
+of batch 1-16 on this 2-core host, 6 s runs): in 2 runs of 3, one comparison with an epoch of
+the clients' start (a stall; a mix of prefill and decode) rated "predicted" past the switching
+margin -- in one, x1.35 above the convoy, past ``CLEARLY_WORSE`` too, so the convoy was hardly
+tried again -- and the tuner kept "predicted" for the run, at x0.85 of the convoy's tokens/s.
+Bounded, such an epoch moves the ratings by a tenth of a rule's worth, less than the switching
+margin; a true difference of x1.5 or more still rates at least x1.5 after a few comparisons
+(enough to choose it and to set the others aside as clearly worse).
+
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
 processes, a new batch of jobs after the last one left), the tuner starts over (``resets`` in its
@@ -95,6 +107,7 @@ SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
 MIN_CLIENT_REQUESTS = 3
 SAME_PHASE = math.log(1.5)
+MAX_SPEEDUP = math.log(1.5)
 HISTORY = 40
 
 
@@ -111,7 +124,8 @@ class WaitTuner:
         self._since_reset = 0  # epochs that counted since then (the first trials, exploration)
         self._population: set[str] = set()  # clients of the counted epochs since then
         self.trials = {rule: 0 for rule in RULES}
-        self.history: list[tuple[str, int, int]] = []  # the last epochs: (rule, requests/s, rows/s)
+        # the last epochs: (rule, requests/s, rows/s, its length in ms)
+        self.history: list[tuple[str, int, int, int]] = []
         self._last_tried = {rule: -1 for rule in RULES}
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
@@ -158,7 +172,7 @@ class WaitTuner:
             self._rate(
                 {c: (n, math.log(max(r, 1) / n), math.log(n / scored_s)) for c, (n, r) in self._per_client.items()}
             )
-            self.history.append((self.rule, round(requests / scored_s), round(rows / scored_s)))
+            self.history.append((self.rule, round(requests / scored_s), round(rows / scored_s), round(1e3 * elapsed_s)))
             del self.history[:-HISTORY]
             self.trials[self.rule] += 1
             self._last_tried[self.rule] = self.epochs
@@ -200,6 +214,7 @@ class WaitTuner:
             ]
             if compared and _same_clients(before, clients) and _same_phase(before, clients, compared):
                 speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
+                speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
                 surprise = speedup - (self.ratings[rule] - self.ratings[other])
                 self.ratings[rule] += PAIR_WEIGHT * surprise / 2
                 self.ratings[other] -= PAIR_WEIGHT * surprise / 2
