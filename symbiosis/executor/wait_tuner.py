@@ -55,16 +55,16 @@ whichever it was. Measured (client processes on this 2-core host, 8 decoders of 
 tried again, although it served x1.6 more tokens/s when fixed.
 
 One comparison counts at most ``MAX_SPEEDUP`` (x1.5) either way. No waiting rule changes every
-client's speed sevenfold from one epoch to the next; clients that stall together do (waiting for
+client's speed several-fold from one epoch to the next; clients that stall together do (waiting for
 each other at a start line, for the host, for their own next job), whatever the rule, and the
 rule that ran next to that epoch took the whole swing as its credit. Measured (client processes
 of batch 1-16 on this 2-core host, 6 s runs): in 2 runs of 3, one comparison with an epoch of
 the clients' start (a stall; a mix of prefill and decode) rated "predicted" past the switching
 margin -- in one, x1.35 above the convoy, past ``CLEARLY_WORSE`` too, so the convoy was hardly
 tried again -- and the tuner kept "predicted" for the run, at x0.85 of the convoy's tokens/s.
-Bounded, such an epoch moves the ratings by a tenth of a rule's worth, less than the switching
-margin; a true difference of x1.5 or more still rates at least x1.5 after a few comparisons
-(enough to choose it and to set the others aside as clearly worse).
+Bounded, one such comparison moves two rules' rating gap by at most x1.11 (``PAIR_WEIGHT`` of
+x1.5), less than the switching margin; under a true difference of x1.5 or more the gap still
+grows towards x1.5 (enough to choose the better rule and to set the other aside as clearly worse).
 
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
