@@ -8,7 +8,10 @@ import urllib.request
 import torch
 
 import symbiosis
-from symbiosis.executor.metrics import MetricsServer
+from symbiosis.executor.metrics import MetricsServer, scheduler_metrics
+from symbiosis.executor.requests import PendingRequest
+from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
+from symbiosis.vocabulary import LatencyClass, Op
 
 
 def test_stats_and_endpoints(tiny_checkpoint):
@@ -33,3 +36,66 @@ def test_stats_and_endpoints(tiny_checkpoint):
             assert health["status"] == "ok"
         finally:
             metrics.close()
+
+
+def test_metrics_say_what_the_scheduler_decides(tiny_checkpoint):
+    """Which waiting rule is in force (the opportunistic policy's tuner tries three), why batches
+    were released, what waits, and how the decode guard paces bulk work: from ``stats()``."""
+    path = tiny_checkpoint("llama")
+    layer = "model.layers.0.self_attn.q_proj"
+    for policy in ("opportunistic", "lockstep"):
+        with symbiosis.BaseExecutor.from_pretrained(path, policy=policy) as ex:
+            for _ in range(3):
+                ex.run(layer, "forward", torch.randn(2, 64))
+            scheduler = ex.stats()["scheduler"]
+            metrics = MetricsServer(ex, port=0)
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5).read().decode()
+            finally:
+                metrics.close()
+        lines = set(text.splitlines())
+        rule = scheduler["wait_rule"]["rule"]
+        assert f'symbiosis_wait_rule{{rule="{rule}"}} 1.0' in lines
+        if policy == "opportunistic":
+            assert rule == "none"  # the tuner's first trial: not waiting
+            for name in ("none", "predicted", "convoy"):
+                assert f'symbiosis_wait_rule_chosen{{rule="{name}"}} 0.0' in lines  # no choice before the trials
+                assert f'symbiosis_wait_rule_epochs_total{{rule="{name}"}} 0.0' in lines
+            assert "symbiosis_wait_rule_resets_total 0.0" in lines
+        else:
+            assert rule == "lockstep" and not any(line.startswith("symbiosis_wait_rule_chosen") for line in lines)
+        for reason, count in scheduler["ready_reasons"].items():
+            assert f'symbiosis_batches_ready_total{{reason="{reason}"}} {float(count)}' in lines
+        assert 'symbiosis_pending_requests{cls="decode"} 0.0' in lines
+        assert 'symbiosis_pending_rows{cls="finetune"} 0.0' in lines
+        assert "symbiosis_chunks_cut_for_decode_total 0.0" in lines
+        assert "symbiosis_bulk_share 1.0" in lines and "symbiosis_backlog_share 1.0" in lines
+        assert "symbiosis_decode_tokens_over_slo_total 0.0" in lines
+        assert f"symbiosis_decoders_tracked {float(scheduler['decode_guard']['decoders_tracked'])}" in lines
+
+
+def test_scheduler_metrics_count_what_was_served():
+    scheduler = Scheduler(SchedulerConfig(policy="opportunistic"))
+    scheduler.client_joined("a")
+    scheduler.client_joined("b")
+    scheduler.add(PendingRequest(1, "a", "l0", Op.FORWARD, 3, LatencyClass.DECODE, 0.0))
+    scheduler.add(PendingRequest(2, "b", "l0", Op.FORWARD, 5, LatencyClass.FINETUNE, 0.0))
+    scheduler.add(PendingRequest(3, "b", "l1", Op.FORWARD, 7, LatencyClass.FINETUNE, 0.0))
+    batch = scheduler.next_batch(0.0)
+    assert batch is not None
+    samples = {
+        (family.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in scheduler_metrics(scheduler.stats())
+        for sample in family.samples
+    }
+    stats = scheduler.stats()
+    released = {reason: count for reason, count in stats["ready_reasons"].items() if count}
+    assert sum(released.values()) == 1  # one batch released, for the reason the scheduler gives
+    for reason, count in released.items():
+        assert samples[("symbiosis_batches_ready", (("reason", reason),))] == count
+    waiting = stats["pending_requests"]
+    assert sum(waiting.values()) >= 1  # the other layer's request still waits
+    for cls, count in waiting.items():
+        assert samples[("symbiosis_pending_requests", (("cls", cls),))] == count
+        assert samples[("symbiosis_pending_rows", (("cls", cls),))] == stats["pending_rows"][cls]
+    assert samples[("symbiosis_wait_rule", (("rule", "none"),))] == 1.0

@@ -64,6 +64,7 @@ class ExecutorCollector:
         yield GaugeMetricFamily(
             "symbiosis_joined_clients", "Clients connected", value=stats["scheduler"]["joined_clients"]
         )
+        yield from scheduler_metrics(stats["scheduler"])
         if "shards" in stats:  # a sharded executor (symbiosis/sharding): one series per rank
             up = GaugeMetricFamily("symbiosis_shard_up", "1 while the shard answers, else 0", labels=["shard"])
             held = GaugeMetricFamily(
@@ -78,6 +79,79 @@ class ExecutorCollector:
                 held.add_metric(label, shard.get("weights_bytes", 0))
                 inflight.add_metric(label, shard.get("inflight_requests", 0))
             yield from (up, held, inflight)
+
+
+def scheduler_metrics(scheduler: dict):
+    """What the scheduler decides, from its ``stats()``: which waiting rule is in force (the
+    opportunistic policy tries three and keeps the best, ``wait_tuner.py``), why batches were
+    released, what waits, and how the decode guard paces bulk work. Keys a scheduler does not
+    report (a sharded executor's merged stats) are skipped."""
+    rule = scheduler.get("wait_rule") or {}
+    if "rule" in rule:
+        in_force = GaugeMetricFamily(
+            "symbiosis_wait_rule", "1 for the waiting rule in force now (a trial or the chosen one)", labels=["rule"]
+        )
+        rules = set(rule.get("trials", {})) | {rule["rule"]}
+        for name in sorted(rules):
+            in_force.add_metric([name], 1.0 if name == rule["rule"] else 0.0)
+        yield in_force
+    if rule.get("trials"):
+        chosen = GaugeMetricFamily(
+            "symbiosis_wait_rule_chosen",
+            "1 for the rule the adaptive tuner uses between its trials (all 0 during its first trials)",
+            labels=["rule"],
+        )
+        trials = CounterMetricFamily(
+            "symbiosis_wait_rule_epochs", "Tuner epochs counted under each rule", labels=["rule"]
+        )
+        for name, count in sorted(rule["trials"].items()):
+            chosen.add_metric([name], 1.0 if name == rule.get("chosen") else 0.0)
+            trials.add_metric([name], count)
+        yield from (chosen, trials)
+        yield CounterMetricFamily(
+            "symbiosis_wait_rule_resets", "Times the tuner started over for a new set of clients", value=rule["resets"]
+        )
+    if "ready_reasons" in scheduler:
+        reasons = CounterMetricFamily(
+            "symbiosis_batches_ready", "Batches released, by why their group was ready", labels=["reason"]
+        )
+        for reason, count in sorted(scheduler["ready_reasons"].items()):
+            reasons.add_metric([reason], count)
+        yield reasons
+    if "pending_requests" in scheduler:
+        pending = GaugeMetricFamily("symbiosis_pending_requests", "Requests waiting, by latency class", labels=["cls"])
+        pending_rows = GaugeMetricFamily("symbiosis_pending_rows", "Rows waiting, by latency class", labels=["cls"])
+        for cls, count in sorted(scheduler["pending_requests"].items()):
+            pending.add_metric([cls], count)
+            pending_rows.add_metric([cls], scheduler.get("pending_rows", {}).get(cls, 0))
+        yield from (pending, pending_rows)
+    if "chunks_cut_for_decode" in scheduler:
+        yield CounterMetricFamily(
+            "symbiosis_chunks_cut_for_decode",
+            "Bulk products cut short so that a decoder does not wait behind them",
+            value=scheduler["chunks_cut_for_decode"],
+        )
+    guard = scheduler.get("decode_guard")
+    if guard:
+        yield GaugeMetricFamily("symbiosis_decoders_tracked", "Clients seen decoding", value=guard["decoders_tracked"])
+        yield GaugeMetricFamily(
+            "symbiosis_bulk_share",
+            "Share of time bulk work may use while clients decode (paced by --decode-slo-ms; 1 without)",
+            value=guard["bulk_share"],
+        )
+        yield GaugeMetricFamily(
+            "symbiosis_backlog_share",
+            "Share of time a client with a backlog (a flood) may use while others decode",
+            value=guard["backlog_share"],
+        )
+        yield CounterMetricFamily(
+            "symbiosis_decode_tokens", "Decoded tokens timed by the decode guard", value=guard["token_samples"]
+        )
+        yield CounterMetricFamily(
+            "symbiosis_decode_tokens_over_slo",
+            "Timed tokens over --decode-slo-ms (0 without a target)",
+            value=guard["token_samples_over_slo"],
+        )
 
 
 def _peak_rss_bytes() -> int:
