@@ -66,10 +66,10 @@ def test_metrics_say_what_the_scheduler_decides(tiny_checkpoint):
             assert rule == "lockstep" and not any(line.startswith("symbiosis_wait_rule_chosen") for line in lines)
         for reason, count in scheduler["ready_reasons"].items():
             assert f'symbiosis_batches_ready_total{{reason="{reason}"}} {float(count)}' in lines
-        assert 'symbiosis_pending_requests{cls="decode"} 0.0' in lines
-        assert 'symbiosis_pending_rows{cls="finetune"} 0.0' in lines
+        assert 'symbiosis_pending_requests{latency_class="decode"} 0.0' in lines
+        assert 'symbiosis_pending_rows{latency_class="finetune"} 0.0' in lines
         assert "symbiosis_chunks_cut_for_decode_total 0.0" in lines
-        assert "symbiosis_bulk_share 1.0" in lines and "symbiosis_backlog_share 1.0" in lines
+        assert "symbiosis_bulk_share_ratio 1.0" in lines and "symbiosis_backlog_share_ratio 1.0" in lines
         assert "symbiosis_decode_tokens_over_slo_total 0.0" in lines
         assert f"symbiosis_decoders_tracked {float(scheduler['decode_guard']['decoders_tracked'])}" in lines
 
@@ -96,6 +96,6 @@ def test_scheduler_metrics_count_what_was_served():
     waiting = stats["pending_requests"]
     assert sum(waiting.values()) >= 1  # the other layer's request still waits
     for cls, count in waiting.items():
-        assert samples[("symbiosis_pending_requests", (("cls", cls),))] == count
-        assert samples[("symbiosis_pending_rows", (("cls", cls),))] == stats["pending_rows"][cls]
+        assert samples[("symbiosis_pending_requests", (("latency_class", cls),))] == count
+        assert samples[("symbiosis_pending_rows", (("latency_class", cls),))] == stats["pending_rows"][cls]
     assert samples[("symbiosis_wait_rule", (("rule", "none"),))] == 1.0

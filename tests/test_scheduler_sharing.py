@@ -298,12 +298,38 @@ def test_a_decoder_that_pauses_between_tokens_keeps_its_token_time():
         for _ in range(3):  # the pass spanning the pause is no sample
             token()
         assert guard.tokens_seen == 19 + 2
-        token(pause_s=0.5)  # a pause within a pass (between its layer calls)
+        token(pause_s=1.0)  # a pause within a pass (between its layer calls)
         token()
         token()
         assert guard.tokens_seen == 19 + 2 + 1 + 1  # the pass before, and the one after it
         assert guard.longest_token_s(now) == pytest.approx(0.010)
         assert guard.backlog_share == 1.0 and guard.bulk_share == 1.0 and guard.slo_misses == 0
+
+    # A pause before the first sample is no token either.
+    guard, now = DecodeGuard(slo_s=None, slowdown=1.0), 0.0
+    for pause_s in (0.0, 3.0) + (0.0,) * 4:  # its first pass, then a pause: no token time known yet
+        now += pause_s
+        for position in range(4):
+            guard.arrived("d", Op.FORWARD, True, position, now)
+            guard.handed_out("d", now + 0.001)
+            now += 0.0025
+    assert guard.longest_token_s(now) == pytest.approx(0.010) and guard.tokens_seen == 4
+
+
+def test_a_decoder_starved_between_its_calls_is_timed_not_taken_for_paused():
+    """A decoder whose client is starved of CPU (bulk work on its cores) goes quiet between calls
+    too: its slow tokens are what a target's feedback must see, so only a gap of ``PAUSE_S`` or
+    two of its tokens is a pause. Here 10 ms tokens, then 60 ms between calls (240 ms tokens)
+    against a 50 ms target: every slow token counts, and fine-tuning's share falls."""
+    guard, now = DecodeGuard(slo_s=0.05, slowdown=1.0), 0.0
+    for gap_s in (0.0015,) * 20 + (0.059,) * 50:
+        for position in range(4):
+            guard.arrived("d", Op.FORWARD, True, position, now)
+            guard.handed_out("d", now + 0.001)
+            now += 0.001 + gap_s
+    assert guard.tokens_seen == 69 and guard.slo_misses >= 49
+    assert guard.longest_token_s(now) == pytest.approx(0.240, rel=0.01)
+    assert guard.bulk_share < 0.1
 
 
 def test_a_decoders_prefill_pass_keeps_it_protected():

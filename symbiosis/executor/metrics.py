@@ -84,8 +84,9 @@ class ExecutorCollector:
 def scheduler_metrics(scheduler: dict):
     """What the scheduler decides, from its ``stats()``: which waiting rule is in force (the
     opportunistic policy tries three and keeps the best, ``wait_tuner.py``), why batches were
-    released, what waits, and how the decode guard paces bulk work. Keys a scheduler does not
-    report (a sharded executor's merged stats) are skipped."""
+    released, what waits, and how the decode guard paces bulk work. A sharded executor reports the
+    scheduler of the rank that serves the clients (the other ranks batch what it relays to them).
+    Keys a stats dict lacks are skipped."""
     rule = scheduler.get("wait_rule") or {}
     if "rule" in rule:
         in_force = GaugeMetricFamily(
@@ -119,8 +120,12 @@ def scheduler_metrics(scheduler: dict):
             reasons.add_metric([reason], count)
         yield reasons
     if "pending_requests" in scheduler:
-        pending = GaugeMetricFamily("symbiosis_pending_requests", "Requests waiting, by latency class", labels=["cls"])
-        pending_rows = GaugeMetricFamily("symbiosis_pending_rows", "Rows waiting, by latency class", labels=["cls"])
+        pending = GaugeMetricFamily(
+            "symbiosis_pending_requests", "Requests waiting, by latency class", labels=["latency_class"]
+        )
+        pending_rows = GaugeMetricFamily(
+            "symbiosis_pending_rows", "Rows waiting, by latency class", labels=["latency_class"]
+        )
         for cls, count in sorted(scheduler["pending_requests"].items()):
             pending.add_metric([cls], count)
             pending_rows.add_metric([cls], scheduler.get("pending_rows", {}).get(cls, 0))
@@ -135,12 +140,12 @@ def scheduler_metrics(scheduler: dict):
     if guard:
         yield GaugeMetricFamily("symbiosis_decoders_tracked", "Clients seen decoding", value=guard["decoders_tracked"])
         yield GaugeMetricFamily(
-            "symbiosis_bulk_share",
+            "symbiosis_bulk_share_ratio",
             "Share of time bulk work may use while clients decode (paced by --decode-slo-ms; 1 without)",
             value=guard["bulk_share"],
         )
         yield GaugeMetricFamily(
-            "symbiosis_backlog_share",
+            "symbiosis_backlog_share_ratio",
             "Share of time a client with a backlog (a flood) may use while others decode",
             value=guard["backlog_share"],
         )

@@ -10,8 +10,9 @@ request labelled decode that is larger than a decode-sized share):
 - ``DecodeGuard`` follows the clients that are decoding (their last request was a forward
   request of class ``decode``): their pace per layer call (from ``ArrivalPredictor``), the time of
   each token (arrival of one pass's first layer to the next), and from those the *delay budget*:
-  how long one product may delay one of their layer calls. A pass during which the decoder went
-  inactive (``active``: a pause for its own next job, or at a start line) is no token: counted,
+  how long one product may delay one of their layer calls. A pass during which the decoder paused
+  (quiet between two calls for ``PAUSE_S`` or two of its tokens, whichever is longer: its own next
+  job, a start line) is no token: counted,
   one pause of a few seconds raised a decoder's token time (an EWMA) by a second, and the wait
   tuner's epochs (five of the slowest decoder's tokens) with it, so that one trial rule could
   hold for most of a benchmark window. Seen once (8 client processes that wait for each other at
@@ -68,6 +69,9 @@ FLOOR_RISE_WEIGHT = 0.1
 COST_DECAY = 0.95
 # A decoder counts as active while its last event is this recent, or two of its tokens' time.
 ACTIVE_HORIZON_S = 0.05
+# A decoder quiet between two calls for this long (or two of its tokens' time, if longer) paused:
+# the pass around it is no token sample (module doc).
+PAUSE_S = 0.5
 TOKEN_EWMA_WEIGHT = 0.2
 MIN_BULK_SHARE = 0.05
 MISS_FACTOR = 0.8
@@ -189,11 +193,18 @@ class _Decoder:
         self.floor_token_s: float | None = None  # lower envelope of its token times (module doc)
         self.decoding = False  # its last forward request was class decode
         self.pending = False  # that request waits in the queue (then it is active however long it waits)
-        self.paused = False  # it stopped (went inactive) during the pass in progress: no token sample
+        self.paused = False  # it paused during the pass in progress (``pause_s``): no token sample
 
     def horizon_s(self) -> float:
         """How long it may go without an event and still count as active (see ``active``)."""
         return max(ACTIVE_HORIZON_S, 2.0 * (self.token_s or 0.0))
+
+    def pause_s(self) -> float:
+        """A gap between a hand-out and its next call longer than this is a pause, not a slow
+        token: longer than ``horizon_s`` (a decoder starved of CPU by bulk work also goes quiet
+        between calls, and its slow tokens are what the target's feedback must see), at least
+        ``PAUSE_S``."""
+        return max(PAUSE_S, 2.0 * (self.token_s or 0.0))
 
 
 class DecodeGuard:
@@ -230,12 +241,8 @@ class DecodeGuard:
             if not is_decode:
                 return
             decoder = self._decoders[client_id] = _Decoder()
-        if (
-            decoder.token_s is not None
-            and not decoder.pending
-            and arrival_s - decoder.last_event_s > decoder.horizon_s()
-        ):
-            decoder.paused = True  # it went inactive: waiting for its own next job, not for us
+        if not decoder.pending and arrival_s - decoder.last_event_s > decoder.pause_s():
+            decoder.paused = True  # it stopped: waiting for its own next job, not for us
         decoder.last_event_s = arrival_s
         if position <= decoder.pass_position or decoder.pass_start_s is None:  # a new pass (token) starts
             if is_latency and decoder.decoding and decoder.pass_start_s is not None and not decoder.paused:

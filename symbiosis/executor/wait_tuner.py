@@ -62,9 +62,10 @@ of batch 1-16 on this 2-core host, 6 s runs): in 2 runs of 3, one comparison wit
 the clients' start (a stall; a mix of prefill and decode) rated "predicted" past the switching
 margin -- in one, x1.35 above the convoy, past ``CLEARLY_WORSE`` too, so the convoy was hardly
 tried again -- and the tuner kept "predicted" for the run, at x0.85 of the convoy's tokens/s.
-Bounded, one such comparison moves two rules' rating gap by at most x1.11 (``PAIR_WEIGHT`` of
-x1.5), less than the switching margin; under a true difference of x1.5 or more the gap still
-grows towards x1.5 (enough to choose the better rule and to set the other aside as clearly worse).
+Bounded, one such comparison moves two rules' rating gap ``g`` to at most ``(1 - PAIR_WEIGHT) g +
+PAIR_WEIGHT log 1.5``: from rules rated level, x1.11, less than the switching margin; under a true
+difference of x1.5 or more the gap still grows towards x1.5 (enough to choose the better rule and
+to set the other aside as clearly worse).
 
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
