@@ -278,7 +278,8 @@ def test_a_decoder_that_pauses_between_tokens_keeps_its_token_time():
     with it, so one trial rule could hold for most of a run (seen once with 8 client processes
     that wait for each other at a benchmark's start line: 7 epochs counted in 8 s, the window
     served "not waiting", 397 tokens/s against 503-540 in the runs beside it). A pass during
-    which the decoder went inactive is no token sample: not a token time, not a miss of a target."""
+    which the decoder paused (quiet between two calls for ``PAUSE_S`` or two of its tokens) is no
+    token sample: not a token time, not a miss of a target."""
     for slo_s in (None, 0.05):
         guard = DecodeGuard(slo_s=slo_s, slowdown=1.0)
         now = 0.0
