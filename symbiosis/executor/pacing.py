@@ -12,12 +12,13 @@ request labelled decode that is larger than a decode-sized share):
   each token (arrival of one pass's first layer to the next), and from those the *delay budget*:
   how long one product may delay one of their layer calls. A pass during which the decoder paused
   (quiet between two calls for ``PAUSE_S`` or two of its tokens, whichever is longer: its own next
-  job, a start line) is no token: counted,
-  one pause of a few seconds raised a decoder's token time (an EWMA) by a second, and the wait
-  tuner's epochs (five of the slowest decoder's tokens) with it, so that one trial rule could
-  hold for most of a benchmark window. Seen once (8 client processes that wait for each other at
-  the benchmark's start line): 7 epochs in 8 s, "not waiting" for 6901 of the window's 7970
-  batches, 397 tokens/s against 503-540 in the runs beside it.
+  job, a start line) is no token: counted, one pause of a few seconds raised a decoder's token
+  time (an EWMA) by a second, and the wait tuner's epochs (five of the slowest decoder's tokens)
+  with it, so that one trial rule could hold for most of a benchmark window. Seen once (8 client
+  processes that wait for each other at the benchmark's start line): 7 epochs in 8 s, "not
+  waiting" for 6901 of the window's 7970 batches, 397 tokens/s against 503-540 in the runs beside
+  it. Not a shorter gap: a decoder starved of CPU by bulk work goes quiet between calls too, and
+  its slow tokens are what the target's feedback must see.
 
   - With a per-token target (``decode_slo_ms``): a decoder walking ``n`` layer calls per token,
     each taking ``gap`` of its own, meets the target if no call waits more than
