@@ -607,6 +607,50 @@ def test_tuner_keeps_its_ratings_while_a_client_stays():
     assert tuner.resets == 0 and tuner.chosen == "convoy"
 
 
+def test_a_trial_lasts_as_long_as_the_epoch_before_it_however_slow_its_rule_makes_the_tokens():
+    """An epoch lasts five of the slowest decoder's tokens. Taken when the epoch ends, a rule that
+    halves the decoders' pace doubled its own trial: in a committed run with client processes a
+    "none" trial lasted 778 ms between convoy epochs of ~340, at half their requests/s. An epoch
+    lasts no longer than five tokens at the pace when it began, under the rule before it."""
+    tuner = WaitTuner(epoch_s=0.1)
+    token_s = {"none": 0.16, "predicted": 0.09, "convoy": 0.08}  # the slowest decoder, under each rule
+    rate = {"none": 500, "predicted": 900, "convoy": 1000}  # requests/s of each of two clients
+    now = 0.0
+    tuner.tick(now, 5 * token_s[tuner.rule])
+    while now < 12.0:
+        now = round(now + 0.002, 6)
+        for client in ("a", "b"):
+            tuner.handed_out(client, round(0.002 * rate[tuner.rule]), 4, now)
+        if tuner.due(now):
+            tuner.tick(now, 5 * token_s[tuner.rule])  # the pace as measured under the rule in use
+    epochs = [(rule, length_ms) for rule, _, _, length_ms in tuner.history]
+    after_convoy = [epoch for (before, _), epoch in zip(epochs, epochs[1:]) if before == "convoy"]
+    assert {"none", "predicted"} <= {rule for rule, _ in after_convoy}  # trials of both
+    assert all(length_ms == pytest.approx(1e3 * 5 * token_s["convoy"], abs=5) for _, length_ms in after_convoy)
+
+
+def test_an_epoch_is_not_held_by_a_pace_measured_on_a_prefill():
+    """The slowest decoder's pace when an epoch begins is its prefill's (0.6 s here); with the
+    length fixed then, the epoch lasted five of those, 3 s (measured with client processes: 2-4 s
+    epochs just after the clients' start, some of them "none" trials). The pace is looked at again
+    while the epoch lasts: it ends after five decode tokens (0.4 s)."""
+    tuner = WaitTuner(epoch_s=0.1)
+    tuner.tick(0.0)
+    now = 0.0
+    while now < 0.1:
+        now = round(now + 0.002, 6)
+        for client in ("a", "b"):
+            tuner.handed_out(client, 2, 4, now)
+    tuner.tick(now, min_epoch_s=5 * 0.6)  # the pace of the prefill just done
+    while len(tuner.history) < 2 and now < 5.0:
+        now = round(now + 0.002, 6)
+        for client in ("a", "b"):
+            tuner.handed_out(client, 2, 4, now)
+        if tuner.due(now):
+            tuner.tick(now, min_epoch_s=5 * 0.08)  # decoding
+    assert tuner.history[-1][3] == pytest.approx(400, abs=60)
+
+
 def test_tuner_ignores_epochs_that_say_nothing():
     tuner = WaitTuner(epoch_s=0.2)
     tuner.tick(0.0)
@@ -652,8 +696,10 @@ def test_tuner_is_asked_for_the_decoders_token_times_only_when_an_epoch_may_end(
     assert tuner.due(0.0)  # not started: the first tick starts it
     tuner.tick(0.0)
     assert not tuner.due(0.1) and tuner.due(0.2)
-    tuner.tick(0.2, min_epoch_s=0.5)  # the decoders' tokens make the epoch longer: not over yet
-    assert not tuner.due(0.45) and tuner.due(0.5)
+    tuner.tick(0.2, min_epoch_s=0.5)  # ends the epoch; the decoders' tokens make the next one longer
+    assert not tuner.due(0.39) and tuner.due(0.41)  # looked at from epoch_s on,
+    tuner.tick(0.41, min_epoch_s=0.5)
+    assert not tuner.due(0.5) and tuner.due(0.52)  # then every half epoch_s while it lasts
 
     calls = []
     walkers = [Walker(f"d{i}", rows=1, gap_s=0.0005, start_s=1e-4 * i) for i in range(4)]

@@ -13,7 +13,13 @@ tries three waiting *rules* in turn and keeps the one under which its clients st
   walk the same op and can come), up to ``lockstep_timeout_ms``.
 
 A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if
-that is longer (a rule needs a few passes to show: a convoy forms over one). What it measures is
+that is longer (a rule needs a few passes to show: a convoy forms over one) -- but no longer than
+five tokens at the pace when it began, under the rule before it. Taken at its end alone, a rule
+that slows the decoders lengthened its own trial: in the committed runs with client processes
+of batch 1-16 (2026-11-29), three "none" trials lasted 620-780 ms, about twice the convoy epochs
+beside them, at 40-60% of their requests/s -- the trial's cost, which every client pays. Fixed at its start alone, a pace
+measured just after the clients' start (their prefills, their warm-up beside each other) set
+epochs of 2-4 s; so the pace is looked at again while the epoch lasts. What an epoch measures is
 each client's requests per second over the epoch after its first quarter (the settling of the
 previous rule's convoys): for a client in a closed loop, the inverse of its step time. Two epochs
 are compared *client by client*: the mean over the clients served in both of the log of each
@@ -131,15 +137,19 @@ class WaitTuner:
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
-        self._start_s = start_s
-        self._epoch_s = epoch_s
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
+        # The epoch: its start, the most it may last (five tokens at the pace before it), when
+        # the clients' requests start to count, and when tick looks at the decoders' pace next.
+        self._start_s, self._cap_s, self._settle_s, self._check_s = 0.0, epoch_s, 0.0, 0.0
+        self._started = False
+        if start_s is not None:
+            self._begin(start_s, 0.0, None)
 
     def handed_out(self, client_id: str, requests: int, rows: int, now_s: float) -> None:
         """``requests`` requests (``rows`` rows) of ``client_id`` were completed at ``now_s``."""
-        if self._start_s is None:
-            self._start_s = now_s
-        if now_s >= self._start_s + SETTLE_FRACTION * self._epoch_s:
+        if not self._started:
+            self._begin(now_s, 0.0, None)
+        if now_s >= self._start_s + self._settle_s:
             counts = self._per_client.get(client_id)
             if counts is None:
                 self._per_client[client_id] = [requests, rows]
@@ -148,24 +158,30 @@ class WaitTuner:
                 counts[1] += rows
 
     def due(self, now_s: float) -> bool:
-        """Whether ``tick`` could end the epoch now (as long as it was when last asked): the
-        scheduler asks this on every plan, and ``tick``'s ``min_epoch_s`` costs a look at every
-        decoder, so it is computed only then."""
-        return self._start_s is None or now_s - self._start_s >= self._epoch_s
+        """Whether ``tick`` may end the epoch now: the scheduler asks this on every plan, and
+        ``tick``'s ``min_epoch_s`` costs a look at every decoder, so it is computed only then
+        (from ``adapt_epoch_ms`` on, every half of that while the epoch lasts)."""
+        return not self._started or now_s >= self._check_s
 
     def tick(self, now_s: float, min_epoch_s: float = 0.0) -> None:
-        """End the epoch if it is due, score it, and pick the next rule. ``min_epoch_s``: the epoch
-        lasts at least this long (a few of the clients' steps, so a rule has time to show)."""
-        if self._start_s is None:
-            self._start_s = now_s
+        """End the epoch if it is over, score it, and pick the next rule. ``min_epoch_s``: five of
+        the slowest decoder's tokens at their pace now (the epoch lasts at least ``epoch_s``).
+        The epoch lasts that long, but no longer than it was when the epoch began, at the pace
+        under the rule before it: a rule that slows the decoders does not lengthen its own trial,
+        and a pace measured on a prefill does not hold the epoch after it (see module doc)."""
+        if not self._started:
+            self._begin(now_s, min_epoch_s, None)
             return
-        self._epoch_s = max(self.epoch_s, min_epoch_s)
+        if now_s < self._check_s:
+            return
         elapsed_s = now_s - self._start_s
-        if elapsed_s < self._epoch_s:
+        length_s = max(self.epoch_s, min(self._cap_s, min_epoch_s))
+        if elapsed_s < length_s:
+            self._check_s = self._start_s + min(length_s, elapsed_s + self.epoch_s / 2)
             return
-        scored_s = elapsed_s - SETTLE_FRACTION * self._epoch_s
+        scored_s = elapsed_s - self._settle_s
         requests = sum(n for n, _ in self._per_client.values())
-        if elapsed_s <= 2.0 * self._epoch_s and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
+        if elapsed_s <= 2.0 * length_s and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
             rows = sum(r for _, r in self._per_client.values())
             if self._population.isdisjoint(self._per_client):
                 self._start_over()
@@ -182,7 +198,17 @@ class WaitTuner:
             self.rule = self._next_rule()
         else:
             self._previous = None  # what follows an epoch that said nothing is not compared with it
-        self._start_s, self._per_client = now_s, {}
+        self._begin(now_s, min_epoch_s, elapsed_s)
+
+    def _begin(self, now_s: float, min_epoch_s: float, last_s: float | None) -> None:
+        """Start an epoch at ``now_s``; ``last_s``: how long the one before lasted. Requests count
+        after the settling of the previous rule's convoys: a quarter of the length expected (the
+        last epoch's, as it is the pace now; at most the cap)."""
+        self._started, self._start_s, self._per_client = True, now_s, {}
+        self._cap_s = max(self.epoch_s, min_epoch_s)
+        expected_s = self._cap_s if last_s is None else min(self._cap_s, max(self.epoch_s, last_s))
+        self._settle_s = SETTLE_FRACTION * expected_s
+        self._check_s = now_s + self.epoch_s
 
     def _start_over(self) -> None:
         """Forget the ratings (they were measured on other clients). The first time, the first
