@@ -654,6 +654,27 @@ def test_an_epoch_is_not_held_by_a_pace_measured_on_a_prefill():
     assert len(tuner.history) == 2 and tuner.history[-1][3] == pytest.approx(1000, abs=60)
 
 
+def test_an_epoch_that_the_pace_would_end_early_still_outlasts_its_settling():
+    """Requests count after the epoch's settling, a quarter of the length expected when it began
+    (the last epoch's: 1.5 s here). When the pace read then falls at once (0.2 s, five tokens of
+    0.04), ending the epoch there would leave nothing counted after the settling, and the epoch
+    would say nothing; it lasts twice its settling, so half of it is measured."""
+    tuner = WaitTuner(epoch_s=0.1)
+    tuner.tick(0.0)
+    now, paces = 0.0, iter([1.5, 1.5])  # two ends read a slow pace, then the pace falls
+    pace = next(paces)
+    while len(tuner.history) < 3 and now < 10.0:
+        now = round(now + 0.002, 6)
+        for client in ("a", "b"):
+            tuner.handed_out(client, 2, 4, now)
+        if tuner.due(now):
+            epochs = len(tuner.history)
+            tuner.tick(now, min_epoch_s=pace)
+            if len(tuner.history) > epochs:
+                pace = next(paces, 0.2)
+    assert [round(length_ms, -1) for *_, length_ms in tuner.history] == [100, 1500, 750]
+
+
 def test_tuner_ignores_epochs_that_say_nothing():
     tuner = WaitTuner(epoch_s=0.2)
     tuner.tick(0.0)
