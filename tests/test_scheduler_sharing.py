@@ -681,8 +681,16 @@ def test_tuner_ignores_epochs_that_say_nothing():
     for i in range(100):  # one client only: nothing to batch with, the epoch does not count
         tuner.handed_out("a", 1, 1, 0.1 + i * 0.001)
     tuner.tick(0.25)
-    tuner.tick(10.0)  # an idle executor (overrun epoch) does not count either
+    for i in range(40):  # two clients served early in the next epoch, then the executor idles:
+        tuner.handed_out("ab"[i % 2], 1, 1, 0.31 + i * 0.002)
+    tuner.tick(10.0)  # its end is seen seconds late (an overrun epoch): it does not count either
     assert tuner.epochs == 0 and tuner.rule == FIRST_TRIALS[0]
+    for i in range(40):  # the same served in an epoch whose end is seen on time counts
+        tuner.handed_out("ab"[i % 2], 1, 1, 10.06 + i * 0.002)
+    tuner.tick(10.21)
+    assert tuner.epochs == 1
+    with pytest.raises(ValueError, match="epoch_s"):
+        WaitTuner(epoch_s=0.0)  # would look on every plan (SchedulerConfig refuses it first)
 
 
 @pytest.mark.slow

@@ -124,6 +124,8 @@ class WaitTuner:
     """Runs the trials and says which waiting rule is in force (see module doc)."""
 
     def __init__(self, epoch_s: float, start_s: float | None = None) -> None:
+        if not epoch_s > 0:
+            raise ValueError(f"WaitTuner epoch_s must be positive, got {epoch_s!r}")
         self.epoch_s = epoch_s
         self.rule = FIRST_TRIALS[0]
         self.ratings: dict[str, float] = {}  # relative, from adjacent epochs; only rules tried
@@ -167,10 +169,12 @@ class WaitTuner:
 
     def tick(self, now_s: float, min_epoch_s: float = 0.0) -> None:
         """End the epoch if it is over, score it, and pick the next rule. ``min_epoch_s``: five of
-        the slowest decoder's tokens at their pace now (the epoch lasts at least ``epoch_s``).
-        The epoch lasts that long, but no longer than it was when the epoch began, at the pace
-        under the rule before it: a rule that slows the decoders does not lengthen its own trial,
-        and a pace measured on a prefill does not hold the epoch after it (see module doc)."""
+        the slowest decoder's tokens at their pace now. The epoch lasts that long, but no longer
+        than five tokens at the pace when it began (under the rule before it: a rule that slows
+        the decoders does not lengthen its own trial, and a pace measured on a prefill does not
+        hold the epoch after it), and at least ``epoch_s`` and twice its settling (see module
+        doc). The first epoch, begun before any pace was read, lasts ``epoch_s``: it holds the
+        clients' start, which no comparison uses."""
         if not self._started:
             self._begin(now_s, min_epoch_s, None)
             return
@@ -185,7 +189,8 @@ class WaitTuner:
         scored_s = elapsed_s - self._settle_s
         requests = sum(n for n, _ in self._per_client.values())
         # Not counted if this look came more than an epoch late: the executor was idle (it plans,
-        # and so looks, on every arrival), and an idle executor says nothing about a rule.
+        # and so looks, on every arrival), and an idle executor says nothing about a rule. (A gap
+        # that ends at a look within the epoch is not seen here: at most about one epoch's worth.)
         on_time = now_s - self._check_s <= length_s
         if on_time and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
             rows = sum(r for _, r in self._per_client.values())
