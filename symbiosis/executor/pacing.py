@@ -202,10 +202,9 @@ class _Decoder:
 
     def pause_s(self) -> float:
         """A gap between a hand-out and its next call longer than this is a pause, not a slow
-        token: longer than ``horizon_s`` (a decoder starved of CPU by bulk work also goes quiet
-        between calls, and its slow tokens are what the target's feedback must see), at least
-        ``PAUSE_S``."""
-        return max(PAUSE_S, 2.0 * (self.token_s or 0.0))
+        token: ``horizon_s`` but at least ``PAUSE_S`` (a decoder starved of CPU by bulk work also
+        goes quiet between calls, and its slow tokens are what the target's feedback must see)."""
+        return max(PAUSE_S, self.horizon_s())
 
 
 class DecodeGuard:

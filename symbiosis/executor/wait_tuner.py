@@ -142,16 +142,16 @@ class WaitTuner:
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
-        # The epoch: its start, the most it may last (five tokens at the pace before it), when
-        # the clients' requests start to count, and when tick looks at the decoders' pace next.
-        self._start_s, self._cap_s, self._settle_s, self._check_s = 0.0, epoch_s, 0.0, 0.0
-        self._started = False
+        # The epoch: its start (None: not started), the most it may last (five tokens at the pace
+        # before it), when the clients' requests start to count, and when tick next reads the pace.
+        self._start_s: float | None = None
+        self._cap_s, self._settle_s, self._check_s = epoch_s, 0.0, 0.0
         if start_s is not None:
             self._begin(start_s, 0.0, None)
 
     def handed_out(self, client_id: str, requests: int, rows: int, now_s: float) -> None:
         """``requests`` requests (``rows`` rows) of ``client_id`` were completed at ``now_s``."""
-        if not self._started:
+        if self._start_s is None:
             self._begin(now_s, 0.0, None)
         if now_s >= self._start_s + self._settle_s:
             counts = self._per_client.get(client_id)
@@ -165,7 +165,7 @@ class WaitTuner:
         """Whether ``tick`` may end the epoch now: the scheduler asks this on every plan, and
         ``tick``'s ``min_epoch_s`` costs a look at every decoder, so it is computed only then
         (from ``adapt_epoch_ms`` on, every half of that while the epoch lasts)."""
-        return not self._started or now_s >= self._check_s
+        return self._start_s is None or now_s >= self._check_s
 
     def tick(self, now_s: float, min_epoch_s: float = 0.0) -> None:
         """End the epoch if it is over, score it, and pick the next rule. ``min_epoch_s``: five of
@@ -175,10 +175,10 @@ class WaitTuner:
         hold the epoch after it), and at least ``epoch_s`` and twice its settling (see module
         doc). The first epoch, begun before any pace was read, lasts ``epoch_s``: it holds the
         clients' start, which no comparison uses."""
-        if not self._started:
+        if self._start_s is None:
             self._begin(now_s, min_epoch_s, None)
             return
-        if now_s < self._check_s:
+        if not self.due(now_s):
             return
         elapsed_s = now_s - self._start_s
         # At least twice the settling: half of what is counted is settled, whatever the pace.
@@ -215,7 +215,7 @@ class WaitTuner:
         """Start an epoch at ``now_s``; ``last_s``: how long the one before lasted. Requests count
         after the settling of the previous rule's convoys: a quarter of the length expected (the
         last epoch's, as it is the pace now; at most the cap)."""
-        self._started, self._start_s, self._per_client = True, now_s, {}
+        self._start_s, self._per_client = now_s, {}
         self._cap_s = max(self.epoch_s, min_epoch_s)
         expected_s = self._cap_s if last_s is None else min(self._cap_s, max(self.epoch_s, last_s))
         self._settle_s = SETTLE_FRACTION * expected_s
