@@ -246,6 +246,9 @@ class GenerationEngine:
         self._batch: PaddedBatch | None = None
         self._rows: RowAdapters | None = None  # adapters of the running rows, while they last
         self._stopping = False
+        # The loop and a submitting thread both report the queue: a count taken before another's
+        # must not reach the hooks after it (see ``_report_queue``).
+        self._report_lock = threading.Lock()
         self.steps = 0
         self.peak_running = 0  # most sequences decoded together so far
         self.executor_ok = True
@@ -709,8 +712,15 @@ class GenerationEngine:
         self._rows = None
 
     def _report_queue(self) -> None:
-        stats = self.stats()
-        self.hooks.queue_changed(stats["running"], stats["waiting"], stats["kv_cache_bytes"], stats["adapters_loaded"])
+        # Counted and reported under one lock, so reports arrive in the order they were counted:
+        # without it the loop's count after a first prefill (1 running, 1 waiting) could land after
+        # the submits that followed, and stay until the next step -- a SIGTERM then printed
+        # "2 sequence(s) in flight" of 16, and /metrics showed the stale gauges.
+        with self._report_lock:
+            stats = self.stats()
+            self.hooks.queue_changed(
+                stats["running"], stats["waiting"], stats["kv_cache_bytes"], stats["adapters_loaded"]
+            )
 
     def _measure_cache_bytes_per_token(self) -> int:
         """KV-cache bytes one token takes, from a one-token forward (also checks the cache type)."""

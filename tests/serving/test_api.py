@@ -25,7 +25,7 @@ from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.serving import lora as lora_module
 from symbiosis.serving.logprobs import LogprobFormatter
-from symbiosis.serving.server import SHUTDOWN_GRACE_S, ApiConfigError, ApiOptions, ApiServer
+from symbiosis.serving.server import SHUTDOWN_GRACE_S, ApiConfigError, ApiOptions, ApiServer, served_name_of
 from tests.serving.conftest import make_lora_adapter
 
 PROMPTS = ["The quick brown fox", "Hello there, my friend", "a", "Once upon a time in a land far away", "0 1 2 3"]
@@ -749,6 +749,56 @@ def test_a_shutdown_timeout_lets_requests_in_flight_finish(api_model, monkeypatc
     try:
         _slow_steps(server, monkeypatch, 0.02)
         assert 0.5 <= _stream_ended_by_shutdown(server, 200) < 0.5 + SHUTDOWN_GRACE_S
+    finally:
+        server.close()
+
+
+def test_the_queue_is_reported_in_the_order_it_was_counted(api_model):
+    """The engine's loop and the thread that submits both report the queue (running + waiting) to
+    the hooks (the gauges, and the count the shutdown line prints). The loop's count after a first
+    prefill could reach them after the counts of the submits that followed it, and stay until the
+    next step: a SIGTERM then printed "2 sequence(s) in flight" of 16 (a CI run of 01d1339). Here
+    the loop is held between its first count and its report until the other choices are queued."""
+    server = start_server(api_model)
+    try:
+        engine, metrics = server.engine, server.metrics
+        loop = engine._thread
+        counted = threading.Event()
+        reports: list[int | None] = []  # running + waiting per report; None when a sequence finished
+        real_stats, real_submit = engine.stats, engine.submit
+        real_queue_changed, real_finished = metrics.queue_changed, metrics.finished
+
+        def stats():
+            result = real_stats()
+            if threading.current_thread() is loop and result["running"] and not counted.is_set():
+                counted.set()
+                time.sleep(0.3)  # counted, not yet reported: the other choices are submitted now
+            return result
+
+        submitted = []
+
+        def submit(request):
+            if submitted:  # the first choice goes at once, the others once the loop has counted it
+                assert counted.wait(10), "the loop never counted the first choice"
+            submitted.append(request)
+            return real_submit(request)
+
+        def queue_changed(running, waiting, *rest):
+            reports.append(running + waiting)
+            real_queue_changed(running, waiting, *rest)
+
+        def finished(*args):
+            reports.append(None)
+            real_finished(*args)
+
+        engine.stats, engine.submit = stats, submit
+        metrics.queue_changed, metrics.finished = queue_changed, finished
+        body = {"model": served_name_of(server.options), "prompt": "hi", "max_tokens": 8, "n": 4, "ignore_eos": True}
+        status, _ = post(server.url + "/v1/completions", body)
+        assert status == 200 and counted.is_set()
+        before_finish = reports[: reports.index(None)]
+        assert max(before_finish) == 4
+        assert before_finish == sorted(before_finish), before_finish  # before: [1, 2, 3, 4, 1, ...]
     finally:
         server.close()
 
