@@ -623,7 +623,7 @@ def test_a_trial_lasts_as_long_as_the_epoch_before_it_however_slow_its_rule_make
             tuner.handed_out(client, round(0.002 * rate[tuner.rule]), 4, now)
         if tuner.due(now):
             tuner.tick(now, 5 * token_s[tuner.rule])  # the pace as measured under the rule in use
-    epochs = [(rule, length_ms) for rule, _, _, length_ms in tuner.history]
+    epochs = [(rule, length_ms) for rule, _, _, length_ms, *_ in tuner.history]
     after_convoy = [epoch for (before, _), epoch in zip(epochs, epochs[1:]) if before == "convoy"]
     assert {"none", "predicted"} <= {rule for rule, _ in after_convoy}  # trials of both
     assert all(length_ms == pytest.approx(1e3 * 5 * token_s["convoy"], abs=5) for _, length_ms in after_convoy)
@@ -652,6 +652,7 @@ def test_an_epoch_is_not_held_by_a_pace_measured_on_a_prefill():
         if tuner.due(now):
             tuner.tick(now, min_epoch_s=5 * (0.6 if now - begun < 1.0 else 0.08))  # then decoding
     assert len(tuner.history) == 2 and tuner.history[-1][3] == pytest.approx(1000, abs=60)
+    assert tuner.history[-1][4:] == (3000, 400)  # its cap (the prefill's pace), the pace that ended it
 
 
 def test_an_epoch_that_the_pace_would_end_early_still_outlasts_its_settling():
@@ -672,7 +673,7 @@ def test_an_epoch_that_the_pace_would_end_early_still_outlasts_its_settling():
             tuner.tick(now, min_epoch_s=pace)
             if len(tuner.history) > epochs:
                 pace = next(paces, 0.2)
-    assert [round(length_ms, -1) for *_, length_ms in tuner.history] == [100, 1500, 750]
+    assert [round(entry[3], -1) for entry in tuner.history] == [100, 1500, 750]
 
 
 def test_tuner_ignores_epochs_that_say_nothing():

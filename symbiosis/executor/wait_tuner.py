@@ -135,8 +135,9 @@ class WaitTuner:
         self._since_reset = 0  # epochs that counted since then (the first trials, exploration)
         self._population: set[str] = set()  # clients of the counted epochs since then
         self.trials = {rule: 0 for rule in RULES}
-        # the last epochs: (rule, requests/s, rows/s, its length in ms)
-        self.history: list[tuple[str, int, int, int]] = []
+        # the last epochs: (rule, requests/s, rows/s, its length, its cap -- five tokens at the pace
+        # when it began -- and five tokens at the pace read last; the last three in ms)
+        self.history: list[tuple[str, int, int, int, int, int]] = []
         self._last_tried = {rule: -1 for rule in RULES}
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
@@ -200,7 +201,16 @@ class WaitTuner:
             self._rate(
                 {c: (n, math.log(max(r, 1) / n), math.log(n / scored_s)) for c, (n, r) in self._per_client.items()}
             )
-            self.history.append((self.rule, round(requests / scored_s), round(rows / scored_s), round(1e3 * elapsed_s)))
+            self.history.append(
+                (
+                    self.rule,
+                    round(requests / scored_s),
+                    round(rows / scored_s),
+                    round(1e3 * elapsed_s),
+                    round(1e3 * self._cap_s),
+                    round(1e3 * min_epoch_s),
+                )
+            )
             del self.history[:-HISTORY]
             self.trials[self.rule] += 1
             self._last_tried[self.rule] = self.epochs
