@@ -500,6 +500,30 @@ def test_tuner_is_not_decided_by_one_epoch_in_which_the_clients_stalled():
     assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
 
 
+def test_a_stalled_epoch_moves_the_ratings_once_though_it_is_compared_on_both_sides():
+    """A stalled epoch is compared with the epoch before it and with the one after; each
+    comparison is bounded (``MAX_SPEEDUP``), but two bounded comparisons against one rule moved
+    the gap past the switching margin. Measured (client processes of batch 1-16, 2026-11-29
+    18:00): the first convoy epoch after the first trials served 138 requests/s between a
+    "predicted" trial at 686 and a "none" one at 1395 (the clients' start: others still loading
+    their models); the tuner left the convoy for the rest of the run at x0.74 of lockstep's
+    tokens/s. A swing of x3 or more is a stall, not a rule: an epoch takes part in one such
+    comparison at most, and the tuner keeps the convoy."""
+    tuner = WaitTuner(epoch_s=0.25)
+    gain = {"none": 1.0, "predicted": 1.0, "convoy": 1.35}
+
+    def load(epoch, rule):
+        if epoch < 2:  # the start: prefill (not compared with decoding)
+            return {f"c{k}": (15.0, 80) for k in range(8)}
+        stall = 0.15 if epoch == len(FIRST_TRIALS) else 1.0  # the first epoch of the rule chosen
+        return {f"c{k}": (150.0 * gain[rule] * stall, 4) for k in range(8)}
+
+    used = run_client_epochs(tuner, 30, load)
+    assert used[len(FIRST_TRIALS) - 1 : len(FIRST_TRIALS) + 2] == ["predicted", "convoy", "none"]  # as measured
+    assert tuner.chosen == "convoy" and used[len(FIRST_TRIALS) :].count("convoy") >= 20, used
+    assert tuner.ratings["convoy"] > max(tuner.ratings["none"], tuner.ratings["predicted"])
+
+
 def test_tuner_rates_each_clients_speed_not_the_total_a_racing_small_client_inflates():
     """Clients of batch 1 and 16 (most of the tokens). Not waiting lets the small one race ahead
     (1100 steps/s) while the large one crawls (150); the convoy steps both at 500/s: fewer

@@ -73,7 +73,15 @@ tried again -- and the tuner kept "predicted" for the run, at x0.85 of the convo
 Bounded, one such comparison moves two rules' rating gap ``g`` to at most ``(1 - PAIR_WEIGHT) g +
 PAIR_WEIGHT log 1.5``: from rules rated level, x1.11, less than the switching margin; under a true
 difference of x1.5 or more the gap still grows towards x1.5 (enough to choose the better rule and
-to set the other aside as clearly worse).
+to set the other aside as clearly worse). A stalled epoch is compared twice, though, with the
+epoch before it and with the one after, and two bounded comparisons against one rule moved the
+gap past the switching margin. Measured (client processes of batch 1-16, 2026-11-29 18:00): the
+first convoy epoch after the first trials served 138 requests/s between a "predicted" trial at 686
+and a "none" one at 1395 (other clients still loading their models), and the tuner left the
+convoy for the run, at x0.74 of lockstep's tokens/s. A swing of ``STALL_SPEEDUP`` (x3) or more is
+taken for a stall: an epoch takes part in one such comparison at most (the first). A rule's real
+effect stays below that in the tuner's simulations (x1.9-2.5 for the largest) and counts, bounded,
+on both sides of its trial as before.
 
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
@@ -117,6 +125,7 @@ MIN_REQUESTS = 8
 MIN_CLIENT_REQUESTS = 3
 SAME_PHASE = math.log(1.5)
 MAX_SPEEDUP = math.log(1.5)
+STALL_SPEEDUP = math.log(3.0)
 HISTORY = 40
 
 
@@ -141,6 +150,7 @@ class WaitTuner:
         self._last_tried = {rule: -1 for rule in RULES}
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
+        self._previous_stalled = False  # the last epoch took part in a comparison past STALL_SPEEDUP
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
         # The epoch: its start (None: not started), the most it may last (five tokens at the pace
@@ -253,6 +263,7 @@ class WaitTuner:
         request (a log) and its requests per second (a log)."""
         rule = self.rule
         self.ratings.setdefault(rule, 0.0 if not self.ratings else max(self.ratings.values()))
+        stalled = False
         if self._previous is not None and self._previous[0] != rule:
             other, before = self._previous
             compared = [
@@ -262,10 +273,17 @@ class WaitTuner:
             ]
             if compared and _same_clients(before, clients) and _same_phase(before, clients, compared):
                 speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
-                speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
-                surprise = speedup - (self.ratings[rule] - self.ratings[other])
-                self.ratings[rule] += PAIR_WEIGHT * surprise / 2
-                self.ratings[other] -= PAIR_WEIGHT * surprise / 2
+                stalled = abs(speedup) >= STALL_SPEEDUP
+                # One such swing per epoch at most (module doc): a stalled epoch is compared with
+                # the epochs on both sides of it, and it should move the ratings once.
+                if stalled and self._previous_stalled:
+                    stalled = False  # not counted, so this epoch's own next comparison may count
+                else:
+                    speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
+                    surprise = speedup - (self.ratings[rule] - self.ratings[other])
+                    self.ratings[rule] += PAIR_WEIGHT * surprise / 2
+                    self.ratings[other] -= PAIR_WEIGHT * surprise / 2
+        self._previous_stalled = stalled
         if self._previous is not None:
             self._settled = set(self._previous[1])
         self._previous = (rule, clients)
