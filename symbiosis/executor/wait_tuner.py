@@ -43,8 +43,8 @@ warm-up epochs rated the convoy rule below the others and the tuner left it (thr
 the convoy rule fixed served 25.2 with half the executor's CPU (4x fewer batches, so 4x fewer
 passes over the weights). Without those comparisons one run of two kept the convoy (24.6
 tokens/s); the other still left it on the noise of the first decoding epochs (20.0). An epoch
-counts only if two clients or more were served in it (alone, nothing can be batched) and it did
-not overrun (an idle executor says nothing about a rule).
+counts only if two clients or more were served in it (alone, nothing can be batched) and the
+look that ended it came on time (an idle executor says nothing about a rule).
 
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average
@@ -150,7 +150,7 @@ class WaitTuner:
         self._last_tried = {rule: -1 for rule in RULES}
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
-        self._previous_stalled = False  # the last epoch took part in a comparison past STALL_SPEEDUP
+        self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
         # The epoch: its start (None: not started), the most it may last (five tokens at the pace
@@ -273,12 +273,11 @@ class WaitTuner:
             ]
             if compared and _same_clients(before, clients) and _same_phase(before, clients, compared):
                 speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
-                stalled = abs(speedup) >= STALL_SPEEDUP
-                # One such swing per epoch at most (module doc): a stalled epoch is compared with
-                # the epochs on both sides of it, and it should move the ratings once.
-                if stalled and self._previous_stalled:
-                    stalled = False  # not counted, so this epoch's own next comparison may count
-                else:
+                # One swing of a stall per epoch at most (module doc): a stalled epoch is compared
+                # with the epochs on both sides of it, and it moves the ratings once.
+                swing_of_a_stall = abs(speedup) >= STALL_SPEEDUP
+                if not (swing_of_a_stall and self._previous_stalled):
+                    stalled = swing_of_a_stall
                     speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
                     surprise = speedup - (self.ratings[rule] - self.ratings[other])
                     self.ratings[rule] += PAIR_WEIGHT * surprise / 2
