@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -158,6 +160,38 @@ def test_chaos_leaves_survivors_of_both_roles():
         roles = {s.role for s in specs if s.name in victims}
         assert len(victims) == 2 and roles == {"finetune", "decode"}
         assert all(3.0 <= at <= 27.0 for at, kind, _ in events if kind == "kill_client")
+
+
+def test_a_restart_waits_until_the_executor_it_replaces_has_served():
+    """A slow comeback (the first restart's executor ready after the second restart's time) must
+    not make the next restart fire at once: each restart is judged by what the new executor
+    serves before the next one. The run is stretched to let the last one serve as well."""
+    import types
+
+    downtime_s, seconds = 0.6, 1.2  # restarts scheduled at 0.4 and 0.8 s; hold 0.2 s after ready
+    run = object.__new__(soak.SoakRun)
+    run.args = types.SimpleNamespace(seconds=seconds, restarts=2, sample_interval_s=10.0)
+    run.events = soak.chaos_schedule(random.Random(0), [], seconds, kills=0, restarts=2)
+    run.executors = [types.SimpleNamespace(pid=os.getpid())]
+    run.workers, run.incarnations, restarted = {}, [], []
+
+    def restart(how):
+        at = time.time() - run.origin
+        time.sleep(downtime_s)
+        restarted.append((how, at))
+        run.incarnations[-1]["end_s"] = at
+        run.incarnations.append({"ready_s": time.time() - run.origin})
+
+    run._restart_executor = restart
+    try:
+        run._soak()
+    finally:
+        run.sampler.stop()
+    hold = seconds / 3 / 2
+    assert [how for how, _ in restarted] == ["kill", "term"]
+    assert restarted[0][1] == pytest.approx(0.4, abs=0.15)
+    assert restarted[1][1] >= run.incarnations[1]["ready_s"] + hold - 0.01, (restarted, run.incarnations)
+    assert run.soak_s >= run.incarnations[2]["ready_s"] + hold - 0.01, (run.soak_s, run.incarnations)
 
 
 def test_a_closed_server_removes_its_socket_file_and_only_its_own(sock_dir):
