@@ -271,6 +271,33 @@ def test_without_a_target_a_flood_is_cut_to_a_decoders_own_pace_not_its_starved_
     assert guard._decoders["d"].floor_token_s == pytest.approx(0.030, rel=0.05)
 
 
+def test_the_recent_pace_forgets_a_slow_start_within_three_tokens():
+    """The wait tuner sizes its epochs by the slowest decoder's recent pace. Its token-time EWMA
+    kept the clients' first tokens (5-8x the steady ones, beside processes still loading models)
+    for five or six epochs, so the first trials after them lasted 1.5 s where the steady epochs
+    last 0.4 s; the median of the last ``RECENT_TOKENS`` follows the steady pace from the third
+    fast token on, and a real slow-down as fast."""
+    guard, now = DecodeGuard(slo_s=None, slowdown=1.0), 0.0
+
+    def tokens(count, token_s):
+        nonlocal now
+        for _ in range(count):
+            for position in range(4):
+                guard.arrived("d", Op.FORWARD, True, position, now)
+                guard.handed_out("d", now + 0.001)
+                now += token_s / 4
+
+    tokens(6, 0.500)  # the start: 5 samples of 500 ms (a token is sampled when the next one starts)
+    assert guard.longest_token_s(now) == pytest.approx(0.500)
+    tokens(3, 0.080)  # the first of these closes the last slow token: two fast samples so far
+    assert guard.longest_token_s(now) == pytest.approx(0.500)
+    tokens(1, 0.080)
+    assert guard.longest_token_s(now) == pytest.approx(0.080)
+    assert guard._decoders["d"].token_s > 0.2  # the EWMA, by contrast, still remembers the start
+    tokens(4, 0.160)  # slower for real (a longer context, more clients): three samples of it
+    assert guard.longest_token_s(now) == pytest.approx(0.160)
+
+
 def test_a_decoder_that_pauses_between_tokens_keeps_its_token_time():
     """A client that stops between two tokens (it waits for its own next job, or for the other
     clients at a start line) was timed as if that pause were one token: its token time (an

@@ -59,6 +59,8 @@ request labelled decode that is larger than a decode-sized share):
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 from symbiosis.vocabulary import Op
 
@@ -74,6 +76,10 @@ ACTIVE_HORIZON_S = 0.05
 # the pass around it is no token sample (module doc).
 PAUSE_S = 0.5
 TOKEN_EWMA_WEIGHT = 0.2
+# A decoder's recent pace (``longest_token_s``, which sizes the wait tuner's epochs) is the median
+# of its last this many token times: it forgets a slow start within three tokens, where the EWMA
+# above kept the clients' first tokens (several times the steady ones) for five or six epochs.
+RECENT_TOKENS = 5
 MIN_BULK_SHARE = 0.05
 MISS_FACTOR = 0.8
 HIT_FACTOR = MISS_FACTOR ** (-1.0 / 19.0)  # 19 hits undo one miss: the share settles at 5% misses (p95)
@@ -180,6 +186,7 @@ class _Decoder:
         "token_s",
         "token_dev_s",
         "floor_token_s",
+        "recent_token_s",
         "decoding",
         "pending",
         "paused",
@@ -192,6 +199,7 @@ class _Decoder:
         self.token_s: float | None = None
         self.token_dev_s = 0.0
         self.floor_token_s: float | None = None  # lower envelope of its token times (module doc)
+        self.recent_token_s: deque[float] = deque(maxlen=RECENT_TOKENS)  # its last token times
         self.decoding = False  # its last forward request was class decode
         self.pending = False  # that request waits in the queue (then it is active however long it waits)
         self.paused = False  # it paused during the pass in progress (``pause_s``): no token sample
@@ -274,6 +282,7 @@ class DecodeGuard:
             deviation = abs(token_s - decoder.token_s)
             decoder.token_s += TOKEN_EWMA_WEIGHT * (token_s - decoder.token_s)
             decoder.token_dev_s += TOKEN_EWMA_WEIGHT * (deviation - decoder.token_dev_s)
+        decoder.recent_token_s.append(token_s)
         self.tokens_seen += 1
         floor = decoder.floor_token_s
         if self.slo_s is None and floor is not None:
@@ -311,8 +320,16 @@ class DecodeGuard:
         ]
 
     def longest_token_s(self, now_s: float) -> float:
-        """The longest token time (EWMA) among active decoders; 0 if none is known."""
-        return max((self._decoders[c].token_s or 0.0 for c in self.active(now_s)), default=0.0)
+        """The longest recent token time (median of the last ``RECENT_TOKENS``) among active
+        decoders; 0 if none is known."""
+        return max(
+            (
+                statistics.median(d.recent_token_s)
+                for c in self.active(now_s)
+                if (d := self._decoders[c]).recent_token_s
+            ),
+            default=0.0,
+        )
 
     def delay_budget_s(
         self, now_s: float, gap_of, calls_per_token: int, exclude: str | None = None, backlog: bool = False

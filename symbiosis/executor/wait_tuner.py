@@ -13,7 +13,9 @@ tries three waiting *rules* in turn and keeps the one under which its clients st
   walk the same op and can come), up to ``lockstep_timeout_ms``.
 
 A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if
-that is longer (a rule needs a few passes to show: a convoy forms over one) -- but no longer than
+that is longer (at its recent pace: the median of its last ``pacing.RECENT_TOKENS`` token times,
+which forgets the clients' slow first tokens within three; their average kept them for five or
+six epochs) (a rule needs a few passes to show: a convoy forms over one) -- but no longer than
 five tokens at the pace when it began, under the rule before it. Taken at its end alone, a rule
 that slows the decoders lengthened its own trial: in the committed runs with client processes of
 batch 1-16 (2026-11-29), three "none" trials lasted 620-780 ms, about twice the convoy epochs
