@@ -23,8 +23,9 @@ What it does, in order:
 5. With ``--chaos``: ``--kill-clients`` random clients get ``kill -9`` at random times (they are not
    compared, the survivors are), and the executor is restarted twice — first ``kill -9`` at 1/3,
    then ``SIGTERM`` (drain) at 2/3 of the run — at the same addresses (a restart waits until the
-   executor it replaces has served for 1/6 of the run; the run lasts until the last one has too).
-   Clients reconnect on their own; the executor is stateless, so a surviving job must end exactly as an undisturbed one.
+   executor it replaces has served for half the time between two scheduled restarts, and the run
+   lasts until the last one has too). Clients reconnect on their own; the executor is stateless,
+   so a surviving job must end exactly as an undisturbed one.
 6. Every ``--sample-interval-s`` the executor's RSS, threads, descriptors and ``memfd`` mappings
    are sampled (psutil, /proc). Growth after warm-up: median RSS of the last tenth of the window
    over that of its first tenth (target ``--rss-target-pct``, 5%).

@@ -12,27 +12,27 @@ tries three waiting *rules* in turn and keeps the one under which its clients st
 - ``convoy``: hold for every client on its way to the layer (the lockstep idea, for clients that
   walk the same op and can come), up to ``lockstep_timeout_ms``.
 
-A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if
-that is longer (at its recent pace: the median of its last ``pacing.RECENT_TOKENS`` token times,
-which forgets the clients' slow first tokens within three; their average kept them for five or
-six epochs) (a rule needs a few passes to show: a convoy forms over one) -- but no longer than
-five tokens at the pace when it began, under the rule before it. Taken at its end alone, a rule
-that slows the decoders lengthened its own trial: in the committed runs with client processes of
-batch 1-16 (2026-11-29), three "none" trials lasted 620-780 ms, about twice the convoy epochs
-beside them, at 40-60% of their requests/s -- the trial's cost, which every client pays. Fixed at
-its start alone, a pace measured just after the clients' start (their prefills, their warm-up
-beside each other) set epochs of 2-4 s; so the pace is read again while the epoch lasts (from
-``adapt_epoch_ms`` on, every half of that), and the epoch ends at the shorter -- though not
-before twice its settling (below), so that half of it or more is measured. What an epoch measures
-is each client's requests per second over the epoch after its settling (for the previous rule's
-convoys: a quarter of the length expected when it began, the last epoch's): for a client in a
-closed loop, the inverse of its step time. Two epochs are compared *client by client*: the mean
-over the clients served in both of the log of each one's speed-up (a geometric mean), so that a
-rule that speeds every client up by x rates x. Not the total requests per second: with clients of
-different batch sizes, a rule that lets the small ones race ahead raises the total while the
-large ones (most of the tokens) slow down -- measured with client processes of batch 1-16, the
-total rated "none" above the convoy rule that served x1.6 more tokens/s at a lower mean step
-time. Not rows per second either: it swings five-fold between a prefill phase and decoding. A
+A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if that
+is longer (a rule needs a few passes to show: a convoy forms over one; a token at the decoder's
+recent pace, the median of its last ``pacing.RECENT_TOKENS`` token times, which forgets the
+clients' slow first tokens within three where their average kept them for five or six epochs) --
+but no longer than five tokens at the pace when it began, under the rule before it. Taken at its
+end alone, a rule that slows the decoders lengthened its own trial: in the committed runs with
+client processes of batch 1-16 (2026-11-29), three "none" trials lasted 620-780 ms, about twice
+the convoy epochs beside them, at 40-60% of their requests/s -- the trial's cost, which every
+client pays. Fixed at its start alone, a pace measured just after the clients' start (their
+prefills, their warm-up beside each other) set epochs of 2-4 s; so the pace is read again while
+the epoch lasts (from ``adapt_epoch_ms`` on, every half of that), and the epoch ends at the
+shorter -- though not before twice its settling (below), so that half of it or more is measured.
+What an epoch measures is each client's requests per second over the epoch after its settling (for
+the previous rule's convoys: a quarter of the length expected when it began, the last epoch's):
+for a client in a closed loop, the inverse of its step time. Two epochs are compared *client by
+client*: the mean over the clients served in both of the log of each one's speed-up (a geometric
+mean), so that a rule that speeds every client up by x rates x. Not the total requests per second:
+with clients of different batch sizes, a rule that lets the small ones race ahead raises the total
+while the large ones (most of the tokens) slow down -- measured with client processes of batch
+1-16, the total rated "none" above the convoy rule that served x1.6 more tokens/s at a lower mean
+step time. Not rows per second either: it swings five-fold between a prefill phase and decoding. A
 client's first epoch is not compared (it holds the client's start: allocations, a prefill, a cold
 cache -- whatever the rule), nor is a client that completed fewer than ``MIN_CLIENT_REQUESTS`` in
 either epoch (its rate is noise); and two epochs are compared only if the same clients were at
@@ -40,13 +40,13 @@ work in both: a client that joins or leaves changes the others' speed whatever t
 share the cores and the executor), so the comparison would credit the rule with it. Measured
 (2026-11-27, 8 client processes of one sequence each on this 2-core host, each warming up alone
 while the others still load its model; 96 tokens each): compared across those arrivals, the
-warm-up epochs rated the convoy rule below the others and the tuner left it (three runs,
-16.4-19.9 tokens/s in all; "predicted" in use at the end of the two whose rule was read), while
-the convoy rule fixed served 25.2 with half the executor's CPU (4x fewer batches, so 4x fewer
-passes over the weights). Without those comparisons one run of two kept the convoy (24.6
-tokens/s); the other still left it on the noise of the first decoding epochs (20.0). An epoch
-counts only if two clients or more were served in it (alone, nothing can be batched) and the
-look that ended it came on time (an idle executor says nothing about a rule).
+warm-up epochs rated the convoy rule below the others and the tuner left it (three runs, 16.4-19.9
+tokens/s in all; "predicted" in use at the end of the two whose rule was read), while the convoy
+rule fixed served 25.2 with half the executor's CPU (4x fewer batches, so 4x fewer passes over the
+weights). Without those comparisons one run of two kept the convoy (24.6 tokens/s); the other
+still left it on the noise of the first decoding epochs (20.0). An epoch counts only if two
+clients or more were served in it (alone, nothing can be batched) and the look that ended it came
+on time (an idle executor says nothing about a rule).
 
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average
