@@ -189,7 +189,7 @@ def test_a_restart_waits_until_the_executor_it_replaces_has_served():
         run.sampler.stop()
     hold = seconds / 3 / 2
     assert [how for how, _ in restarted] == ["kill", "term"]
-    assert restarted[0][1] == pytest.approx(0.4, abs=0.15)
+    assert 0.4 <= restarted[0][1] < 0.4 + downtime_s  # on time (the first executor served from 0 s)
     assert restarted[1][1] >= run.incarnations[1]["ready_s"] + hold - 0.01, (restarted, run.incarnations)
     assert run.soak_s >= run.incarnations[2]["ready_s"] + hold - 0.01, (run.soak_s, run.incarnations)
 

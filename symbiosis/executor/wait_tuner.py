@@ -15,14 +15,14 @@ tries three waiting *rules* in turn and keeps the one under which its clients st
 A trial (*epoch*) lasts ``adapt_epoch_ms``, or five of the slowest active decoder's tokens if that
 is longer (a rule needs a few passes to show: a convoy forms over one; a token at the decoder's
 recent pace, the median of its last ``pacing.RECENT_TOKENS`` token times, which forgets the
-clients' slow first tokens within three where their average kept them for five or six epochs) --
-but no longer than five tokens at the pace when it began, under the rule before it. Taken at its
-end alone, a rule that slows the decoders lengthened its own trial: in the committed runs with
-client processes of batch 1-16 (2026-11-29), three "none" trials lasted 620-780 ms, about twice
-the convoy epochs beside them, at 40-60% of their requests/s -- the trial's cost, which every
-client pays. Fixed at its start alone, a pace measured just after the clients' start (their
-prefills, their warm-up beside each other) set epochs of 2-4 s; so the pace is read again while
-the epoch lasts (from ``adapt_epoch_ms`` on, every half of that), and the epoch ends at the
+clients' slow first tokens within three tokens where their average kept them for five or six
+epochs) -- but no longer than five tokens at the pace when it began, under the rule before it.
+Taken at its end alone, a rule that slows the decoders lengthened its own trial: in the committed
+runs with client processes of batch 1-16 (2026-11-29), three "none" trials lasted 620-780 ms,
+about twice the convoy epochs beside them, at 40-60% of their requests/s -- the trial's cost,
+which every client pays. Fixed at its start alone, a pace measured just after the clients' start
+(their prefills, their warm-up beside each other) set epochs of 2-4 s; so the pace is read again
+while the epoch lasts (from ``adapt_epoch_ms`` on, every half of that), and the epoch ends at the
 shorter -- though not before twice its settling (below), so that half of it or more is measured.
 What an epoch measures is each client's requests per second over the epoch after its settling (for
 the previous rule's convoys: a quarter of the length expected when it began, the last epoch's):
