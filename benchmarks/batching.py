@@ -3,8 +3,9 @@
 Clients are threads of this process, each a plain ``transformers`` model with its own PEFT
 adapter and KV cache, all served by one ``BaseExecutor`` (in-process transport); with
 ``--clients-as processes`` each client and the executor run in their own process, over ``ipc://``
-(``batching_processes.py``); with ``--executor ADDRESS`` they connect to a running executor there
-(its policy is fixed and its stats are not visible: one "remote" variant, rows per batch null).
+(``batching_processes.py``; the executor's weights on ``--executor-device``, the CPU by default);
+with ``--executor ADDRESS`` they connect to a running executor there (its policy is fixed and its
+stats are not visible: one "remote" variant, rows per batch null).
 The clients are in ``batching_clients.py``. Every run starts a fresh executor over the same
 loaded weights and fresh clients; each client warms up, all start together, and the run
 measures a window of ``--window-s`` seconds after ``--warmup-s`` seconds of running (a steady
@@ -388,6 +389,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "on loopback (what remote clients would use, minus the network).",
     )
     parser.add_argument(
+        "--executor-device",
+        default="cpu",
+        help="With --clients-as processes: device of the executor's base weights (`symbiosis serve --device`: "
+        "cpu, cuda, cuda:1, ...); the clients stay on the CPU, as remote clients of a GPU service would "
+        "(default: %(default)s).",
+    )
+    parser.add_argument(
         "--finetune-cpu-priority",
         choices=("background", "normal"),
         default="background",
@@ -443,6 +451,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = resolve_common(parser.parse_args(argv))
     if args.clients_as == "processes" and args.quick:
         parser.error("--clients-as processes is for full runs; --quick uses threads")
+    if args.executor_device != "cpu" and args.clients_as != "processes":
+        parser.error("--executor-device is for --clients-as processes (threads share this process's CPU executor)")
     if args.executor and args.model is None:
         parser.error("--executor needs --model DIR: the checkpoint the executor at ADDRESS serves")
     args.window_s = args.window_s or (0.6 if args.quick else 6.0)
@@ -528,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "benchmark": NAME,
             "preset": args.preset,
             "clients_as": args.clients_as,
+            "executor_device": args.executor_device,
             "transport": args.executor or (args.scheme if pool else "inproc"),
             "window_s": args.window_s,
             "repeats": args.repeats,
@@ -550,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 else "inproc (client threads in this process)"
             ),
             "clients_as": args.clients_as,
+            "executor_device": args.executor_device,
             "finetune_cpu_priority": args.finetune_cpu_priority if pool else "that of this process",
             "variants": variants,
             "scenarios": scenarios,
@@ -648,7 +660,8 @@ def plot(path: Path, result: dict) -> None:
     config = result["config"]
     plot_panels(
         path,
-        f"Batching and sharing, {config['arch']} {config['preset']}, clients as {config['clients_as']}, "
+        f"Batching and sharing, {config['arch']} {config['preset']}, clients as {config['clients_as']}"
+        f"{', executor on ' + config['executor_device'] if config.get('executor_device', 'cpu') != 'cpu' else ''}, "
         f"{config['window_s']} s windows, median of {config['repeats']}",
         panels,
         columns=2,

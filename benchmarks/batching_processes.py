@@ -139,7 +139,11 @@ class ProcessPool:
             else:
                 bind = f"ipc:///tmp/symbiosis-batching-{os.getpid()}-{self._runs}.sock"
             executor = ExecutorProcess(
-                self.path, [bind], extra_args=serve_flags(config), threads=self.args.threads, metrics=True
+                self.path,
+                [bind],
+                extra_args=[*serve_flags(config), "--device", self.args.executor_device],
+                threads=self.args.threads,
+                metrics=True,
             )
             address = executor.address  # a tcp port 0 resolved
         else:

@@ -80,3 +80,11 @@ def test_fine_tuning_client_processes_run_in_the_background_class_unless_told_ot
     assert [k for k, spec in kinds.items() if runs_in_background(spec, args)] == ["finetune"]
     normal = batching.parse_args(["--clients-as", "processes", "--finetune-cpu-priority", "normal"])
     assert not any(runs_in_background(spec, normal) for spec in kinds.values())
+
+
+def test_the_executor_device_is_for_client_processes_only():
+    args = batching.parse_args(["--clients-as", "processes", "--executor-device", "cuda"])
+    assert args.executor_device == "cuda"
+    assert batching.parse_args([]).executor_device == "cpu"
+    with pytest.raises(SystemExit):
+        batching.parse_args(["--executor-device", "cuda"])  # threads: one in-process CPU executor
