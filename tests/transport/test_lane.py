@@ -227,6 +227,31 @@ def test_a_restarted_executor_gives_a_new_lane(serve, fake: FakeExecutorService,
             restarted.close(drain=False)
 
 
+def wait_until_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until every thread of process ``pid`` is stopped. A SIGSTOP stops a process's threads
+    one after another: the thread the kernel picks to take it (here one asleep in a wait) must
+    run first, and until it does the others run on -- on a loaded host long enough for the
+    executor's serving thread to answer the test's next call (seen in full-suite runs: the call
+    that should fail returned its result)."""
+    tasks = f"/proc/{pid}/task"
+    if not os.path.isdir(tasks):  # no /proc: give the stop a moment instead
+        time.sleep(0.5)
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{task}/stat") as stat:
+                    states.append(stat.read().rpartition(")")[2].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                continue
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_a_stopped_executor_fails_a_lane_call(kind: str, sock_dir: str) -> None:
@@ -249,6 +274,7 @@ def test_a_stopped_executor_fails_a_lane_call(kind: str, sock_dir: str) -> None:
         transport.call("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.DECODE)
         assert transport._conn.lane.calls == 1
         os.kill(child.pid, signal.SIGSTOP)
+        wait_until_stopped(child.pid)
         started = time.monotonic()
         with pytest.raises(ExecutorUnavailableError):
             transport.call("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.DECODE)
