@@ -58,6 +58,11 @@ def serve_flags(config: SchedulerConfig) -> list[str]:
     return flags
 
 
+def executor_flags(config: SchedulerConfig, device: str) -> list[str]:
+    """All the ``symbiosis serve`` flags of a run's executor process: ``config``'s and its device."""
+    return [*serve_flags(config), "--device", device]
+
+
 def _client_main(conn, path: str, background: bool) -> None:
     if background:
         enter_background_priority()  # before torch starts its threads, which inherit it
@@ -141,7 +146,7 @@ class ProcessPool:
             executor = ExecutorProcess(
                 self.path,
                 [bind],
-                extra_args=[*serve_flags(config), "--device", self.args.executor_device],
+                extra_args=executor_flags(config, self.args.executor_device),
                 threads=self.args.threads,
                 metrics=True,
             )
@@ -154,6 +159,12 @@ class ProcessPool:
                 return remote_counters()
             return counters_from_stats(executor.stats()["scheduler"])
 
+        # Where its products run, as the executor itself reports it (its device, the bulk lane
+        # "auto" became there), not as asked: a run's JSON says what was measured.
+        served_by = None
+        if executor is not None:
+            stats = executor.stats()
+            served_by = {"device": stats["device"], "bulk_lane": stats["config"]["bulk_lane"]}
         used = self._processes_for(specs)
         try:
             for index, ((_, conn), spec) in enumerate(zip(used, specs)):
@@ -190,7 +201,9 @@ class ProcessPool:
                 executor.close()
                 if address.startswith("ipc://"):
                     Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
-        return summarize_run(records, window, self.args.window_s, config is not None)
+        result = summarize_run(records, window, self.args.window_s, config is not None)
+        result["executor"] = served_by
+        return result
 
     def close(self) -> None:
         every = [client for pool in self._pools.values() for client in pool]

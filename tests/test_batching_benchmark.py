@@ -55,7 +55,7 @@ def test_serve_flags_give_serve_the_same_scheduler_config():
     import click
     import typer
 
-    from benchmarks.batching_processes import serve_flags
+    from benchmarks.batching_processes import executor_flags, serve_flags
     from symbiosis.cli import _register_optional_commands, app
     from symbiosis.executor.scheduler import SchedulerConfig
 
@@ -68,6 +68,10 @@ def test_serve_flags_give_serve_the_same_scheduler_config():
     for config in configs:
         parsed = serve.make_context("serve", ["model", *serve_flags(config)]).params
         assert SchedulerConfig(**{name: parsed[name] for name in names}) == config, serve_flags(config)
+    # --executor-device reaches serve's own --device, beside the config
+    parsed = serve.make_context("serve", ["model", *executor_flags(configs[-1], "cuda:1")]).params
+    assert parsed["device"] == "cuda:1"
+    assert SchedulerConfig(**{name: parsed[name] for name in names}) == configs[-1]
 
 
 def test_fine_tuning_client_processes_run_in_the_background_class_unless_told_otherwise():
