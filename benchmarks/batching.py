@@ -448,7 +448,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1.2,
         help="Without --decode-slo-ms: the target as a multiple of inference alone's p95 (default: %(default)s).",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="With --clients-as processes: sample the executor and every client process over each window with "
+        "py-spy (pip install py-spy) into DIR, one raw stack file per process and run; "
+        "`python -m benchmarks.window_profile FILE...` says where each thread spent it.",
+    )
     args = resolve_common(parser.parse_args(argv))
+    if args.profile is not None and args.clients_as != "processes":
+        parser.error("--profile is for --clients-as processes (threads share one process: use py-spy on it)")
+    if args.profile is not None:
+        from benchmarks.window_profile import py_spy
+
+        py_spy()  # missing: say so now, not after the first run
     if args.clients_as == "processes" and args.quick:
         parser.error("--clients-as processes is for full runs; --quick uses threads")
     if args.executor_device != "cpu" and args.clients_as != "processes":
@@ -517,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         config = SchedulerConfig(**fields)
                     specs, seed = clients_for(scenario, args), 100 * repeat
                     if pool is not None:
-                        result = pool.run_once(config, specs, seed)
+                        result = pool.run_once(config, specs, seed, label=f"{repeat}-{scenario}-{variant}")
                     else:
                         target = args.executor or symbiosis.BaseExecutor(weights, config)
                         try:

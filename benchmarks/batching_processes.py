@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.batching_clients import ClientRecord, ClientSpec, counters_from_stats, remote_counters, summarize_run
+from benchmarks.window_profile import WindowProfile
 from symbiosis.executor.process import ExecutorProcess
 from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.threads import SHARED_HOST_POLICY, WAIT_POLICY_VARIABLE, enter_background_priority
@@ -134,8 +135,10 @@ class ProcessPool:
             raise RuntimeError(f"{what} failed: {payload}")
         return payload
 
-    def run_once(self, config: SchedulerConfig | None, specs: Sequence, seed: int) -> dict:
-        """One measured window of ``specs``; ``config`` None means the running executor at ``--executor``."""
+    def run_once(self, config: SchedulerConfig | None, specs: Sequence, seed: int, label: str = "") -> dict:
+        """One measured window of ``specs``; ``config`` None means the running executor at ``--executor``.
+        With ``--profile``, every process of the run is sampled over the window (``window_profile``),
+        into files named after ``label``."""
         self._runs += 1
         executor = None
         if config is not None:
@@ -190,8 +193,17 @@ class ProcessPool:
                 conn.send(("go", (start_s, end_s)))
             time.sleep(max(0.0, start_s - time.perf_counter()))
             window["start"] = counters()
+            profile = None
+            if self.args.profile is not None:
+                pids = {f"client{i}-{spec.kind}": used[i][0].pid for i, spec in enumerate(specs)}
+                if executor is not None:
+                    pids = {"executor": executor.process.pid, **pids}
+                seconds = end_s - time.perf_counter()
+                profile = WindowProfile.start(self.args.profile, label or f"run{self._runs}", pids, seconds)
             time.sleep(max(0.0, end_s - time.perf_counter()))
             window["end"] = counters()
+            if profile is not None:
+                profile.wait()
             records = []
             for index, ((process, conn), spec) in enumerate(zip(used, specs)):
                 step_s, tokens = self._reply(process, conn, f"client process {index}")

@@ -92,3 +92,41 @@ def test_the_executor_device_is_for_client_processes_only():
     assert batching.parse_args([]).executor_device == "cpu"
     with pytest.raises(SystemExit):
         batching.parse_args(["--executor-device", "cuda"])  # threads: one in-process CPU executor
+
+
+def test_profiles_are_for_client_processes_only(tmp_path, monkeypatch):
+    import benchmarks.window_profile as window_profile
+
+    monkeypatch.setattr(window_profile.shutil, "which", lambda name: f"/usr/bin/{name}")
+    args = batching.parse_args(["--clients-as", "processes", "--profile", str(tmp_path)])
+    assert args.profile == tmp_path
+    with pytest.raises(SystemExit):
+        batching.parse_args(["--profile", str(tmp_path)])  # threads: one process, py-spy it directly
+    monkeypatch.setattr(window_profile.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install py-spy"):
+        batching.parse_args(["--clients-as", "processes", "--profile", str(tmp_path)])
+
+
+def test_a_window_profile_says_where_each_thread_waited_and_worked(tmp_path):
+    from benchmarks.window_profile import summarize
+
+    # py-spy's raw format (``record --threads --idle --format raw``), as 0.4.3 writes it.
+    serving = "thread (1038): ZmqServer(ipc:///tmp/x.sock);Thread.run (threading.py:982);ZmqServer._serve (z.py:798)"
+    lines = [
+        f"{serving};Poller.poll (zmq/sugar/poll.py:106) 25",
+        f"{serving};ExecutionEngine._compute (engine.py:701);linear (packed_weights.py:124) 60",
+        f"{serving};ZmqServer._queue_routed (z.py:667) 15",
+        "thread (962): symbiosis-bulk-0;ExecutionEngine._bulk_loop (engine.py:612);Condition.wait (t.py:327) 100",
+        "thread (677): MainThread;ClientLane.exchange (lane.py:520);ClientLane._receive_into (lane.py:554) 80",
+        "thread (677): MainThread;Module._call_impl (module.py:1789);Linear.forward (linear.py:125) 20",
+        "garbage without a count",
+    ]
+    path = tmp_path / "run-executor.txt"
+    path.write_text("\n".join(lines) + "\n")
+    text = summarize(path)
+    assert "ZmqServer(ipc:///tmp/x.sock): 100 samples, waiting 25%" in text
+    assert "60.0%  linear < ExecutionEngine._compute" in text
+    assert "symbiosis-bulk-0: 100 samples, waiting 100%" in text
+    assert "MainThread: 100 samples, waiting 80%" in text  # a client waiting on its lane's reply
+    serving_part = text.split("symbiosis-bulk-0")[0]
+    assert serving_part.index("linear <") < serving_part.index("Poller.poll <") < serving_part.index("_queue_routed")

@@ -1,0 +1,161 @@
+"""``benchmarks.batching --clients-as processes --profile DIR``: where each process spends a window.
+
+Why. The closed-loop clients of a processes run wait on the executor; whether the executor's
+serving thread, its products, the transport or the clients themselves bound a run is a question
+of where each process's threads spend the measured window, on the host the run is on (a profile
+from a 2-core host, where the products take the cores, says little about a 16-core one).
+
+How. At a window's start one ``py-spy record`` per process (the executor and every client) samples
+it for the window's length, every thread, idle ones included, without pausing it
+(``--nonblocking``: a paused executor would be a slower executor), into py-spy's raw format (one
+``frame;frame;... count`` line per distinct stack, the thread first). ``summarize`` reads such a
+file: per thread, the share of its samples spent waiting in a blocking call, and where its samples
+end (the innermost frame, with its caller). py-spy is not a dependency: ``pip install py-spy``.
+A py-spy that cannot attach (no ptrace permission) leaves its reason in ``NAME.err``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RATE_HZ = 100
+# py-spy's raw format: "frames count", the first frame the thread ("thread (TID): NAME"), then
+# "function (file:line)" frames, outermost first. py-spy marks idleness only in its own statistics,
+# not in raw output: a sample counts as waiting when its innermost frame is one of these blocking
+# calls (the lane's receives spin for a few microseconds first, then block in the kernel).
+_LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+_FRAME = re.compile(r"^(?P<function>.*?) \((?P<where>[^()]*)\)$")
+WAITING = frozenset(
+    {
+        "wait",
+        "poll",
+        "select",
+        "sleep",
+        "recv",
+        "recv_into",
+        "recvmsg_into",
+        "recv_multipart",
+        "acquire",
+        "join",
+        "_recv_bytes",
+        "_recv",
+        "_worker",
+        "_receive_into",
+        "_receive_datagram",
+        "_receive_stream",
+        "_receive_exactly",
+    }
+)
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("--profile needs py-spy on PATH: pip install py-spy")
+    return found
+
+
+@dataclass
+class WindowProfile:
+    """One window's ``py-spy record`` processes, one per named process."""
+
+    folder: Path
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    error_files: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, folder: Path, prefix: str, pids: dict[str, int], seconds: float) -> WindowProfile:
+        folder.mkdir(parents=True, exist_ok=True)
+        profile = cls(folder)
+        for name, pid in pids.items():
+            command = [
+                py_spy(),
+                "record",
+                "--pid",
+                str(pid),
+                "--duration",
+                str(max(1, math.ceil(seconds))),
+                "--rate",
+                str(RATE_HZ),
+                "--idle",
+                "--threads",
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--output",
+                str(folder / f"{prefix}-{name}.txt"),
+            ]
+            with open(folder / f"{prefix}-{name}.err", "w") as errors:
+                profile.processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors))
+            profile.error_files.append(folder / f"{prefix}-{name}.err")
+        return profile
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        for process in self.processes:
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for errors in self.error_files:  # kept only when py-spy said something
+            if errors.exists() and errors.stat().st_size == 0:
+                errors.unlink()
+
+
+def _frames(stack: str) -> tuple[str, list[tuple[str, str]]]:
+    """(thread, [(function, file:line) outermost first]) of one raw stack."""
+    parts = stack.split(";")
+    thread = parts[0]
+    frames = []
+    for part in parts[1:]:
+        match = _FRAME.match(part)
+        frames.append((match["function"], match["where"]) if match else (part, ""))
+    return thread, frames
+
+
+def _is_waiting(frames: list[tuple[str, str]]) -> bool:
+    return not frames or frames[-1][0].rsplit(".", 1)[-1] in WAITING
+
+
+def _leaf(frames: list[tuple[str, str]]) -> str:
+    """The innermost frame and its caller: where the time went, and who asked."""
+    names = [function for function, _ in frames[-2:]]
+    return " < ".join(reversed(names)) if names else "(no Python frame)"
+
+
+def summarize(path: Path, top: int = 8) -> str:
+    """Per thread (most samples first): the share of its samples spent waiting in a blocking call,
+    and the innermost frames (with their callers) its samples end in, waiting or not."""
+    samples: Counter[str] = Counter()
+    waiting: Counter[str] = Counter()
+    leaves: dict[str, Counter[str]] = defaultdict(Counter)
+    for line in path.read_text().splitlines():
+        match = _LINE.match(line)
+        if match is None:
+            continue
+        thread, frames = _frames(match["stack"])
+        count = int(match["count"])
+        samples[thread] += count
+        waiting[thread] += count if _is_waiting(frames) else 0
+        leaves[thread][_leaf(frames)] += count
+    lines = [f"== {path.name}"]
+    for thread, total in samples.most_common():
+        lines.append(f"  {thread}: {total} samples, waiting {waiting[thread] / total:.0%}")
+        for leaf, count in leaves[thread].most_common(top):
+            lines.append(f"    {count / total:6.1%}  {leaf}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m benchmarks.window_profile FILE... (py-spy raw files, e.g. from --profile)")
+    for name in sys.argv[1:]:
+        print(summarize(Path(name)))
