@@ -55,6 +55,7 @@ READY_TIMEOUT_S = 600.0  # loading the model (and an embedded executor) in the c
 CALL_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 120.0
 POLL_MS = 500  # how often a waiting side checks that the other is alive
+STOP_WAIT_S = 10.0  # a stopping engine process's last events and exit; then it is killed
 
 # Plain exceptions that cross as themselves; every SymbiosisError crosses by its ``code``
 # (``errors.ERRORS_BY_CODE``, where the serving errors register too).
@@ -178,6 +179,7 @@ class RemoteEngine:
         self._ids = itertools.count(1)
         self._dead: str | None = None  # why the engine process is gone
         self._closed = False
+        self._stop_receiving = False
         self._process = subprocess.Popen(
             [sys.executable, "-m", "symbiosis.serving.engine_process", commands, events, str(os.getpid())],
             stdin=subprocess.DEVNULL,
@@ -232,8 +234,14 @@ class RemoteEngine:
         except SymbiosisError:
             pass
         self._dead = self._dead or "the server is shutting down"  # later calls fail at once
-        self._stop_process()
-        self._receiver.join(timeout=5)  # it sees _closed within POLL_MS
+        # The engine process ends its sequences with a 503 and says "stopped" before it tears
+        # down (its executor, torch: seconds on a loaded host); the receiver delivers those 503s
+        # and ends there, so the streams end now, not once the process has exited.
+        deadline = time.monotonic() + STOP_WAIT_S
+        self._receiver.join(timeout=STOP_WAIT_S)
+        self._stop_process(wait_s=max(0.5, deadline - time.monotonic()))
+        self._stop_receiving = True
+        self._receiver.join(timeout=5)  # it sees _stop_receiving within POLL_MS
         self._close_sockets(events=not self._receiver.is_alive())
         self._fail_everything(Failure(503, "the server is shutting down", "service_unavailable"))
 
@@ -302,15 +310,18 @@ class RemoteEngine:
     def _receive(self) -> None:
         import zmq
 
-        while not self._closed:
+        while not self._stop_receiving:
             try:
                 if not self._events.poll(POLL_MS, zmq.POLLIN):
                     if self._process.poll() is not None:
-                        self._give_up(f"it exited with status {self._process.returncode}")
-                        return
+                        if not self._closed:
+                            self._give_up(f"it exited with status {self._process.returncode}")
+                        return  # closing: ``close`` ends what is left with its own 503
                     continue
                 message = _decoder.decode(self._events.recv())
                 op = message.get("op")
+                if op == "stopped":  # told to stop: its last events came before this
+                    return
                 if op == "reply":
                     pending = self._pending.get(message["call"])
                     if pending is not None:
@@ -540,8 +551,13 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
                 work = functools.partial(slow[op], message)
                 threading.Thread(target=answer, args=(message, work), daemon=True).start()
     finally:
-        engine.close()
+        engine.close()  # what was in flight ends with a 503 "the server is shutting down"
         outbox.flush()
+        if os.getppid() == parent:  # (a send to a parent that is gone waits out SNDTIMEO)
+            try:
+                send({"op": "stopped"})  # the parent ends its streams now, not when we have exited
+            except zmq.ZMQError:
+                pass
         target.close()
         with send_lock:  # a load or probe thread still answering gets "closed", not a crash
             events.close()

@@ -1282,8 +1282,10 @@ def test_the_command_line_serves_until_sigterm_and_ends_streams_in_flight(api_mo
         status, body = post(url + "/v1/completions", {"model": "qv4", "prompt": "hi", "max_tokens": 3})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
         # A stream in flight (16 choices to the context's end: hundreds of steps) when SIGTERM comes
-        # ends with the 503 and [DONE], the process exits without a traceback, well before uvicorn's
-        # own wait would have cut the stream (before: ~9 s, a cut stream, a traceback).
+        # ends with the 503 and [DONE] well before uvicorn's own wait would have cut it, and the
+        # process exits without a traceback (before: ~9 s, a cut stream, a traceback). The stream's
+        # end is what is timed: the exit after it (the engine process's and torch's teardown) takes
+        # seconds more on a loaded host, and uvicorn says so if its wait ran out.
         import http.client
 
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -1295,15 +1297,16 @@ def test_the_command_line_serves_until_sigterm_and_ends_streams_in_flight(api_mo
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         events = [line.strip() for line in response if line.startswith(b"data: ")]
+        stream_ended_after = time.monotonic() - signalled
         out, err = process.communicate(timeout=60)
-        exited_after = time.monotonic() - signalled
         assert events[-1] == b"data: [DONE]"
         assert json.loads(events[-2][6:])["error"] == {
             "message": "the server is shutting down",
             "type": "service_unavailable",
             "code": 503,
         }
-        assert exited_after < SHUTDOWN_GRACE_S, exited_after
+        assert stream_ended_after < SHUTDOWN_GRACE_S / 2, stream_ended_after
+        assert "timeout graceful shutdown exceeded" not in err
         assert process.returncode == 0, err[-2000:]
         assert f"{url}/v1" in out and "Traceback" not in err and "16 sequence(s) in flight end now with 503" in err
     finally:

@@ -193,6 +193,38 @@ def test_a_lost_engine_process_answers_503_and_closes_cleanly(api_model):
 
 
 @pytest.mark.slow
+def test_a_stopping_engine_process_ends_its_streams_before_it_tears_down(api_model):
+    # The child ends what is in flight with a 503 and says so before it closes its executor and
+    # exits (seconds on a loaded host): the streams end then. Before, the parent delivered its
+    # own 503s only once the child had exited (~2 s here, past uvicorn's grace under load).
+    from symbiosis.serving.engine import Failure
+
+    server = start_server(api_model)
+    engine = server.engine
+    events: list = []
+    delivered_when_stopping: list[bool] = []
+    stop_process = engine._stop_process
+
+    def stop_process_noting_what_was_delivered(*args, **kwargs):
+        delivered_when_stopping.append(any(isinstance(e, Failure) for e in events))
+        stop_process(*args, **kwargs)
+
+    engine._stop_process = stop_process_noting_what_was_delivered
+    try:
+        params = SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)
+        engine.submit(GenerationRequest([1], None, params, events.append))
+        deadline = time.monotonic() + 30
+        while not events and time.monotonic() < deadline:  # running: its first token came
+            time.sleep(0.01)
+        assert events and not isinstance(events[0], Failure)
+    finally:
+        server.close()
+    assert delivered_when_stopping == [True]
+    assert [e.message for e in events if isinstance(e, Failure)] == ["the server is shutting down"]
+    assert engine._process.returncode == 0
+
+
+@pytest.mark.slow
 def test_a_bad_option_fails_at_start_with_the_childs_error(api_model, tmp_path):
     with pytest.raises(UnknownAdapterError, match="is not a folder"):
         start_server(api_model, adapter_dir=tmp_path / "missing")
