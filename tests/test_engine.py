@@ -105,6 +105,26 @@ def test_lockstep_waits_for_every_joined_client(path):
         assert ex.stats()["layers"][layer_id]["batches"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_borrowed_rows_are_copied_before_submit_returns(path, dtype):
+    """``submit(..., borrowed=True)``: the caller's buffer may be overwritten once it returns (a
+    server's receive buffer); the product still sees the rows as they were -- kept as a clone, or
+    as the cast to the executor's dtype, which is a copy already."""
+    layer_id = "model.layers.0.self_attn.q_proj"
+    with symbiosis.BaseExecutor.from_pretrained(path, dtype=dtype, policy="lockstep", lockstep_timeout_ms=10_000) as ex:
+        ex.register_client("a")
+        ex.register_client("b")
+        buffer = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+        sent = buffer.clone()
+        held = ex.submit("a", layer_id, Op.FORWARD, buffer, LatencyClass.DECODE, borrowed=True)  # waits for "b"
+        buffer.fill_(1e3)  # the next message lands in the same buffer
+        other = ex.submit("b", layer_id, Op.FORWARD, torch.ones(1, 64), LatencyClass.DECODE)
+        result, _ = held.result(timeout=5), other.result(timeout=5)
+        assert result.dtype == torch.float32  # cast back to the rows' dtype
+        expected = _expected(ex, layer_id, "forward", sent.to(dtype)).float()
+        torch.testing.assert_close(result, expected, rtol=2e-2 if dtype is torch.bfloat16 else 1e-5, atol=1e-3)
+
+
 class _Sink:
     """A ``ResultSink`` (``executor/engine.py``) that records what it was given."""
 

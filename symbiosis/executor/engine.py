@@ -263,18 +263,28 @@ class ExecutionEngine:
         *,
         wake: bool = True,
         sink: ResultSink | None = None,
+        borrowed: bool = False,
     ) -> Future | ResultSink:
         """Enqueue a request; a waiting caller, a driver or the compute thread runs it. A driver
         that will call ``run_ready`` itself next passes ``wake=False`` (no one else is woken).
-        The result goes to ``sink`` when given (returned), else to a new ``Future``."""
+        The result goes to ``sink`` when given (returned), else to a new ``Future``.
+
+        ``borrowed``: ``rows`` are the caller's only until this returns (a server's receive
+        buffer, which its next message overwrites), so the engine keeps a copy -- one copy: the
+        cast to its device or dtype when there is one. A server that cloned them itself and the
+        cast then copied again spent 9-13% of its serving thread on the two (py-spy, 16-core H200
+        host, decoders beside fine-tuning, docs/benchmarks/batching_h200)."""
         self.validate(layer_id, op, rows)
         future: Future | ResultSink = Future() if sink is None else sink
         if rows.shape[0] == 0:
             future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
             return future
         local = rows.to(device=self.device, dtype=self.dtype)  # cast here: the computing thread only multiplies
+        cast = local is not rows
+        if borrowed and not cast:
+            local = rows.clone()
         with self._cond:
-            self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
+            self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, cast)
             if wake:
                 self._wake_others()
         return future
@@ -463,14 +473,21 @@ class ExecutionEngine:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
-    def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future) -> int:
-        """Record the request and hand it to the scheduler (holding ``_cond``)."""
+    def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future, cast: bool | None = None) -> int:
+        """Record the request and hand it to the scheduler (holding ``_cond``). ``cast``: whether
+        ``local`` is ``rows`` cast (its result is cast back); by default, whether it is another tensor."""
         if not self._accepting:
             raise ExecutorUnavailableError("the executor is shutting down and accepts no new requests")
         request_id = next(self._ids)
         now = self._clock()
         self._inflight[request_id] = _Admitted(
-            local, future, rows.dtype, rows.device, now, local is not rows, getattr(future, "takes_views", False)
+            local,
+            future,
+            rows.dtype,
+            rows.device,
+            now,
+            local is not rows if cast is None else cast,
+            getattr(future, "takes_views", False),
         )
         self._owner[request_id] = client_id
         self.scheduler.add(PendingRequest(request_id, client_id, layer_id, op, rows.shape[0], latency_class, now))

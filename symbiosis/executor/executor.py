@@ -126,11 +126,15 @@ class BaseExecutor:
         *,
         wake: bool = True,
         sink: ResultSink | None = None,
+        borrowed: bool = False,
     ) -> Future[torch.Tensor] | ResultSink:
-        """See ``ExecutionEngine.submit`` (``sink``: where the result goes instead of a new future)."""
+        """See ``ExecutionEngine.submit`` (``sink``: where the result goes instead of a new future;
+        ``borrowed``: ``rows`` are valid only until this returns)."""
         op = op if type(op) is Op else Op(op)  # an enum call costs a microsecond on the queued path
         latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
-        return self._engine.submit(client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink)
+        return self._engine.submit(
+            client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink, borrowed=borrowed
+        )
 
     def attach_driver(self, wake) -> None:
         """See ``ExecutionEngine.attach_driver``: a server thread that runs ready batches itself."""

@@ -166,6 +166,7 @@ class ShardedExecutor:
         *,
         wake: bool = True,
         sink: ResultSink | None = None,
+        borrowed: bool = False,
     ) -> Future | ResultSink:
         """See ``BaseExecutor.submit``; a request for another rank's layer is relayed there (its
         result comes back through a future, passed on to ``sink`` when given)."""
@@ -173,8 +174,12 @@ class ShardedExecutor:
         owner = self.owner_of(layer_id)
         op, latency_class = Op(op), LatencyClass(latency_class)
         if owner == self.rank:
-            return self._engine.submit(client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink)
+            return self._engine.submit(
+                client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink, borrowed=borrowed
+            )
         self._check_request(layer_id, op, rows)
+        if borrowed:  # the relay sends them later, from another thread
+            rows = rows.clone()
         if rows.shape[0] == 0:
             future: Future = Future()
             future.set_result(rows.new_empty((0, op.output_width(self._specs[layer_id]))))

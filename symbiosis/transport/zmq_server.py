@@ -294,6 +294,9 @@ class ZmqServer:
         self._driving = False  # the socket thread runs the executor's ready batches (see module doc)
         # Whether the service's ``submit`` takes a ``sink`` (``BaseExecutor``'s does; a test double's may not).
         self._takes_sinks = "sink" in inspect.signature(service.submit).parameters
+        # Whether it takes rows that lie in a receive buffer and copies them itself (once, with
+        # its cast to its device or dtype: ``ExecutionEngine.submit``); else they are cloned here.
+        self._takes_borrowed = "borrowed" in inspect.signature(service.submit).parameters
         self._submitted = False  # requests went to the executor since the last _drive
         self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
@@ -664,7 +667,7 @@ class ZmqServer:
         if session.inflight or session.unsent.nbytes or session.backlog:  # one alone is always admitted
             self._admit(session, req)
         entry = _InFlight(session, req, self._specs[route.layer_id], self._channels["inline"], None, lane)
-        self._submit(key, entry, rows.clone())  # the rows lie in the lane buffer, which the next message overwrites
+        self._submit(key, entry, rows, borrowed=True)  # they lie in the lane buffer, which the next message overwrites
         self._track(key, entry, route.counts)
 
     def _send_frames(self, frames: list[Any], copy: bool) -> bool:
@@ -989,9 +992,8 @@ class ZmqServer:
             if rows is not None and self._try_alone(key, entry, rows, stats_key, accepted.out):
                 return
             if rows is not None:
-                if lane is not None and name == "inline" and not owned:
-                    rows = rows.clone()  # it lies in the lane buffer, which the next lane message overwrites
-                self._submit(key, entry, rows)
+                # Inline rows from a lane lie in the lane buffer, which the next lane message overwrites.
+                self._submit(key, entry, rows, borrowed=lane is not None and name == "inline" and not owned)
         except SymbiosisError as exc:
             self._count(stats_key, "errors")
             self._answer(identity, lane, P.error_reply(rid, exc.code, str(exc)))
@@ -1045,9 +1047,15 @@ class ZmqServer:
         self._reply(key, entry, result)
         return True
 
-    def _submit(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor) -> None:
-        """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies)."""
+    def _submit(self, key: RequestKey, entry: _InFlight, rows: torch.Tensor, borrowed: bool = False) -> None:
+        """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies).
+        ``borrowed``: they lie in a buffer this thread reuses (see ``_takes_borrowed``)."""
         req = entry.request
+        lent = {}
+        if borrowed and self._takes_borrowed:
+            lent = {"borrowed": True}
+        elif borrowed:
+            rows = rows.clone()
         client_id, op, latency_class = (
             entry.session.client_id,
             OPS_BY_VALUE[req.op],
@@ -1058,13 +1066,15 @@ class ZmqServer:
                 self._submitted = True
             sink = _ReplySink(self, key)
             entry.future = sink
-            self._service.submit(client_id, req.layer_id, op, rows, latency_class, wake=not self._driving, sink=sink)  # type: ignore[call-arg]
+            self._service.submit(
+                client_id, req.layer_id, op, rows, latency_class, wake=not self._driving, sink=sink, **lent
+            )  # type: ignore[call-arg]
             return
         if self._driving:
             self._submitted = True
-            future = self._service.submit(client_id, req.layer_id, op, rows, latency_class, wake=False)  # type: ignore[call-arg]
+            future = self._service.submit(client_id, req.layer_id, op, rows, latency_class, wake=False, **lent)  # type: ignore[call-arg]
         else:
-            future = self._service.submit(client_id, req.layer_id, op, rows, latency_class)
+            future = self._service.submit(client_id, req.layer_id, op, rows, latency_class, **lent)  # type: ignore[call-arg]
         entry.future = future
         future.add_done_callback(lambda done: self.call_soon(lambda: self._complete(key, done)))
 
