@@ -16,6 +16,7 @@ A py-spy that cannot attach (no ptrace permission) leaves its reason in ``NAME.e
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
 import shutil
@@ -129,18 +130,61 @@ def _leaf(frames: list[tuple[str, str]]) -> str:
     return " < ".join(reversed(names)) if names else "(no Python frame)"
 
 
+def _samples(path: Path):
+    """(thread, frames, count) of each stack in a raw file (``.gz`` too)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if match is not None:
+            thread, frames = _frames(match["stack"])
+            yield thread, frames, int(match["count"])
+
+
+# What the executor's serving thread (``ZmqServer``: it receives every lane message, schedules,
+# runs latency products and replies) is doing in a sample, by its frames: the first that matches.
+SERVING_ACTIVITIES: tuple[tuple[str, object], ...] = (
+    ("idle (spinning or polling for the next message)", lambda names: "try_for" in names or names[-1] == "Poller.poll"),
+    ("products (run_batch)", lambda names: "run_batch" in names),
+    (
+        "rows cloned out of the lane buffer (the server, before b38b13b)",
+        lambda names: names[-1] == "ZmqServer._queue_routed",
+    ),
+    ("rows copied or cast for the executor (submit)", lambda names: names[-1] == "ExecutionEngine.submit"),
+    ("results back (a device's copy waits for its product)", lambda names: names[-1] == "ExecutionEngine._complete"),
+    (
+        "replies sent",
+        lambda names: any(n in names for n in ("ZmqServer._lane_send", "ExecutorLane.flush", "tensor_payload")),
+    ),
+    (
+        "requests received",
+        lambda names: names[-1] == "decode" or any(n in names for n in ("ExecutorLane.receive", "_receive_long")),
+    ),
+    ("scheduler", lambda names: any(n.startswith("Scheduler.") for n in names)),
+    ("other Python (routing, bookkeeping)", lambda names: True),
+)
+
+
+def serving_breakdown(path: Path) -> dict[str, float]:
+    """Shares of the serving thread's samples in an executor's raw file, by ``SERVING_ACTIVITIES``."""
+    shares = dict.fromkeys((name for name, _ in SERVING_ACTIVITIES), 0)
+    total = 0
+    for thread, frames, count in _samples(path):
+        if "ZmqServer" not in thread:
+            continue
+        names = [function for function, _ in frames] or [""]
+        total += count
+        name = next(name for name, matches in SERVING_ACTIVITIES if matches(names))
+        shares[name] += count
+    return {name: count / total for name, count in shares.items()} if total else {}
+
+
 def summarize(path: Path, top: int = 8) -> str:
     """Per thread (most samples first): the share of its samples spent waiting in a blocking call,
     and the innermost frames (with their callers) its samples end in, waiting or not."""
     samples: Counter[str] = Counter()
     waiting: Counter[str] = Counter()
     leaves: dict[str, Counter[str]] = defaultdict(Counter)
-    for line in path.read_text().splitlines():
-        match = _LINE.match(line)
-        if match is None:
-            continue
-        thread, frames = _frames(match["stack"])
-        count = int(match["count"])
+    for thread, frames, count in _samples(path):
         samples[thread] += count
         waiting[thread] += count if _is_waiting(frames) else 0
         leaves[thread][_leaf(frames)] += count
@@ -155,7 +199,22 @@ def summarize(path: Path, top: int = 8) -> str:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m benchmarks.window_profile FILE... (py-spy raw files, e.g. from --profile)")
-    for name in sys.argv[1:]:
-        print(summarize(Path(name)))
+    names = sys.argv[1:]
+    serving = bool(names) and names[0] == "--serving"
+    if serving:
+        names = names[1:]
+    if not names:
+        raise SystemExit(
+            "usage: python -m benchmarks.window_profile [--serving] FILE...  (py-spy raw files from --profile, "
+            "or .gz of them; --serving: what an executor's serving thread did, one column per file)"
+        )
+    if not serving:
+        for name in names:
+            print(summarize(Path(name)))
+    else:
+        columns = [serving_breakdown(Path(name)) for name in names]
+        for index, name in enumerate(names):
+            print(f"[{index}] {name}")
+        print(" ".join(f"{f'[{i}]':>7}" for i in range(len(names))))
+        for activity, _ in SERVING_ACTIVITIES:
+            print(" ".join(f"{column.get(activity, 0):7.1%}" for column in columns), activity)

@@ -130,3 +130,26 @@ def test_a_window_profile_says_where_each_thread_waited_and_worked(tmp_path):
     assert "MainThread: 100 samples, waiting 80%" in text  # a client waiting on its lane's reply
     serving_part = text.split("symbiosis-bulk-0")[0]
     assert serving_part.index("linear <") < serving_part.index("Poller.poll <") < serving_part.index("_queue_routed")
+
+
+def test_the_serving_breakdown_reads_what_the_serving_thread_did(tmp_path):
+    import gzip
+
+    from benchmarks.window_profile import serving_breakdown
+
+    serving = "thread (9): ZmqServer(ipc:///tmp/x.sock);ZmqServer._serve (z.py:798)"
+    lines = [
+        f"{serving};try_for (spin.py:173);ZmqServer._serve.<locals>.<lambda> (z.py:781);Poller.poll (poll.py:106) 30",
+        f"{serving};ExecutionEngine._compute (engine.py:701);run_batch (runner.py:116);linear (p.py:124) 40",
+        f"{serving};ZmqServer._submit (z.py:1061);ExecutionEngine.submit (engine.py:275) 20",
+        f"{serving};ZmqServer._reply (z.py:1109);ZmqServer._lane_send (z.py:700);ExecutorLane.send (lane.py:417) 10",
+        "thread (3): symbiosis-bulk-0;ExecutionEngine._bulk_loop (engine.py:612);run_batch (runner.py:116) 500",
+    ]
+    path = tmp_path / "executor.txt.gz"
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    shares = serving_breakdown(path)  # the serving thread's samples only, not the bulk thread's
+    assert shares["idle (spinning or polling for the next message)"] == pytest.approx(0.3)
+    assert shares["products (run_batch)"] == pytest.approx(0.4)
+    assert shares["rows copied or cast for the executor (submit)"] == pytest.approx(0.2)
+    assert shares["replies sent"] == pytest.approx(0.1)
+    assert sum(shares.values()) == pytest.approx(1.0)
