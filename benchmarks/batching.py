@@ -383,10 +383,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--scheme",
-        choices=("ipc", "tcp"),
+        choices=("ipc", "shm+ipc", "tcp"),
         default="ipc",
-        help="With --clients-as processes: how clients reach the executor process: ipc:// (default) or tcp:// "
-        "on loopback (what remote clients would use, minus the network).",
+        help="With --clients-as processes: how clients reach the executor process: ipc:// (default), shm+ipc:// "
+        "(large payloads in shared memory, read and written in place by the executor) or tcp:// on loopback "
+        "(what remote clients would use, minus the network).",
     )
     parser.add_argument(
         "--executor-device",

@@ -3,7 +3,8 @@
 In thread mode every client and the executor share one interpreter, so the GIL serializes their
 Python and a policy's waits are stretched by GIL hand-offs (``sys.getswitchinterval()``, 5 ms). Here
 each client is a process with its own interpreter (one torch thread each), talking to an executor
-process over ``ipc://`` (or ``tcp://`` loopback with ``--scheme tcp``, the nearest this one host
+process over ``ipc://`` (``shm+ipc://`` with ``--scheme shm+ipc``: large payloads in shared
+memory; or ``tcp://`` loopback with ``--scheme tcp``, the nearest this one host
 comes to remote clients) through the ZeroMQ transport, as ``symbiosis serve`` clients do, with
 ``OMP_WAIT_POLICY=PASSIVE`` as ``serve`` sets it (unless the environment sets another).
 
@@ -154,6 +155,8 @@ class ProcessPool:
                 metrics=True,
             )
             address = executor.address  # a tcp port 0 resolved
+            if self.args.scheme == "shm+ipc":
+                address = f"shm+{address}"  # the same ipc:// bind, payloads in shared memory
         else:
             address = self.args.executor
 

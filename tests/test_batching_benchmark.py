@@ -92,6 +92,7 @@ def test_the_executor_device_is_for_client_processes_only():
     assert batching.parse_args([]).executor_device == "cpu"
     with pytest.raises(SystemExit):
         batching.parse_args(["--executor-device", "cuda"])  # threads: one in-process CPU executor
+    assert batching.parse_args(["--clients-as", "processes", "--scheme", "shm+ipc"]).scheme == "shm+ipc"
 
 
 def test_profiles_are_for_client_processes_only(tmp_path, monkeypatch):
