@@ -214,8 +214,8 @@ class ProcessPool:
         finally:
             if executor is not None:
                 executor.close()
-                if address.startswith("ipc://"):
-                    Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+                if executor.address.startswith("ipc://"):
+                    Path(executor.address.removeprefix("ipc://")).unlink(missing_ok=True)
         result = summarize_run(records, window, self.args.window_s, config is not None)
         result["executor"] = served_by
         return result

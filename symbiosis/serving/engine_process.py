@@ -320,8 +320,10 @@ class RemoteEngine:
                     continue
                 message = _decoder.decode(self._events.recv())
                 op = message.get("op")
-                if op == "stopped":  # told to stop: its last events came before this
-                    return
+                if op == "stopped":
+                    if self._closed:  # told to stop: its last events came before this
+                        return
+                    continue  # its loop ended on its own (a bug there): its exit is what tells
                 if op == "reply":
                     pending = self._pending.get(message["call"])
                     if pending is not None:

@@ -225,6 +225,32 @@ def test_a_stopping_engine_process_ends_its_streams_before_it_tears_down(api_mod
 
 
 @pytest.mark.slow
+def test_a_stopped_message_the_server_did_not_ask_for_does_not_blind_it_to_a_lost_engine(api_model):
+    # "stopped" ends the receiver only while the server closes; else (the child's loop ended on its
+    # own) the receiver goes on, so that the engine process's exit is still seen and answered.
+    import msgspec
+    import zmq
+
+    server = start_server(api_model)
+    try:
+        context = zmq.Context()
+        intruder = context.socket(zmq.PUSH)
+        intruder.connect(f"ipc://{server.engine._folder}/events")
+        intruder.send(msgspec.msgpack.encode({"op": "stopped"}))
+        intruder.close(linger=1000)
+        context.term()
+        assert len(greedy_tokens(openai_client(server), server.served_model_name, "hi", 3)) == 3  # still served
+        server.engine._process.kill()
+        server.engine._process.wait()
+        deadline = time.monotonic() + 10
+        while server.engine._dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.engine._dead is not None and "exited" in server.engine._dead
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
 def test_a_bad_option_fails_at_start_with_the_childs_error(api_model, tmp_path):
     with pytest.raises(UnknownAdapterError, match="is not a folder"):
         start_server(api_model, adapter_dir=tmp_path / "missing")
