@@ -21,6 +21,7 @@ import math
 import re
 import shutil
 import subprocess
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +99,12 @@ class WindowProfile:
         return profile
 
     def wait(self, timeout_s: float = 30.0) -> None:
+        """Until every py-spy has written its file (they end with the window), at most ``timeout_s``
+        for all of them together; one still running then is killed."""
+        deadline = time.monotonic() + timeout_s
         for process in self.processes:
             try:
-                process.wait(timeout=timeout_s)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
