@@ -200,25 +200,32 @@ def summarize(path: Path, top: int = 8) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    import argparse
 
-    names = sys.argv[1:]
-    serving = bool(names) and names[0] == "--serving"
-    if serving:
-        names = names[1:]
-    if not names:
-        raise SystemExit(
-            "usage: python -m benchmarks.window_profile [--serving] FILE...  (py-spy raw files from --profile, "
-            "or .gz of them; --serving: what an executor's serving thread did, one column per file)"
-        )
-    if not serving:
-        for name in names:
-            print(summarize(Path(name)))
-    else:
-        columns = [serving_breakdown(Path(name)) for name in names]
-        for index, name in enumerate(names):
-            print(f"[{index}] {name}")
-        print(" ".join(f"{f'[{i}]':>7}" for i in range(len(names))))
-        for activity, _ in SERVING_ACTIVITIES:
-            print(" ".join(f"{column.get(activity, 0):7.1%}" for column in columns), activity)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.window_profile",
+        description="Where each thread of a profiled process spent a window (py-spy raw files from "
+        "`benchmarks.batching --profile DIR`, or .gz of them).",
+    )
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    parser.add_argument(
+        "--serving",
+        action="store_true",
+        help="What an executor's serving thread did (SERVING_ACTIVITIES), one column per file.",
+    )
+    args = parser.parse_args(argv)
+    if not args.serving:
+        for path in args.files:
+            print(summarize(path))
+        return
+    columns = [serving_breakdown(path) for path in args.files]
+    for index, path in enumerate(args.files):
+        print(f"[{index}] {path}")
+    print(" ".join(f"{f'[{i}]':>7}" for i in range(len(columns))))
+    for activity, _ in SERVING_ACTIVITIES:
+        print(" ".join(f"{column.get(activity, 0):7.1%}" for column in columns), activity)
+
+
+if __name__ == "__main__":
+    main()

@@ -154,3 +154,17 @@ def test_the_serving_breakdown_reads_what_the_serving_thread_did(tmp_path):
     assert shares["rows copied or cast for the executor (submit)"] == pytest.approx(0.2)
     assert shares["replies sent"] == pytest.approx(0.1)
     assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_the_committed_h200_profiles_give_the_table_the_docs_print(capsys):
+    # docs/benchmarks/batching_h200/README.md's table comes from these files through the command line.
+    from pathlib import Path
+
+    from benchmarks import window_profile
+
+    folder = Path(__file__).resolve().parents[1] / "docs/benchmarks/batching_h200/profiles"
+    window_profile.main(["--serving", str(folder / "profiled_cpu_executor_mixed.txt.gz")])
+    table = capsys.readouterr().out
+    assert " 15.5% idle (spinning or polling for the next message)" in table
+    assert " 10.4% rows cloned out of the lane buffer" in table
+    assert " 29.6% other Python (routing, bookkeeping)" in table

@@ -359,7 +359,7 @@ class ExecutionEngine:
         deadline = self._clock() + timeout_s
         cv = threading.Condition(self._lock)
         with self._cond:
-            request_id = self._enqueue(client_id, layer_id, op, local, rows, latency_class, future)
+            request_id = self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, local is not rows)
             self._caller_cvs[request_id] = cv
             self._callers_waiting += 1
             try:
@@ -473,9 +473,9 @@ class ExecutionEngine:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
-    def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future, cast: bool | None = None) -> int:
+    def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future, cast: bool) -> int:
         """Record the request and hand it to the scheduler (holding ``_cond``). ``cast``: whether
-        ``local`` is ``rows`` cast (its result is cast back); by default, whether it is another tensor."""
+        ``local`` is ``rows`` cast to the executor's device or dtype (its result is cast back)."""
         if not self._accepting:
             raise ExecutorUnavailableError("the executor is shutting down and accepts no new requests")
         request_id = next(self._ids)
@@ -486,7 +486,7 @@ class ExecutionEngine:
             rows.dtype,
             rows.device,
             now,
-            local is not rows if cast is None else cast,
+            cast,
             getattr(future, "takes_views", False),
         )
         self._owner[request_id] = client_id

@@ -91,6 +91,7 @@ from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, OPS_BY_VALUE, LayerSpec
 
 log = logging.getLogger(__name__)
+_NOT_LENT: dict[str, bool] = {}  # ``_submit``'s keyword arguments for rows that are its own
 
 _INVALID = "<invalid>"  # stats key for requests that name no known layer
 #: Messages queued for one peer before ``send`` finds its queue full (then replies wait in the
@@ -297,6 +298,7 @@ class ZmqServer:
         # Whether it takes rows that lie in a receive buffer and copies them itself (once, with
         # its cast to its device or dtype: ``ExecutionEngine.submit``); else they are cloned here.
         self._takes_borrowed = "borrowed" in inspect.signature(service.submit).parameters
+        self._lend: dict[str, bool] = {"borrowed": True} if self._takes_borrowed else {}  # made once, not per call
         self._submitted = False  # requests went to the executor since the last _drive
         self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
@@ -1051,10 +1053,8 @@ class ZmqServer:
         """Hand ``rows`` to the executor; a synchronous refusal raises (the caller replies).
         ``borrowed``: they lie in a buffer this thread reuses (see ``_takes_borrowed``)."""
         req = entry.request
-        lent = {}
-        if borrowed and self._takes_borrowed:
-            lent = {"borrowed": True}
-        elif borrowed:
+        lent = self._lend if borrowed else _NOT_LENT
+        if borrowed and not self._takes_borrowed:
             rows = rows.clone()
         client_id, op, latency_class = (
             entry.session.client_id,
