@@ -80,7 +80,7 @@ from symbiosis.errors import (
     SymbiosisError,
     UnknownLayerError,
 )
-from symbiosis.executor.requests import Batch, PendingRequest
+from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.runner import aligned, apply_op, out_fits_product, run_batch
 from symbiosis.executor.scheduler import Lane, Scheduler
 from symbiosis.executor.weights import BaseModelWeights
@@ -279,11 +279,14 @@ class ExecutionEngine:
         if rows.shape[0] == 0:
             future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
             return future
-        local = rows.to(device=self.device, dtype=self.dtype)  # cast here: the computing thread only multiplies
-        cast = local is not rows
-        if borrowed and not cast:
-            local = rows.clone()
-        with self._cond:
+        # Cast here: the computing thread only multiplies. The usual case needs no cast, and is
+        # told apart without a no-op ``to`` (as ``try_alone`` does): every queued request pays it.
+        cast = not (rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device))
+        if cast:
+            local = rows.to(device=self.device, dtype=self.dtype)
+        else:
+            local = rows.clone() if borrowed else rows
+        with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
             self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, cast)
             if wake:
                 self._wake_others()
@@ -715,7 +718,7 @@ class ExecutionEngine:
         layer = self.weights.layers[batch.layer_id]
         started = self._product_clock()
         try:
-            outputs = run_batch(layer, batch.op, [inflight.rows[s.start : s.stop] for s, inflight in parts])
+            outputs = run_batch(layer, batch.op, [_rows_of(s, inflight.rows) for s, inflight in parts])
         except Exception as exc:  # a failed product fails its batch, never the executor
             return None, self._fail_batch(batch.layer_id, parts, exc)
         duration = self._product_clock() - started
@@ -783,3 +786,10 @@ class ExecutionEngine:
                     continue
                 inflight.future.set_result(result)
         return finished_ids
+
+
+def _rows_of(part: RowSlice, rows: torch.Tensor) -> torch.Tensor:
+    """The rows of ``part`` of a request whose rows are ``rows``: the tensor itself when the part
+    is all of it (a decode request, nearly always), without a slice -- a view costs the serving
+    thread a couple of microseconds per request, as much as a 1-row product's bookkeeping."""
+    return rows if part.start == 0 and part.stop == rows.shape[0] else rows[part.start : part.stop]

@@ -126,7 +126,7 @@ LATENCY, BULK = Lane.LATENCY, Lane.BULK
 class _Entry:
     """A pending request and how many of its rows have been handed out."""
 
-    __slots__ = ("request", "seq", "next_row", "done", "client", "group", "budget_deadline_s")
+    __slots__ = ("request", "seq", "next_row", "done", "client", "group", "budget_deadline_s", "lane")
 
     def __init__(
         self,
@@ -135,8 +135,12 @@ class _Entry:
         client: _Client,
         group: _Group,
         budget_deadline_s: float,
+        lane: Lane,
     ):
         self.request = request
+        # Its lane (``Scheduler.lane_of``), fixed by its class and size: asked of every entry on
+        # every plan and fill, where working it out again cost the serving thread more than it did.
+        self.lane = lane
         self.seq = seq  # insertion order: the tie-breaker that makes every decision deterministic
         self.next_row = 0
         self.done = False
@@ -314,7 +318,7 @@ class Scheduler:
         if group is None:
             group = self._groups[key] = _Group(request.layer_id, request.op)
         budget_deadline_s = request.arrival_s + self.config.wait_budget_s(request.rows, request.latency_class)
-        entry = _Entry(request, self._seq, client, group, budget_deadline_s)
+        entry = _Entry(request, self._seq, client, group, budget_deadline_s, lane)
         self._seq += 1
         group.insert(entry)
         client.entries.append(entry)
@@ -363,10 +367,7 @@ class Scheduler:
 
     def has_pending(self, lane: Lane) -> bool:
         """Whether rows of ``lane``'s work are waiting to be handed out."""
-        return any(self._lane(e) == lane for e in self._entries.values())
-
-    def _lane(self, entry: _Entry) -> Lane:
-        return self.lane_of(entry.request.latency_class, entry.request.rows)
+        return any(e.lane == lane for e in self._entries.values())
 
     # ----------------------------------------------------------------------------- readiness
 
@@ -423,7 +424,7 @@ class Scheduler:
         return self._has_work_of(group, LATENCY)
 
     def _has_work_of(self, group: _Group, lane: Lane) -> bool:
-        return any(self._lane(e) == lane for e in group.entries)
+        return any(e.lane == lane for e in group.entries)
 
     def _convoy_waits_for(self, group: _Group) -> bool:
         """Convoy rule: whether a client on its way to ``group``'s layer can come: it is computing
@@ -488,11 +489,11 @@ class Scheduler:
         aged_before_s = now_s - self._aging_s
         best: list[tuple | None] = [None, None]  # per lane: (rank, lead entry)
         for client in self._client_state.values():
-            candidates = [e for e in client.entries if e.group in ready and (only is None or self._lane(e) == only)]
+            candidates = [e for e in client.entries if e.group in ready and (only is None or e.lane == only)]
             if not candidates:
                 continue
             entry = min(candidates, key=lambda e: self._own_rank(e, aged_before_s))
-            lane = self._lane(entry)
+            lane = entry.lane
             rank = (client.tag, entry.request.arrival_s, entry.seq)
             if best[lane] is None or rank < best[lane][0]:
                 best[lane] = (rank, entry)
@@ -594,9 +595,9 @@ class Scheduler:
             return self._row_budget
         group = lead.group
         for other in self._groups.values():
-            if other is not group and any(self._lane(e) == BULK for e in other.entries):
+            if other is not group and any(e.lane == BULK for e in other.entries):
                 return self._row_budget  # another group for another thread: no need to cut this one
-        rows = sum(e.remaining for e in group.entries if self._lane(e) == BULK)
+        rows = sum(e.remaining for e in group.entries if e.lane == BULK)
         parts = min(share, rows // SPLIT_MIN_ROWS)
         return self._row_budget if parts <= 1 else min(self._row_budget, -(-rows // parts))
 
@@ -609,14 +610,14 @@ class Scheduler:
             # to give idle bulk threads a part each.
             bulk_limit = self._split_limit(lead, share)
         others = sorted(
-            (e for e in group.entries if e is not lead and (only is None or self._lane(e) == only)),
+            (e for e in group.entries if e is not lead and (only is None or e.lane == only)),
             key=lambda e: (
-                self._lane(e),
+                e.lane,
                 e.client.tag,
                 self._own_rank(e, aged_before_s),
             ),
         )
-        lane = self._lane(lead)
+        lane = lead.lane
         if lane == BULK:
             self._guard.bulk_ran(now_s)
         self._virtual[lane] = max(self._virtual[lane], lead.client.tag)
@@ -626,7 +627,7 @@ class Scheduler:
         for entry in [lead, *others]:
             remaining = entry.remaining
             room = self._row_budget - rows
-            if self._lane(entry) == LATENCY:
+            if entry.lane == LATENCY:
                 take = min(remaining, room)
             else:
                 # Without a target, a flood's rows riding along in a decoder's batch are paced like

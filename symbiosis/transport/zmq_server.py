@@ -752,6 +752,9 @@ class ZmqServer:
 
     def _run(self) -> None:
         self._socket_thread_id = threading.get_ident()
+        # (thread-local) Nothing this thread computes records autograd: the executor's products it
+        # runs would otherwise each pay a ``no_grad`` around them (``ExecutionEngine._compute``).
+        torch.set_grad_enabled(False)
         attach = getattr(self._service, "attach_driver", None)
         if attach is not None:
             attach(self._waker.wake)
