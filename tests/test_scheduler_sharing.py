@@ -23,7 +23,7 @@ from symbiosis.executor import pacing
 from symbiosis.executor.pacing import MIN_BULK_SHARE, CostModel, DecodeGuard
 from symbiosis.executor.requests import PendingRequest
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
-from symbiosis.executor.wait_tuner import FIRST_TRIALS, RULES, WaitTuner
+from symbiosis.executor.wait_tuner import EXPLORE_EVERY, FIRST_TRIALS, RARE_FACTOR, RULES, WaitTuner
 from symbiosis.vocabulary import LatencyClass, Op
 from tests.sched_sim import Flood, Simulation, Walker, p95
 
@@ -484,6 +484,23 @@ def test_tuner_keeps_the_rule_that_serves_most_and_follows_a_change():
     # The load changes: waiting stops paying. Within a few trials the tuner stops waiting.
     used, _ = feed(tuner, 60, {"none": 2000.0, "predicted": 1500.0, "convoy": 800.0}, start_s=now)
     assert used[-12:].count("none") >= 10
+
+
+def test_a_rule_whose_trial_lost_badly_is_tried_only_at_the_rare_pace_until_one_does_not():
+    """'predicted' serves x0.45 of the convoy, 'none' x0.9. After its first trial, 'predicted' is
+    tried only every EXPLORE_EVERY * RARE_FACTOR epochs (before: again five epochs later, its
+    rating not yet fallen x1.25 below), 'none' at the usual pace. Once 'predicted' serves as the
+    others do, its next (rare) trial brings it back to the usual pace."""
+    tuner = WaitTuner(epoch_s=0.2)
+    rare = EXPLORE_EVERY * RARE_FACTOR
+    used, now = feed(tuner, 3 * rare, {"none": 1800.0, "predicted": 900.0, "convoy": 2000.0})
+    later = range(len(FIRST_TRIALS), len(used))
+    assert [i for i in later if used[i] == "predicted"] == list(range(rare, len(used), rare))
+    assert [i for i in later if used[i] == "none"] == [i for i in later if i % EXPLORE_EVERY == 0 and i % rare]
+    assert tuner.stats()["set_aside"] == ["predicted"]
+    used, _ = feed(tuner, 2 * rare, {"none": 1800.0, "predicted": 1900.0, "convoy": 2000.0}, start_s=now)
+    assert used[0] == "predicted" and used.count("predicted") >= 4  # its rare trial, then every other trial
+    assert tuner.stats()["set_aside"] == []
 
 
 def test_tuner_does_not_compare_a_prefill_epoch_with_a_decode_epoch():

@@ -206,11 +206,14 @@ class SchedulerConfig:
         return {f.name: f.metadata["help"] for f in fields(cls)}
 
     def base_wait_ms(self, latency_class: LatencyClass) -> float:
-        return {
-            LatencyClass.DECODE: self.decode_base_wait_ms,
-            LatencyClass.PREFILL: self.prefill_base_wait_ms,
-            LatencyClass.FINETUNE: self.finetune_base_wait_ms,
-        }[latency_class]
+        # Asked for every request the scheduler queues: no mapping made per call.
+        if latency_class is LatencyClass.DECODE:
+            return self.decode_base_wait_ms
+        if latency_class is LatencyClass.PREFILL:
+            return self.prefill_base_wait_ms
+        if latency_class is LatencyClass.FINETUNE:
+            return self.finetune_base_wait_ms
+        raise KeyError(latency_class)
 
     def wait_budget_s(self, rows: int, latency_class: LatencyClass) -> float:
         """How long the opportunistic policy may hold a request back to grow its batch (seconds).

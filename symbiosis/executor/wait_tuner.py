@@ -107,7 +107,13 @@ needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25); ev
 ``EXPLORE_EVERY``-th epoch tries the rule least recently tried, so the choice follows a change of
 load or clients. A rule rated clearly worse than the one in use (by more than ``CLEARLY_WORSE``,
 x1.25) is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs
-every client a slow epoch, which is what a p95 latency sees first.
+every client a slow epoch, which is what a p95 latency sees first. So is a rule whose last trial
+lost to the chosen one by ``LOST_BADLY`` (x1.5, the most one comparison counts) or more, until a
+trial of it does not: its rating, moved a quarter of the way at a time, takes two or three such
+trials to fall that far, and each cost a slow epoch in five. Measured (2026-11-30, client processes
+of batch 1-16 on this 2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at
+x0.41-0.46 of the convoy epochs beside it, in the middle of a 6 s window -- a tenth of the window's
+tokens -- while its rating was still x1.2 below the convoy's.
 """
 
 from __future__ import annotations
@@ -128,6 +134,7 @@ MIN_CLIENT_REQUESTS = 3
 SAME_PHASE = math.log(1.5)
 MAX_SPEEDUP = math.log(1.5)
 STALL_SPEEDUP = math.log(3.0)
+LOST_BADLY = MAX_SPEEDUP
 HISTORY = 40
 
 
@@ -150,6 +157,7 @@ class WaitTuner:
         # when it began -- and five tokens at the pace read last; the last three in ms)
         self.history: list[tuple[str, int, int, int, int, int]] = []
         self._last_tried = {rule: -1 for rule in RULES}
+        self._set_aside: set[str] = set()  # rules whose last trial lost by LOST_BADLY (module doc)
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
@@ -251,6 +259,7 @@ class WaitTuner:
         of jobs) as a long one."""
         self._previous, self._settled = None, set()
         self._last_tried = {rule: -1 for rule in RULES}
+        self._set_aside = set()
         if self._population:
             self.resets += 1
             self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
@@ -280,6 +289,7 @@ class WaitTuner:
                 swing_of_a_stall = abs(speedup) >= STALL_SPEEDUP
                 if not (swing_of_a_stall and self._previous_stalled):
                     stalled = swing_of_a_stall
+                    self._judge_trial(rule, other, speedup)
                     speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
                     surprise = speedup - (self.ratings[rule] - self.ratings[other])
                     self.ratings[rule] += PAIR_WEIGHT * surprise / 2
@@ -289,6 +299,21 @@ class WaitTuner:
             self._settled = set(self._previous[1])
         self._previous = (rule, clients)
 
+    def _judge_trial(self, rule: str, other: str, speedup: float) -> None:
+        """A comparison of ``rule``'s epoch with the one before (``other``'s), whose clients went
+        ``speedup`` (a log) faster: when one of the two is the chosen rule, the other's trial is
+        set aside if it lost by ``LOST_BADLY`` or more, and brought back if it did not."""
+        if self.chosen == other:
+            trial, lost = rule, -speedup
+        elif self.chosen == rule:
+            trial, lost = other, speedup
+        else:
+            return
+        if lost >= LOST_BADLY:
+            self._set_aside.add(trial)
+        else:
+            self._set_aside.discard(trial)
+
     def _next_rule(self) -> str:
         if self._since_reset < len(FIRST_TRIALS):
             return FIRST_TRIALS[self._since_reset]
@@ -297,13 +322,21 @@ class WaitTuner:
             self.chosen = START_RULE if START_RULE in self.ratings else top
         if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
             self.chosen = top
+            self._set_aside.discard(top)
         best = self.chosen
         if self._since_reset % EXPLORE_EVERY == 0:
             rare = self._since_reset % (EXPLORE_EVERY * RARE_FACTOR) == 0
             others = [
                 rule
                 for rule in RULES
-                if rule != best and (rare or self.ratings.get(rule, math.inf) >= self.ratings[best] - CLEARLY_WORSE)
+                if rule != best
+                and (
+                    rare
+                    or (
+                        self.ratings.get(rule, math.inf) >= self.ratings[best] - CLEARLY_WORSE
+                        and rule not in self._set_aside
+                    )
+                )
             ]
             if others:
                 return min(others, key=self._last_tried.__getitem__)
@@ -317,6 +350,7 @@ class WaitTuner:
             "resets": self.resets,
             "trials": dict(self.trials),
             "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
+            "set_aside": sorted(self._set_aside),
             "history": [list(entry) for entry in self.history],
         }
 
