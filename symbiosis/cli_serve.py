@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -94,7 +95,8 @@ def serve(
                 "one for the life of the process: BLAS libraries' small-batch kernels differ between the two, "
                 "x0.2-x1.7 here. Results then agree with nn.Linear's within float tolerance, not bit for bit. "
                 "A layer with a packed copy (--pack-weights) times three forms, oneDNN's packed product among them, "
-                "and only at 1-2 rows. "
+                "and only at 1-2 rows. The decode sizes (1-8 rows) of every weight shape are timed before the server "
+                "says ready (a few seconds), so that no client waits behind a trial. "
                 "--no-tune-matmul (or SYMBIOSIS_TUNE_MATMUL=0) times nothing: packed layers run the packed product, "
                 "the others nn.Linear's form."
             )
@@ -173,6 +175,12 @@ def serve(
         quantization=quantization,
         scheduler_config=scheduler_config,
     )
+    if tune_matmul and executor.device.type == "cpu":
+        # Before serving: each trial would otherwise stall every client at its first request of a size.
+        typer.echo("timing the forms of decode-sized products for each weight shape ...", err=True)
+        started = time.monotonic()
+        trials = executor.warm_up()
+        typer.echo(f"  {trials} trials in {time.monotonic() - started:.1f} s", err=True)
     try:  # an address or port that is taken: stop what started, then report it
         servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
         metrics = None

@@ -29,6 +29,9 @@ def test_ready_file_names_the_real_addresses_and_the_checkpoint(tiny_checkpoint,
         assert ipc == binds[1]
         expected = BaseModelWeights.load(path, device=torch.device("cpu"), dtype=torch.float32)
         assert info.fingerprint == expected.fingerprint and info.model_type == "llama"
+        # The forms of decode-sized products were timed before it said ready (``BaseExecutor.warm_up``).
+        assert sum(executor.stats()["matmul_forms"].values()) > 0
+        assert "trials in" in executor.output()
 
         client = symbiosis.load_client_model(path, executor=tcp)
         ids = torch.tensor([[3, 4, 5, 6]])

@@ -182,6 +182,46 @@ def test_an_executors_products_run_the_chosen_form_every_time(monkeypatch, tiny_
             assert executor.stats()["matmul_forms"] == forms.chosen()
 
 
+LAYER_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj")
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_warmed_up_executor_runs_no_trial_at_a_clients_first_decode_sized_products(
+    packing, monkeypatch, tiny_checkpoint
+):
+    """``BaseExecutor.warm_up`` decides the forms of 1-8 row forwards for every weight shape a
+    client may ask for -- each layer's and each sibling group's (the fused q+k+v a split client
+    sends) -- so that no request of those sizes waits behind a trial; it packs nothing for good
+    (a shape's trial uses a copy made and dropped), and a layer's products then run the chosen
+    form. Without it, the same first products run trials (the control)."""
+    monkeypatch.setattr(pw.WEIGHT_PACKING, "enabled", packing and pw.WEIGHT_PACKING.supported)
+    path = tiny_checkpoint("llama")
+    for warm in (False, True):
+        forms = mf.MatmulForms(enabled=True)
+        monkeypatch.setattr(mf, "MATMUL_FORMS", forms)
+        monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
+        monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, packed=None: mf.Form.WEIGHT_BY_ROWS)
+        with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+            specs = executor.layer_specs()
+            q, k, gate, up = (next(i for i in specs if i.endswith(f"layers.0.{n}")) for n in LAYER_NAMES)
+            groups = ["+".join((q, k)), "+".join((gate, up))]  # shapes no single layer has
+            assert {executor.weights.specs[g].out_features for g in groups}.isdisjoint(
+                s.out_features for s in specs.values()
+            )
+            warmed = executor.warm_up() if warm else 0
+            assert executor.weights.packed_nbytes() == 0
+            before = forms.trials
+            for layer_id in [*specs, *groups]:
+                in_width = executor.weights.specs[layer_id].in_features
+                for rows in range(1, 9):
+                    executor.run(layer_id, Op.FORWARD, torch.randn(rows, in_width))
+            if warm:
+                assert warmed > 0 and forms.trials == before
+            else:
+                assert forms.trials > before
+        assert all(executor.weights.layers[g].forms for g in groups)  # their products looked their form up
+
+
 @pytest.mark.parametrize(
     ("flag", "setting", "variable"),
     [

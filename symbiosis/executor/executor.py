@@ -22,6 +22,9 @@ from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: ``warm_up`` times forwards of 1 to this many rows: the decode batches of a few clients. Larger
+#: ones are timed on first use (packed layers, the default on a CPU, time only 1-2 rows anyway).
+WARM_UP_ROWS = 8
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -189,6 +192,20 @@ class BaseExecutor:
     def run(self, layer_id: str, op: Op | str, rows: torch.Tensor) -> torch.Tensor:
         """Synchronous single call, for tests and tools (goes through the same batching path)."""
         return self.call("direct", layer_id, Op(op), rows, LatencyClass.PREFILL)
+
+    def warm_up(self, most_rows: int = WARM_UP_ROWS) -> int:
+        """Time the forward forms of 1 to ``most_rows`` rows for every weight shape a client may
+        ask for (``MatmulForms.warm_up``), before serving: done on first use, each trial (~80 ms
+        on the ~105M llama here) ran on the server's thread while every client waited, and
+        heterogeneous decoders bring new row counts seconds into serving -- profiled (py-spy,
+        2026-11-30, this 2-core host, 6 client processes, 6 s windows after 2 s of warm-up), the
+        server's thread spent 11-15% of the measured windows in trials. Call it from the thread
+        that then calls ``serve`` (the server's thread takes its torch thread count, and the
+        forms are kept per count). Returns how many trials ran (0 when tuning is off, the weights
+        are not on a CPU, or all were timed before)."""
+        with torch.no_grad():
+            layers = self.weights.forward_shapes()
+            return matmul_forms.MATMUL_FORMS.warm_up(((w.weight, w.bias, w.packable) for w in layers), most_rows)
 
     def serve(self, address: str, **server_options):
         """Start serving remote clients at ``address`` (``tcp://host:port`` or ``ipc:///path``).

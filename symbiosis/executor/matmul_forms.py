@@ -61,8 +61,8 @@ from pathlib import Path
 
 import torch
 
+from symbiosis.executor.packed_weights import WEIGHT_PACKING, reorder
 from symbiosis.executor.packed_weights import linear as packed_linear
-from symbiosis.executor.packed_weights import reorder
 
 TUNE_VARIABLE = "SYMBIOSIS_TUNE_MATMUL"
 #: Products of more rows always run the first form (training-sized: see the module doc).
@@ -176,6 +176,28 @@ class MatmulForms:
                     chosen = self._chosen[key] = self._trial(weight, bias, rows, packed)
                     self.trials += 1
         return chosen
+
+    def warm_up(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor | None, bool]], most_rows: int) -> int:
+        """Decide now the forms of forwards of 1 to ``most_rows`` rows against each shape of
+        ``weights`` -- (weight, bias, whether its layer will have a packed copy) -- rather than on
+        the first request of each size: a trial then runs on the thread serving that request, and
+        every client waits behind it (``symbiosis serve`` calls this before it says ready; see
+        ``BaseExecutor.warm_up``). A packed layer's trial uses a packed copy made for it and
+        dropped after, as its peers' are: the layers pack their own on their first forward, so
+        warming up a shape no client asks for costs no memory. Returns how many trials ran. Keys
+        carry the calling thread's torch thread count: call it in the thread, or with the count,
+        the products will run with."""
+        trials = self.trials
+        done: set[tuple] = set()
+        for weight, bias, packable in weights:
+            shape = (tuple(weight.shape), weight.dtype, bias is not None, packable)
+            if shape in done or weight.device.type != "cpu":
+                continue
+            done.add(shape)
+            packed = reorder(weight) if packable and WEIGHT_PACKING.applies_to(weight) else None
+            for rows in range(1, min(most_rows, timed_rows(packed)) + 1):
+                self.form(weight, bias, rows, packed)
+        return self.trials - trials
 
     def trial_weights(self, weight: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The weights a trial for ``weight``'s shape times (it first, then up to ``PEERS - 1``

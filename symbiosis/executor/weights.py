@@ -42,7 +42,7 @@ from symbiosis.executor.quantized import (
     StackedWeights,
     parse_quantization,
 )
-from symbiosis.vocabulary import GROUP_SEPARATOR, LayerSpec, group_members, sibling_blocks
+from symbiosis.vocabulary import GROUP_SEPARATOR, LayerSpec, group_id, group_members, sibling_blocks
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,20 @@ class BaseModelWeights:
         MATMUL_FORMS.remember(w.weight for w in [*layers.values(), *block_weights] if type(w) is LayerWeights)
         resolver = _GroupResolver(specs, layers, blocks, block_weights)
         return cls(_Registry(specs, resolver, 0), _Registry(layers, resolver, 1), fingerprint, model_type, quantization)
+
+    def forward_shapes(self) -> list[LayerWeights]:
+        """A full-precision layer of each weight shape a forward may be asked for: the layers, and
+        every sibling group a client may fuse (each contiguous run of a block, resolved here as on
+        its first request). For ``MatmulForms.warm_up``: one per shape is enough."""
+        ids = list(self.specs)
+        for block in sibling_blocks(self.specs.values()):
+            ids += [group_id(block[i:j]) for i in range(len(block)) for j in range(i + 2, len(block) + 1)]
+        found: dict[tuple, LayerWeights] = {}
+        for layer_id in ids:
+            layer = self.layers[layer_id]
+            if type(layer) is LayerWeights:
+                found.setdefault((tuple(layer.weight.shape), layer.bias is not None, layer.packable), layer)
+        return list(found.values())
 
     @property
     def device(self) -> torch.device:
