@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         help="What an executor's serving thread did (SERVING_ACTIVITIES), one column per file.",
     )
     args = parser.parse_args(argv)
+    missing = [str(path) for path in args.files if not path.is_file()]
+    if missing:  # a glob that matched nothing reaches here as its own pattern
+        parser.error(f"no such file: {', '.join(missing)}")
     if not args.serving:
         for path in args.files:
             print(summarize(path))

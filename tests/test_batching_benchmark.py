@@ -168,3 +168,13 @@ def test_the_committed_h200_profiles_give_the_table_the_docs_print(capsys):
     assert " 15.5% idle (spinning or polling for the next message)" in table
     assert " 10.4% rows cloned out of the lane buffer" in table
     assert " 29.6% other Python (routing, bookkeeping)" in table
+
+
+def test_a_window_profile_of_a_file_that_is_not_there_is_a_usage_error(tmp_path, capsys):
+    # A shell glob that matched nothing (``DIR/*executor.txt`` before a run) arrives as the pattern itself.
+    from benchmarks import window_profile
+
+    with pytest.raises(SystemExit) as exited:
+        window_profile.main(["--serving", str(tmp_path / "*executor.txt")])
+    assert exited.value.code == 2
+    assert "no such file" in capsys.readouterr().err
