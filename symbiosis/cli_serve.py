@@ -175,13 +175,13 @@ def serve(
         quantization=quantization,
         scheduler_config=scheduler_config,
     )
-    if tune_matmul and executor.device.type == "cpu":
-        # Before serving: each trial would otherwise stall every client at its first request of a size.
-        typer.echo("timing the forms of decode-sized products for each weight shape ...", err=True)
-        started = time.monotonic()
-        trials = executor.warm_up()
-        typer.echo(f"  {trials} trials in {time.monotonic() - started:.1f} s", err=True)
-    try:  # an address or port that is taken: stop what started, then report it
+    try:  # an address or port that is taken (or Ctrl-C while warming up): stop what started, then report it
+        if tune_matmul and executor.device.type == "cpu":
+            # Before serving: each trial would otherwise stall every client at its first request of a size.
+            typer.echo("timing the forms of decode-sized products for each weight shape ...", err=True)
+            started = time.monotonic()
+            trials = executor.warm_up()
+            typer.echo(f"  {trials} trials in {time.monotonic() - started:.1f} s", err=True)
         servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
         metrics = None
         if metrics_port is not None:

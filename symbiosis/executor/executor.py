@@ -203,9 +203,16 @@ class BaseExecutor:
         that then calls ``serve`` (the server's thread takes its torch thread count, and the
         forms are kept per count). Returns how many trials ran (0 when tuning is off, the weights
         are not on a CPU, or all were timed before)."""
+        from symbiosis.executor.packed_weights import WEIGHT_PACKING
+
+        # Past the packing budget layers stay unpacked, with forms of their own: a sibling group
+        # packs a copy of its members' rows, so the packed copies may reach twice the weights.
+        room = WEIGHT_PACKING.budget_bytes - WEIGHT_PACKING.packed_bytes
+        unpacked_too = 2 * self.weights.nbytes() > room
         with torch.no_grad():
             layers = self.weights.forward_shapes()
-            return matmul_forms.MATMUL_FORMS.warm_up(((w.weight, w.bias, w.packable) for w in layers), most_rows)
+            shapes = ((w.weight, w.bias, w.packable) for w in layers)
+            return matmul_forms.MATMUL_FORMS.warm_up(shapes, most_rows, unpacked_too)
 
     def serve(self, address: str, **server_options):
         """Start serving remote clients at ``address`` (``tcp://host:port`` or ``ipc:///path``).

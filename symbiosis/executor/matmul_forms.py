@@ -167,7 +167,7 @@ class MatmulForms:
         to ``PACKED_TIMED_ROWS`` rows and runs untimed above (and with tuning off)."""
         if not self.enabled or rows > timed_rows(packed) or rows < 1 or weight.device.type != "cpu":
             return Form.ROWS_BY_WEIGHT if packed is None else Form.PACKED
-        key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads(), packed is not None)
+        key = _key(weight, bias, rows, packed is not None)
         chosen = self._chosen.get(key)
         if chosen is None:
             with self._trial_lock:
@@ -177,16 +177,24 @@ class MatmulForms:
                     self.trials += 1
         return chosen
 
-    def warm_up(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor | None, bool]], most_rows: int) -> int:
+    def warm_up(
+        self,
+        weights: Iterable[tuple[torch.Tensor, torch.Tensor | None, bool]],
+        most_rows: int,
+        unpacked_too: bool = False,
+    ) -> int:
         """Decide now the forms of forwards of 1 to ``most_rows`` rows against each shape of
-        ``weights`` -- (weight, bias, whether its layer will have a packed copy) -- rather than on
+        ``weights`` -- (weight, bias, whether its layer may have a packed copy) -- rather than on
         the first request of each size: a trial then runs on the thread serving that request, and
         every client waits behind it (``symbiosis serve`` calls this before it says ready; see
         ``BaseExecutor.warm_up``). A packed layer's trial uses a packed copy made for it and
         dropped after, as its peers' are: the layers pack their own on their first forward, so
-        warming up a shape no client asks for costs no memory. Returns how many trials ran. Keys
-        carry the calling thread's torch thread count: call it in the thread, or with the count,
-        the products will run with."""
+        warming up a shape no client asks for costs no memory. ``unpacked_too``: also the forms
+        of a packable shape's layers left unpacked (past the packing budget). Returns how many
+        trials ran. Keys carry the calling thread's torch thread count: call it in the thread, or
+        with the count, the products will run with."""
+        if not self.enabled:
+            return 0
         trials = self.trials
         done: set[tuple] = set()
         for weight, bias, packable in weights:
@@ -194,9 +202,14 @@ class MatmulForms:
             if shape in done or weight.device.type != "cpu":
                 continue
             done.add(shape)
-            packed = reorder(weight) if packable and WEIGHT_PACKING.applies_to(weight) else None
-            for rows in range(1, min(most_rows, timed_rows(packed)) + 1):
-                self.form(weight, bias, rows, packed)
+            packs = packable and WEIGHT_PACKING.applies_to(weight)
+            for packed_flag in (True, False) if packs and unpacked_too else (packs,):
+                rows = range(1, min(most_rows, PACKED_TIMED_ROWS if packed_flag else LARGEST_TUNED_ROWS) + 1)
+                if all(_key(weight, bias, n, packed_flag) in self._chosen for n in rows):
+                    continue  # decided before: no packed copy made for nothing
+                packed = reorder(weight) if packed_flag else None
+                for n in rows:
+                    self.form(weight, bias, n, packed)
         return self.trials - trials
 
     def trial_weights(self, weight: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -204,7 +217,15 @@ class MatmulForms:
         others of its shape), and those it reads between turns: serving a model larger than the
         cache reads every other weight between two products of one layer, so each timed weight
         should come from memory; a model that fits is served from the cache, and timed so."""
-        alive = [w for ref in list(self._weights.values()) if (w := ref()) is not None and w is not weight]
+        # One tensor per memory: a group of a whole block is a view of the block's matrix, which
+        # is remembered too, and timing it twice as two peers would time the second from the cache.
+        seen = {(weight.data_ptr(), tuple(weight.shape))}
+        alive = []
+        for ref in list(self._weights.values()):
+            w = ref()
+            if w is not None and (w.data_ptr(), tuple(w.shape)) not in seen:
+                seen.add((w.data_ptr(), tuple(w.shape)))
+                alive.append(w)
         same = [w for w in alive if w.shape == weight.shape and w.dtype == weight.dtype]
         timed = [weight, *same[: PEERS - 1]]
         evict: list[torch.Tensor] = []
@@ -269,6 +290,12 @@ class MatmulForms:
         for form in list(self._chosen.values()):
             counts[form.value] += 1
         return counts
+
+
+def _key(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, packed: bool) -> tuple:
+    """What a form is decided for: the weight's shape and dtype, bias or not, the row count, the
+    calling thread's torch thread count, and whether the product runs against a packed copy."""
+    return (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads(), packed)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -206,12 +206,13 @@ class SchedulerConfig:
         return {f.name: f.metadata["help"] for f in fields(cls)}
 
     def base_wait_ms(self, latency_class: LatencyClass) -> float:
-        # Asked for every request the scheduler queues: no mapping made per call.
-        if latency_class is LatencyClass.DECODE:
+        # Asked for every request the scheduler queues: no mapping made per call. ``==``, not
+        # ``is``: a class's plain string value ("decode") is accepted, as the mapping did.
+        if latency_class == LatencyClass.DECODE:
             return self.decode_base_wait_ms
-        if latency_class is LatencyClass.PREFILL:
+        if latency_class == LatencyClass.PREFILL:
             return self.prefill_base_wait_ms
-        if latency_class is LatencyClass.FINETUNE:
+        if latency_class == LatencyClass.FINETUNE:
             return self.finetune_base_wait_ms
         raise KeyError(latency_class)
 
