@@ -109,11 +109,12 @@ load or clients. A rule rated clearly worse than the one in use (by more than ``
 x1.25) is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs
 every client a slow epoch, which is what a p95 latency sees first. So is a rule whose last trial
 lost to the chosen one by ``LOST_BADLY`` (x1.5, the most one comparison counts) or more, until a
-trial of it does not (a comparison that swung as a stall does, ``STALL_SPEEDUP``, decides nothing): its rating, moved a quarter of the way at a time, takes two or three such
-trials to fall that far, and each cost a slow epoch in five. Measured (2026-11-30, client processes
-of batch 1-16 on this 2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at
-x0.41-0.46 of the convoy epochs beside it, in the middle of a 6 s window -- a tenth of the window's
-tokens -- while its rating was still x1.2 below the convoy's.
+trial of it does not (a comparison that swung as a stall does, ``STALL_SPEEDUP``, decides
+nothing): its rating, moved a quarter of the way at a time, takes two or three such trials to fall
+that far, and each cost a slow epoch in five. Measured (2026-11-30, client processes of batch 1-16
+on this 2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at x0.41-0.46 of the
+convoy epochs beside it, in the middle of a 6 s window -- a tenth of the window's tokens -- while
+its rating was still x1.2 below the convoy's.
 """
 
 from __future__ import annotations
