@@ -114,7 +114,9 @@ nothing): its rating, moved a quarter of the way at a time, takes two or three s
 that far, and each cost a slow epoch in five. Measured (2026-11-30, client processes of batch 1-16
 on this 2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at x0.41-0.46 of the
 convoy epochs beside it, in the middle of a 6 s window -- a tenth of the window's tokens -- while
-its rating was still x1.2 below the convoy's.
+its rating was still x1.2 below the convoy's. (Partly the executor's stalls then: its smaller
+batches brought row counts whose matmul forms were timed on first use. With those timed before
+serving, ``BaseExecutor.warm_up``, its trials ran at x0.80-0.87 and were not set aside.)
 """
 
 from __future__ import annotations
