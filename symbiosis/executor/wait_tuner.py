@@ -116,7 +116,7 @@ on this 2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at x
 convoy epochs beside it, in the middle of a 6 s window -- a tenth of the window's tokens -- while
 its rating was still x1.2 below the convoy's. (Partly the executor's stalls then: its smaller
 batches brought row counts whose matmul forms were timed on first use. With those timed before
-serving, ``BaseExecutor.warm_up``, its trials ran at x0.80-0.87 and were not set aside.)
+serving, ``BaseExecutor.warm_up``, its trials ran at x0.78-0.87 and were not set aside.)
 """
 
 from __future__ import annotations
