@@ -177,11 +177,12 @@ def serve(
     )
     try:  # an address or port that is taken (or Ctrl-C while warming up): stop what started, then report it
         if tune_matmul and executor.device.type == "cpu":
-            # Before serving: each trial would otherwise stall every client at its first request of a size.
-            typer.echo("timing the forms of decode-sized products for each weight shape ...", err=True)
+            # Before serving: each trial would otherwise stall every client at its first request of a
+            # size. Progress on stdout, with the "serving ..." line: stderr carries errors alone.
+            typer.echo("timing the forms of decode-sized products for each weight shape ...")
             started = time.monotonic()
             trials = executor.warm_up()
-            typer.echo(f"  {trials} trials in {time.monotonic() - started:.1f} s", err=True)
+            typer.echo(f"  {trials} trials in {time.monotonic() - started:.1f} s")
         servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
         metrics = None
         if metrics_port is not None:
