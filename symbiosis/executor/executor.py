@@ -209,10 +209,8 @@ class BaseExecutor:
         # packs a copy of its members' rows, so the packed copies may reach twice the weights.
         room = WEIGHT_PACKING.budget_bytes - WEIGHT_PACKING.packed_bytes
         unpacked_too = 2 * self.weights.nbytes() > room
-        with torch.no_grad():
-            layers = self.weights.forward_shapes()
-            shapes = ((w.weight, w.bias, w.packable) for w in layers)
-            return matmul_forms.MATMUL_FORMS.warm_up(shapes, most_rows, unpacked_too)
+        shapes = ((w.weight, w.bias, w.packable) for w in self.weights.forward_shapes())
+        return matmul_forms.MATMUL_FORMS.warm_up(shapes, most_rows, unpacked_too)
 
     def serve(self, address: str, **server_options):
         """Start serving remote clients at ``address`` (``tcp://host:port`` or ``ipc:///path``).

@@ -87,7 +87,11 @@ class Form(enum.Enum):
 def timed_rows(packed: torch.Tensor | None) -> int:
     """The most rows whose forms are timed: ``PACKED_TIMED_ROWS`` for a layer with a packed copy,
     ``LARGEST_TUNED_ROWS`` for one without (module doc)."""
-    return LARGEST_TUNED_ROWS if packed is None else PACKED_TIMED_ROWS
+    return _timed_rows(packed is not None)
+
+
+def _timed_rows(packed: bool) -> int:
+    return PACKED_TIMED_ROWS if packed else LARGEST_TUNED_ROWS
 
 
 def _enabled_by_environment() -> bool:
@@ -196,17 +200,14 @@ class MatmulForms:
         if not self.enabled:
             return 0
         trials = self.trials
-        done: set[tuple] = set()
         for weight, bias, packable in weights:
-            shape = (tuple(weight.shape), weight.dtype, bias is not None, packable)
-            if shape in done or weight.device.type != "cpu":
+            if weight.device.type != "cpu":
                 continue
-            done.add(shape)
             packs = packable and WEIGHT_PACKING.applies_to(weight)
             for packed_flag in (True, False) if packs and unpacked_too else (packs,):
-                rows = range(1, min(most_rows, PACKED_TIMED_ROWS if packed_flag else LARGEST_TUNED_ROWS) + 1)
+                rows = range(1, min(most_rows, _timed_rows(packed_flag)) + 1)
                 if all(_key(weight, bias, n, packed_flag) in self._chosen for n in rows):
-                    continue  # decided before: no packed copy made for nothing
+                    continue  # decided before (this shape came already): no packed copy made for nothing
                 packed = reorder(weight) if packed_flag else None
                 for n in rows:
                     self.form(weight, bias, n, packed)
