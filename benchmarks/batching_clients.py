@@ -214,15 +214,22 @@ def host_cpu_busy_s() -> float:
     return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
 
 
+def host_cpu_reading() -> dict:
+    """The host's busy CPU seconds and the clock, read together: the busy cores over a window are the
+    busy seconds between two readings over the time between those readings, not over the nominal
+    window (the reader may wake late, or wait for the executor's stats while a batch runs)."""
+    return {"cpu_busy_s": host_cpu_busy_s(), "cpu_read_at_s": time.perf_counter()}
+
+
 def remote_counters() -> dict:
     """What a run reads at its window's start and end when the executor's stats are not visible."""
-    return {"batches": 0, "rows": 0, "cpu_busy_s": host_cpu_busy_s()}
+    return {"batches": 0, "rows": 0, **host_cpu_reading()}
 
 
 def counters_from_stats(stats: dict) -> dict:
     """The scheduler counters a run reads at its window's start and end, and the host's busy CPU time."""
     return {
-        "cpu_busy_s": host_cpu_busy_s(),
+        **host_cpu_reading(),
         "batches": stats["batches"],
         "rows": stats["rows_served"],
         "mean_first_wait_ms": stats["mean_first_wait_ms"],
@@ -231,6 +238,11 @@ def counters_from_stats(stats: dict) -> dict:
         "decode_guard": stats.get("decode_guard"),
         "chunks_cut_for_decode": stats.get("chunks_cut_for_decode"),
     }
+
+
+def cores_busy(start: dict, end: dict) -> float:
+    """Cores the host kept busy between two ``host_cpu_reading``s."""
+    return (end["cpu_busy_s"] - start["cpu_busy_s"]) / max(end["cpu_read_at_s"] - start["cpu_read_at_s"], 1e-9)
 
 
 def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: float, have_stats: bool) -> dict:
@@ -254,7 +266,7 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
         "mean_rows_per_batch": rows / batches if have_stats and batches else None,
         # Cores the host kept busy over the window (of machine.cpu_count): what a closed-loop load
         # leaves idle is what background work could have without slowing it.
-        "cpu_cores_busy": (counters["end"]["cpu_busy_s"] - counters["start"]["cpu_busy_s"]) / window_s,
+        "cpu_cores_busy": cores_busy(counters["start"], counters["end"]),
         "batches": batches if have_stats else None,
         # Time from arrival to first rows handed out, per latency class (whole run, warm-up included).
         "mean_first_wait_ms": end.get("mean_first_wait_ms"),

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from benchmarks import batching, report
+from benchmarks import batching, batching_clients, report
 
 SUMMARY_KEYS = {"inference", "mixed", "flood", "targets", "load_average_1min_start_end", "clients_as", "wall_s"}
 
@@ -45,6 +45,18 @@ def test_batching_quick_writes_documented_json(tmp_path):
     # The README's results block renders from this file.
     lines = report.batching_section(tmp_path, tmp_path)
     assert any("Batching" in line for line in lines) and any("PASS" in line or "MISS" in line for line in lines)
+
+
+def test_busy_cores_are_over_the_time_between_the_readings_not_the_nominal_window():
+    # The window's end is read late when the reader waits (for the GIL, for the executor's stats
+    # while a batch runs): 2 cores busy for 0.45 s of a nominal 0.3 s window read 3 cores (CI,
+    # 2026-11-30). Two cores' worth between readings 0.45 s apart is 2 cores.
+    start = {"cpu_busy_s": 100.0, "cpu_read_at_s": 10.0}
+    end = {"cpu_busy_s": 100.9, "cpu_read_at_s": 10.45}
+    assert batching_clients.cores_busy(start, end) == pytest.approx(2.0)
+    reading = batching_clients.remote_counters()
+    assert {"cpu_busy_s", "cpu_read_at_s"} <= reading.keys()
+    assert batching_clients.cores_busy(reading, batching_clients.remote_counters()) >= 0
 
 
 def test_serve_flags_give_serve_the_same_scheduler_config():
