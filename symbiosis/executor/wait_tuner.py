@@ -107,16 +107,23 @@ needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25); ev
 ``EXPLORE_EVERY``-th epoch tries the rule least recently tried, so the choice follows a change of
 load or clients. A rule rated clearly worse than the one in use (by more than ``CLEARLY_WORSE``,
 x1.25) is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs
-every client a slow epoch, which is what a p95 latency sees first. So is a rule whose last trial
-lost to the chosen one by ``LOST_BADLY`` (x1.5, the most one comparison counts) or more, until a
-trial of it does not (a comparison that swung as a stall does, ``STALL_SPEEDUP``, decides
-nothing): its rating, moved a quarter of the way at a time, takes two or three such trials to fall
-that far, and each cost a slow epoch in five. Measured (2026-11-30, client processes of batch 1-16
-on this 2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at x0.41-0.46 of the
-convoy epochs beside it, in the middle of a 6 s window -- a tenth of the window's tokens -- while
-its rating was still x1.2 below the convoy's. (Partly the executor's stalls then: its smaller
-batches brought row counts whose matmul forms were timed on first use. With those timed before
-serving, ``BaseExecutor.warm_up``, its trials ran at x0.78-0.87 and were not set aside.)
+every client a slow epoch, which is what a p95 latency sees first. And each rule's trials back off
+on their own results: a trial that lost to the chosen rule by ``LOSES`` (x1.1) or more doubles the
+epochs until that rule's next trial (5, 10, 20: the rare pace at most); one that lost by
+``LOST_BADLY`` (x1.5, the most one comparison counts) goes to the rare pace at once; one that did
+not lose brings it back to every fifth epoch (a comparison that swung as a stall,
+``STALL_SPEEDUP``, decides nothing). The ratings alone keep a losing rule in the trials too long:
+moved a quarter of the way at a time, a rule x1.25 slower sits near the ``CLEARLY_WORSE`` line and
+was tried every fifth epoch (or tenth, beside the other rule's trials) for the whole run, each
+trial a slow epoch for every client. Measured (2026-11-30, client processes of batch 1-16 on this
+2-core host, epochs of ~1 s on a slow day): a "predicted" trial ran at x0.41-0.46 of the convoy
+epochs beside it, in the middle of a 6 s window -- a tenth of the window's tokens -- while its
+rating was still x1.2 below the convoy's. (Partly the executor's stalls then: its smaller batches
+brought row counts whose matmul forms were timed on first use. With those timed before serving,
+``BaseExecutor.warm_up``, its trials ran at x0.78-0.87, and "none"'s at x0.8, every fifth epoch,
+within ``CLEARLY_WORSE`` of the convoy by its rating.) The cost of backing off: a rule that
+became better is found one rare trial later at most (20 epochs), as before for a rule rated
+clearly worse.
 """
 
 from __future__ import annotations
@@ -126,7 +133,8 @@ import math
 RULES: tuple[str, ...] = ("none", "predicted", "convoy")
 FIRST_TRIALS: tuple[str, ...] = ("none", "convoy", "none", "predicted")
 EXPLORE_EVERY = 5
-RARE_FACTOR = 4
+RARE_LEVEL = 2  # a rule's trials back off to every EXPLORE_EVERY * 2**level epochs, at most this level
+RARE_FACTOR = 2**RARE_LEVEL
 CLEARLY_WORSE = math.log(1.25)
 SWITCH_MARGIN = math.log(1.15)
 PAIR_WEIGHT = 0.25
@@ -137,6 +145,7 @@ MIN_CLIENT_REQUESTS = 3
 SAME_PHASE = math.log(1.5)
 MAX_SPEEDUP = math.log(1.5)
 STALL_SPEEDUP = math.log(3.0)
+LOSES = math.log(1.1)
 LOST_BADLY = MAX_SPEEDUP
 HISTORY = 40
 
@@ -160,7 +169,11 @@ class WaitTuner:
         # when it began -- and five tokens at the pace read last; the last three in ms)
         self.history: list[tuple[str, int, int, int, int, int]] = []
         self._last_tried = {rule: -1 for rule in RULES}
-        self._set_aside: set[str] = set()  # rules whose last trial lost by LOST_BADLY (module doc)
+        # rule -> how far its trials back off (module doc): every EXPLORE_EVERY * 2**level epochs;
+        # and the level each had when its trial in progress was chosen (a trial is judged on both
+        # sides, by its comparison with the epoch before it and then with the one after it)
+        self._backoff = {rule: 0 for rule in RULES}
+        self._backoff_before_trial = dict(self._backoff)
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
@@ -262,7 +275,7 @@ class WaitTuner:
         of jobs) as a long one."""
         self._previous, self._settled = None, set()
         self._last_tried = {rule: -1 for rule in RULES}
-        self._set_aside = set()
+        self._backoff = {rule: 0 for rule in RULES}
         if self._population:
             self.resets += 1
             self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
@@ -305,18 +318,22 @@ class WaitTuner:
 
     def _judge_trial(self, rule: str, other: str, speedup: float) -> None:
         """A comparison of ``rule``'s epoch with the one before (``other``'s), whose clients went
-        ``speedup`` (a log) faster: when one of the two is the chosen rule, the other's trial is
-        set aside if it lost by ``LOST_BADLY`` or more, and brought back if it did not."""
+        ``speedup`` (a log) faster: when one of the two is the chosen rule, the other was on trial,
+        and how its trial went sets how far its trials back off (module doc). Both of a trial's
+        comparisons start from its level before the trial: the later one decides."""
         if self.chosen == other:
             trial, lost = rule, -speedup
         elif self.chosen == rule:
             trial, lost = other, speedup
         else:
             return
+        before = self._backoff_before_trial[trial]
         if lost >= LOST_BADLY:
-            self._set_aside.add(trial)
+            self._backoff[trial] = RARE_LEVEL
+        elif lost >= LOSES:
+            self._backoff[trial] = min(RARE_LEVEL, before + 1)
         else:
-            self._set_aside.discard(trial)
+            self._backoff[trial] = 0
 
     def _next_rule(self) -> str:
         if self._since_reset < len(FIRST_TRIALS):
@@ -326,25 +343,26 @@ class WaitTuner:
             self.chosen = START_RULE if START_RULE in self.ratings else top
         if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
             self.chosen = top
-            self._set_aside.discard(top)
+            self._backoff[top] = 0
         best = self.chosen
         if self._since_reset % EXPLORE_EVERY == 0:
-            rare = self._since_reset % (EXPLORE_EVERY * RARE_FACTOR) == 0
             others = [
                 rule
                 for rule in RULES
-                if rule != best
-                and (
-                    rare
-                    or (
-                        self.ratings.get(rule, math.inf) >= self.ratings[best] - CLEARLY_WORSE
-                        and rule not in self._set_aside
-                    )
-                )
+                if rule != best and self._since_reset % (EXPLORE_EVERY * 2 ** self._trial_level(rule, best)) == 0
             ]
             if others:
-                return min(others, key=self._last_tried.__getitem__)
+                trial = min(others, key=self._last_tried.__getitem__)
+                self._backoff_before_trial[trial] = self._backoff[trial]
+                return trial
         return best
+
+    def _trial_level(self, rule: str, best: str) -> int:
+        """How far ``rule``'s trials back off now: by its own trials' results, and to the rare pace
+        when its rating puts it clearly below ``best``'s (a rule not rated yet is not)."""
+        if self.ratings.get(rule, math.inf) < self.ratings[best] - CLEARLY_WORSE:
+            return RARE_LEVEL
+        return self._backoff[rule]
 
     def stats(self) -> dict:
         return {
@@ -354,7 +372,10 @@ class WaitTuner:
             "resets": self.resets,
             "trials": dict(self.trials),
             "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
-            "set_aside": sorted(self._set_aside),
+            # epochs between trials of each rule but the chosen one, by its trials' results
+            "trial_every": {
+                rule: EXPLORE_EVERY * 2**level for rule, level in self._backoff.items() if rule != self.chosen
+            },
             "history": [list(entry) for entry in self.history],
         }
 
