@@ -276,6 +276,7 @@ class WaitTuner:
         self._previous, self._settled = None, set()
         self._last_tried = {rule: -1 for rule in RULES}
         self._backoff = {rule: 0 for rule in RULES}
+        self._backoff_before_trial = dict(self._backoff)
         if self._population:
             self.resets += 1
             self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
