@@ -359,6 +359,37 @@ def test_one_decode_step_sends_one_request_per_base_layer_for_all_rows(server):
     assert requests < 32 and rows / requests > 1.5, (requests, rows)
 
 
+def test_an_embedded_executor_is_warmed_up_so_the_first_requests_run_no_form_trial(api_model, monkeypatch):
+    """``symbiosis api --embedded`` times its executor's forms of 1-8 row products before serving
+    (``warm_up_embedded``), as ``symbiosis serve`` does: otherwise each new (shape, row count) of
+    the first requests is timed on the engine's thread while every stream waits. Without the
+    warm-up (the control), the same request runs trials."""
+    from symbiosis.executor import matmul_forms, runner
+    from symbiosis.serving import server as server_module
+
+    real_warm_up = server_module.warm_up_embedded
+    for warm in (False, True):
+        forms = matmul_forms.MatmulForms(enabled=True)
+        monkeypatch.setattr(matmul_forms, "MATMUL_FORMS", forms)
+        monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
+        monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, packed=None: matmul_forms.Form.WEIGHT_BY_ROWS)
+        monkeypatch.setattr(server_module, "warm_up_embedded", real_warm_up if warm else lambda executor: 0)
+        server = start_server(api_model)
+        try:
+            ready = forms.trials
+            # Two choices decode together: 2-row products, which the engine's own start (its
+            # 1-row forward measuring the KV cache) did not time.
+            openai_client(server).completions.create(
+                model=served_name_of(server.options), prompt="a", max_tokens=4, n=2, temperature=0
+            )
+            if warm:
+                assert ready > 0 and forms.trials == ready
+            else:
+                assert forms.trials > ready, (ready, forms.trials)
+        finally:
+            server.close()
+
+
 def test_streaming_gives_the_same_text_as_non_streaming(server):
     client = openai_client(server)
     for model in ("attn8", server.served_model_name):
