@@ -108,11 +108,13 @@ needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25); ev
 load or clients. A rule rated clearly worse than the one in use (by more than ``CLEARLY_WORSE``,
 x1.25) is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs
 every client a slow epoch, which is what a p95 latency sees first. And each rule's trials back off
-on their own results: a trial that lost to the chosen rule by ``LOSES`` (x1.1) or more doubles the
-epochs until that rule's next trial (5, 10, 20: the rare pace at most); one that lost by
-``LOST_BADLY`` (x1.5, the most one comparison counts) goes to the rare pace at once; one that did
-not lose brings it back to every fifth epoch (a comparison that swung as a stall,
-``STALL_SPEEDUP``, decides nothing). The ratings alone keep a losing rule in the trials too long:
+on their own results: a rule is tried at every ``EXPLORE_EVERY * 2**level``-th epoch only (5, 10,
+20: the rare pace at most), and a trial that lost to the chosen rule by ``LOSES`` (x1.1) or more
+raises its rule's level by one; one that lost by ``LOST_BADLY`` (x1.5, the most one comparison
+counts) sets the rare pace at once; one that did not lose brings it back to every fifth epoch. A
+trial's loss is the mean of its comparisons with the chosen rule's epochs before and after it,
+so that a drift in load cancels as in the ratings (a comparison that swung as a stall,
+``STALL_SPEEDUP``, is not one of them). The ratings alone keep a losing rule in the trials too long:
 moved a quarter of the way at a time, a rule x1.25 slower sits near the ``CLEARLY_WORSE`` line and
 was tried every fifth epoch (or tenth, beside the other rule's trials) for the whole run, each
 trial a slow epoch for every client. Measured (2026-11-30, client processes of batch 1-16 on this
@@ -123,9 +125,11 @@ brought row counts whose matmul forms were timed on first use. With those timed 
 ``BaseExecutor.warm_up``, its trials ran at x0.78-0.87, and "none"'s at x0.8, every fifth epoch,
 within ``CLEARLY_WORSE`` of the convoy by its rating.) With the backoff, in 20 s windows of
 the same clients: 2-3 trials a window instead of 5, and the clients' p95 7-9% lower in three
-interleaved pairs of runs. The cost of backing off: a rule that became better is found at its
-next rare trial, within 20 epochs (40 when both other rules are at that pace: they take turns),
-as before for a rule rated clearly worse.
+interleaved pairs of runs. The cost of backing off: a rule that became better gets its next
+trial within 20 epochs (40 when both other rules are at the rare pace: they take turns), as
+before for a rule rated clearly worse, and is chosen a few trials after it (its rating moves a
+quarter of the way per comparison): within 50 epochs in the simulator, at whatever epoch the
+change comes.
 """
 
 from __future__ import annotations
@@ -171,11 +175,11 @@ class WaitTuner:
         # when it began -- and five tokens at the pace read last; the last three in ms)
         self.history: list[tuple[str, int, int, int, int, int]] = []
         self._last_tried = {rule: -1 for rule in RULES}
-        # rule -> how far its trials back off (module doc): every EXPLORE_EVERY * 2**level epochs;
-        # and the level each had when its trial in progress was chosen (a trial is judged on both
-        # sides, by its comparison with the epoch before it and then with the one after it)
+        # rule -> how far its trials back off (module doc): tried at every EXPLORE_EVERY * 2**level-th
+        # epoch only. And the trial last begun: its rule, that rule's level then, and what it lost
+        # in its comparisons so far (with the epoch before it, then with the one after it).
         self._backoff = {rule: 0 for rule in RULES}
-        self._backoff_before_trial = dict(self._backoff)
+        self._on_trial: tuple[str, int, list[float]] | None = None
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
@@ -278,7 +282,7 @@ class WaitTuner:
         self._previous, self._settled = None, set()
         self._last_tried = {rule: -1 for rule in RULES}
         self._backoff = {rule: 0 for rule in RULES}
-        self._backoff_before_trial = dict(self._backoff)
+        self._on_trial = None
         if self._population:
             self.resets += 1
             self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
@@ -321,16 +325,21 @@ class WaitTuner:
 
     def _judge_trial(self, rule: str, other: str, speedup: float) -> None:
         """A comparison of ``rule``'s epoch with the one before (``other``'s), whose clients went
-        ``speedup`` (a log) faster: when one of the two is the chosen rule, the other was on trial,
-        and how its trial went sets how far its trials back off (module doc). Both of a trial's
-        comparisons start from its level before the trial: the later one decides."""
-        if self.chosen == other:
-            trial, lost = rule, -speedup
-        elif self.chosen == rule:
-            trial, lost = other, speedup
+        ``speedup`` (a log) faster: if it compares the trial last begun with the chosen rule, the
+        trial's loss so far -- the mean over its comparisons, so that a drift in load cancels, as
+        in the ratings -- sets how far that rule's trials back off, from its level before the
+        trial (module doc). Any other comparison (the chosen rule's first epoch after a switch,
+        with the rule chosen before) judges no trial."""
+        if self._on_trial is None:
+            return
+        trial, before, losses = self._on_trial
+        if rule == trial and other == self.chosen:
+            losses.append(-speedup)
+        elif other == trial and rule == self.chosen:
+            losses.append(speedup)
         else:
             return
-        before = self._backoff_before_trial[trial]
+        lost = sum(losses) / len(losses)
         if lost >= LOST_BADLY:
             self._backoff[trial] = RARE_LEVEL
         elif lost >= LOSES:
@@ -340,7 +349,10 @@ class WaitTuner:
 
     def _next_rule(self) -> str:
         if self._since_reset < len(FIRST_TRIALS):
-            return FIRST_TRIALS[self._since_reset]
+            # a trial too: the last one's comparison with the first epoch of the chosen rule judges it
+            first = FIRST_TRIALS[self._since_reset]
+            self._on_trial = (first, self._backoff[first], [])
+            return first
         top = max(self.ratings, key=self.ratings.__getitem__)
         if self.chosen is None:
             self.chosen = START_RULE if START_RULE in self.ratings else top
@@ -356,7 +368,7 @@ class WaitTuner:
             ]
             if others:
                 trial = min(others, key=self._last_tried.__getitem__)
-                self._backoff_before_trial[trial] = self._backoff[trial]
+                self._on_trial = (trial, self._backoff[trial], [])
                 return trial
         return best
 
@@ -375,10 +387,13 @@ class WaitTuner:
             "resets": self.resets,
             "trials": dict(self.trials),
             "ratings": {rule: round(rating, 4) for rule, rating in self.ratings.items()},
-            # epochs between trials of each rule but the chosen one, by its trials' results
+            # each rule but the chosen one is tried at every this-many-th epoch (by its trials'
+            # results and its rating; module doc)
             "trial_every": {
-                rule: EXPLORE_EVERY * 2**level for rule, level in self._backoff.items() if rule != self.chosen
-            },
+                rule: EXPLORE_EVERY * 2 ** self._trial_level(rule, self.chosen) for rule in RULES if rule != self.chosen
+            }
+            if self.chosen is not None
+            else {},
             "history": [list(entry) for entry in self.history],
         }
 
