@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -176,13 +175,9 @@ def serve(
         scheduler_config=scheduler_config,
     )
     try:  # an address or port that is taken (or Ctrl-C while warming up): stop what started, then report it
-        if tune_matmul and executor.device.type == "cpu":
-            # Before serving: each trial would otherwise stall every client at its first request of a
-            # size. Progress on stdout, with the "serving ..." line: stderr carries errors alone.
-            typer.echo("timing the forms of decode-sized products for each weight shape ...")
-            started = time.monotonic()
-            trials = executor.warm_up()
-            typer.echo(f"  {trials} trials in {time.monotonic() - started:.1f} s")
+        # Before serving: each trial would otherwise stall every client at its first request of a
+        # size. Progress on stdout, with the "serving ..." line: stderr carries errors alone.
+        executor.warm_up(say=typer.echo)
         servers = [executor.serve(address, allow_non_loopback=allow_non_loopback, curve=curve) for address in bind]
         metrics = None
         if metrics_port is not None:

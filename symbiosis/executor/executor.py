@@ -8,7 +8,8 @@ restarted executor is indistinguishable from the one before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -193,7 +194,7 @@ class BaseExecutor:
         """Synchronous single call, for tests and tools (goes through the same batching path)."""
         return self.call("direct", layer_id, Op(op), rows, LatencyClass.PREFILL)
 
-    def warm_up(self, most_rows: int = WARM_UP_ROWS) -> int:
+    def warm_up(self, most_rows: int = WARM_UP_ROWS, say: Callable[[str], None] | None = None) -> int:
         """Time the forward forms of 1 to ``most_rows`` rows for every weight shape a client may
         ask for (``MatmulForms.warm_up``), before serving: done on first use, each trial (~80 ms
         on the ~105M llama here) ran on the server's thread while every client waited, and
@@ -201,16 +202,27 @@ class BaseExecutor:
         2026-11-30, this 2-core host, 6 client processes, 6 s windows after 2 s of warm-up), the
         server's thread spent 11-15% of the measured windows in trials. Call it from the thread
         that then calls ``serve`` (the server's thread takes its torch thread count, and the
-        forms are kept per count). Returns how many trials ran (0 when tuning is off, the weights
-        are not on a CPU, or all were timed before)."""
+        forms are kept per count). ``say``: told when the timing starts and how long it took
+        (``symbiosis serve``, ``symbiosis api --embedded``: it takes seconds on a large model).
+        Returns how many trials ran (0 when tuning is off, the weights are not on a CPU, or all
+        were timed before)."""
         from symbiosis.executor.packed_weights import WEIGHT_PACKING
+
+        if not matmul_forms.MATMUL_FORMS.enabled or self.device.type != "cpu":
+            return 0
 
         # Past the packing budget layers stay unpacked, with forms of their own: a sibling group
         # packs a copy of its members' rows, so the packed copies may reach twice the weights.
         room = WEIGHT_PACKING.budget_bytes - WEIGHT_PACKING.packed_bytes
         unpacked_too = 2 * self.weights.nbytes() > room
         shapes = ((w.weight, w.bias, w.packable) for w in self.weights.forward_shapes())
-        return matmul_forms.MATMUL_FORMS.warm_up(shapes, most_rows, unpacked_too)
+        if say is not None:
+            say("timing the forms of decode-sized products for each weight shape ...")
+        started = time.monotonic()
+        trials = matmul_forms.MATMUL_FORMS.warm_up(shapes, most_rows, unpacked_too)
+        if say is not None:
+            say(f"  {trials} trials in {time.monotonic() - started:.1f} s")
+        return trials
 
     def serve(self, address: str, **server_options):
         """Start serving remote clients at ``address`` (``tcp://host:port`` or ``ipc:///path``).

@@ -160,27 +160,17 @@ class EngineParts:
     probe: object  # () -> None; raises if the executor cannot answer
 
 
-def warm_up_embedded(executor) -> int:
-    """Time an embedded executor's forms of decode-sized products before serving, as ``symbiosis
-    serve`` does (``BaseExecutor.warm_up``): on first use each (weight shape, row count) is timed
-    on the engine's thread, ~80 ms on the ~105M llama here, while every stream of that step
-    waits -- the first requests of each new batch size. Here, not in the engine's thread: the
-    forms are kept per torch thread count, which that thread takes from this one
-    (``threads.with_torch_threads``). Returns how many trials ran (0 with tuning off or on a GPU)."""
-    started = time.monotonic()
-    trials = executor.warm_up()
-    if trials:
-        # stdout, with the "serving ..." line: stderr carries errors alone (as ``symbiosis serve``)
-        print(f"timed the forms of decode-sized products: {trials} trials in {time.monotonic() - started:.1f} s")
-    return trials
-
-
 def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> EngineParts:
     """The split client (of ``target``'s executor, or of ``executor`` when given: a
-    ``BaseExecutor`` or an address), its multi-LoRA layers, adapter pool and engine. An embedded
-    executor made for this server is warmed up first (``warm_up_embedded``)."""
+    ``BaseExecutor`` or an address), its multi-LoRA layers, adapter pool and engine.
+
+    An embedded executor made for this server times its forms of decode-sized products first, as
+    ``symbiosis serve`` does (``BaseExecutor.warm_up``): on first use each (weight shape, row
+    count) was timed on the engine's thread, ~80 ms on the ~105M llama here, while every stream
+    of that step waited. Here, not in the engine's thread: the forms are kept per torch thread
+    count, which that thread takes from this one (``threads.with_torch_threads``)."""
     if executor is None and target.executor is not None:
-        warm_up_embedded(target.executor)
+        target.executor.warm_up(say=print)  # stdout, with the "serving ..." line: stderr is for errors
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if executor is None:

@@ -361,19 +361,19 @@ def test_one_decode_step_sends_one_request_per_base_layer_for_all_rows(server):
 
 def test_an_embedded_executor_is_warmed_up_so_the_first_requests_run_no_form_trial(api_model, monkeypatch):
     """``symbiosis api --embedded`` times its executor's forms of 1-8 row products before serving
-    (``warm_up_embedded``), as ``symbiosis serve`` does: otherwise each new (shape, row count) of
-    the first requests is timed on the engine's thread while every stream waits. Without the
-    warm-up (the control), the same request runs trials."""
+    (``BaseExecutor.warm_up`` from ``build_engine``), as ``symbiosis serve`` does: otherwise each
+    new (shape, row count) of the first requests is timed on the engine's thread while every
+    stream waits. Without the warm-up (the control), the same request runs trials."""
     from symbiosis.executor import matmul_forms, runner
-    from symbiosis.serving import server as server_module
+    from symbiosis.executor.executor import BaseExecutor
 
-    real_warm_up = server_module.warm_up_embedded
+    real_warm_up = BaseExecutor.warm_up
     for warm in (False, True):
         forms = matmul_forms.MatmulForms(enabled=True)
         monkeypatch.setattr(matmul_forms, "MATMUL_FORMS", forms)
         monkeypatch.setattr(runner, "MATMUL_FORMS", forms)
         monkeypatch.setattr(forms, "_trial", lambda weight, bias, rows, packed=None: matmul_forms.Form.WEIGHT_BY_ROWS)
-        monkeypatch.setattr(server_module, "warm_up_embedded", real_warm_up if warm else lambda executor: 0)
+        monkeypatch.setattr(BaseExecutor, "warm_up", real_warm_up if warm else lambda self, *args, **kwargs: 0)
         server = start_server(api_model)
         try:
             ready = forms.trials
