@@ -213,17 +213,26 @@ def _num(value: Any, scale: float = 1.0, spec: str = ".2f") -> str:
     return "–" if value is None or value != value else format(value * scale, spec)
 
 
+#: Folders of ``docs/benchmarks/batching`` the README renders, in this order: client threads, client
+#: processes over ipc://, client processes over tcp:// (``--scheme tcp``; run with ``--scenarios inference``).
+BATCHING_MODES = ("threads", "processes", "tcp")
+
+
 def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
     """``benchmarks/batching.py``: policies and sharing (issues 4 and 11), one subsection per client mode."""
     lines: list[str] = []
-    for mode in ("threads", "processes"):
+    for mode in BATCHING_MODES:
         data = _load(results_dir / "batching" / mode / "batching.json")
         if not data or "targets" not in data.get("summary", {}):
             continue
         summary, config = data["summary"], data["config"]
         load = summary.get("load_average_1min_start_end") or [float("nan")] * 2
+        clients_as = summary.get("clients_as", mode)
+        transport = summary.get("transport")
+        # Client processes over tcp:// are how remote clients connect (the third setting of issue 11).
+        over = f" over {transport}://, as remote clients connect" if transport == "tcp" else ""
         lines += [
-            f"### Batching and sharing between clients, clients as {mode} (issues 4, 11)",
+            f"### Batching and sharing between clients, clients as {clients_as}{over} (issues 4, 11)",
             "",
             f"Command: `{data['command']}` ({data['wall_s']:.0f} s; llama {summary['preset']}; {config['window_s']:g} "
             "s windows "

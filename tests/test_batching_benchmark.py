@@ -47,6 +47,33 @@ def test_batching_quick_writes_documented_json(tmp_path):
     assert any("Batching" in line for line in lines) and any("PASS" in line or "MISS" in line for line in lines)
 
 
+def test_the_readme_renders_client_processes_over_tcp_as_a_setting_of_their_own(tmp_path):
+    """Remote clients (issue 11's third setting) are measured as client processes over tcp://
+    (``--scheme tcp``) and kept in ``batching/tcp``: a section of their own, not one mistaken for
+    the ipc:// run, with only the scenarios that ran."""
+    for mode, clients_as, transport in (("processes", "processes", "ipc"), ("tcp", "processes", "tcp")):
+        figures = {"tokens_per_s": 100.0, "latency_ms_mean": 50.0, "latency_ms_p95": 60.0, "mean_rows_per_batch": 9.0}
+        summary = {
+            "inference": {"opportunistic": figures, "immediate": figures},
+            "mixed": {},
+            "flood": {},
+            "targets": [{"name": "heterogeneous: x", "value": 1.0, "target": 1.0, "met": True}],
+            "preset": "small",
+            "repeats": 3,
+            "clients_as": clients_as,
+            "transport": transport,
+        }
+        data = {"command": f"cmd-{mode}", "wall_s": 1.0, "config": {"window_s": 6.0}, "machine": {}, "summary": summary}
+        (tmp_path / "batching" / mode).mkdir(parents=True)
+        (tmp_path / "batching" / mode / "batching.json").write_text(json.dumps(data))
+    headings = [line for line in report.batching_section(tmp_path, tmp_path) if line.startswith("### ")]
+    assert headings == [
+        "### Batching and sharing between clients, clients as processes (issues 4, 11)",
+        "### Batching and sharing between clients, clients as processes over tcp://, as remote clients connect"
+        " (issues 4, 11)",
+    ]
+
+
 def test_busy_cores_are_over_the_time_between_the_readings_not_the_nominal_window():
     # The window's end is read late when the reader waits (for the GIL, for the executor's stats
     # while a batch runs): 2 cores busy for 0.45 s of a nominal 0.3 s window read 3 cores (CI,
