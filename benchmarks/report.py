@@ -213,6 +213,13 @@ def _num(value: Any, scale: float = 1.0, spec: str = ".2f") -> str:
     return "–" if value is None or value != value else format(value * scale, spec)
 
 
+def _target_value(target: dict[str, Any]) -> str:
+    """A target's measured value with three decimals: rounded to three significant figures, a
+    miss by a hair read as the bound itself ("latency / lockstep <= 1 (1)" for 1.002, missed)."""
+    value = target["value"]
+    return f"{value:.3f}" if isinstance(value, float) else _fmt(value)
+
+
 #: Folders of ``docs/benchmarks/batching`` the README renders, in this order: client threads, client
 #: processes over ipc://, client processes over tcp:// (``--scheme tcp``; run with ``--scenarios inference``).
 BATCHING_MODES = ("threads", "processes", "tcp")
@@ -289,11 +296,11 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
         met = [t for t in summary["targets"] if t["met"]]
         missed = [t for t in summary["targets"] if not t["met"]]
         if met:
-            lines.append("- Targets met: " + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in met) + ".")
+            lines.append("- Targets met: " + "; ".join(f"{t['name']} ({_target_value(t)})" for t in met) + ".")
         if missed:
             lines.append(
                 "- **Where we lose (target missed):** "
-                + "; ".join(f"{t['name']} ({_fmt(t['value'])})" for t in missed)
+                + "; ".join(f"{t['name']} ({_target_value(t)})" for t in missed)
                 + "."
             )
         lines += ["", "| policy | tokens/s | mean latency ms | p95 latency ms | rows/batch |", "|---|---|---|---|---|"]
