@@ -8,13 +8,16 @@ process**; a client child process calls ``forward`` on 1 and 16 rows over ``inpr
 in-process ``BaseExecutor`` on the same weights: the floor), ``ipc``, ``tcp`` and ``shm+ipc``.
 
 The measured client is its executor's only one: the client child keeps one remote transport open
-at a time (closing it before opening another), because an executor with other clients connected,
-even idle ones, queues every request through its scheduler instead of serving it at once
-(``Scheduler.alone``). That shared path is what every client pays while others are connected
-(a server beside fine-tuning jobs, a decoder beside a flood), so it has cases of its own:
-``ipc+joined`` and ``shm+ipc+joined`` open a second transport to the same executor, make one call
-on it and leave it idle while the first one is timed (not in the default list; ask for them with
-``--transports``).
+at a time (closing it before opening another), because an executor with other active clients
+connected queues every request through its scheduler instead of serving it at once
+(``Scheduler.serves_at_once``). That shared path is what every client pays while others are at
+work (a server beside fine-tuning jobs, a decoder beside a flood), so it has cases of its own:
+``ipc+joined`` and ``shm+ipc+joined`` open a second transport to the same executor and make one
+call on it before every block (so it is active: it sent within the last second) while the first
+one is timed. ``ipc+idle`` and ``shm+ipc+idle`` make that call once and wait until the second
+client is idle (quiet for over a second: tenants between bursts), whose requests no rule waits
+for, so the first one is served at once again. Neither is in the default list; ask for them with
+``--transports``.
 
 Back-to-back calls keep both sides awake, which a real client does not: between its base-layer
 calls a decode step computes attention and norms (a few hundred µs at hidden 512), long enough
@@ -54,7 +57,10 @@ from benchmarks.timing import percentile
 NAME = "roundtrip"
 REPO = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("inproc", "ipc", "tcp", "shm+ipc")
-JOINED = "+joined"  # a transport name with this suffix: another client is joined, idle (module doc)
+JOINED = "+joined"  # a transport name with this suffix: another client is joined, active (module doc)
+IDLE = "+idle"  # ... another client is joined and idle (module doc)
+PEER_SUFFIXES = (JOINED, IDLE)
+IDLE_AFTER_S = 1.2  # quiet this long, a client is idle (``scheduler.ACTIVE_CLIENT_S``, with a margin)
 HIDDENS = (64, 4096)
 ROWS = (1, 16)
 MARK = "@@ "  # protocol lines between parent and children; anything else on stdout is ignored
@@ -126,12 +132,16 @@ def _client(addresses: list[str]) -> None:
             for other in [n for n in opened if n != name]:
                 for stale in opened.pop(other):
                     stale.close()  # its Goodbye ends its session: the next one is alone again
-            if name not in opened:
-                base = name.removesuffix(JOINED)
-                opened[name] = [open_transport(remote[base]) for _ in range(2 if name.endswith(JOINED) else 1)]
-                for idle in opened[name][1:]:
-                    idle.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)  # joined, then idle
-            transport = opened[name][0]
+            suffix = next((s for s in PEER_SUFFIXES if name.endswith(s)), "")
+            fresh = name not in opened
+            if fresh:
+                opened[name] = [open_transport(remote[name.removesuffix(suffix)]) for _ in range(2 if suffix else 1)]
+            transport, *peers = opened[name]
+            for peer in peers:
+                if suffix == JOINED or fresh:  # active: it sent just now; idle: once, then quiet
+                    peer.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
+            if peers and suffix == IDLE and fresh:
+                time.sleep(IDLE_AFTER_S)
         for _ in range(command["warmup"]):
             transport.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
         samples = []
@@ -252,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--transports",
         default=",".join(TRANSPORTS),
-        help=f"Comma-separated subset of %(default)s, and of those but inproc with {JOINED!r} (another client joined).",
+        help=f"Comma-separated subset of %(default)s, and of those but inproc with {JOINED!r} (another client "
+        f"joined and active) or {IDLE!r} (another client joined and idle).",
     )
     parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
     parser.add_argument("--output", type=Path, default=None, help=f"Also write the JSON to {NAME}.json in this folder.")
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"{args.baseline} holds no symbiosis package")
         variants["baseline"] = args.baseline.resolve()
     transports = args.transports.split(",")
-    known = {*TRANSPORTS, *(t + JOINED for t in TRANSPORTS if t != "inproc")}
+    known = {*TRANSPORTS, *(t + suffix for t in TRANSPORTS if t != "inproc" for suffix in PEER_SUFFIXES)}
     if unknown := [t for t in transports if t not in known]:
         parser.error(f"unknown transports {unknown}; choose from {sorted(known)}")
     cases = [(t, int(h), r) for t in transports for h in args.hiddens.split(",") for r in ROWS]

@@ -402,7 +402,9 @@ class ExecutionEngine:
         align: bool = False,
     ) -> torch.Tensor | None:
         """For a driver: the result of a valid, non-empty request computed at once in this thread
-        when ``client_id`` is alone (see ``Scheduler.alone``); None (nothing done) otherwise.
+        when ``client_id`` is alone, or its other clients idle (see ``Scheduler.serves_at_once``);
+        None (nothing done) otherwise.
+
         ``align``: the rows may lie at any address (a transport's bytes); they are copied to an
         aligned tensor first when they do not (``runner.aligned``). An in-process caller's rows,
         alone, are multiplied where they lie, as the monolithic model would; queued work is
@@ -420,7 +422,9 @@ class ExecutionEngine:
                 and self._accepting
                 and not self._computing
                 and not (lane is None and self._bulk_computing)  # a client's next bulk request waits its turn
-                and self.scheduler.alone(client_id, lane)
+                and self.scheduler.serves_at_once(
+                    client_id, layer_id, op, rows.shape[0], latency_class, self._clock(), lane
+                )
             )
             if not alone:
                 return None

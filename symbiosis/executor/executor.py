@@ -160,12 +160,13 @@ class BaseExecutor:
         latency_class: LatencyClass,
         out: torch.Tensor | None = None,
     ):
-        """For a driver: the result now if ``client_id`` is the only client (nothing to batch
-        with), else None; the request must have been validated (``validate``) and be non-empty.
-        ``out``: where the driver sends the result from (e.g. a shared-memory reply region); the
-        product is computed straight into it when it can be (see ``ExecutionEngine.try_alone``).
-        ``rows`` may lie anywhere (a ZeroMQ frame's bytes): they are aligned here, in the thread that
-        computes, when this client is alone (``runner.aligned``)."""
+        """For a driver: the result now if ``client_id`` is the only client, or its other clients
+        are idle (nothing to batch with: ``Scheduler.serves_at_once``), else None; the request
+        must have been validated (``validate``) and be non-empty. ``out``: where the driver sends
+        the result from (e.g. a shared-memory reply region); the product is computed straight into
+        it when it can be (see ``ExecutionEngine.try_alone``). ``rows`` may lie anywhere (a ZeroMQ
+        frame's bytes): they are aligned here, in the thread that computes, when this request is
+        served at once (``runner.aligned``)."""
         return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, align=True)
 
     def run_ready(self) -> float | None:

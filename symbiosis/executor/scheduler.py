@@ -371,6 +371,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- readiness
 
+    def _tick_tuner(self, now_s: float) -> None:
+        """End the wait tuner's epoch if it is due (it then rates the rule it ran, picks the next)."""
+        if self._tuner is not None and self._tuner.due(now_s):
+            self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
+
     def _rule(self) -> str:
         """The waiting rule in force: the policy's, or the opportunistic one tried or chosen now."""
         return self._tuner.rule if self._tuner is not None else self._fixed_rule
@@ -453,8 +458,7 @@ class Scheduler:
         otherwise the earliest time something may become ready without new arrivals. With
         ``only``, only that lane's work is considered, and bulk work is not paced (see
         ``next_batch``)."""
-        if self._tuner is not None and self._tuner.due(now_s):
-            self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
+        self._tick_tuner(now_s)
         rule = self._rule()
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
@@ -724,6 +728,72 @@ class Scheduler:
                 if state is None or state.last_lane == LATENCY:
                     return False
         return not self.has_pending(LATENCY)
+
+    def serves_at_once(
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: int,
+        latency_class: LatencyClass,
+        now_s: float,
+        lane: Lane | None = None,
+    ) -> bool:
+        """Whether the engine may serve this request at once, in the caller's thread, without
+        queueing it: ``alone``, or latency work while every other client is idle and no rule in
+        force would hold it for an idle client. The engine reports it with ``served_alone``.
+
+        Idle: nothing pending and nothing sent for ``ACTIVE_CLIENT_S`` (or the lockstep timeout,
+        if longer: a convoy waits that long for a client on its way), or nothing sent since it
+        joined. The queue would then serve the request at once as a batch of its own anyway
+        (``none``, ``predicted`` and ``convoy`` do not wait for an idle client, ``immediate``
+        waits for no one), but through every step of its bookkeeping: on a server whose other
+        clients are connected and quiet (tenants between bursts, a job between epochs), a 1-row
+        call cost x2 what it costs alone (``benchmarks/roundtrip.py``, ``ipc+joined``). Lockstep
+        and the ``budget`` rule hold a request for idle clients by definition, so they keep the
+        queue. Bulk work keeps it too: served whole, a large request would make a decoder that
+        wakes meanwhile wait for all of it, where the queue cuts it into chunks.
+
+        In the idle-peer case the request's arrival and hand-out are recorded as the queue records
+        them (arrival predictor, decode guard, wait tuner), so that the clients that wake find the
+        pace of this one known."""
+        if self.alone(client_id, lane):
+            return True
+        if self.lane_of(latency_class, rows) is not LATENCY:
+            return False
+        if self.has_pending(LATENCY) if lane is LATENCY else self._entries:
+            return False
+        self._tick_tuner(now_s)
+        if self._rule() in ("lockstep", "budget"):
+            return False
+        idle_after_s = max(ACTIVE_CLIENT_S, self._lockstep_timeout_s)
+        for other in self._clients:
+            if other == client_id:
+                continue
+            state = self._client_state.get(other)
+            if state is None:
+                continue  # joined and sent nothing yet: no rule waits for it
+            if lane is LATENCY and state.last_lane == BULK:
+                continue  # its work runs in its own lane (see ``alone``)
+            if state.entries or now_s - state.last_arrival_s <= idle_after_s:
+                return False
+        self._record_served_at_once(PendingRequest(-1, client_id, layer_id, op, rows, latency_class, now_s), now_s)
+        return True
+
+    def _record_served_at_once(self, request: PendingRequest, now_s: float) -> None:
+        """What ``add`` and ``_finish`` record of a latency request, for one served without the queue."""
+        client = self._client_state.get(request.client_id)
+        if client is None:
+            client = self._client_state[request.client_id] = _Client(request.client_id)
+        client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
+        client.last_lane = LATENCY
+        position = self._arrivals.arrived(request, True)
+        is_decode = request.latency_class is LatencyClass.DECODE
+        self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=True)
+        self._arrivals.handed_out(request, now_s)
+        self._guard.handed_out(request.client_id, now_s)
+        if self._tuner is not None:
+            self._tuner.handed_out(request.client_id, 1, request.rows, now_s)
 
     def served_alone(
         self,

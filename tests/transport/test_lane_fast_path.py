@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import time
 import types
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ import torch
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError, ProtocolError, ShapeError, UnknownLayerError
 from symbiosis.executor.executor import BaseExecutor
-from symbiosis.executor.scheduler import SchedulerConfig
+from symbiosis.executor.scheduler import ACTIVE_CLIENT_S, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights, LayerWeights
 from symbiosis.transport.schemes import open_transport
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
@@ -92,17 +93,28 @@ def test_lone_client_calls_are_exact_and_served_at_once(
 def test_invalid_requests_get_their_typed_errors(
     executor: BaseExecutor, addresses: dict[str, str], kind: str, joined: bool
 ) -> None:
-    """Alone, and with another client joined (its calls are queued, not served at once: the short
-    path skips only the checks its route made), every invalid request gets its typed error."""
+    """Alone, and with another, active client joined (its calls are queued, not served at once:
+    the short path skips only the checks its route made), every invalid request gets its typed
+    error."""
     with contextlib.ExitStack() as stack:
         transport = stack.enter_context(open_transport(addresses[kind]))
-        if joined:  # another client (even an idle one) means the scheduler decides
-            stack.enter_context(open_transport(addresses["ipc"]))
+        peer = stack.enter_context(open_transport(addresses["ipc"])) if joined else None
+
+        def peer_active() -> None:
+            """Another client that sent just now means the scheduler decides (an idle one would
+            not: ``Scheduler.serves_at_once``)."""
+            if peer is not None:
+                peer.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
+
+        transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)  # both sent: neither is idle
+        peer_active()
         before = alone_batches(executor)
         with pytest.raises(ShapeError):
             transport.call("q", Op.FORWARD, torch.randn(2, 31), LatencyClass.DECODE)
+        peer_active()
         with pytest.raises(UnknownLayerError):
             transport.call("nope", Op.FORWARD, torch.randn(2, 32), LatencyClass.DECODE)
+        peer_active()
         with pytest.raises(ProtocolError):
             transport.call("q", Op.FORWARD, torch.randn(2, 32, dtype=torch.float64), LatencyClass.DECODE)
         lane = transport._conn.lane
@@ -110,11 +122,13 @@ def test_invalid_requests_get_their_typed_errors(
         header = P.encode(
             P.Request(P.PROTOCOL_VERSION, transport.client_id, 10**6, "q", "forward", "float32", [2, 32], "decode")
         )
+        peer_active()
         reply, _ = lane.exchange(header, P.tensor_payload(torch.randn(1, 32)), 10**6, 0, 5.0)
         assert not reply.ok and reply.error_code == ShapeError.code
         header = P.encode(
             P.Request(P.PROTOCOL_VERSION, "someone-else", 10**6 + 1, "q", "forward", "float32", [1, 32], "decode")
         )
+        peer_active()
         reply, _ = lane.exchange(header, P.tensor_payload(torch.randn(1, 32)), 10**6 + 1, 0, 5.0)
         assert not reply.ok and reply.error_code == ProtocolError.code
         # A result too large for one lane message: the short path leaves it to the general one,
@@ -127,26 +141,37 @@ def test_invalid_requests_get_their_typed_errors(
         )
         rows = torch.randn(n, 32)
         out_nbytes = 4 * n * SPECS["wide"].out_features
+        peer_active()
         reply, payload = lane.exchange(header, P.tensor_payload(rows), 10**6 + 2, out_nbytes, 5.0)
         assert reply.ok and payload.nbytes == out_nbytes
         got = P.tensor_from_payload(payload, "float32", reply.shape)
         assert_same_product(got, executor.run("wide", Op.FORWARD, rows))
         rows = torch.randn(2, 32)  # and the session goes on
+        peer_active()
         assert_same_product(
             transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), executor.run("q", Op.FORWARD, rows)
         )
-        assert (alone_batches(executor) == before) == joined  # joined: queued, never served alone
+        assert (alone_batches(executor) == before) == joined  # with an active peer: queued, never served alone
 
 
-def test_two_clients_are_queued_and_batched_not_served_alone(executor: BaseExecutor, addresses: dict[str, str]) -> None:
+def test_two_active_clients_are_queued_and_one_beside_an_idle_client_is_not(
+    executor: BaseExecutor, addresses: dict[str, str]
+) -> None:
     with open_transport(addresses["ipc"]) as first, open_transport(addresses["tcp"]) as second:
+        for transport in (first, second):  # both sent: neither is idle for a second
+            transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
         before = alone_batches(executor)
         for transport in (first, second):
             rows = torch.randn(3, 32)
             got = transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE)
             assert_same_product(got, executor.run("q", Op.FORWARD, rows))
-        assert first._conn.lane.calls == 1 and second._conn.lane.calls == 1
-        assert alone_batches(executor) == before  # two clients: the scheduler decides, nothing skips it
+        assert first._conn.lane.calls == 2 and second._conn.lane.calls == 2
+        assert alone_batches(executor) == before  # two active clients: the scheduler decides, nothing skips it
+        time.sleep(ACTIVE_CLIENT_S + 0.2)  # the second (and ``run``'s client) idle now: no rule waits for them
+        rows = torch.randn(3, 32)
+        got = first.call("q", Op.FORWARD, rows, LatencyClass.DECODE)
+        assert alone_batches(executor) == before + 1  # served at once (``Scheduler.serves_at_once``)
+        assert_same_product(got, executor.run("q", Op.FORWARD, rows))
 
 
 def test_shared_memory_small_calls_inline_large_calls_in_segments(
