@@ -165,6 +165,10 @@ class _Client:
         self.last_arrival_s = -math.inf
         self.last_lane = LATENCY  # the lane of its last request: a bulk client stays one between requests
 
+    def active(self, now_s: float, within_s: float = ACTIVE_CLIENT_S) -> bool:
+        """It has a request pending, or sent one in the last ``within_s``."""
+        return bool(self.entries) or now_s - self.last_arrival_s <= within_s
+
 
 class _Group:
     """Pending requests for one ``(layer_id, op)``, in arrival order."""
@@ -311,8 +315,6 @@ class Scheduler:
         lane = self.lane_of(request.latency_class, request.rows)
         if not client.entries:  # busy again: it starts at its lane's virtual time, never earlier
             client.tag = max(client.tag, self._virtual[lane])
-        client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
-        client.last_lane = lane
         key = (request.layer_id, request.op)
         group = self._groups.get(key)
         if group is None:
@@ -324,12 +326,28 @@ class Scheduler:
         client.entries.append(entry)
         self._entries[request.request_id] = entry
         self._pending_rows += request.rows
+        self._note_arrival(client, request, lane)
+
+    def _note_arrival(self, client: _Client, request: PendingRequest, lane: Lane) -> None:
+        """What an arrival teaches: the client's last arrival and lane, its place and pace
+        (arrival predictor), whether it is a decoder (decode guard). For a queued request and for
+        one served at once alike (``serves_at_once``)."""
+        client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
+        client.last_lane = lane
         latency = lane == LATENCY
         position = self._arrivals.arrived(request, latency)
         # A decoder is a client decoding decode-sized requests: one that labels bulk work "decode"
         # gets no decoder's protection for it (nor does its pace count as a decoder's).
         is_decode = latency and request.latency_class is LatencyClass.DECODE
         self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=latency)
+
+    def _note_hand_out(self, request: PendingRequest, now_s: float) -> None:
+        """``request``'s last rows were handed out at ``now_s`` (queued or served at once): its
+        client's next step starts now (arrival predictor, decode guard), and the wait tuner counts it."""
+        self._arrivals.handed_out(request, now_s)  # its client's pace is measured from here
+        self._guard.handed_out(request.client_id, now_s)
+        if self._tuner is not None:
+            self._tuner.handed_out(request.client_id, 1, request.rows, now_s)
 
     def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
         """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,
@@ -359,11 +377,7 @@ class Scheduler:
     def active_clients(self, lane: Lane, now_s: float) -> int:
         """Clients of ``lane`` now: whose last request was of that lane, and that have one pending
         or sent one in the last ``ACTIVE_CLIENT_S``."""
-        return sum(
-            1
-            for c in self._client_state.values()
-            if c.last_lane == lane and (c.entries or now_s - c.last_arrival_s <= ACTIVE_CLIENT_S)
-        )
+        return sum(1 for c in self._client_state.values() if c.last_lane == lane and c.active(now_s))
 
     def has_pending(self, lane: Lane) -> bool:
         """Whether rows of ``lane``'s work are waiting to be handed out."""
@@ -514,7 +528,7 @@ class Scheduler:
         """Whether bulk work (``entry``) leads the next batch: ahead of waiting latency work only
         while owed its share; with a target and decoders active, only within its allowance. Also
         when it may (if not now)."""
-        active = [c for c in self._client_state.values() if c.entries or now_s - c.last_arrival_s <= ACTIVE_CLIENT_S]
+        active = [c for c in self._client_state.values() if c.active(now_s)]
         bulk_clients = sum(1 for c in active if c.last_lane == BULK)
         targeted = self._guard.slo_s is not None
         share = self._guard.bulk_share if targeted else bulk_clients / max(1, len(active))
@@ -697,10 +711,7 @@ class Scheduler:
 
     def _finish(self, entry: _Entry, now_s: float) -> None:
         request = entry.request
-        self._arrivals.handed_out(request, now_s)  # its client's pace is measured from here
-        self._guard.handed_out(request.client_id, now_s)
-        if self._tuner is not None:
-            self._tuner.handed_out(request.client_id, 1, request.rows, now_s)
+        self._note_hand_out(request, now_s)
         entry.group.remove(entry)
         entry.client.entries.remove(entry)
         del self._entries[request.request_id]
@@ -775,25 +786,15 @@ class Scheduler:
                 continue  # joined and sent nothing yet: no rule waits for it
             if lane is LATENCY and state.last_lane == BULK:
                 continue  # its work runs in its own lane (see ``alone``)
-            if state.entries or now_s - state.last_arrival_s <= idle_after_s:
+            if state.active(now_s, idle_after_s):
                 return False
-        self._record_served_at_once(PendingRequest(-1, client_id, layer_id, op, rows, latency_class, now_s), now_s)
-        return True
-
-    def _record_served_at_once(self, request: PendingRequest, now_s: float) -> None:
-        """What ``add`` and ``_finish`` record of a latency request, for one served without the queue."""
-        client = self._client_state.get(request.client_id)
+        client = self._client_state.get(client_id)
         if client is None:
-            client = self._client_state[request.client_id] = _Client(request.client_id)
-        client.last_arrival_s = max(client.last_arrival_s, request.arrival_s)
-        client.last_lane = LATENCY
-        position = self._arrivals.arrived(request, True)
-        is_decode = request.latency_class is LatencyClass.DECODE
-        self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=True)
-        self._arrivals.handed_out(request, now_s)
-        self._guard.handed_out(request.client_id, now_s)
-        if self._tuner is not None:
-            self._tuner.handed_out(request.client_id, 1, request.rows, now_s)
+            client = self._client_state[client_id] = _Client(client_id)
+        request = PendingRequest(-1, client_id, layer_id, op, rows, latency_class, now_s)
+        self._note_arrival(client, request, LATENCY)
+        self._note_hand_out(request, now_s)
+        return True
 
     def served_alone(
         self,

@@ -154,10 +154,12 @@ def test_invalid_requests_get_their_typed_errors(
         assert (alone_batches(executor) == before) == joined  # with an active peer: queued, never served alone
 
 
+@pytest.mark.parametrize("kind", ["ipc", "tcp", "shm"])
 def test_two_active_clients_are_queued_and_one_beside_an_idle_client_is_not(
-    executor: BaseExecutor, addresses: dict[str, str]
+    executor: BaseExecutor, addresses: dict[str, str], kind: str
 ) -> None:
-    with open_transport(addresses["ipc"]) as first, open_transport(addresses["tcp"]) as second:
+    other = "tcp" if kind == "ipc" else "ipc"
+    with open_transport(addresses[kind]) as first, open_transport(addresses[other]) as second:
         for transport in (first, second):  # both sent: neither is idle for a second
             transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
         before = alone_batches(executor)
