@@ -194,32 +194,34 @@ def test_leaving_client_drops_its_pending_work(path):
         assert ex.stats()["inflight_requests"] == 0
 
 
-@pytest.mark.parametrize("policy", ["opportunistic", "immediate"])
-def test_a_client_beside_idle_clients_is_served_at_once_and_exactly(path, policy):
-    """Another client joined but quiet for over a second: the engine serves the call in the
-    caller's thread without the queue (``Scheduler.serves_at_once``; which rules allow it:
-    tests/test_scheduler_idle_peers.py), with the same result; while it is active, the queue."""
+@pytest.mark.parametrize(
+    "options, at_once",
+    [
+        ({"policy": "immediate"}, True),
+        ({"policy": "opportunistic", "wait_rule": "none"}, True),
+        ({"policy": "lockstep", "lockstep_timeout_ms": 1.0}, False),  # holds every call for the other client
+    ],
+    ids=["immediate", "none", "lockstep"],
+)
+def test_a_request_no_rule_would_hold_is_served_at_once_beside_an_active_client_and_exactly(path, options, at_once):
+    """Two clients calling one after the other, nothing pending at each call: where the rule in
+    force would hold the request for no one, the engine serves it in the caller's thread without
+    the queue (``Scheduler.serves_at_once``; which rules allow it: tests/test_scheduler_at_once.py),
+    with the same result as the queue gives."""
     from symbiosis.executor.engine import ExecutionEngine
-    from symbiosis.executor.scheduler import ACTIVE_CLIENT_S, Scheduler, SchedulerConfig
+    from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 
     layer_id = "model.layers.0.self_attn.q_proj"
-    now = [100.0]
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
-        engine = ExecutionEngine(ex.weights, Scheduler(SchedulerConfig(policy=policy)), clock=lambda: now[0])
+        engine = ExecutionEngine(ex.weights, Scheduler(SchedulerConfig(**options)))
         try:
             engine.client_joined("a")
             engine.client_joined("b")
             rows = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
-            results = [engine.call("b", layer_id, Op.FORWARD, rows, LatencyClass.DECODE, 5.0)]  # "a" sent nothing
-            now[0] += 0.5 * ACTIVE_CLIENT_S  # "b" is active: "a" takes the queue
-            results.append(engine.call("a", layer_id, Op.FORWARD, rows, LatencyClass.DECODE, 5.0))
-            paths = [dict(engine.stats()["batches_run_by"])]
-            now[0] += 2 * ACTIVE_CLIENT_S  # both quiet since
-            results.append(engine.call("a", layer_id, Op.FORWARD, rows, LatencyClass.DECODE, 5.0))
-            paths.append(dict(engine.stats()["batches_run_by"]))
+            results = [engine.call(c, layer_id, Op.FORWARD, rows, LatencyClass.DECODE, 5.0) for c in ("b", "a", "b")]
+            paths = dict(engine.stats()["batches_run_by"])
         finally:
             engine.close()
     for result in results:
         torch.testing.assert_close(result, _expected(ex, layer_id, "forward", rows), rtol=1e-5, atol=1e-6)
-    assert (paths[0]["alone"], paths[0]["caller"]) == (1, 1)
-    assert (paths[1]["alone"], paths[1]["caller"]) == (2, 1)
+    assert (paths["alone"], paths["caller"]) == ((3, 0) if at_once else (0, 3))

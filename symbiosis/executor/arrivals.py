@@ -126,6 +126,11 @@ class ArrivalPredictor:
     def forget(self, client_id: str) -> None:
         self.tracks.pop(client_id, None)
 
+    def placed(self, layer_id: str, op: Op) -> bool:
+        """Whether the layer has its place in ``op``'s walk for good: seen, and not only as the
+        provisional start of a pass (see the module doc)."""
+        return layer_id in self.positions[op] and layer_id not in self._provisional[op]
+
     def pass_length(self, op: Op) -> int:
         """Layers in one pass of ``op`` seen so far (base-layer calls per decoded token for forward)."""
         return len(self.positions[op])

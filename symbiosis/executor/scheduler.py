@@ -751,23 +751,18 @@ class Scheduler:
         lane: Lane | None = None,
     ) -> bool:
         """Whether the engine may serve this request at once, in the caller's thread, without
-        queueing it: ``alone``, or latency work while every other client is idle and no rule in
-        force would hold it for an idle client. The engine reports it with ``served_alone``.
+        queueing it: ``alone``, or latency work with nothing pending that the rule in force would
+        not hold for anyone (``_holds_for_someone``). The engine reports it with ``served_alone``.
 
-        Idle: nothing pending and nothing sent for ``ACTIVE_CLIENT_S`` (or the lockstep timeout,
-        if longer: a convoy waits that long for a client on its way), or nothing sent since it
-        joined. The queue would then serve the request at once as a batch of its own anyway
-        (``none``, ``predicted`` and ``convoy`` do not wait for an idle client, ``immediate``
-        waits for no one), but through every step of its bookkeeping: on a server whose other
-        clients are connected and quiet (tenants between bursts, a job between epochs), a 1-row
-        call cost x2 what it costs alone (``benchmarks/roundtrip.py``, ``ipc+joined``). Lockstep
-        and the ``budget`` rule hold a request for idle clients by definition, so they keep the
-        queue. Bulk work keeps it too: served whole, a large request would make a decoder that
-        wakes meanwhile wait for all of it, where the queue cuts it into chunks.
+        Queued, such a request would be handed out at once as a batch of its own anyway, but
+        through every step of the queue's bookkeeping (add, plan, fill, finish, a future): with
+        another, active client connected, a 1-row call over ipc cost x2 what it costs alone
+        (``benchmarks/roundtrip.py``, ``ipc+joined``). Bulk work keeps the queue: served whole, a
+        large request would make a decoder that wakes meanwhile wait for all of it, where the
+        queue cuts it into chunks. So does a request whose client has one pending (order).
 
-        In the idle-peer case the request's arrival and hand-out are recorded as the queue records
-        them (arrival predictor, decode guard, wait tuner), so that the clients that wake find the
-        pace of this one known."""
+        The request's arrival and hand-out are recorded as the queue records them (arrival
+        predictor, decode guard, wait tuner), so that the same decisions follow."""
         if self.alone(client_id, lane):
             return True
         if self.lane_of(latency_class, rows) is not LATENCY:
@@ -775,19 +770,8 @@ class Scheduler:
         if self.has_pending(LATENCY) if lane is LATENCY else self._entries:
             return False
         self._tick_tuner(now_s)
-        if self._rule() in ("lockstep", "budget"):
+        if self._holds_for_someone(client_id, layer_id, op, rows, latency_class, now_s, lane):
             return False
-        idle_after_s = max(ACTIVE_CLIENT_S, self._lockstep_timeout_s)
-        for other in self._clients:
-            if other == client_id:
-                continue
-            state = self._client_state.get(other)
-            if state is None:
-                continue  # joined and sent nothing yet: no rule waits for it
-            if lane is LATENCY and state.last_lane == BULK:
-                continue  # its work runs in its own lane (see ``alone``)
-            if state.active(now_s, idle_after_s):
-                return False
         client = self._client_state.get(client_id)
         if client is None:
             client = self._client_state[client_id] = _Client(client_id)
@@ -795,6 +779,28 @@ class Scheduler:
         self._note_arrival(client, request, LATENCY)
         self._note_hand_out(request, now_s)
         return True
+
+    def _holds_for_someone(
+        self, client_id: str, layer_id: str, op: Op, rows: int, latency_class: LatencyClass, now_s: float, lane
+    ) -> bool:
+        """Whether the rule in force would hold this latency request, the only one pending (or the
+        only latency one, on the latency lane), for another client -- what ``_plan`` would decide
+        for its group: ``immediate`` and ``none`` hold for no one; ``convoy`` for a client walking
+        towards the layer; ``predicted`` for one expected within the request's wait budget;
+        ``lockstep`` and ``budget`` for every client (by definition, idle or not). On a layer not
+        yet placed in the walk (the first pass) the queue decides."""
+        rule = self._rule()
+        if rule in ("immediate", "none"):
+            return False
+        if rule in ("lockstep", "budget") or not self._arrivals.placed(layer_id, op):
+            return True
+        skip = {client_id: 1}
+        if rule == "convoy":
+            # ``_convoy_waits_for``: with nothing pending, every walker is moving, so it waits for any.
+            return bool(self._arrivals.walking(layer_id, op, skip, now_s, self._lockstep_timeout_s, True))
+        deadline_s = now_s + self.config.wait_budget_s(rows, latency_class)
+        coming = self._arrivals.expected(layer_id, op, skip, now_s, True, True)  # as ``_hold_until_s``
+        return any(e_s <= deadline_s and min(e_s + gap_s, deadline_s) > now_s for e_s, gap_s in coming)
 
     def served_alone(
         self,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-import time
 import types
 from collections.abc import Iterator
 
@@ -22,7 +21,7 @@ import torch
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError, ProtocolError, ShapeError, UnknownLayerError
 from symbiosis.executor.executor import BaseExecutor
-from symbiosis.executor.scheduler import ACTIVE_CLIENT_S, SchedulerConfig
+from symbiosis.executor.scheduler import SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights, LayerWeights
 from symbiosis.transport.schemes import open_transport
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
@@ -36,8 +35,14 @@ SPECS = {
 }
 
 
+# Holds every request for the other joined clients (up to 1 ms): with a peer, every call is queued.
+QUEUED = SchedulerConfig(policy="lockstep", lockstep_timeout_ms=1.0)
+
+
 @pytest.fixture
-def executor() -> Iterator[BaseExecutor]:
+def executor(request: pytest.FixtureRequest) -> Iterator[BaseExecutor]:
+    """An executor over ``SPECS``, with the scheduler config the test asks for (indirect
+    parametrization; default: the default config)."""
     generator = torch.Generator().manual_seed(0)
     layers = {
         name: LayerWeights(
@@ -46,7 +51,8 @@ def executor() -> Iterator[BaseExecutor]:
         )
         for name, s in SPECS.items()
     }
-    service = BaseExecutor(BaseModelWeights(SPECS, layers, "fast-path-test", "test"), SchedulerConfig())
+    config = getattr(request, "param", None) or SchedulerConfig()
+    service = BaseExecutor(BaseModelWeights(SPECS, layers, "fast-path-test", "test"), config)
     yield service
     service.close(drain=False)
 
@@ -89,20 +95,21 @@ def test_lone_client_calls_are_exact_and_served_at_once(
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
-@pytest.mark.parametrize("joined", [False, True], ids=["alone", "joined"])
+@pytest.mark.parametrize(
+    ("executor", "joined"), [(None, False), (QUEUED, True)], ids=["alone", "joined"], indirect=["executor"]
+)
 def test_invalid_requests_get_their_typed_errors(
     executor: BaseExecutor, addresses: dict[str, str], kind: str, joined: bool
 ) -> None:
-    """Alone, and with another, active client joined (its calls are queued, not served at once:
-    the short path skips only the checks its route made), every invalid request gets its typed
-    error."""
+    """Alone, and with another client joined under a rule that holds every request for it (its
+    calls are queued, not served at once: the short path skips only the checks its route made),
+    every invalid request gets its typed error."""
     with contextlib.ExitStack() as stack:
         transport = stack.enter_context(open_transport(addresses[kind]))
         peer = stack.enter_context(open_transport(addresses["ipc"])) if joined else None
 
         def peer_active() -> None:
-            """Another client that sent just now means the scheduler decides (an idle one would
-            not: ``Scheduler.serves_at_once``)."""
+            """The peer calls between the checks: the executor serves two clients."""
             if peer is not None:
                 peer.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
 
@@ -151,28 +158,34 @@ def test_invalid_requests_get_their_typed_errors(
         assert_same_product(
             transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE), executor.run("q", Op.FORWARD, rows)
         )
-        assert (alone_batches(executor) == before) == joined  # with an active peer: queued, never served alone
+        assert (alone_batches(executor) == before) == joined  # with a peer: queued, never served alone
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp", "shm"])
-def test_two_active_clients_are_queued_and_one_beside_an_idle_client_is_not(
-    executor: BaseExecutor, addresses: dict[str, str], kind: str
+@pytest.mark.parametrize(
+    ("executor", "at_once"),
+    [(SchedulerConfig(policy="immediate"), True), (QUEUED, False)],
+    ids=["immediate", "lockstep"],
+    indirect=["executor"],
+)
+def test_two_active_clients_are_queued_only_where_the_rule_would_hold_their_requests(
+    executor: BaseExecutor, addresses: dict[str, str], kind: str, at_once: bool
 ) -> None:
+    """Two clients calling in turn, nothing pending at each call: a rule that holds a request for
+    no one (``immediate``) has them served at once, without the queue; one that holds it for the
+    other client (lockstep) queues them (``Scheduler.serves_at_once``). Exact either way."""
     other = "tcp" if kind == "ipc" else "ipc"
     with open_transport(addresses[kind]) as first, open_transport(addresses[other]) as second:
-        for transport in (first, second):  # both sent: neither is idle for a second
+        for transport in (first, second):
             transport.call("q", Op.FORWARD, torch.randn(1, 32), LatencyClass.DECODE)
         before = alone_batches(executor)
-        for transport in (first, second):
+        made = []
+        for transport in (first, second, first):
             rows = torch.randn(3, 32)
-            got = transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE)
-            assert_same_product(got, executor.run("q", Op.FORWARD, rows))
-        assert first._conn.lane.calls == 2 and second._conn.lane.calls == 2
-        assert alone_batches(executor) == before  # two active clients: the scheduler decides, nothing skips it
-        time.sleep(ACTIVE_CLIENT_S + 0.2)  # the second (and ``run``'s client) idle now: no rule waits for them
-        rows = torch.randn(3, 32)
-        got = first.call("q", Op.FORWARD, rows, LatencyClass.DECODE)
-        assert alone_batches(executor) == before + 1  # served at once (``Scheduler.serves_at_once``)
+            made.append((rows, transport.call("q", Op.FORWARD, rows, LatencyClass.DECODE).clone()))
+        assert first._conn.lane.calls == 3 and second._conn.lane.calls == 2
+        assert alone_batches(executor) - before == (3 if at_once else 0)
+    for rows, got in made:
         assert_same_product(got, executor.run("q", Op.FORWARD, rows))
 
 

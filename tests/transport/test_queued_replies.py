@@ -18,12 +18,15 @@ from symbiosis.transport.zmq_server import ZmqServer
 from symbiosis.vocabulary import LatencyClass, Op
 
 LAYER = "model.layers.0.self_attn.q_proj"
-OTHER_LAYER = "model.layers.0.self_attn.k_proj"
 
 
 @pytest.fixture(scope="module")
 def executor(tiny_checkpoint) -> Iterator[symbiosis.BaseExecutor]:
-    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("qwen2")) as ex:  # q/k/v have biases
+    # q/k/v have biases. Lockstep holds every request for the other joined client (up to 1 ms):
+    # with a peer connected, every call takes the queue (``Scheduler.serves_at_once``).
+    with symbiosis.BaseExecutor.from_pretrained(
+        tiny_checkpoint("qwen2"), policy="lockstep", lockstep_timeout_ms=1.0
+    ) as ex:
         yield ex
 
 
@@ -53,16 +56,7 @@ def test_queued_requests_are_answered_exactly(executor, sock_dir: str, kind: str
         # dist: every payload over the gloo pair group, not inline (its rows reach the executor
         # after the server booked the request)
         options = {"inline_threshold": 0} if kind.startswith("dist") else {}
-        with open_transport(address, **options) as caller, open_transport(address) as peer:
-            keep_alive = torch.zeros(1, executor.weights.specs[OTHER_LAYER].in_features)
-
-            def both_active() -> None:
-                """Both clients sent just now: no one is alone, and neither is idle for the other
-                (``Scheduler.serves_at_once``). On another layer, outside the counts below."""
-                caller.call(OTHER_LAYER, Op.FORWARD, keep_alive, LatencyClass.DECODE)
-                peer.call(OTHER_LAYER, Op.FORWARD, keep_alive, LatencyClass.DECODE)
-
-            both_active()
+        with open_transport(address, **options) as caller, open_transport(address):  # a peer joined
             start = executor.stats()
             before, alone_before = start["layers"].get(LAYER, {}).get("requests", 0), start["batches_run_by"]["alone"]
             g = torch.Generator().manual_seed(5)
@@ -70,7 +64,6 @@ def test_queued_requests_are_answered_exactly(executor, sock_dir: str, kind: str
                 for n in (0, 1, 5):
                     width = op.input_width(executor.weights.specs[LAYER])
                     rows = torch.randn(n, width, generator=g)
-                    both_active()
                     got = caller.call(LAYER, op, rows, LatencyClass.DECODE)
                     # Computed in another thread and batch than here: the same sums in another order.
                     torch.testing.assert_close(got, _expected(executor, op, rows), rtol=1e-5, atol=1e-6)
