@@ -827,3 +827,47 @@ def test_tuner_is_asked_for_the_decoders_token_times_only_when_an_epoch_may_end(
     monkeypatch.setattr(pacing.DecodeGuard, "longest_token_s", lambda self, now: calls.append(now) or real(self, now))
     sim.run(1.0)
     assert 0 < len(calls) < 0.1 * len(sim.batches)
+
+
+def test_the_choice_starts_from_the_start_rule_and_leaves_it_only_for_a_clearly_better_one():
+    """Rules that serve alike keep the tuner on its start rule, whichever it is (not waiting for
+    client threads, the convoy for the others); a rule clearly better is chosen from either."""
+    for start in ("none", "convoy"):
+        tuner = WaitTuner(epoch_s=0.2)
+        tuner.start_rule = start
+        _, chosen, now = run_epochs(tuner, 30, lambda _, rule: (1000.0, 4))
+        assert chosen[len(FIRST_TRIALS) :].count(start) == 30 - len(FIRST_TRIALS), (start, chosen)
+        better = "convoy" if start == "none" else "none"
+        _, chosen, _ = run_epochs(tuner, 60, lambda _, rule, b=better: (1600.0 if rule == b else 1000.0, 4), now)
+        assert chosen[-1] == better, (start, chosen)
+
+
+def test_client_threads_of_the_executors_process_start_from_not_waiting(tiny_checkpoint):
+    """The engine tells the scheduler which clients call from threads of its own process: while
+    all of them do, the tuner starts from not waiting; a client over a transport (a driver's
+    ``submit``) brings back the convoy."""
+    import torch
+
+    from symbiosis.executor.executor import BaseExecutor
+
+    with BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
+        scheduler = executor._engine.scheduler
+        layer_id = "model.layers.0.self_attn.q_proj"
+        rows = torch.ones(1, executor.weights.specs[layer_id].in_features)
+
+        later = [1e6]
+
+        def start_rule() -> str:
+            later[0] += 1e3  # due: the scheduler sets the start whenever the tuner may choose
+            scheduler._tick_tuner(later[0])
+            return scheduler._tuner.start_rule
+
+        for client in ("a", "b"):
+            executor.register_client(client)
+            executor.call(client, layer_id, Op.FORWARD, rows, LatencyClass.DECODE)
+        assert start_rule() == "none"
+        executor.register_client("remote")
+        executor.submit("remote", layer_id, Op.FORWARD, rows, LatencyClass.DECODE).result(timeout=10)
+        assert start_rule() == "convoy"
+        executor.unregister_client("remote")
+        assert start_rule() == "none"

@@ -182,6 +182,7 @@ class ExecutionEngine:
         # not every waiting thread (each needless wake-up is a GIL hand-over and a re-plan).
         self._caller_cvs: dict[int, threading.Condition] = {}
         self._drivers: list[Callable[[], None]] = []  # wake callbacks of attached drivers
+        self._in_process_callers: set[str] = set()  # clients that used ``call`` (told to the scheduler)
         # Which threads ran products (observability; in-process and driven servers should leave
         # the compute thread idle, see the module doc). "alone": the lone-client fast path.
         self._batches_run_by = {"alone": 0, "caller": 0, "driver": 0, "compute_thread": 0}
@@ -354,6 +355,10 @@ class ExecutionEngine:
         self.validate(layer_id, op, rows)
         if rows.shape[0] == 0:
             return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
+        if client_id not in self._in_process_callers:  # the wait tuner's start depends on it
+            with self._lock:
+                self.scheduler.client_in_process(client_id)
+                self._in_process_callers.add(client_id)
         result = self.try_alone(client_id, layer_id, op, rows, latency_class)
         if result is not None:
             return result
@@ -520,6 +525,7 @@ class ExecutionEngine:
 
     def client_left(self, client_id: str) -> None:
         with self._cond:
+            self._in_process_callers.discard(client_id)
             dropped = self.scheduler.client_left(client_id)
             for request_id in dropped:
                 inflight = self._inflight.pop(request_id, None)

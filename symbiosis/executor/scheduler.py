@@ -83,7 +83,7 @@ from symbiosis.executor.arrivals import ArrivalPredictor
 from symbiosis.executor.pacing import MIN_BULK_SHARE, CostModel, DecodeGuard, TimeCredit
 from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.scheduler_config import POLICIES, Policy, SchedulerConfig
-from symbiosis.executor.wait_tuner import WaitTuner
+from symbiosis.executor.wait_tuner import IN_PROCESS_START_RULE, START_RULE, WaitTuner
 from symbiosis.vocabulary import LatencyClass, Op
 
 __all__ = ["POLICIES", "Lane", "Policy", "Scheduler", "SchedulerConfig", "REQUEST_CHARGE_ROWS"]
@@ -264,6 +264,7 @@ class Scheduler:
             WaitTuner(config.adapt_epoch_ms / 1000.0) if opportunistic and config.wait_rule == "adaptive" else None
         )
         self._fixed_rule = config.wait_rule if opportunistic else config.policy
+        self._in_process: set[str] = set()  # clients that are threads of this process (``client_in_process``)
         self._arrivals = ArrivalPredictor()  # fed always; consulted by the opportunistic rules
         self._cost = CostModel()
         slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
@@ -284,9 +285,16 @@ class Scheduler:
     def client_joined(self, client_id: str) -> None:
         self._clients.add(client_id)
 
+    def client_in_process(self, client_id: str) -> None:
+        """``client_id`` calls from a thread of the executor's own process (the engine's ``call``),
+        not over a transport: while every joined client does, the wait tuner starts from not
+        waiting (``wait_tuner.IN_PROCESS_START_RULE``; see its module doc)."""
+        self._in_process.add(client_id)
+
     def client_left(self, client_id: str) -> list[int]:
         """Forget the client and drop its pending requests (partly served ones too); returns their ids."""
         self._clients.discard(client_id)
+        self._in_process.discard(client_id)
         self._arrivals.forget(client_id)
         self._guard.forget(client_id)
         state = self._client_state.pop(client_id, None)
@@ -388,6 +396,8 @@ class Scheduler:
     def _tick_tuner(self, now_s: float) -> None:
         """End the wait tuner's epoch if it is due (it then rates the rule it ran, picks the next)."""
         if self._tuner is not None and self._tuner.due(now_s):
+            in_process = self._clients and self._clients <= self._in_process  # O(clients): only when due
+            self._tuner.start_rule = IN_PROCESS_START_RULE if in_process else START_RULE
             self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
 
     def _rule(self) -> str:

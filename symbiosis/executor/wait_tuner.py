@@ -88,7 +88,7 @@ on both sides of its trial as before.
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
 processes, a new batch of jobs after the last one left), the tuner starts over (``resets`` in its
-stats) from ``START_RULE``, exploring the others at the usual pace (not the first trials again:
+stats) from ``start_rule``, exploring the others at the usual pace (not the first trials again:
 two epochs of not waiting cost a short workload most): what waiting paid for two clients of one
 sequence says little about eight. Measured
 (2026-11-29, this 2-core host, one ``serve`` process for groups of 2 then 8 one-sequence client
@@ -97,11 +97,22 @@ kept the 8-client group on "predicted" -- rated clearly better, so the convoy wa
 every 20th epoch -- at 7.7 rows a batch and 42 tokens/s, against 12.7 rows and 53 tokens/s for a
 server whose tuner had chosen the convoy (one HF process per adapter: 44).
 
+Where the tuner starts (``start_rule``, set by the scheduler) depends on where the clients run.
+Client processes and remote clients start on ``START_RULE``, the convoy: on this project's hosts
+they gain from it (client processes of batch 1-16 on 2 cores: x1.33 of the tokens/s of not
+waiting, at x0.92 of lockstep's mean latency; the same over tcp://; with the executor on an H200,
+x1.35). Clients that are all threads of the executor's own process (``Scheduler.client_in_process``)
+start on ``IN_PROCESS_START_RULE``, not waiting: they take turns on one interpreter lock, and a
+thread held for a convoy frees nothing the others could not use anyway. Measured on 2 cores, 8
+client threads of batch 1-16: every rule served tokens within the run's noise (+-8%), while not
+waiting (``immediate``, or ``none`` fixed) kept the mean per-token latency below lockstep's in
+every run, x0.87-0.96 (2026-11-23, and three runs of 2026-11-30). The tuner still tries the convoy
+there and takes it when it is rated better by the switching margin, as anywhere.
+
 The first epochs try each rule (``FIRST_TRIALS``): "none" first, as the clients' start is compared
 with nothing (see above) and not waiting costs that start the least; then convoy, and none again,
 so that convoy, which gains or loses the most, is compared twice; then predicted. The rule in use
-then starts as ``START_RULE`` (convoy: on the host this was measured on, clients as threads and as
-processes both gain from convoys, see README) and changes only when another is rated better by
+then starts as ``start_rule`` and changes only when another is rated better by
 ``SWITCH_MARGIN`` (x1.15: on a shared machine adjacent epochs differ by up to x2, and a switch
 needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25); every
 ``EXPLORE_EVERY``-th epoch tries the rule least recently tried, so the choice follows a change of
@@ -145,6 +156,7 @@ CLEARLY_WORSE = math.log(1.25)
 SWITCH_MARGIN = math.log(1.15)
 PAIR_WEIGHT = 0.25
 START_RULE = "convoy"
+IN_PROCESS_START_RULE = "none"
 SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
 MIN_CLIENT_REQUESTS = 3
@@ -164,6 +176,7 @@ class WaitTuner:
             raise ValueError(f"WaitTuner epoch_s must be positive, got {epoch_s!r}")
         self.epoch_s = epoch_s
         self.rule = FIRST_TRIALS[0]
+        self.start_rule = START_RULE  # where the choice starts (module doc); the scheduler may change it
         self.ratings: dict[str, float] = {}  # relative, from adjacent epochs; only rules tried
         self.chosen: str | None = None  # the rule used between trials
         self.epochs = 0  # epochs that counted
@@ -275,7 +288,7 @@ class WaitTuner:
 
     def _start_over(self) -> None:
         """Forget the ratings (they were measured on other clients). The first time, the first
-        trials come next; after that the new clients start on ``START_RULE`` and the others are
+        trials come next; after that the new clients start on ``start_rule`` and the others are
         explored at the usual pace: a workload's first trials cost it two epochs of not waiting,
         and a new group is as often a short one (a benchmark's next group of processes, a batch
         of jobs) as a long one."""
@@ -285,7 +298,7 @@ class WaitTuner:
         self._on_trial = None
         if self._population:
             self.resets += 1
-            self.ratings, self.chosen = {START_RULE: 0.0}, START_RULE
+            self.ratings, self.chosen = {self.start_rule: 0.0}, self.start_rule
             self._since_reset = len(FIRST_TRIALS) + 1  # past the first trials; explores at 2 * EXPLORE_EVERY
         else:
             self.ratings, self.chosen = {}, None
@@ -355,7 +368,7 @@ class WaitTuner:
             return first
         top = max(self.ratings, key=self.ratings.__getitem__)
         if self.chosen is None:
-            self.chosen = START_RULE if START_RULE in self.ratings else top
+            self.chosen = self.start_rule if self.start_rule in self.ratings else top
         if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
             self.chosen = top
             self._backoff[top] = 0
@@ -383,6 +396,7 @@ class WaitTuner:
         return {
             "rule": self.rule,
             "chosen": self.chosen,
+            "start_rule": self.start_rule,
             "epochs": self.epochs,
             "resets": self.resets,
             "trials": dict(self.trials),
