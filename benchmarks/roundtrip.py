@@ -8,16 +8,18 @@ process**; a client child process calls ``forward`` on 1 and 16 rows over ``inpr
 in-process ``BaseExecutor`` on the same weights: the floor), ``ipc``, ``tcp`` and ``shm+ipc``.
 
 The measured client is its executor's only one: the client child keeps one remote transport open
-at a time (closing it before opening another), because an executor with other active clients
-connected queues every request through its scheduler instead of serving it at once
-(``Scheduler.serves_at_once``). That shared path is what every client pays while others are at
-work (a server beside fine-tuning jobs, a decoder beside a flood), so it has cases of its own:
+at a time (closing it before opening another). Beside other clients a request is queued through
+the scheduler whenever the rule in force would hold it for one of them (``Scheduler.serves_at_once``;
+``immediate`` holds for no one, so it is served at once all the same, as long as nothing is
+pending). Cases of their own measure both, none in the default list (ask with ``--transports``):
 ``ipc+joined`` and ``shm+ipc+joined`` open a second transport to the same executor and make one
 call on it before every block (so it is active: it sent within the last second) while the first
-one is timed. ``ipc+idle`` and ``shm+ipc+idle`` make that call once and wait until the second
-client is idle (quiet for over a second: tenants between bursts), whose requests no rule waits
-for, so the first one is served at once again. Neither is in the default list; ask for them with
-``--transports``.
+one is timed; ``ipc+idle`` and ``shm+ipc+idle`` make that call once and wait until the second
+client is idle (quiet for over a second: tenants between bursts). ``ipc+queued`` (and
+``shm+ipc+queued``, ``tcp+queued``) are ``+joined`` on a second executor in the server child,
+lockstep with a timeout of 0: a rule that holds every request for the other client, but never
+waits, so each call pays the queued path (add, plan, fill, a result sink) and nothing else -- what
+every request of a convoy or of a client beside a flood pays on top of its wait.
 
 Back-to-back calls keep both sides awake, which a real client does not: between its base-layer
 calls a decode step computes attention and norms (a few hundred µs at hidden 512), long enough
@@ -59,7 +61,8 @@ REPO = Path(__file__).resolve().parent.parent
 TRANSPORTS = ("inproc", "ipc", "tcp", "shm+ipc")
 JOINED = "+joined"  # a transport name with this suffix: another client is joined, active (module doc)
 IDLE = "+idle"  # ... another client is joined and idle (module doc)
-PEER_SUFFIXES = (JOINED, IDLE)
+QUEUED = "+queued"  # ... joined and active, on an executor whose rule queues every call (module doc)
+PEER_SUFFIXES = (JOINED, IDLE, QUEUED)
 IDLE_AFTER_S = 1.2  # quiet this long, a client is idle (``scheduler.ACTIVE_CLIENT_S``, with a margin)
 HIDDENS = (64, 4096)
 ROWS = (1, 16)
@@ -69,7 +72,7 @@ MARK = "@@ "  # protocol lines between parent and children; anything else on std
 # ---- children -----------------------------------------------------------------------------------
 
 
-def _make_executor(seed: int):
+def _make_executor(seed: int, queued: bool = False):
     import torch
 
     from symbiosis.executor.executor import BaseExecutor
@@ -85,6 +88,8 @@ def _make_executor(seed: int):
         for name, s in specs.items()
     }
     weights = BaseModelWeights(specs, layers, f"roundtrip-bench-{seed}", "bench")
+    if queued:  # holds every request for the other joined clients, for 0 s: the queued path, no wait
+        return BaseExecutor(weights, SchedulerConfig(policy="lockstep", lockstep_timeout_ms=0.0))
     return BaseExecutor(weights, SchedulerConfig(policy="immediate"))
 
 
@@ -98,11 +103,13 @@ def _vocabulary():
 
 
 def _serve(folder: str) -> None:
-    executor = _make_executor(0)
+    executor, queued = _make_executor(0), _make_executor(0, queued=True)
     servers = [executor.serve(f"ipc://{folder}/executor.sock"), executor.serve("tcp://127.0.0.1:0")]
+    servers += [queued.serve(f"ipc://{folder}/queued.sock"), queued.serve("tcp://127.0.0.1:0")]
     print(MARK + json.dumps({"addresses": [s.address for s in servers]}), flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     executor.close(drain=False)
+    queued.close(drain=False)
 
 
 def _client(addresses: list[str]) -> None:
@@ -116,8 +123,9 @@ def _client(addresses: list[str]) -> None:
         from symbiosis.transport.zmq import connect as open_transport
     _, LatencyClass, Op = _vocabulary()
 
-    ipc, tcp = addresses
+    ipc, tcp, queued_ipc, queued_tcp = addresses
     remote = {"ipc": ipc, "tcp": tcp, "shm+ipc": "shm+" + ipc}
+    queued = {"ipc": queued_ipc, "tcp": queued_tcp, "shm+ipc": "shm+" + queued_ipc}
     inproc = InProcTransport(_make_executor(0))
     opened: dict[str, list[Any]] = {}  # one case's remote transports at a time: see the module doc
     print(MARK + json.dumps({"ready": True}), flush=True)
@@ -135,10 +143,11 @@ def _client(addresses: list[str]) -> None:
             suffix = next((s for s in PEER_SUFFIXES if name.endswith(s)), "")
             fresh = name not in opened
             if fresh:
-                opened[name] = [open_transport(remote[name.removesuffix(suffix)]) for _ in range(2 if suffix else 1)]
+                address = (queued if suffix == QUEUED else remote)[name.removesuffix(suffix)]
+                opened[name] = [open_transport(address) for _ in range(2 if suffix else 1)]
             transport, *peers = opened[name]
             for peer in peers:
-                if suffix == JOINED or fresh:  # active: it sent just now; idle: once, then quiet
+                if suffix != IDLE or fresh:  # active: it sent just now; idle: once, then quiet
                     peer.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)
             if peers and suffix == IDLE and fresh:
                 time.sleep(IDLE_AFTER_S)
@@ -263,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--transports",
         default=",".join(TRANSPORTS),
         help=f"Comma-separated subset of %(default)s, and of those but inproc with {JOINED!r} (another client "
-        f"joined and active) or {IDLE!r} (another client joined and idle).",
+        f"joined and active), {IDLE!r} (another client joined and idle) or {QUEUED!r} (another client joined "
+        "and active, on an executor that queues every call).",
     )
     parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
     parser.add_argument("--output", type=Path, default=None, help=f"Also write the JSON to {NAME}.json in this folder.")
@@ -336,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "variants": {k: str(v) for k, v in variants.items()},
-            "policy": "immediate",
+            "policy": "immediate; +queued: lockstep, lockstep_timeout_ms=0",
         },
         "machine": machine_info(),
         "results": results,

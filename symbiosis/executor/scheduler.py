@@ -780,7 +780,7 @@ class Scheduler:
         if self.has_pending(LATENCY) if lane is LATENCY else self._entries:
             return False
         self._tick_tuner(now_s)
-        if self._holds_for_someone(client_id, layer_id, op, rows, latency_class, now_s, lane):
+        if self._holds_for_someone(client_id, layer_id, op, rows, latency_class, now_s):
             return False
         client = self._client_state.get(client_id)
         if client is None:
@@ -791,7 +791,7 @@ class Scheduler:
         return True
 
     def _holds_for_someone(
-        self, client_id: str, layer_id: str, op: Op, rows: int, latency_class: LatencyClass, now_s: float, lane
+        self, client_id: str, layer_id: str, op: Op, rows: int, latency_class: LatencyClass, now_s: float
     ) -> bool:
         """Whether the rule in force would hold this latency request, the only one pending (or the
         only latency one, on the latency lane), for another client -- what ``_plan`` would decide

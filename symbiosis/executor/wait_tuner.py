@@ -103,11 +103,15 @@ they gain from it (client processes of batch 1-16 on 2 cores: x1.33 of the token
 waiting, at x0.92 of lockstep's mean latency; the same over tcp://; with the executor on an H200,
 x1.35). Clients that are all threads of the executor's own process (``Scheduler.client_in_process``)
 start on ``IN_PROCESS_START_RULE``, not waiting: they take turns on one interpreter lock, and a
-thread held for a convoy frees nothing the others could not use anyway. Measured on 2 cores, 8
+decoder thread held for a convoy frees little the others could use. Measured on 2 cores, 8
 client threads of batch 1-16: every rule served tokens within the run's noise (+-8%), while not
 waiting (``immediate``, or ``none`` fixed) kept the mean per-token latency below lockstep's in
-every run, x0.87-0.96 (2026-11-23, and three runs of 2026-11-30). The tuner still tries the convoy
-there and takes it when it is rated better by the switching margin, as anywhere.
+every run, x0.87-0.96 (2026-11-23, and three runs of 2026-11-30), and the tuner rated "none"
+above the convoy (x1.01-1.15). The tuner still tries the convoy there and takes it when it is
+rated better by the switching margin, as anywhere. What the start costs: beside fine-tuning
+threads, convoys of decoders did leave them more of the lock -- 44% of their solo tokens/s kept
+under the convoy start, 17% under this one, at a decoders' p95 x1.66 and x1.47 of alone (both
+short of the 85% and 1.2 targets; docs/performance.md, 2026-11-30 17:13).
 
 The first epochs try each rule (``FIRST_TRIALS``): "none" first, as the clients' start is compared
 with nothing (see above) and not waiting costs that start the least; then convoy, and none again,
