@@ -407,8 +407,9 @@ class ExecutionEngine:
         align: bool = False,
     ) -> torch.Tensor | None:
         """For a driver: the result of a valid, non-empty request computed at once in this thread
-        when ``client_id`` is alone, or its other clients idle (see ``Scheduler.serves_at_once``);
-        None (nothing done) otherwise.
+        when nothing could share its batch (``client_id`` alone, or nothing pending and no rule in
+        force holding it for another client: ``Scheduler.serves_at_once``); None (nothing done)
+        otherwise.
 
         ``align``: the rows may lie at any address (a transport's bytes); they are copied to an
         aligned tensor first when they do not (``runner.aligned``). An in-process caller's rows,

@@ -160,8 +160,9 @@ class BaseExecutor:
         latency_class: LatencyClass,
         out: torch.Tensor | None = None,
     ):
-        """For a driver: the result now if ``client_id`` is the only client, or its other clients
-        are idle (nothing to batch with: ``Scheduler.serves_at_once``), else None; the request
+        """For a driver: the result now if nothing could share its batch (no other client, or
+        nothing pending and no rule in force holding it for another: ``Scheduler.serves_at_once``),
+        else None; the request
         must have been validated (``validate``) and be non-empty. ``out``: where the driver sends
         the result from (e.g. a shared-memory reply region); the product is computed straight into
         it when it can be (see ``ExecutionEngine.try_alone``). ``rows`` may lie anywhere (a ZeroMQ
