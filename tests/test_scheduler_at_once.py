@@ -90,7 +90,7 @@ def test_a_client_on_its_way_keeps_the_queue_and_one_that_is_not_does_not(option
     # Two calls away (4 ms): the convoy waits for it however far; the predicted rule only within
     # the request's wait budget (3 ms).
     assert _at_once(scheduler, "a", now, layer="l1") == (options["wait_rule"] == "predicted")
-    # A layer "b" passed and will not reach again within half a pass, nor within a wait budget.
+    # The layer "b" called last: a whole pass away, beyond half a pass (it is ahead, not coming).
     assert _at_once(scheduler, "a", now, layer="l3")
     # "b" quiet past the lockstep timeout (convoy) and past its predicted arrival plus a gap.
     assert _at_once(scheduler, "a", now + 2 * ACTIVE_CLIENT_S, layer="l0")
@@ -184,17 +184,26 @@ def test_a_request_served_at_once_is_recorded_as_the_queue_records_it(options):
         min_size=2,
         max_size=4,
     ),
+    lanes_apart=st.booleans(),
 )
-def test_served_at_once_exactly_when_the_queue_would_hand_it_out_at_once_alone(options, clients):
+def test_served_at_once_exactly_when_the_queue_would_hand_it_out_at_once_alone(options, clients, lanes_apart):
     """Decoders walk ``LAYERS`` layers at their own paces, served by the queue (products take no
     time). Whenever one calls with nothing pending, ``serves_at_once`` must agree with the queue
     itself (a copy of the scheduler, the request added, ``next_batch`` at that time): at once only
     if the queue hands it out at once, on its own -- and always then, but on a layer not yet placed
-    in the walk (the first pass), where it leaves the decision to the queue."""
+    in the walk (the first pass), where it leaves the decision to the queue. ``lanes_apart``: an
+    engine whose bulk work has its own runner (``Lane.LATENCY`` asked), beside a fine-tuning
+    client whose bulk request stays pending all along (its runner's business)."""
     scheduler = Scheduler(SchedulerConfig(**options))
     names = [f"c{i}" for i in range(len(clients))]
     for name in names:
         scheduler.client_joined(name)
+    lane = Lane.LATENCY if lanes_apart else None
+    if lanes_apart:
+        # On a layer of its own: a group's hold counts from its oldest entry, bulk ones too, so the
+        # queue serves a latency request beside one that old at once as overdue, where
+        # ``serves_at_once`` asks the rule and leaves it to the queue (conservative, allowed).
+        scheduler.add(PendingRequest(10**7, "trainer", "adapter", Op.FORWARD, 64, F, 0.0))
     next_call = {name: start for name, (_, _, start, _) in zip(names, clients)}
     calls_left = {name: tokens * LAYERS for name, (_, tokens, _, _) in zip(names, clients)}
     pending: dict[int, str] = {}  # request id -> its client, while queued
@@ -202,7 +211,7 @@ def test_served_at_once_exactly_when_the_queue_would_hand_it_out_at_once_alone(o
     compared = 0
 
     def run_batches(now: float) -> None:
-        while (batch := scheduler.next_batch(now)) is not None:
+        while (batch := scheduler.next_batch(now, lane)) is not None:
             for part in batch.slices:
                 if part.request_id in pending and part.stop == requests[part.request_id].rows:
                     client = pending.pop(part.request_id)
@@ -212,7 +221,7 @@ def test_served_at_once_exactly_when_the_queue_would_hand_it_out_at_once_alone(o
     while any(calls_left.values()) or pending:
         waiting = [n for n in names if calls_left[n] and n not in pending.values()]
         call_s = min((next_call[n] for n in waiting), default=float("inf"))
-        wakeup_s = scheduler.next_wakeup(call_s if call_s < float("inf") else 1e9) if pending else None
+        wakeup_s = scheduler.next_wakeup(call_s if call_s < float("inf") else 1e9, lane) if pending else None
         if wakeup_s is not None and wakeup_s <= call_s:
             run_batches(wakeup_s)
             continue
@@ -221,12 +230,12 @@ def test_served_at_once_exactly_when_the_queue_would_hand_it_out_at_once_alone(o
         done = LAYERS * clients[names.index(client)][1] - calls_left[client]
         calls_left[client] -= 1
         request = PendingRequest(next(request_ids), client, f"l{done % LAYERS}", Op.FORWARD, rows, D, call_s)
-        if not scheduler.pending_rows():
+        if not scheduler.has_pending(Lane.LATENCY):
             queue = copy.deepcopy(scheduler)
             placed = scheduler._arrivals.placed(request.layer_id, Op.FORWARD)  # before it arrives
-            at_once = scheduler.serves_at_once(client, request.layer_id, Op.FORWARD, rows, D, call_s)
+            at_once = scheduler.serves_at_once(client, request.layer_id, Op.FORWARD, rows, D, call_s, lane)
             queue.add(request)
-            batch = queue.next_batch(call_s)
+            batch = queue.next_batch(call_s, lane)
             queue_at_once = batch is not None and [(p.request_id, p.stop) for p in batch.slices] == [
                 (request.request_id, rows)
             ]

@@ -182,7 +182,9 @@ class ExecutionEngine:
         # not every waiting thread (each needless wake-up is a GIL hand-over and a re-plan).
         self._caller_cvs: dict[int, threading.Condition] = {}
         self._drivers: list[Callable[[], None]] = []  # wake callbacks of attached drivers
-        self._in_process_callers: set[str] = set()  # clients that used ``call`` (told to the scheduler)
+        # Clients that used ``call``, told to the scheduler once (``client_in_process``): kept here
+        # too, so that every call checks it without taking the lock.
+        self._in_process_callers: set[str] = set()
         # Which threads ran products (observability; in-process and driven servers should leave
         # the compute thread idle, see the module doc). "alone": the lone-client fast path.
         self._batches_run_by = {"alone": 0, "caller": 0, "driver": 0, "compute_thread": 0}

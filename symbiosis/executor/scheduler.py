@@ -437,10 +437,18 @@ class Scheduler:
             if self._convoy_waits_for(group):
                 return deadline_s, "deadline"
             return -math.inf, "none_coming"
-        latest_s = -math.inf
         latency_only = self._has_latency_work(group)  # latency work never waits for bulk work
-        coming = self._arrivals.expected(group.layer_id, group.op, group.client_counts, now_s, True, latency_only)
-        for expected_s, gap_s in coming:
+        return self._predicted_hold_until_s(
+            group.layer_id, group.op, group.client_counts, now_s, deadline_s, latency_only
+        )
+
+    def _predicted_hold_until_s(
+        self, layer_id: str, op: Op, present: dict[str, int], now_s: float, deadline_s: float, latency_only: bool
+    ) -> tuple[float, str]:
+        """The predicted rule's hold of a group for ``(layer_id, op)`` whose clients are
+        ``present``: until the last client expected by ``deadline_s`` is due, plus one gap."""
+        latest_s = -math.inf
+        for expected_s, gap_s in self._arrivals.expected(layer_id, op, present, now_s, True, latency_only):
             if expected_s <= deadline_s:  # one that arrives later cannot be waited for anyway
                 latest_s = max(latest_s, expected_s + gap_s)  # one gap of slack for jitter in its pace
         if latest_s == -math.inf:
@@ -804,13 +812,12 @@ class Scheduler:
             return False
         if rule in ("lockstep", "budget") or not self._arrivals.placed(layer_id, op):
             return True
-        skip = {client_id: 1}
+        present = {client_id: 1}
         if rule == "convoy":
             # ``_convoy_waits_for``: with nothing pending, every walker is moving, so it waits for any.
-            return bool(self._arrivals.walking(layer_id, op, skip, now_s, self._lockstep_timeout_s, True))
+            return bool(self._arrivals.walking(layer_id, op, present, now_s, self._lockstep_timeout_s, True))
         deadline_s = now_s + self.config.wait_budget_s(rows, latency_class)
-        coming = self._arrivals.expected(layer_id, op, skip, now_s, True, True)  # as ``_hold_until_s``
-        return any(e_s <= deadline_s and min(e_s + gap_s, deadline_s) > now_s for e_s, gap_s in coming)
+        return self._predicted_hold_until_s(layer_id, op, present, now_s, deadline_s, True)[0] > now_s
 
     def served_alone(
         self,

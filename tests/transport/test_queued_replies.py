@@ -1,7 +1,9 @@
-"""Requests a real executor queues (its client is not alone) are answered through the server's
-result sinks (``_ReplySink`` in ``transport/zmq_server.py``), not futures: exact results for every
-op and row count -- an empty request included, whose result comes back inside ``submit`` before
-the server has booked it -- on every transport, and nothing left in flight."""
+"""Requests of a client beside another one, on every transport: queued ones (lockstep holds them
+for the other client) are answered through the server's result sinks (``_ReplySink`` in
+``transport/zmq_server.py``), not futures; those no rule holds (``immediate``) are served at once
+without the queue (``Scheduler.serves_at_once``). Exact results for every op and row count either
+way -- an empty request included, whose result comes back inside ``submit`` before the server has
+booked it -- and nothing left in flight."""
 
 from __future__ import annotations
 
@@ -20,12 +22,16 @@ from symbiosis.vocabulary import LatencyClass, Op
 LAYER = "model.layers.0.self_attn.q_proj"
 
 
-@pytest.fixture(scope="module")
-def executor(tiny_checkpoint) -> Iterator[symbiosis.BaseExecutor]:
-    # q/k/v have biases. Lockstep holds every request for the other joined client (up to 1 ms):
-    # with a peer connected, every call takes the queue (``Scheduler.serves_at_once``).
+# policy -> whether a call beside a joined peer is served at once. Lockstep holds every request
+# for the other joined client (up to 1 ms here): every call takes the queue.
+AT_ONCE = {"lockstep": False, "immediate": True}
+
+
+@pytest.fixture(scope="module", params=list(AT_ONCE))
+def executor(request, tiny_checkpoint) -> Iterator[symbiosis.BaseExecutor]:
+    # q/k/v have biases.
     with symbiosis.BaseExecutor.from_pretrained(
-        tiny_checkpoint("qwen2"), policy="lockstep", lockstep_timeout_ms=1.0
+        tiny_checkpoint("qwen2"), policy=request.param, lockstep_timeout_ms=1.0
     ) as ex:
         yield ex
 
@@ -47,7 +53,7 @@ def _expected(executor: symbiosis.BaseExecutor, op: Op, rows: torch.Tensor) -> t
 
 
 @pytest.mark.parametrize("kind", ["ipc", "shm+ipc", "tcp", "dist+tcp"])
-def test_queued_requests_are_answered_exactly(executor, sock_dir: str, kind: str) -> None:
+def test_requests_beside_another_client_are_answered_exactly(executor, sock_dir: str, kind: str) -> None:
     bind = "tcp://127.0.0.1:0" if kind.endswith("tcp") else f"ipc://{sock_dir}/executor.sock"
     server = ZmqServer(executor, bind, allow_shm=kind == "shm+ipc").start()
     try:
@@ -71,6 +77,9 @@ def test_queued_requests_are_answered_exactly(executor, sock_dir: str, kind: str
         stats = executor.stats()
         assert stats["inflight_requests"] == 0
         assert stats["layers"][LAYER]["requests"] - before == 2 * len(Op)  # the empty ones never reach it
-        assert stats["batches_run_by"]["alone"] == alone_before  # queued, never the lone-client path
+        # dist: the rows reach the executor after the server booked the request, so it is queued
+        # whatever the rule (``ZmqServer`` tries the at-once path only with the rows in hand).
+        at_once = AT_ONCE[executor.scheduler_config.policy] and not kind.startswith("dist")
+        assert stats["batches_run_by"]["alone"] - alone_before == (2 * len(Op) if at_once else 0)
     finally:
         server.close(drain=False)
