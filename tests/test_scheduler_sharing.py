@@ -852,6 +852,7 @@ def test_client_threads_of_the_executors_process_start_from_not_waiting(tiny_che
 
     with BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
         scheduler = executor._engine.scheduler
+        scheduler.read_host_load(lambda: 1.0)  # a busy host: the start does not hang on this one's load
         layer_id = "model.layers.0.self_attn.q_proj"
         rows = torch.ones(1, executor.weights.specs[layer_id].in_features)
 
@@ -871,3 +872,43 @@ def test_client_threads_of_the_executors_process_start_from_not_waiting(tiny_che
         assert start_rule() == "convoy"
         executor.unregister_client("remote")
         assert start_rule() == "none"
+
+
+def test_clients_over_a_transport_start_from_not_waiting_while_the_host_has_idle_cores(tiny_checkpoint):
+    """A client that is not a thread of the executor's process brings the convoy start only while
+    the host's CPUs are busy (the engine's reader, ``host_load.HostCpu``); with room on them, or
+    no reading, as said; the reading shows in the stats."""
+    import torch
+
+    from symbiosis.executor.executor import BaseExecutor
+    from symbiosis.executor.host_load import HostCpu
+    from symbiosis.executor.wait_tuner import IDLE_HOST_BUSY_SHARE
+
+    with BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
+        scheduler = executor._engine.scheduler
+        layer_id = "model.layers.0.self_attn.q_proj"
+        rows = torch.ones(1, executor.weights.specs[layer_id].in_features)
+        executor.register_client("remote")
+        executor.submit("remote", layer_id, Op.FORWARD, rows, LatencyClass.DECODE).result(timeout=10)
+        busy: list[float | None] = [1.0]
+        scheduler.read_host_load(lambda: busy[0])
+        later = [1e6]
+
+        def start_rule() -> str:
+            later[0] += 1e3
+            scheduler._tick_tuner(later[0])
+            return scheduler._tuner.start_rule
+
+        assert start_rule() == "convoy"
+        busy[0] = IDLE_HOST_BUSY_SHARE - 0.01
+        assert start_rule() == "none"
+        assert executor.stats()["scheduler"]["wait_rule"]["host_cpu_busy"] == busy[0]
+        busy[0] = IDLE_HOST_BUSY_SHARE
+        assert start_rule() == "convoy"
+        busy[0] = None  # no time passed between readings: nothing known
+        assert start_rule() == "convoy"
+        # The engine's own reader: a share of the host's CPU time.
+        reader = HostCpu()
+        sum(i * i for i in range(200_000))  # some CPU time passes
+        share = reader.busy_share()
+        assert share is not None and 0.0 < share <= 1.0

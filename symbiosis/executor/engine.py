@@ -80,6 +80,7 @@ from symbiosis.errors import (
     SymbiosisError,
     UnknownLayerError,
 )
+from symbiosis.executor.host_load import HostCpu
 from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.runner import aligned, apply_op, out_fits_product, run_batch
 from symbiosis.executor.scheduler import Lane, Scheduler
@@ -162,6 +163,7 @@ class ExecutionEngine:
     def __init__(self, weights: BaseModelWeights, scheduler: Scheduler, clock: Callable[[], float] = time.monotonic):
         self.weights = weights
         self.scheduler = scheduler
+        scheduler.read_host_load(HostCpu().busy_share)  # the wait tuner's start depends on it
         self._clock = clock
         self._lock = threading.Lock()
         # Two conditions on one lock, so that a thread is woken only when it has something to do

@@ -77,13 +77,20 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 
 from symbiosis.executor.arrivals import ArrivalPredictor
 from symbiosis.executor.pacing import MIN_BULK_SHARE, CostModel, DecodeGuard, TimeCredit
 from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.scheduler_config import POLICIES, Policy, SchedulerConfig
-from symbiosis.executor.wait_tuner import IN_PROCESS_START_RULE, START_RULE, WaitTuner
+from symbiosis.executor.wait_tuner import (
+    IDLE_HOST_BUSY_SHARE,
+    IDLE_HOST_START_RULE,
+    IN_PROCESS_START_RULE,
+    START_RULE,
+    WaitTuner,
+)
 from symbiosis.vocabulary import LatencyClass, Op
 
 __all__ = ["POLICIES", "Lane", "Policy", "Scheduler", "SchedulerConfig", "REQUEST_CHARGE_ROWS"]
@@ -265,6 +272,10 @@ class Scheduler:
         )
         self._fixed_rule = config.wait_rule if opportunistic else config.policy
         self._in_process: set[str] = set()  # clients that are threads of this process (``client_in_process``)
+        # How busy the host's CPUs are (``read_host_load``; a share of all their time, or None):
+        # the engine gives a reader; without one, the start does not depend on it.
+        self._host_busy: Callable[[], float | None] | None = None
+        self._host_busy_share: float | None = None  # the last reading (stats)
         self._arrivals = ArrivalPredictor()  # fed always; consulted by the opportunistic rules
         self._cost = CostModel()
         slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
@@ -290,6 +301,13 @@ class Scheduler:
         not over a transport: while every joined client does, the wait tuner starts from not
         waiting (``wait_tuner.IN_PROCESS_START_RULE``; see its module doc)."""
         self._in_process.add(client_id)
+
+    def read_host_load(self, busy_share: Callable[[], float | None]) -> None:
+        """Where to read how busy the host's CPUs are (``host_load.HostCpu.busy_share``: the share
+        of all CPU time not idle since the last reading). While it reads below
+        ``wait_tuner.IDLE_HOST_BUSY_SHARE``, clients that are not threads of this process start
+        from not waiting too (``wait_tuner.IDLE_HOST_START_RULE``; see its module doc)."""
+        self._host_busy = busy_share
 
     def client_left(self, client_id: str) -> list[int]:
         """Forget the client and drop its pending requests (partly served ones too); returns their ids."""
@@ -396,9 +414,19 @@ class Scheduler:
     def _tick_tuner(self, now_s: float) -> None:
         """End the wait tuner's epoch if it is due (it then rates the rule it ran, picks the next)."""
         if self._tuner is not None and self._tuner.due(now_s):
-            in_process = self._clients and self._clients <= self._in_process  # O(clients): only when due
-            self._tuner.start_rule = IN_PROCESS_START_RULE if in_process else START_RULE
+            self._tuner.start_rule = self._start_rule()
             self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
+
+    def _start_rule(self) -> str:
+        """Where the wait tuner starts (``wait_tuner`` module doc): not waiting while every client
+        is a thread of this process, or while the host's CPUs have room (read once an epoch: the
+        epoch before); else the convoy."""
+        if self._clients and self._clients <= self._in_process:  # O(clients): once an epoch
+            return IN_PROCESS_START_RULE
+        self._host_busy_share = self._host_busy() if self._host_busy is not None else None
+        if self._host_busy_share is not None and self._host_busy_share < IDLE_HOST_BUSY_SHARE:
+            return IDLE_HOST_START_RULE
+        return START_RULE
 
     def _rule(self) -> str:
         """The waiting rule in force: the policy's, or the opportunistic one tried or chosen now."""
@@ -863,7 +891,11 @@ class Scheduler:
                 for c, s in self._sum_first_wait_s.items()
             },
             "ready_reasons": dict(self._ready_reasons),
-            "wait_rule": self._tuner.stats() if self._tuner is not None else {"rule": self._fixed_rule},
+            "wait_rule": (
+                {**self._tuner.stats(), "host_cpu_busy": self._host_busy_share}
+                if self._tuner is not None
+                else {"rule": self._fixed_rule}
+            ),
             "decode_guard": self._guard.stats(),
             "chunks_cut_for_decode": self._chunks_cut,
             "last_delay_budget_ms": None if self._last_delay_budget_s is None else 1e3 * self._last_delay_budget_s,

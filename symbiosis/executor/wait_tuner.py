@@ -113,6 +113,18 @@ threads, convoys of decoders did leave them more of the lock -- 44% of their sol
 under the convoy start, 17% under this one, at a decoders' p95 x1.66 and x1.47 of alone (both
 short of the 85% and 1.2 targets; docs/performance.md, 2026-11-30 17:13).
 
+Other clients start from not waiting too while the host's CPUs have room
+(``IDLE_HOST_START_RULE``: the scheduler reads ``host_load.HostCpu`` when the tuner may choose, and
+a share of all CPU time busy below ``IDLE_HOST_BUSY_SHARE`` over the epoch before counts as room).
+A convoy saves products, which pays when the cores are the bottleneck (the 2-core host above, busy
+throughout); where they are not, a request that no rule holds is served at once, without the queue
+(``Scheduler.serves_at_once``), and holding it only adds a wait. Measured (2026-11-30, a 16-core
+host with an H200, client processes of batch 1-16, executor on the GPU, single runs, 5-9 of the
+16 cores busy): not waiting served 1446-1602 tokens/s at 20-24 ms mean, lockstep 1020-1248 at
+30-37 ms, the convoy fixed 925 at 41 ms; "none" epochs ran x1.3-1.4 the requests/s of the convoy
+epochs beside them. Started on the convoy, the tuner reached "none" after ~15 epochs (3 s of the
+6 s window), and opportunistic served x0.83-0.94 of immediate's tokens/s.
+
 The first epochs try each rule (``FIRST_TRIALS``): "none" first, as the clients' start is compared
 with nothing (see above) and not waiting costs that start the least; then convoy, and none again,
 so that convoy, which gains or loses the most, is compared twice; then predicted. The rule in use
@@ -161,6 +173,8 @@ SWITCH_MARGIN = math.log(1.15)
 PAIR_WEIGHT = 0.25
 START_RULE = "convoy"
 IN_PROCESS_START_RULE = "none"
+IDLE_HOST_START_RULE = "none"
+IDLE_HOST_BUSY_SHARE = 0.75  # of all the host's CPU time, over the epoch before the choice
 SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
 MIN_CLIENT_REQUESTS = 3
