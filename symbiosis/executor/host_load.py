@@ -22,8 +22,17 @@ class HostCpu:
     def busy_share(self) -> float | None:
         now = psutil.cpu_times()
         last, self._last = self._last, now
-        total = sum(now) - sum(last)
+        total = _total(now) - _total(last)
         if total <= 0:
             return None
-        idle = (now.idle - last.idle) + (getattr(now, "iowait", 0.0) - getattr(last, "iowait", 0.0))
+        idle = _idle(now) - _idle(last)
         return min(1.0, max(0.0, 1.0 - idle / total))
+
+
+def _total(times) -> float:
+    # Linux counts guest time within user time too: not twice (as psutil's own cpu_percent).
+    return sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+
+
+def _idle(times) -> float:
+    return times.idle + getattr(times, "iowait", 0.0)
