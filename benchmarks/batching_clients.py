@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import peft
-import psutil
 import torch
 
 from benchmarks.timing import percentile
 from symbiosis.errors import ExecutorBusyError
+from symbiosis.executor.host_load import host_cpu_busy_s
 from symbiosis.vocabulary import LatencyClass, Op
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -205,13 +205,6 @@ def run_measured(client, record: ClientRecord, end_s: float, stop: Callable[[], 
         if counted and finished <= end_s:
             record.step_s.append(finished - started)
             record.tokens += tokens_per_step
-
-
-def host_cpu_busy_s() -> float:
-    """CPU seconds this host's cores have been busy since boot, summed over the cores: every
-    process's (this run's and any other's; background priority too), not time the hypervisor stole."""
-    times = psutil.cpu_times()
-    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
 
 
 def host_cpu_reading() -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
 from collections.abc import Callable
 
 import pytest
@@ -907,8 +908,10 @@ def test_clients_over_a_transport_start_from_not_waiting_while_the_host_has_idle
         assert start_rule() == "convoy"
         busy[0] = None  # no time passed between readings: nothing known
         assert start_rule() == "convoy"
-        # The engine's own reader: a share of the host's CPU time.
+        # The engine's own reader: a share of the host's CPU time, which this thread kept busy.
         reader = HostCpu()
-        sum(i * i for i in range(200_000))  # some CPU time passes
+        until = time.process_time() + 0.2
+        while time.process_time() < until:  # 20 ticks of this process's own CPU time at least
+            pass
         share = reader.busy_share()
         assert share is not None and 0.0 < share <= 1.0

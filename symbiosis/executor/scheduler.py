@@ -421,9 +421,9 @@ class Scheduler:
         """Where the wait tuner starts (``wait_tuner`` module doc): not waiting while every client
         is a thread of this process, or while the host's CPUs have room (read once an epoch: the
         epoch before); else the convoy."""
+        self._host_busy_share = self._host_busy() if self._host_busy is not None else None
         if self._clients and self._clients <= self._in_process:  # O(clients): once an epoch
             return IN_PROCESS_START_RULE
-        self._host_busy_share = self._host_busy() if self._host_busy is not None else None
         if self._host_busy_share is not None and self._host_busy_share < IDLE_HOST_BUSY_SHARE:
             return IDLE_HOST_START_RULE
         return START_RULE

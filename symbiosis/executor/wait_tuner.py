@@ -98,10 +98,11 @@ every 20th epoch -- at 7.7 rows a batch and 42 tokens/s, against 12.7 rows and 5
 server whose tuner had chosen the convoy (one HF process per adapter: 44).
 
 Where the tuner starts (``start_rule``, set by the scheduler) depends on where the clients run.
-Client processes and remote clients start on ``START_RULE``, the convoy: on this project's hosts
-they gain from it (client processes of batch 1-16 on 2 cores: x1.33 of the tokens/s of not
-waiting, at x0.92 of lockstep's mean latency; the same over tcp://; with the executor on an H200,
-x1.35). Clients that are all threads of the executor's own process (``Scheduler.client_in_process``)
+Client processes and remote clients start on ``START_RULE``, the convoy, while the host's CPUs are
+busy (below for a host with room): there they gain from it (client processes of batch 1-16 on 2
+cores: x1.33 of the tokens/s of not waiting, at x0.92 of lockstep's mean latency; the same over
+tcp://; with the executor on an H200, x1.35 -- before a request no rule holds skipped the queue,
+which reversed it there). Clients that are all threads of the executor's own process (``Scheduler.client_in_process``)
 start on ``IN_PROCESS_START_RULE``, not waiting: they take turns on one interpreter lock, and a
 decoder thread held for a convoy frees little the others could use. Measured on 2 cores, 8
 client threads of batch 1-16: every rule served tokens within the run's noise (+-8%), while not
