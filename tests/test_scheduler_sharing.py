@@ -843,6 +843,27 @@ def test_the_choice_starts_from_the_start_rule_and_leaves_it_only_for_a_clearly_
         assert chosen[-1] == better, (start, chosen)
 
 
+def test_until_the_ratings_choose_a_rule_the_choice_follows_the_start_rule():
+    """The start rule is where the choice stands until the ratings say otherwise, and the scheduler
+    may change it whenever the tuner may choose (the host's load moves; 2026-12-01, the start read
+    during the clients' start hung over the whole run). Rules that serve alike leave the choice on
+    the start rule of the moment; a rule the ratings chose over it is kept when it changes."""
+    tuner = WaitTuner(epoch_s=0.2)
+    tuner.start_rule = "none"
+    alike = lambda _, rule: (1000.0, 4)  # noqa: E731
+    _, chosen, now = run_epochs(tuner, 12, alike)
+    assert chosen[-1] == "none"
+    tuner.start_rule = "convoy"
+    _, chosen, now = run_epochs(tuner, 3, alike, now)
+    assert chosen == ["convoy"] * 3, chosen
+    predicted_better = lambda _, rule: (1600.0 if rule == "predicted" else 1000.0, 4)  # noqa: E731
+    _, chosen, now = run_epochs(tuner, 60, predicted_better, now)
+    assert chosen[-1] == "predicted", chosen
+    tuner.start_rule = "none"
+    _, chosen, _ = run_epochs(tuner, 3, predicted_better, now)
+    assert chosen == ["predicted"] * 3, chosen
+
+
 def test_client_threads_of_the_executors_process_start_from_not_waiting(tiny_checkpoint):
     """The engine tells the scheduler which clients call from threads of its own process: while
     all of them do, the tuner starts from not waiting; a client over a transport (a driver's
@@ -873,6 +894,37 @@ def test_client_threads_of_the_executors_process_start_from_not_waiting(tiny_che
         assert start_rule() == "convoy"
         executor.unregister_client("remote")
         assert start_rule() == "none"
+
+
+def test_the_host_load_reading_covers_the_last_seconds_not_the_last_call(monkeypatch):
+    """``HostCpu.busy_share`` is the share over the last ``window_s`` (the scheduler asks every half
+    epoch, and a tenth of a second of a small host's ticks is noise), or since it began."""
+    from collections import namedtuple
+
+    from symbiosis.executor import host_load
+
+    Times = namedtuple("Times", "user nice system idle iowait irq softirq steal guest guest_nice")
+    state = {"now": 0.0, "busy": 0.0, "idle": 0.0}
+    monkeypatch.setattr(
+        host_load.psutil, "cpu_times", lambda: Times(state["busy"], 0, 0, state["idle"], 0, 0, 0, 0, 0, 0)
+    )
+    reader = host_load.HostCpu(window_s=2.0, clock=lambda: state["now"])
+
+    def run(seconds: float, share: float) -> None:  # two cores, ``share`` of their time busy
+        state["now"] += seconds
+        state["busy"] += 2 * seconds * share
+        state["idle"] += 2 * seconds * (1 - share)
+
+    run(0.1, 0.9)
+    assert reader.busy_share() == pytest.approx(0.9)  # since it began
+    for step in range(40):  # 4 s of tenths that read 0.2 and 1.0 in turn
+        run(0.1, 0.2 if step % 2 else 1.0)
+        assert 0.55 <= reader.busy_share() <= 0.65 or step < 20
+    for _ in range(30):
+        run(0.1, 0.3)
+        reader.busy_share()
+    assert reader.busy_share() == pytest.approx(0.3)
+    assert reader.cores >= 1
 
 
 def test_clients_over_a_transport_start_from_not_waiting_while_the_host_has_idle_cores(tiny_checkpoint):
@@ -908,6 +960,13 @@ def test_clients_over_a_transport_start_from_not_waiting_while_the_host_has_idle
         assert start_rule() == "convoy"
         busy[0] = None  # no time passed between readings: nothing known
         assert start_rule() == "convoy"
+        # Room is a core idle too, where the reader knows how many there are: 40% of 2 cores idle
+        # is under one (client processes taking turns with the executor), 40% of 16 is six.
+        busy[0] = 0.6
+        scheduler.read_host_load(lambda: busy[0], cores=2)
+        assert start_rule() == "convoy"
+        scheduler.read_host_load(lambda: busy[0], cores=16)
+        assert start_rule() == "none"
         # The engine's own reader: a share of the host's CPU time, which this thread kept busy.
         reader = HostCpu()
         until = time.process_time() + 0.2

@@ -163,7 +163,8 @@ class ExecutionEngine:
     def __init__(self, weights: BaseModelWeights, scheduler: Scheduler, clock: Callable[[], float] = time.monotonic):
         self.weights = weights
         self.scheduler = scheduler
-        scheduler.read_host_load(HostCpu().busy_share)  # the wait tuner's start depends on it
+        host_cpu = HostCpu()
+        scheduler.read_host_load(host_cpu.busy_share, host_cpu.cores)  # the wait tuner's start depends on it
         self._clock = clock
         self._lock = threading.Lock()
         # Two conditions on one lock, so that a thread is woken only when it has something to do

@@ -86,6 +86,7 @@ from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.scheduler_config import POLICIES, Policy, SchedulerConfig
 from symbiosis.executor.wait_tuner import (
     IDLE_HOST_BUSY_SHARE,
+    IDLE_HOST_SPARE_CORES,
     IDLE_HOST_START_RULE,
     IN_PROCESS_START_RULE,
     START_RULE,
@@ -275,6 +276,7 @@ class Scheduler:
         # How busy the host's CPUs are (``read_host_load``; a share of all their time, or None):
         # the engine gives a reader; without one, the start does not depend on it.
         self._host_busy: Callable[[], float | None] | None = None
+        self._host_cores: int | None = None  # how many cores that share is of (None: not known)
         self._host_busy_share: float | None = None  # the last reading (stats)
         self._arrivals = ArrivalPredictor()  # fed always; consulted by the opportunistic rules
         self._cost = CostModel()
@@ -302,12 +304,15 @@ class Scheduler:
         waiting (``wait_tuner.IN_PROCESS_START_RULE``; see its module doc)."""
         self._in_process.add(client_id)
 
-    def read_host_load(self, busy_share: Callable[[], float | None]) -> None:
+    def read_host_load(self, busy_share: Callable[[], float | None], cores: int | None = None) -> None:
         """Where to read how busy the host's CPUs are (``host_load.HostCpu.busy_share``: the share
-        of all CPU time not idle since the last reading). While it reads below
-        ``wait_tuner.IDLE_HOST_BUSY_SHARE``, clients that are not threads of this process start
-        from not waiting too (``wait_tuner.IDLE_HOST_START_RULE``; see its module doc)."""
+        of all CPU time not idle over the last seconds), and how many ``cores`` share that time.
+        While the host has room -- it reads below ``wait_tuner.IDLE_HOST_BUSY_SHARE`` and leaves
+        ``wait_tuner.IDLE_HOST_SPARE_CORES`` idle, when ``cores`` is known -- clients that are not
+        threads of this process start from not waiting too (``wait_tuner.IDLE_HOST_START_RULE``;
+        see its module doc)."""
         self._host_busy = busy_share
+        self._host_cores = cores
 
     def client_left(self, client_id: str) -> list[int]:
         """Forget the client and drop its pending requests (partly served ones too); returns their ids."""
@@ -419,14 +424,20 @@ class Scheduler:
 
     def _start_rule(self) -> str:
         """Where the wait tuner starts (``wait_tuner`` module doc): not waiting while every client
-        is a thread of this process, or while the host's CPUs have room (read once an epoch: the
-        epoch before); else the convoy."""
+        is a thread of this process, or while the host's CPUs have room (read whenever the tuner
+        may choose, every half epoch; each reading covers the last ``host_load.WINDOW_S``);
+        else the convoy."""
         self._host_busy_share = self._host_busy() if self._host_busy is not None else None
         if self._clients and self._clients <= self._in_process:  # O(clients): once an epoch
             return IN_PROCESS_START_RULE
-        if self._host_busy_share is not None and self._host_busy_share < IDLE_HOST_BUSY_SHARE:
+        if self._host_has_room(self._host_busy_share):
             return IDLE_HOST_START_RULE
         return START_RULE
+
+    def _host_has_room(self, busy_share: float | None) -> bool:
+        if busy_share is None or busy_share >= IDLE_HOST_BUSY_SHARE:
+            return False
+        return self._host_cores is None or (1.0 - busy_share) * self._host_cores >= IDLE_HOST_SPARE_CORES
 
     def _rule(self) -> str:
         """The waiting rule in force: the policy's, or the opportunistic one tried or chosen now."""

@@ -175,7 +175,8 @@ PAIR_WEIGHT = 0.25
 START_RULE = "convoy"
 IN_PROCESS_START_RULE = "none"
 IDLE_HOST_START_RULE = "none"
-IDLE_HOST_BUSY_SHARE = 0.75  # of all the host's CPU time, over the epoch before the choice
+IDLE_HOST_BUSY_SHARE = 0.75  # of all the host's CPU time, over the last seconds (host_load.WINDOW_S)
+IDLE_HOST_SPARE_CORES = 1.0  # idle cores, on average over the same seconds
 SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
 MIN_CLIENT_REQUESTS = 3
@@ -198,6 +199,9 @@ class WaitTuner:
         self.start_rule = START_RULE  # where the choice starts (module doc); the scheduler may change it
         self.ratings: dict[str, float] = {}  # relative, from adjacent epochs; only rules tried
         self.chosen: str | None = None  # the rule used between trials
+        # Whether ``chosen`` was chosen over the start rule by the ratings; while not, it follows
+        # the start rule, which the scheduler may change whenever the tuner may choose.
+        self._chosen_on_ratings = False
         self.epochs = 0  # epochs that counted
         self.resets = 0  # times the tuner started over for a new set of clients
         self._since_reset = 0  # epochs that counted since then (the first trials, exploration)
@@ -318,6 +322,7 @@ class WaitTuner:
         if self._population:
             self.resets += 1
             self.ratings, self.chosen = {self.start_rule: 0.0}, self.start_rule
+            self._chosen_on_ratings = False
             self._since_reset = len(FIRST_TRIALS) + 1  # past the first trials; explores at 2 * EXPLORE_EVERY
         else:
             self.ratings, self.chosen = {}, None
@@ -386,11 +391,12 @@ class WaitTuner:
             self._on_trial = (first, self._backoff[first], [])
             return first
         top = max(self.ratings, key=self.ratings.__getitem__)
-        if self.chosen is None:
+        if self.chosen is None or not self._chosen_on_ratings:  # the start rule, now
             self.chosen = self.start_rule if self.start_rule in self.ratings else top
         if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
             self.chosen = top
             self._backoff[top] = 0
+            self._chosen_on_ratings = top != self.start_rule
         best = self.chosen
         if self._since_reset % EXPLORE_EVERY == 0:
             others = [
