@@ -115,8 +115,14 @@ under the convoy start, 17% under this one, at a decoders' p95 x1.66 and x1.47 o
 short of the 85% and 1.2 targets; docs/performance.md, 2026-11-30 17:13).
 
 Other clients start from not waiting too while the host's CPUs have room
-(``IDLE_HOST_START_RULE``: the scheduler reads ``host_load.HostCpu`` when the tuner may choose, and
-a share of all CPU time busy below ``IDLE_HOST_BUSY_SHARE`` over the epoch before counts as room).
+(``IDLE_HOST_START_RULE``: the scheduler reads ``host_load.HostCpu`` whenever the tuner may
+choose, a reading covers the last ``host_load.WINDOW_S`` seconds, and room is a share of all CPU
+time busy below ``IDLE_HOST_BUSY_SHARE`` that leaves ``IDLE_HOST_SPARE_CORES`` idle on average).
+Why a whole core: on this 2-core host, 8 decoding client processes kept 1.5-1.6 cores busy under
+not waiting -- a share of ~0.78, near the 0.75 line, because the processes take turns with the
+executor and leave the cores idle a few ticks at a time, not because a core is free to take more
+products -- and the convoy served x1.3 of its tokens/s there (2026-12-01, quiet hours, llama
+and qwen2).
 A convoy saves products, which pays when the cores are the bottleneck (the 2-core host above, busy
 throughout); where they are not, a request that no rule holds is served at once, without the queue
 (``Scheduler.serves_at_once``), and holding it only adds a wait. Measured (2026-11-30, a 16-core
@@ -129,9 +135,15 @@ epochs beside them. Started on the convoy, the tuner reached "none" after ~15 ep
 The first epochs try each rule (``FIRST_TRIALS``): "none" first, as the clients' start is compared
 with nothing (see above) and not waiting costs that start the least; then convoy, and none again,
 so that convoy, which gains or loses the most, is compared twice; then predicted. The rule in use
-then starts as ``start_rule`` and changes only when another is rated better by
-``SWITCH_MARGIN`` (x1.15: on a shared machine adjacent epochs differ by up to x2, and a switch
-needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25); every
+then is ``start_rule`` -- as the scheduler sets it at the time, not as it was once: the host's
+load moves, and the first trials end during the clients' start, whose reading is the least typical
+(2026-12-01, 8 client processes on this 2-core host: the start read "none" at that moment in 2 runs
+of 2, and the tuner kept it for the whole window at x0.75-0.87 of lockstep's tokens/s, though it
+rated the convoy above it, by less than the margin) -- until another rule is rated better than
+the one in use by ``SWITCH_MARGIN`` (x1.15: on a shared machine adjacent epochs differ by up to
+x2, and a switch needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25),
+which is then kept whatever the start rule does, until a rule is rated better than it by the
+margin again; every
 ``EXPLORE_EVERY``-th epoch tries the rule least recently tried, so the choice follows a change of
 load or clients. A rule rated clearly worse than the one in use (by more than ``CLEARLY_WORSE``,
 x1.25) is tried only every ``EXPLORE_EVERY * RARE_FACTOR``-th epoch: a trial of a bad rule costs
