@@ -522,6 +522,29 @@ def test_the_trials_of_rules_that_keep_losing_back_off_and_a_rule_that_became_be
         assert "none" in chosen[: 2 * rare + 2 * EXPLORE_EVERY] and chosen[-1] == "none", (extra, chosen)
 
 
+def test_a_trial_is_judged_by_its_worse_comparison_as_the_chosen_rules_epoch_after_it_pays_for_it():
+    """Not waiting serves x0.75 of the convoy, and it scatters the convoy: the convoy's first epoch
+    after a "none" epoch runs at x0.6 while the clients meet again (measured with client processes
+    over tcp://, 2026-12-01). Compared with that epoch, the trial gains what it lost against the
+    epoch before it; judged by the mean of the two it never lost, and was tried every fifth epoch
+    for the whole run. Judged by the worse of the two, its trials back off to the rare pace."""
+    rare = EXPLORE_EVERY * RARE_FACTOR
+    tuner = WaitTuner(epoch_s=0.2)
+    previous = ["none"]
+
+    def load(_, rule: str) -> tuple[float, int]:
+        rate = {"none": 1500.0, "predicted": 1500.0, "convoy": 2000.0}[rule]
+        if rule == "convoy" and previous[0] != "convoy":
+            rate *= 0.6  # the convoy forms again
+        previous[0] = rule
+        return rate, 4
+
+    used, _, _ = run_epochs(tuner, 4 * rare, load)
+    assert tuner.chosen == "convoy"
+    trials = [i for i in range(2 * rare, len(used)) if used[i] != "convoy"]
+    assert len(trials) <= 2, (trials, used)
+
+
 def test_tuner_does_not_compare_a_prefill_epoch_with_a_decode_epoch():
     """The clients prefill (100 rows a request, few requests) for two epochs, then decode (5 rows
     a request), where convoy serves 60% more than the other rules. Compared with the decode epoch

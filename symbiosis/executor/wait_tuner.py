@@ -152,9 +152,16 @@ on their own results: a rule is tried at every ``EXPLORE_EVERY * 2**level``-th e
 20: the rare pace at most), and a trial that lost to the chosen rule by ``LOSES`` (x1.1) or more
 raises its rule's level by one; one that lost by ``LOST_BADLY`` (x1.5, the most one comparison
 counts) sets the rare pace at once; one that did not lose brings it back to every fifth epoch. A
-trial's loss is the mean of its comparisons with the chosen rule's epochs before and after it,
-so that a drift in load cancels as in the ratings (a comparison that swung as a stall,
-``STALL_SPEEDUP``, is not one of them). The ratings alone keep a losing rule in the trials too long:
+trial's loss is the worse of its comparisons with the chosen rule's epochs before and after it (a
+comparison that swung as a stall, ``STALL_SPEEDUP``, is not one of them), not their mean: the
+epoch after a trial pays for it -- a "none" trial scatters the convoy, whose next epoch ran at
+~0.6 of its pace while the clients met again (client processes over tcp://, 2026-12-01) -- so
+the comparison with it made the trial look as much better as the one before made it look worse,
+and a trial of a rule that served x0.75 of the convoy was taken for one that did not lose and
+retried every fifth epoch. The price: a drift in load makes one of the two comparisons look worse
+than the rule is, so a rule's trials back off more often than they should -- they only come
+rarer (a rule that became better still gets its trial within 20 epochs), while the ratings, which
+choose, still take the two comparisons alike. The ratings alone keep a losing rule in the trials too long:
 moved a quarter of the way at a time, a rule x1.25 slower sits near the ``CLEARLY_WORSE`` line and
 was tried every fifth epoch (or tenth, beside the other rule's trials) for the whole run, each
 trial a slow epoch for every client. Measured (2026-11-30, client processes of batch 1-16 on this
@@ -375,8 +382,8 @@ class WaitTuner:
     def _judge_trial(self, rule: str, other: str, speedup: float) -> None:
         """A comparison of ``rule``'s epoch with the one before (``other``'s), whose clients went
         ``speedup`` (a log) faster: if it compares the trial last begun with the chosen rule, the
-        trial's loss so far -- the mean over its comparisons, so that a drift in load cancels, as
-        in the ratings -- sets how far that rule's trials back off, from its level before the
+        trial's loss so far -- the worse of its comparisons (the chosen rule's epoch after a trial
+        pays for it; module doc) -- sets how far that rule's trials back off, from its level before the
         trial (module doc). Any other comparison (the chosen rule's first epoch after a switch,
         with the rule chosen before) judges no trial."""
         if self._on_trial is None:
@@ -388,7 +395,7 @@ class WaitTuner:
             losses.append(speedup)
         else:
             return
-        lost = sum(losses) / len(losses)
+        lost = max(losses)
         if lost >= LOST_BADLY:
             self._backoff[trial] = RARE_LEVEL
         elif lost >= LOSES:
