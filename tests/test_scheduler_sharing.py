@@ -947,6 +947,13 @@ def test_the_host_load_reading_covers_the_last_seconds_not_the_last_call(monkeyp
         run(0.1, 0.3)
         reader.busy_share()
     assert reader.busy_share() == pytest.approx(0.3)
+    # A pause of the asker (an idle executor asks nothing): an idle minute, then a busy second
+    # read every tenth -- the share is the second's, not the minute's.
+    run(60.0, 0.0)
+    for _ in range(10):
+        run(0.1, 1.0)
+        share = reader.busy_share()
+    assert share == pytest.approx(1.0)
     assert reader.cores >= 1
 
 

@@ -6,7 +6,10 @@ they have room. System-wide, not this process: the clients on the same host (and
 use the same cores. The benchmarks' "cores busy" read the same seconds (``host_cpu_busy_s``).
 
 A reading covers the last ``WINDOW_S`` seconds (or all the time since the reader began, if
-less), whenever it is asked for. The scheduler asks every half epoch (a tenth of a second or
+less), whenever it is asked for -- as far as the readings before it go: it starts at the newest
+reading at least that old, or, after a pause of the asker (an idle executor does not ask), at the
+first one after the pause, so that a host that was idle for an hour does not read idle for the
+first seconds of the load that ended the pause. The scheduler asks every half epoch (a tenth of a second or
 so), and a share over that alone is noise on a small host: the kernel counts CPU time in ticks
 (100 a second a core), and client processes that take turns with the executor leave the cores
 idle for a few ticks at a time. Measured (2026-12-01, this 2-core host, 8 decoding client
@@ -43,8 +46,9 @@ def _cpu_s(times) -> float:
 
 class HostCpu:
     """``busy_share()``: the share of the host's CPU time (all cores) that was busy
-    (``host_cpu_busy_s``) over the last ``window_s`` seconds -- or since construction, if that is
-    shorter; None when no CPU time has passed. ``cores``: how many cores that time is shared
+    (``host_cpu_busy_s``) over the last ``window_s`` seconds -- or since construction, or since
+    the first reading after a pause, if that is shorter (module doc); None when no CPU time has
+    passed. ``cores``: how many cores that time is shared
     between (the logical CPUs the kernel counts)."""
 
     def __init__(self, window_s: float = WINDOW_S, clock=time.monotonic) -> None:
@@ -67,6 +71,8 @@ class HostCpu:
         readings = self._readings
         while len(readings) > 2 and readings[1][0] <= now - self.window_s:
             readings.popleft()  # the next one still reaches back to the window's start
+        if len(readings) > 2 and readings[0][0] < now - 2 * self.window_s:
+            readings.popleft()  # a pause: start after it (module doc)
         _, busy_then_s, all_then_s = readings[0]
         total = all_s - all_then_s
         if total <= 0:

@@ -435,6 +435,8 @@ class Scheduler:
         return START_RULE
 
     def _host_has_room(self, busy_share: float | None) -> bool:
+        """Whether the host's CPUs leave room for not waiting: under ``IDLE_HOST_BUSY_SHARE`` busy
+        and, when the core count is known, ``IDLE_HOST_SPARE_CORES`` idle (``wait_tuner`` doc)."""
         if busy_share is None or busy_share >= IDLE_HOST_BUSY_SHARE:
             return False
         return self._host_cores is None or (1.0 - busy_share) * self._host_cores >= IDLE_HOST_SPARE_CORES
