@@ -320,9 +320,9 @@ class ExecutionEngine:
         with self._cond:
             started = now = self._clock()
             while self._running and not self._computing:
-                batch = self.scheduler.next_batch(now, self._latency_lane)
+                batch, wakeup = self.scheduler.next_batch_or_wakeup(now, self._latency_lane)
                 if batch is None:
-                    return self.scheduler.next_wakeup(now, self._latency_lane)
+                    return wakeup
                 self._run_locked(batch, "driver")
                 now = self._clock()
                 if now - started >= DRIVER_SLICE_S:
@@ -386,11 +386,12 @@ class ExecutionEngine:
                             ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"),
                         )
                         break
-                    batch = None if self._computing else self.scheduler.next_batch(now, self._latency_lane)
+                    batch, wakeup = None, None  # another thread computes: it notifies when done
+                    if not self._computing:
+                        batch, wakeup = self.scheduler.next_batch_or_wakeup(now, self._latency_lane)
                     if batch is not None:
                         self._run_locked(batch, "caller")
                         continue
-                    wakeup = None if self._computing else self.scheduler.next_wakeup(now, self._latency_lane)
                     cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
             finally:
                 self._callers_waiting -= 1
@@ -596,11 +597,10 @@ class ExecutionEngine:
             while self._running:
                 now = self._clock()
                 if self._callers_waiting == 0 and not self._drivers and not self._computing:
-                    batch = self.scheduler.next_batch(now, self._latency_lane)
+                    batch, wakeup = self.scheduler.next_batch_or_wakeup(now, self._latency_lane)
                     if batch is not None:
                         self._run_locked(batch, "compute_thread")
                         continue
-                    wakeup = self.scheduler.next_wakeup(now, self._latency_lane)
                 else:
                     wakeup = None  # callers or drivers run the batches; they notify when they stop
                 self._compute_cv.wait(None if wakeup is None else max(0.0, wakeup - now))

@@ -282,8 +282,11 @@ class Scheduler:
         self._cost = CostModel()
         slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
         self._guard = DecodeGuard(slo_s, config.decode_slowdown)
-        self._convoy_ready: set[_Group] = set()
+        # The convoy rule's view during one plan, filled as it is asked (``_convoy_waits_for``):
+        # each group's walkers, and whether a group is served now whatever the convoy does.
+        self._convoy_now_s = 0.0
         self._convoy_walkers: dict[_Group, list[str]] = {}
+        self._convoy_served_now: dict[_Group, bool] = {}
         # Bulk's guaranteed share: executor time it is owed (seconds, within +-CREDIT_CAP_S); each
         # product led by latency work adds share / (1 - share) of its duration, each led by bulk
         # work subtracts its duration. Bulk leads ahead of waiting latency work while it is owed.
@@ -300,8 +303,9 @@ class Scheduler:
 
     def client_in_process(self, client_id: str) -> None:
         """``client_id`` calls from a thread of the executor's own process (the engine's ``call``),
-        not over a transport: while every joined client does, the wait tuner starts from not
-        waiting (``wait_tuner.IN_PROCESS_START_RULE``; see its module doc)."""
+        not over a transport: while every joined client does, the wait tuner starts on
+        ``wait_tuner.IN_PROCESS_START_RULE`` whatever the host's room (they take turns on one
+        interpreter lock, which the host's reading does not see; see its module doc)."""
         self._in_process.add(client_id)
 
     def read_host_load(self, busy_share: Callable[[], float | None], cores: int | None = None) -> None:
@@ -309,7 +313,7 @@ class Scheduler:
         of all CPU time not idle over the last seconds), and how many ``cores`` share that time.
         While the host has room -- it reads below ``wait_tuner.IDLE_HOST_BUSY_SHARE`` and leaves
         ``wait_tuner.IDLE_HOST_SPARE_CORES`` idle, when ``cores`` is known -- clients that are not
-        threads of this process start from not waiting too (``wait_tuner.IDLE_HOST_START_RULE``;
+        threads of this process start from not waiting (``wait_tuner.IDLE_HOST_START_RULE``;
         see its module doc)."""
         self._host_busy = busy_share
         self._host_cores = cores
@@ -423,10 +427,10 @@ class Scheduler:
             self._tuner.tick(now_s, EPOCH_TOKENS * self._guard.longest_token_s(now_s))
 
     def _start_rule(self) -> str:
-        """Where the wait tuner starts (``wait_tuner`` module doc): not waiting while every client
-        is a thread of this process, or while the host's CPUs have room (read whenever the tuner
-        may choose, every half epoch; each reading covers the last ``host_load.WINDOW_S``);
-        else the convoy."""
+        """Where the wait tuner starts (``wait_tuner`` module doc): the in-process start while every
+        client is a thread of this process; else not waiting while the host's CPUs have room (read
+        whenever the tuner may choose, every half epoch; each reading covers the last
+        ``host_load.WINDOW_S``), and the convoy while they do not."""
         self._host_busy_share = self._host_busy() if self._host_busy is not None else None
         if self._clients and self._clients <= self._in_process:  # O(clients): once an epoch
             return IN_PROCESS_START_RULE
@@ -511,13 +515,39 @@ class Scheduler:
         pending in a group that is itself held cannot come before that group is served, and
         waiting for it is how a ring of groups would wait for each other. So the clients furthest
         behind are never held, the ones ahead wait, and the convoy closes up."""
-        for client_id in self._convoy_walkers.get(group, ()):
+        for client_id in self._walkers(group):
             client = self._client_state.get(client_id)
             if client is None or not client.entries:
                 return True  # moving
-            if client.entries[0].group in self._convoy_ready:
+            if self._served_now(client.entries[0].group):
                 return True  # will be served now
         return False
+
+    def _walkers(self, group: _Group) -> list[str]:
+        """The clients on their way to ``group``'s layer (``ArrivalPredictor.walking``), once per
+        plan: asked only for the groups a plan holds and the groups their walkers are in. Found
+        for every group at every plan, they took a third of the scheduler's time under the convoy
+        rule (client threads, 2026-12-01), where most plans end at a group that all clients reached."""
+        walkers = self._convoy_walkers.get(group)
+        if walkers is None:
+            walkers = self._convoy_walkers[group] = self._arrivals.walking(
+                group.layer_id,
+                group.op,
+                group.client_counts,
+                self._convoy_now_s,
+                self._lockstep_timeout_s,
+                self._has_latency_work(group),
+            )
+        return walkers
+
+    def _served_now(self, group: _Group) -> bool:
+        """Whether ``group`` is served now whatever the convoy does: ready regardless of the clock,
+        or with nobody to wait for (``_convoy_waits_for``); once per plan."""
+        served = self._convoy_served_now.get(group)
+        if served is None:
+            served = not self._walkers(group) or self._ready_now_reason(group, "convoy") is not None
+            self._convoy_served_now[group] = served
+        return served
 
     def _own_rank(self, entry: _Entry, aged_before_s: float) -> tuple:
         """Order within one client's queue: aged requests oldest first, then by class, then arrival."""
@@ -535,17 +565,8 @@ class Scheduler:
         rule = self._rule()
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
-        if rule == "convoy" and only is not BULK:  # groups served now whatever the convoy does (see _convoy_waits_for)
-            idle_s = self._lockstep_timeout_s
-            self._convoy_walkers = {
-                g: self._arrivals.walking(g.layer_id, g.op, g.client_counts, now_s, idle_s, self._has_latency_work(g))
-                for g in self._groups.values()
-            }
-            self._convoy_ready = {
-                g
-                for g, walkers in self._convoy_walkers.items()
-                if not walkers or self._ready_now_reason(g, rule) is not None
-            }
+        if rule == "convoy" and only is not BULK:  # a new view for this plan (see _convoy_waits_for)
+            self._convoy_now_s, self._convoy_walkers, self._convoy_served_now = now_s, {}, {}
         for group in self._groups.values():
             if only is not None and not self._has_work_of(group, only):
                 continue
@@ -637,9 +658,23 @@ class Scheduler:
         if not self._groups:
             return None
         lead, _, wakeup_s = self._plan(now_s, lane)
-        if lead is None and wakeup_s == math.inf:
-            return None
-        return now_s if lead is not None else max(now_s, wakeup_s)
+        if lead is not None:
+            return now_s
+        return None if wakeup_s == math.inf else max(now_s, wakeup_s)
+
+    def next_batch_or_wakeup(self, now_s: float, lane: Lane | None = None) -> tuple[Batch | None, float | None]:
+        """``next_batch(now_s, lane)``, and when that is None, ``next_wakeup(now_s, lane)`` -- from
+        one plan. A runner asks both in turn whenever it looks for work (at every arrival), and
+        the plan is most of what either costs: with client threads, whose every call waits for
+        the interpreter lock the scheduler holds meanwhile, the second plan was a fifth of the
+        scheduler's time (2026-12-01)."""
+        if not self._groups:
+            return None, None
+        lead, reason, wakeup_s = self._plan(now_s, lane)
+        if lead is not None:
+            self._ready_reasons[reason] += 1
+            return self._fill(lead, now_s, lane), None
+        return None, None if wakeup_s == math.inf else max(now_s, wakeup_s)
 
     # ----------------------------------------------------------------------------- batching
 

@@ -102,19 +102,31 @@ Client processes and remote clients start on ``START_RULE``, the convoy, while t
 busy (below for a host with room): there they gain from it (client processes of batch 1-16 on 2
 cores: x1.33 of the tokens/s of not waiting, at x0.92 of lockstep's mean latency; the same over
 tcp://; with the executor on an H200, x1.35 -- before a request no rule holds skipped the queue,
-which reversed it there). Clients that are all threads of the executor's own process (``Scheduler.client_in_process``)
-start on ``IN_PROCESS_START_RULE``, not waiting: they take turns on one interpreter lock, and a
-decoder thread held for a convoy frees little the others could use. Measured on 2 cores, 8
-client threads of batch 1-16: every rule served tokens within the run's noise (+-8%), while not
-waiting (``immediate``, or ``none`` fixed) kept the mean per-token latency below lockstep's in
-every run, x0.87-0.96 (2026-11-23, and three runs of 2026-11-30), and the tuner rated "none"
-above the convoy (x1.01-1.15). The tuner still tries the convoy there and takes it when it is
-rated better by the switching margin, as anywhere. What the start costs: beside fine-tuning
-threads, convoys of decoders did leave them more of the lock -- 44% of their solo tokens/s kept
-under the convoy start, 17% under this one, at a decoders' p95 x1.66 and x1.47 of alone (both
-short of the 85% and 1.2 targets; docs/performance.md, 2026-11-30 17:13).
+which reversed it there). Clients that are all threads of the executor's own process
+(``Scheduler.client_in_process``) start on ``IN_PROCESS_START_RULE``, the convoy too, whatever
+the host's room: they take turns on one interpreter lock, which a reading of the host's CPUs
+does not see -- every batch the executor's Python does not run is lock time a client can use,
+however many cores sit idle. Measured on this 2-core host, 8 client threads of batch 1-16
+(``python -m benchmarks.batching --scenarios inference``, 2026-12-01): the convoy fixed served
+x1.09-1.20 of immediate's tokens/s on a quiet hour (3 runs of 3 repeats), x1.32 with one core
+taken by a busy loop of another process and x1.12 with both taken, its mean latency x0.99-1.04
+of lockstep's in all but one of those sets (x1.18 with one core taken: two convoys of five broke
+up in one run), while not waiting ran x1.04-1.08 of lockstep's latency on the quiet hour and
+x1.39 and x1.02 beside the busy loops. A day earlier (2026-11-23, and three runs of 2026-11-30
+on a busier host) not waiting had kept the mean latency below lockstep's, x0.87-0.96, with every
+rule's tokens/s within the noise -- there the convoy ran at lockstep's latency (x1.0) and
+matched immediate's tokens/s, so the convoy start is the one that met both targets in every
+set. The convoy costs the smallest clients: a client of one sequence steps at the convoy's pace
+(245 ms beside 213 ms not waiting, quiet hour) while the 8- and 16-sequence ones, most of the
+tokens, step x1.3 faster. The tuner still tries the other rules there and takes one when it is
+rated better by the switching margin, as anywhere; its epochs (five of the slowest decoder's
+tokens, ~1.2-1.7 s for these threads) are too long for the ratings to decide within a 6 s window,
+so there the start decides. Beside fine-tuning threads, convoys of decoders leave them more of
+the lock too: 44% of their solo tokens/s kept under the convoy start against 17% under not
+waiting, at a decoders' p95 x1.66 and x1.47 of alone (both short of the 85% and 1.2 targets;
+docs/performance.md, 2026-11-30 17:13).
 
-Other clients start from not waiting too while the host's CPUs have room
+Other clients start from not waiting while the host's CPUs have room
 (``IDLE_HOST_START_RULE``: the scheduler reads ``host_load.HostCpu`` whenever the tuner may
 choose, a reading covers the last ``host_load.WINDOW_S`` seconds, and room is a share of all CPU
 time busy below ``IDLE_HOST_BUSY_SHARE`` that leaves ``IDLE_HOST_SPARE_CORES`` idle on average).
@@ -192,7 +204,7 @@ CLEARLY_WORSE = math.log(1.25)
 SWITCH_MARGIN = math.log(1.15)
 PAIR_WEIGHT = 0.25
 START_RULE = "convoy"
-IN_PROCESS_START_RULE = "none"
+IN_PROCESS_START_RULE = "convoy"  # whatever the host's room (module doc)
 IDLE_HOST_START_RULE = "none"
 IDLE_HOST_BUSY_SHARE = 0.75  # of all the host's CPU time, over the last seconds (host_load.WINDOW_S)
 IDLE_HOST_SPARE_CORES = 1.0  # idle cores, on average over the same seconds
