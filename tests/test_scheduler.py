@@ -537,10 +537,12 @@ def closed_loop(
     layers: int = 8,
     exec_s: float = 0.0001,
     joins: tuple[str, ...] = (),
+    one_plan: bool = False,
 ) -> tuple[list[Batch], dict, float]:
     """Clients walk ``layers`` layers ``passes`` times; each sends its next request ``gap`` after its
     previous one's batch finished (the executor runs one batch at a time, ``exec_s`` each).
-    Returns the batches, each request's wait (arrival -> first hand-out) and its budget, and the end time."""
+    Returns the batches, each request's wait (arrival -> first hand-out) and its budget, and the end time.
+    ``one_plan``: the executor asks ``next_batch_or_wakeup`` (as the engine does), not the two in turn."""
     scheduler = Scheduler(config)
     for client in joins:
         scheduler.client_joined(client)
@@ -557,7 +559,11 @@ def closed_loop(
                 scheduler.add(req(rid, client=client, layer=f"l{step[client] % layers}", at=at))
                 owner[rid] = (client, at)
                 next_at[client] = None
-        batch = scheduler.next_batch(now)
+        if one_plan:
+            batch, wakeup = scheduler.next_batch_or_wakeup(now)
+        else:
+            batch = scheduler.next_batch(now)
+            wakeup = None if batch is not None else scheduler.next_wakeup(now)
         if batch is not None:
             batches.append(batch)
             now += exec_s
@@ -569,13 +575,34 @@ def closed_loop(
                     next_at[client] = now + gaps_s[client]
             continue
         events = [t for t in next_at.values() if t is not None]
-        wakeup = scheduler.next_wakeup(now)
         if wakeup is not None:
             events.append(wakeup)
         if not events:
             return batches, waits, now
         now = max(now, min(events))
     raise AssertionError("closed loop did not terminate")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"policy": p} for p in POLICIES if p != "opportunistic"]
+    + [
+        {"policy": "opportunistic", "wait_rule": rule} for rule in ("adaptive", "none", "predicted", "convoy", "budget")
+    ],
+    ids=lambda kwargs: kwargs.get("wait_rule", kwargs["policy"]),
+)
+def test_one_plan_for_batch_and_wakeup_decides_as_the_two_calls(kwargs):
+    """``next_batch_or_wakeup`` (one plan; what the engine asks) hands out the same batches at the
+    same times as ``next_batch`` then ``next_wakeup``, under every policy and waiting rule: clients
+    of different paces walking in convoys, one joined and idle, each request's next one sent after
+    its batch ran."""
+    gaps = {"a": 0.0010, "b": 0.0012, "c": 0.0009, "d": 0.0031}
+    starts = {"a": 0.0, "b": 0.0004, "c": 0.0011, "d": 0.0002}
+    config = SchedulerConfig(**{**FIVE_MS, "adapt_epoch_ms": 5.0, **kwargs})
+    two_calls = closed_loop(config, gaps, starts, passes=12, joins=("idle",))
+    one_plan = closed_loop(config, gaps, starts, passes=12, joins=("idle",), one_plan=True)
+    assert len(two_calls[0]) > 12 * 8 / 4  # convoys or not, every request was served
+    assert one_plan == two_calls
 
 
 def test_predicted_arrivals_form_convoys_within_budget_and_skip_idle_clients():
