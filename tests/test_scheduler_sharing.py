@@ -818,7 +818,9 @@ def test_opportunistic_stops_waiting_when_waiting_does_not_pay():
     results = {}
     for name, config in (("immediate", SchedulerConfig(policy="immediate")), ("opportunistic", SchedulerConfig())):
         walkers = clients()
-        sim = Simulation(config, walkers, fixed_s=5e-6, per_row_s=1e-7).run(4.0)
+        # 8 s: the tuner leaves its start rule (the convoy) after two epochs of each rule show
+        # it (x1.12 of immediate over 4 s, x1.07 over 8; one epoch sufficed before: x1.09, x1.06)
+        sim = Simulation(config, walkers, fixed_s=5e-6, per_row_s=1e-7).run(8.0)
         results[name] = statistics.fmean(t for w in walkers for t in w.token_times(skip=50))
         if name == "opportunistic":
             stats = sim.scheduler.stats()["wait_rule"]
@@ -864,6 +866,24 @@ def test_the_choice_starts_from_the_start_rule_and_leaves_it_only_for_a_clearly_
         better = "convoy" if start == "none" else "none"
         _, chosen, _ = run_epochs(tuner, 60, lambda _, rule, b=better: (1600.0 if rule == b else 1000.0, 4), now)
         assert chosen[-1] == better, (start, chosen)
+
+
+def test_one_slow_epoch_compared_on_both_sides_does_not_switch_the_choice():
+    """The start rule's first epoch after the first trials ran at half its pace (a convoy forming
+    again after two trials while the clients still start; client processes, 2026-12-01): compared
+    with the trial before it and the epoch after it, it moved the ratings past the switching
+    margin, and the tuner left the convoy for the window at x0.7 of lockstep's tokens/s. A switch
+    needs two epochs of each rule to show it; a rule better in every epoch is still chosen."""
+    tuner = WaitTuner(epoch_s=0.2)
+    tuner.start_rule = "convoy"
+    first = len(FIRST_TRIALS)
+    one_slow_epoch = lambda epoch, rule: (500.0 if epoch == first else 1000.0, 4)  # noqa: E731
+    used, chosen, now = run_epochs(tuner, 30, one_slow_epoch)
+    assert used[first] == "convoy" and used[first + 1] != "convoy", used  # compared on both sides
+    assert chosen[first:] == ["convoy"] * (30 - first), chosen
+    none_better = lambda _, rule: (1600.0 if rule == "none" else 1000.0, 4)  # noqa: E731
+    _, chosen, _ = run_epochs(tuner, 30, none_better, now)
+    assert chosen[-1] == "none", chosen
 
 
 def test_until_the_ratings_choose_a_rule_the_choice_follows_the_start_rule():

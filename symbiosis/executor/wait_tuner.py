@@ -85,6 +85,18 @@ taken for a stall: an epoch takes part in one such comparison at most (the first
 effect stays below that in the tuner's simulations (x1.9-2.5 for the largest) and counts, bounded,
 on both sides of its trial as before.
 
+A switch needs two epochs of each rule: a rule is chosen over the one in use only when, besides
+its rating, it beat that rule in two of its own epochs or more, against two of the other's or more
+(counted comparisons, not stalls, within the last ``HISTORY`` epochs). The ratings alone let one
+slow epoch decide: it is compared with the epochs on both sides of it. Measured (2026-12-01, client
+processes of batch 1-16 on this 2-core host, 6 s windows): the convoy's first epoch after the first
+trials (200 ms: the convoy forming again after a "predicted" trial, the clients still starting) ran
+at 725 requests/s between a "predicted" epoch at 1387 and a "none" one at 1555; the two bounded
+comparisons moved "none" past the margin, and the tuner kept it for the window at 268 tokens/s
+against lockstep's 361 (2 runs of 6 that hour). The price: leaving a start rule that does not suit
+takes one trial more (the simulator's clients on cores of their own, a cheap executor: x1.12 of
+immediate's step time over 4 s instead of x1.09, x1.07 over 8 s instead of x1.06).
+
 Ratings belong to the clients they were measured on. When a counted epoch's clients are all new
 (none took part in a counted epoch since the ratings began: a benchmark's next group of client
 processes, a new batch of jobs after the last one left), the tuner starts over (``resets`` in its
@@ -250,6 +262,10 @@ class WaitTuner:
         # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
+        # (winner, loser) -> (the winner's epochs, the loser's epochs) of the counted comparisons in
+        # which that rule beat the other, within the last HISTORY epochs: a switch needs two of each
+        # (module doc), not one epoch compared on both sides.
+        self._shown: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
         # The epoch: its start (None: not started), the most it may last (five tokens at the pace
@@ -347,6 +363,7 @@ class WaitTuner:
         and a new group is as often a short one (a benchmark's next group of processes, a batch
         of jobs) as a long one."""
         self._previous, self._settled = None, set()
+        self._shown = {}
         self._last_tried = {rule: -1 for rule in RULES}
         self._backoff = {rule: 0 for rule in RULES}
         self._on_trial = None
@@ -382,6 +399,7 @@ class WaitTuner:
                     stalled = swing_of_a_stall
                     if not swing_of_a_stall:  # a stall says nothing about the rule (module doc)
                         self._judge_trial(rule, other, speedup)
+                        self._note_shown(rule, other, speedup)
                     speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
                     surprise = speedup - (self.ratings[rule] - self.ratings[other])
                     self.ratings[rule] += PAIR_WEIGHT * surprise / 2
@@ -390,6 +408,26 @@ class WaitTuner:
         if self._previous is not None:
             self._settled = set(self._previous[1])
         self._previous = (rule, clients)
+
+    def _note_shown(self, rule: str, other: str, speedup: float) -> None:
+        """Which of the two rules the comparison of this epoch (``rule``'s) with the one before
+        (``other``'s) showed faster, and in which epochs (see ``_shown``)."""
+        if speedup == 0.0:
+            return
+        this, before = self.epochs, self.epochs - 1  # the epoch before was counted: it is compared
+        winner, loser = ((rule, this), (other, before)) if speedup > 0 else ((other, before), (rule, this))
+        won, lost = self._shown.setdefault((winner[0], loser[0]), (set(), set()))
+        won.add(winner[1])
+        lost.add(loser[1])
+        for epochs in (won, lost):
+            epochs.difference_update([e for e in epochs if e < this - HISTORY])
+
+    def _shown_on_two_epochs_each(self, winner: str, loser: str) -> bool:
+        """Whether ``winner`` beat ``loser`` in two epochs of its own or more, against two of the
+        loser's or more, within the last HISTORY epochs (see ``_shown``)."""
+        won, lost = self._shown.get((winner, loser), ((), ()))
+        recent = self.epochs - HISTORY
+        return sum(e >= recent for e in won) >= 2 and sum(e >= recent for e in lost) >= 2
 
     def _judge_trial(self, rule: str, other: str, speedup: float) -> None:
         """A comparison of ``rule``'s epoch with the one before (``other``'s), whose clients went
@@ -424,7 +462,9 @@ class WaitTuner:
         top = max(self.ratings, key=self.ratings.__getitem__)
         if self.chosen is None or not self._chosen_on_ratings:  # the start rule, now
             self.chosen = self.start_rule if self.start_rule in self.ratings else top
-        if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN:
+        if self.ratings[top] > self.ratings[self.chosen] + SWITCH_MARGIN and self._shown_on_two_epochs_each(
+            top, self.chosen
+        ):
             self.chosen = top
             self._backoff[top] = 0
             self._chosen_on_ratings = top != self.start_rule
