@@ -119,24 +119,25 @@ which reversed it there). Clients that are all threads of the executor's own pro
 the host's room: they take turns on one interpreter lock, which a reading of the host's CPUs
 does not see -- every batch the executor's Python does not run is lock time a client can use,
 however many cores sit idle. Measured on this 2-core host, 8 client threads of batch 1-16
-(``python -m benchmarks.batching --scenarios inference``, 2026-12-01): the convoy fixed served
-x1.09-1.20 of immediate's tokens/s on a quiet hour (3 runs of 3 repeats), x1.32 with one core
-taken by a busy loop of another process and x1.12 with both taken, its mean latency x0.99-1.04
-of lockstep's in all but one of those sets (x1.18 with one core taken: two convoys of five broke
-up in one run), while not waiting ran x1.04-1.08 of lockstep's latency on the quiet hour and
-x1.39 and x1.02 beside the busy loops. A day earlier (2026-11-23, and three runs of 2026-11-30
-on a busier host) not waiting had kept the mean latency below lockstep's, x0.87-0.96, with every
-rule's tokens/s within the noise -- there the convoy ran at lockstep's latency (x1.0) and
-matched immediate's tokens/s, so the convoy start is the one that met both targets in every
-set. The convoy costs the smallest clients: a client of one sequence steps at the convoy's pace
-(245 ms beside 213 ms not waiting, quiet hour) while the 8- and 16-sequence ones, most of the
-tokens, step x1.3 faster. The tuner still tries the other rules there and takes one when it is
+(``python -m benchmarks.batching --scenarios inference``, 2026-12-01, eight sets of 2-4 repeats:
+quiet hours, and beside a busy loop of another process on one core or on both): the convoy fixed
+served x1.10-1.54 of immediate's tokens/s in every set, at x0.96-1.08 of lockstep's mean latency
+(x1.18 in one set, beside one busy loop), while not waiting ran x0.97-1.40 of lockstep's latency.
+Before (2026-11-23, and three runs of 2026-11-30 on a busier host) not waiting had kept the mean
+latency below lockstep's, x0.87-0.96, with every rule's tokens/s within the noise -- there the
+convoy ran at lockstep's latency (x1.0) and matched immediate's tokens/s, so the convoy is the
+start that met the tokens/s target in every set, and the nearer of the two to lockstep's latency
+in most. The convoy costs the smallest clients: a client of one sequence steps at the convoy's pace
+(248 ms beside 213 ms not waiting, quiet hour) while the 8- and 16-sequence ones, most of the
+tokens, step x1.2-1.3 faster. The tuner still tries the other rules there and takes one when it is
 rated better by the switching margin, as anywhere; its epochs (five of the slowest decoder's
 tokens, ~1.2-1.7 s for these threads) are too long for the ratings to decide within a 6 s window,
 so there the start decides. Beside fine-tuning threads, convoys of decoders leave them more of
-the lock too: 44% of their solo tokens/s kept under the convoy start against 17% under not
-waiting, at a decoders' p95 x1.66 and x1.47 of alone (both short of the 85% and 1.2 targets;
-docs/performance.md, 2026-11-30 17:13).
+the lock too, at a cost in the decoders' p95: 44%, 40% and 31% of their solo tokens/s kept under
+the convoy start (2026-11-30 morning, 2026-12-01 twice) against 17% under not waiting
+(2026-11-30 evening), at a decoders' p95 x1.66, x1.51 and x1.74 of alone against x1.47 (all
+short of the 85% and 1.2 targets; docs/performance.md); with ``--decode-slo-ms`` the decoders'
+p95 came x1.10-1.27 of the target under the convoy start, x1.09 under not waiting.
 
 Other clients start from not waiting while the host's CPUs have room
 (``IDLE_HOST_START_RULE``: the scheduler reads ``host_load.HostCpu`` whenever the tuner may
@@ -165,7 +166,8 @@ load moves, and the first trials end during the clients' start, whose reading is
 of 2, and the tuner kept it for the whole window at x0.75-0.87 of lockstep's tokens/s, though it
 rated the convoy above it, by less than the margin) -- until another rule is rated better than
 the one in use by ``SWITCH_MARGIN`` (x1.15: on a shared machine adjacent epochs differ by up to
-x2, and a switch needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25),
+x2, and a switch needs two or more comparisons pointing the same way at ``PAIR_WEIGHT`` 0.25,
+and two epochs of each rule: above),
 which is then kept whatever the start rule does, until a rule is rated better than it by the
 margin again; every
 ``EXPLORE_EVERY``-th epoch tries the rule least recently tried, so the choice follows a change of
