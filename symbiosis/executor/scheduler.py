@@ -284,7 +284,6 @@ class Scheduler:
         self._guard = DecodeGuard(slo_s, config.decode_slowdown)
         # The convoy rule's view during one plan, filled as it is asked (``_convoy_waits_for``):
         # each group's walkers, and whether a group is served now whatever the convoy does.
-        self._convoy_now_s = 0.0
         self._convoy_walkers: dict[_Group, list[str]] = {}
         self._convoy_served_now: dict[_Group, bool] = {}
         # Bulk's guaranteed share: executor time it is owed (seconds, within +-CREDIT_CAP_S); each
@@ -479,7 +478,7 @@ class Scheduler:
         # 1.2x-alone target with that cap, x0.96 and x1.09 without (alternated runs, 2026-11-29);
         # alone, 6 client threads ran 12-19 rows a batch with a cap against 30-32 without.
         if convoy:  # (its walkers were found by _plan; latency work never waits for bulk work)
-            if self._convoy_waits_for(group):
+            if self._convoy_waits_for(group, now_s):
                 return deadline_s, "deadline"
             return -math.inf, "none_coming"
         latency_only = self._has_latency_work(group)  # latency work never waits for bulk work
@@ -508,22 +507,22 @@ class Scheduler:
     def _has_work_of(self, group: _Group, lane: Lane) -> bool:
         return any(e.lane == lane for e in group.entries)
 
-    def _convoy_waits_for(self, group: _Group) -> bool:
+    def _convoy_waits_for(self, group: _Group, now_s: float) -> bool:
         """Convoy rule: whether a client on its way to ``group``'s layer can come: it is computing
         its next layer's input (nothing pending), or its pending request is in a group that is
         served now (ready whatever the rule, or with nobody to wait for: the convoy behind). One
         pending in a group that is itself held cannot come before that group is served, and
         waiting for it is how a ring of groups would wait for each other. So the clients furthest
         behind are never held, the ones ahead wait, and the convoy closes up."""
-        for client_id in self._walkers(group):
+        for client_id in self._walkers(group, now_s):
             client = self._client_state.get(client_id)
             if client is None or not client.entries:
                 return True  # moving
-            if self._served_now(client.entries[0].group):
+            if self._served_now(client.entries[0].group, now_s):
                 return True  # will be served now
         return False
 
-    def _walkers(self, group: _Group) -> list[str]:
+    def _walkers(self, group: _Group, now_s: float) -> list[str]:
         """The clients on their way to ``group``'s layer (``ArrivalPredictor.walking``), once per
         plan: asked only for the groups a plan holds and the groups their walkers are in. Found
         for every group at every plan (and a plan for the wakeup too), the convoy's scheduler time
@@ -535,18 +534,18 @@ class Scheduler:
                 group.layer_id,
                 group.op,
                 group.client_counts,
-                self._convoy_now_s,
+                now_s,
                 self._lockstep_timeout_s,
                 self._has_latency_work(group),
             )
         return walkers
 
-    def _served_now(self, group: _Group) -> bool:
+    def _served_now(self, group: _Group, now_s: float) -> bool:
         """Whether ``group`` is served now whatever the convoy does: ready regardless of the clock,
         or with nobody to wait for (``_convoy_waits_for``); once per plan."""
         served = self._convoy_served_now.get(group)
         if served is None:
-            served = not self._walkers(group) or self._ready_now_reason(group, "convoy") is not None
+            served = not self._walkers(group, now_s) or self._ready_now_reason(group, "convoy") is not None
             self._convoy_served_now[group] = served
         return served
 
@@ -567,7 +566,7 @@ class Scheduler:
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
         if rule == "convoy" and only is not BULK:  # a new view for this plan (see _convoy_waits_for)
-            self._convoy_now_s, self._convoy_walkers, self._convoy_served_now = now_s, {}, {}
+            self._convoy_walkers, self._convoy_served_now = {}, {}
         for group in self._groups.values():
             if only is not None and not self._has_work_of(group, only):
                 continue
@@ -663,18 +662,20 @@ class Scheduler:
             return now_s
         return None if wakeup_s == math.inf else max(now_s, wakeup_s)
 
-    def next_batch_or_wakeup(self, now_s: float, lane: Lane | None = None) -> tuple[Batch | None, float | None]:
-        """``next_batch(now_s, lane)``, and when that is None, ``next_wakeup(now_s, lane)`` -- from
-        one plan. A runner asks both in turn whenever it looks for work (at every arrival), and
-        the plan is most of what either costs: with client threads, whose every call waits for
-        the interpreter lock the scheduler holds meanwhile, the second plan was 8% (lockstep) to
-        15% (convoy) of the scheduler's time (2026-12-01)."""
+    def next_batch_or_wakeup(
+        self, now_s: float, lane: Lane | None = None, share: int = 1
+    ) -> tuple[Batch | None, float | None]:
+        """``next_batch(now_s, lane, share)``, and when that is None, ``next_wakeup(now_s, lane)`` --
+        from one plan. A runner asks both in turn whenever it looks for work (at every arrival),
+        and the plan is most of what either costs: with client threads, whose every call waits
+        for the interpreter lock the scheduler holds meanwhile, the second plan was 8% (lockstep)
+        to 15% (convoy) of the scheduler's time (2026-12-01)."""
         if not self._groups:
             return None, None
         lead, reason, wakeup_s = self._plan(now_s, lane)
         if lead is not None:
             self._ready_reasons[reason] += 1
-            return self._fill(lead, now_s, lane), None
+            return self._fill(lead, now_s, lane, share), None
         return None, None if wakeup_s == math.inf else max(now_s, wakeup_s)
 
     # ----------------------------------------------------------------------------- batching
@@ -693,13 +694,7 @@ class Scheduler:
         rest to the others: each thread then multiplies its part on one core, rather than one
         product on every core (see ``engine.py``); with bulk work in several groups each thread
         takes a group whole."""
-        if not self._groups:
-            return None
-        lead, reason, _ = self._plan(now_s, lane)
-        if lead is None:
-            return None
-        self._ready_reasons[reason] += 1
-        return self._fill(lead, now_s, lane, share)
+        return self.next_batch_or_wakeup(now_s, lane, share)[0]
 
     def _split_limit(self, lead: _Entry, share: int) -> int:
         """The most rows a bulk thread takes of ``lead``'s group when ``share`` threads are idle

@@ -265,8 +265,8 @@ class WaitTuner:
         self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
         self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
         # (winner, loser) -> (the winner's epochs, the loser's epochs) of the counted comparisons in
-        # which that rule beat the other, within the last HISTORY epochs: a switch needs two of each
-        # (module doc), not one epoch compared on both sides.
+        # which that rule beat the other, the two latest of each: a switch needs two of each within
+        # the last HISTORY epochs (module doc), not one epoch compared on both sides.
         self._shown: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
@@ -418,15 +418,14 @@ class WaitTuner:
             return
         this, before = self.epochs, self.epochs - 1  # the epoch before was counted: it is compared
         winner, loser = ((rule, this), (other, before)) if speedup > 0 else ((other, before), (rule, this))
-        won, lost = self._shown.setdefault((winner[0], loser[0]), (set(), set()))
-        won.add(winner[1])
-        lost.add(loser[1])
-        for epochs in (won, lost):
-            epochs.difference_update([e for e in epochs if e < this - HISTORY])
+        for epochs, epoch in zip(self._shown.setdefault((winner[0], loser[0]), (set(), set())), (winner[1], loser[1])):
+            epochs.add(epoch)
+            if len(epochs) > 2:
+                epochs.remove(min(epochs))  # the two latest are all a switch asks about
 
     def _shown_on_two_epochs_each(self, winner: str, loser: str) -> bool:
-        """Whether ``winner`` beat ``loser`` in two epochs of its own or more, against two of the
-        loser's or more, within the last HISTORY epochs (see ``_shown``)."""
+        """Whether ``winner`` beat ``loser`` in two epochs of its own, against two of the loser's,
+        within the last HISTORY epochs (see ``_shown``)."""
         won, lost = self._shown.get((winner, loser), ((), ()))
         recent = self.epochs - HISTORY
         return sum(e >= recent for e in won) >= 2 and sum(e >= recent for e in lost) >= 2
