@@ -31,6 +31,8 @@ client further round is rather ahead, and waiting for it would make two clients 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from symbiosis.executor.requests import PendingRequest
 from symbiosis.vocabulary import Op
 
@@ -163,16 +165,16 @@ class ArrivalPredictor:
 
     def walking(
         self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, idle_s: float, latency_only: bool = False
-    ) -> list[str]:
+    ) -> Iterator[str]:
         """The clients not in ``skip`` on their way to the layer in their walk of ``op`` (see
         ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``); with
         ``latency_only``, only those whose last request was latency work. No pace is needed: the
-        convoy rule waits for them however slow they are."""
+        convoy rule waits for them however slow they are. Lazily: the convoy asks whether one of
+        them can come, and the first that can ends the look (``Scheduler._convoy_waits_for``)."""
         target = self.positions[op].get(layer_id)
         if target is None:
-            return []
+            return
         length = len(self.positions[op])
-        found = []
         for client_id, track in self.tracks.items():
             if track.op is not op or client_id in skip:
                 continue
@@ -181,8 +183,7 @@ class ArrivalPredictor:
             if latency_only and not track.latency:
                 continue
             if self._hops(track, target, length, wrap=True) is not None:
-                found.append(client_id)
-        return found
+                yield client_id
 
     def expected(
         self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, wrap: bool = False, latency_only: bool = False

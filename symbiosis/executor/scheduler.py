@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 from symbiosis.executor.arrivals import ArrivalPredictor
@@ -283,8 +283,7 @@ class Scheduler:
         slo_s = None if config.decode_slo_ms is None else config.decode_slo_ms / 1000.0
         self._guard = DecodeGuard(slo_s, config.decode_slowdown)
         # The convoy rule's view during one plan, filled as it is asked (``_convoy_waits_for``):
-        # each group's walkers, and whether a group is served now whatever the convoy does.
-        self._convoy_walkers: dict[_Group, list[str]] = {}
+        # whether a group is served now whatever the convoy does.
         self._convoy_served_now: dict[_Group, bool] = {}
         # Bulk's guaranteed share: executor time it is owed (seconds, within +-CREDIT_CAP_S); each
         # product led by latency work adds share / (1 - share) of its duration, each led by bulk
@@ -522,30 +521,31 @@ class Scheduler:
                 return True  # will be served now
         return False
 
-    def _walkers(self, group: _Group, now_s: float) -> list[str]:
-        """The clients on their way to ``group``'s layer (``ArrivalPredictor.walking``), once per
-        plan: asked only for the groups a plan holds and the groups their walkers are in. Found
-        for every group at every plan (and a plan for the wakeup too), the convoy's scheduler time
-        was 650 µs a batch against lockstep's 445 (client threads, 2026-12-01; 547 and 421 since),
-        though most plans end at a group that all clients reached."""
-        walkers = self._convoy_walkers.get(group)
-        if walkers is None:
-            walkers = self._convoy_walkers[group] = self._arrivals.walking(
-                group.layer_id,
-                group.op,
-                group.client_counts,
-                now_s,
-                self._lockstep_timeout_s,
-                self._has_latency_work(group),
-            )
-        return walkers
+    def _walkers(self, group: _Group, now_s: float) -> Iterator[str]:
+        """The clients on their way to ``group``'s layer (``ArrivalPredictor.walking``), found as
+        they are asked for: the first that can come (or, for ``_served_now``, the first at all)
+        ends the look. Asked only for the groups a plan holds and the groups their walkers are
+        in. Found for every group at every plan (and a plan for the wakeup too), the convoy's
+        scheduler time was 650 µs a batch against lockstep's 445 (client threads, 2026-12-01);
+        547 and 421 with the walkers listed once per plan; found lazily, 320 against 348 for
+        that listing in the simulator (``tests/sched_sim.py``, 8 walkers of batch 1-16 on 43
+        layers, the scheduler's entry points timed, medians of 7; lockstep 253-264 there)."""
+        return self._arrivals.walking(
+            group.layer_id,
+            group.op,
+            group.client_counts,
+            now_s,
+            self._lockstep_timeout_s,
+            self._has_latency_work(group),
+        )
 
     def _served_now(self, group: _Group, now_s: float) -> bool:
         """Whether ``group`` is served now whatever the convoy does: ready regardless of the clock,
         or with nobody to wait for (``_convoy_waits_for``); once per plan."""
         served = self._convoy_served_now.get(group)
         if served is None:
-            served = not self._walkers(group, now_s) or self._ready_now_reason(group, "convoy") is not None
+            served = self._ready_now_reason(group, "convoy") is not None
+            served = served or next(self._walkers(group, now_s), None) is None
             self._convoy_served_now[group] = served
         return served
 
@@ -566,7 +566,7 @@ class Scheduler:
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
         if rule == "convoy" and only is not BULK:  # a new view for this plan (see _convoy_waits_for)
-            self._convoy_walkers, self._convoy_served_now = {}, {}
+            self._convoy_served_now = {}
         for group in self._groups.values():
             if only is not None and not self._has_work_of(group, only):
                 continue
@@ -887,7 +887,8 @@ class Scheduler:
         present = {client_id: 1}
         if rule == "convoy":
             # ``_convoy_waits_for``: with nothing pending, every walker is moving, so it waits for any.
-            return bool(self._arrivals.walking(layer_id, op, present, now_s, self._lockstep_timeout_s, True))
+            walkers = self._arrivals.walking(layer_id, op, present, now_s, self._lockstep_timeout_s, True)
+            return next(walkers, None) is not None
         deadline_s = now_s + self.config.wait_budget_s(rows, latency_class)
         return self._predicted_hold_until_s(layer_id, op, present, now_s, deadline_s, True)[0] > now_s
 
