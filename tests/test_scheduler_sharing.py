@@ -1025,3 +1025,44 @@ def test_clients_over_a_transport_start_from_not_waiting_while_the_host_has_idle
             pass
         share = reader.busy_share()
         assert share is not None and 0.0 < share <= 1.0
+
+
+def test_a_trial_that_costs_the_sequences_backs_off_though_clients_rate_it_level():
+    """Clients of batch 1 and 16. Not waiting lets the small one go x1.2 faster and slows the large
+    one x1.2: rated client by client the two rules are level, so its trials never lost and came
+    every fifth epoch. Each one costs 16 of the 17 sequences a slow epoch, though (client threads
+    of batch 1-16: "none" trials rated level with the convoy while the convoy served x1.2 the
+    tokens/s). A trial's cost is judged per sequence (latency rows per request), so its trials
+    back off; the ratings, which choose, still weigh each client alike."""
+    tuner = WaitTuner(epoch_s=0.25)
+
+    def load(_, rule):
+        if rule == "convoy":
+            return {"small": (500.0, 1), "large": (500.0, 16)}
+        return {"small": (600.0, 1), "large": (500.0 / 1.2, 16)}
+
+    used = run_client_epochs(tuner, 60, load)
+    assert tuner.chosen == "convoy"
+    assert abs(tuner.ratings["convoy"] - tuner.ratings["none"]) < 0.05  # level, client by client
+    later = used[len(FIRST_TRIALS) + 20 :]
+    assert later.count("none") <= 2, used  # every 20th epoch at most (every 5th when judged per client)
+    assert tuner.stats()["trial_every"]["none"] == EXPLORE_EVERY * RARE_FACTOR
+
+
+def test_the_tuner_counts_a_clients_sequences_in_its_latency_work_only(monkeypatch):
+    """What weighs a client in a trial's cost is its latency rows per request (the sequences it
+    decodes); a fine-tuning client's rows are bulk work and weigh one, or its hundreds of rows
+    a request would decide every trial."""
+    seen: dict[str, set[tuple[int, int | None]]] = {}
+    real = WaitTuner.handed_out
+
+    def record(self, client_id, requests, rows, now_s, latency_rows=None):
+        seen.setdefault(client_id, set()).add((rows, latency_rows))
+        return real(self, client_id, requests, rows, now_s, latency_rows)
+
+    monkeypatch.setattr(WaitTuner, "handed_out", record)
+    walkers = [Walker(f"d{i}", rows=4, gap_s=0.0005, start_s=1e-4 * i) for i in range(2)]
+    walkers.append(Walker("ft", rows=512, gap_s=0.001, latency_class=F))
+    Simulation(SchedulerConfig(), walkers).run(0.2)
+    assert seen["d0"] == seen["d1"] == {(4, 4)}
+    assert seen["ft"] and all(latency_rows == 0 for _, latency_rows in seen["ft"])

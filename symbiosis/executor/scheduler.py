@@ -380,7 +380,8 @@ class Scheduler:
         self._arrivals.handed_out(request, now_s)  # its client's pace is measured from here
         self._guard.handed_out(request.client_id, now_s)
         if self._tuner is not None:
-            self._tuner.handed_out(request.client_id, 1, request.rows, now_s)
+            latency = self.lane_of(request.latency_class, request.rows) == LATENCY
+            self._tuner.handed_out(request.client_id, 1, request.rows, now_s, request.rows if latency else 0)
 
     def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
         """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,

@@ -187,7 +187,25 @@ and a trial of a rule that served x0.75 of the convoy was taken for one that did
 retried every fifth epoch. The price: a drift in load makes one of the two comparisons look worse
 than the rule is, so a rule's trials back off more often than they should -- they only come
 rarer (a rule that became better still gets its trial within 20 epochs), while the ratings, which
-choose, still take the two comparisons alike. The ratings alone keep a losing rule in the trials too long:
+choose, still take the two comparisons alike. And a trial's loss is counted per *sequence*: each
+client's log speed-up weighs its latency rows per request (the sequences it decodes; a client
+whose work is bulk weighs one), since what a trial costs is tokens. Client by client, a rule that
+lets the small clients race ahead while the large ones slow down rates level with the convoy:
+client threads of batch 1-16 (2026-12-01) rated "none" level with the convoy (ratings within
+x1.02) while the convoy fixed served x1.2 its tokens/s, so its trials never lost and came every
+fifth or tenth epoch. The ratings, which choose, still weigh each client alike: weighed by
+sequences, a rule that speeds up the small clients and leaves the largest as it is (the slowest,
+which no rule holds) rates far below what it is worth to the others, and the simulator's clients
+on cores of their own (``test_opportunistic_stops_waiting_when_waiting_does_not_pay``) left the
+convoy for "none" ~5 epochs later (x1.26 of immediate's step time over 8 s instead of x1.07).
+Measured (client threads of batch 1-16, ``--scenarios inference --policies opportunistic lockstep
+immediate --window-s 20``, five rounds alternating with the code before, 2026-12-01 06:37-06:52):
+opportunistic x0.99-1.12 of lockstep's mean latency (median x1.008) against x1.01-1.15 (x1.050)
+judged client by client, tokens/s alike (median 151 and 150); "none" backed off to every 20th
+epoch by the window's end in four runs of five, every 10th in the fifth (before: every 5th in two,
+10th in two, 20th in one), and ~1 trial fewer a 20 s window. Within this
+host's noise, in the direction of fewer trials. The ratings alone keep a losing rule in the trials
+too long:
 moved a quarter of the way at a time, a rule x1.25 slower sits near the ``CLEARLY_WORSE`` line and
 was tried every fifth epoch (or tenth, beside the other rule's trials) for the whole run, each
 trial a slow epoch for every client. Measured (2026-11-30, client processes of batch 1-16 on this
@@ -233,6 +251,12 @@ LOST_BADLY = MAX_SPEEDUP
 HISTORY = 40
 
 
+# Per client, what an epoch measured: its requests, the log of its rows per request, the log of its
+# requests per second, and its sequences (latency rows per request, at least 1: its weight in what
+# a trial cost, ``_speedup_per_sequence``).
+_Epoch = tuple[int, float, float, float]
+
+
 class WaitTuner:
     """Runs the trials and says which waiting rule is in force (see module doc)."""
 
@@ -261,15 +285,15 @@ class WaitTuner:
         # in its comparisons so far (with the epoch before it, then with the one after it).
         self._backoff = {rule: 0 for rule in RULES}
         self._on_trial: tuple[str, int, list[float]] | None = None
-        # (rule, {client: (requests, log rows per request, log requests/s)}) of the last counted epoch
-        self._previous: tuple[str, dict[str, tuple[int, float, float]]] | None = None
+        # (rule, {client: what it measured}) of the last counted epoch
+        self._previous: tuple[str, dict[str, _Epoch]] | None = None
         self._previous_stalled = False  # the last epoch's comparison, counted, swung past STALL_SPEEDUP
         # (winner, loser) -> (the winner's epochs, the loser's epochs) of the counted comparisons in
         # which that rule beat the other, the two latest of each: a switch needs two of each within
         # the last HISTORY epochs (module doc), not one epoch compared on both sides.
         self._shown: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
-        self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows] this epoch
+        self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows, latency rows] this epoch
         # The epoch: its start (None: not started), the most it may last (five tokens at the pace
         # before it), when the clients' requests start to count, and when tick next reads the pace.
         self._start_s: float | None = None
@@ -277,17 +301,21 @@ class WaitTuner:
         if start_s is not None:
             self._begin(start_s, 0.0, None)
 
-    def handed_out(self, client_id: str, requests: int, rows: int, now_s: float) -> None:
-        """``requests`` requests (``rows`` rows) of ``client_id`` were completed at ``now_s``."""
+    def handed_out(
+        self, client_id: str, requests: int, rows: int, now_s: float, latency_rows: int | None = None
+    ) -> None:
+        """``requests`` requests (``rows`` rows, ``latency_rows`` of them latency work: all when
+        None) of ``client_id`` were completed at ``now_s``."""
         if self._start_s is None:
             self._begin(now_s, 0.0, None)
         if now_s >= self._start_s + self._settle_s:
             counts = self._per_client.get(client_id)
             if counts is None:
-                self._per_client[client_id] = [requests, rows]
+                self._per_client[client_id] = [requests, rows, rows if latency_rows is None else latency_rows]
             else:
                 counts[0] += requests
                 counts[1] += rows
+                counts[2] += rows if latency_rows is None else latency_rows
 
     def due(self, now_s: float) -> bool:
         """Whether ``tick`` may end the epoch now: the scheduler asks this on every plan, and
@@ -315,18 +343,21 @@ class WaitTuner:
             self._check_s = self._start_s + min(length_s, elapsed_s + self.epoch_s / 2)
             return
         scored_s = elapsed_s - self._settle_s
-        requests = sum(n for n, _ in self._per_client.values())
+        requests = sum(counts[0] for counts in self._per_client.values())
         # Not counted if this look came more than an epoch late: the executor was idle (it plans,
         # and so looks, on every arrival), and an idle executor says nothing about a rule. (A gap
         # that ends at a look within the epoch is not seen here: at most about one epoch's worth.)
         on_time = now_s - self._check_s <= length_s
         if on_time and len(self._per_client) >= 2 and requests >= MIN_REQUESTS:
-            rows = sum(r for _, r in self._per_client.values())
+            rows = sum(counts[1] for counts in self._per_client.values())
             if self._population.isdisjoint(self._per_client):
                 self._start_over()
             self._population.update(self._per_client)
             self._rate(
-                {c: (n, math.log(max(r, 1) / n), math.log(n / scored_s)) for c, (n, r) in self._per_client.items()}
+                {
+                    c: (n, math.log(max(r, 1) / n), math.log(n / scored_s), max(1.0, lr / n))
+                    for c, (n, r, lr) in self._per_client.items()
+                }
             )
             self.history.append(
                 (
@@ -379,9 +410,8 @@ class WaitTuner:
             self._since_reset = 0
         self._population = set()
 
-    def _rate(self, clients: dict[str, tuple[int, float, float]]) -> None:
-        """Rate the epoch just ended from ``clients``: per client its requests, its rows per
-        request (a log) and its requests per second (a log)."""
+    def _rate(self, clients: dict[str, _Epoch]) -> None:
+        """Rate the epoch just ended from ``clients`` (per client, what it measured: ``_Epoch``)."""
         rule = self.rule
         self.ratings.setdefault(rule, 0.0 if not self.ratings else max(self.ratings.values()))
         stalled = False
@@ -400,7 +430,7 @@ class WaitTuner:
                 if not (swing_of_a_stall and self._previous_stalled):
                     stalled = swing_of_a_stall
                     if not swing_of_a_stall:  # a stall says nothing about the rule (module doc)
-                        self._judge_trial(rule, other, speedup)
+                        self._judge_trial(rule, other, _speedup_per_sequence(before, clients, compared))
                         self._note_shown(rule, other, speedup)
                     speedup = max(-MAX_SPEEDUP, min(MAX_SPEEDUP, speedup))
                     surprise = speedup - (self.ratings[rule] - self.ratings[other])
@@ -509,20 +539,18 @@ class WaitTuner:
         }
 
 
-def _same_clients(before: dict[str, tuple[int, float, float]], now: dict[str, tuple[int, float, float]]) -> bool:
+def _same_clients(before: dict[str, _Epoch], now: dict[str, _Epoch]) -> bool:
     """Whether the same clients were at work in both epochs (each completing at least
     ``MIN_CLIENT_REQUESTS``; see module doc): a client that joins or leaves changes the others'
     speed too, whatever the rule, when they share cores or the executor."""
 
-    def at_work(epoch: dict[str, tuple[int, float, float]]) -> set[str]:
-        return {c for c, (requests, _, _) in epoch.items() if requests >= MIN_CLIENT_REQUESTS}
+    def at_work(epoch: dict[str, _Epoch]) -> set[str]:
+        return {c for c, (requests, *_) in epoch.items() if requests >= MIN_CLIENT_REQUESTS}
 
     return at_work(before) == at_work(now)
 
 
-def _same_phase(
-    before: dict[str, tuple[int, float, float]], now: dict[str, tuple[int, float, float]], clients: list[str]
-) -> bool:
+def _same_phase(before: dict[str, _Epoch], now: dict[str, _Epoch], clients: list[str]) -> bool:
     """Whether ``clients`` (served in both epochs) asked for rows alike (see module doc): each
     one's log rows per request moved by at most ``SAME_PHASE`` on average, weighted by its
     requests now."""
@@ -531,3 +559,11 @@ def _same_phase(
         return False  # no client in both: nothing says the work was alike
     change = sum(now[c][0] * abs(now[c][1] - before[c][1]) for c in clients) / total
     return change <= SAME_PHASE
+
+
+def _speedup_per_sequence(before: dict[str, _Epoch], now: dict[str, _Epoch], clients: list[str]) -> float:
+    """How much faster ``clients``' sequences went now than before (a log): the mean of each
+    client's log speed-up, weighted by its sequences -- its latency rows per request, the mean of
+    the two epochs' -- what a trial costs (see module doc)."""
+    weights = {c: (before[c][3] + now[c][3]) / 2 for c in clients}
+    return sum(weights[c] * (now[c][2] - before[c][2]) for c in clients) / sum(weights.values())
