@@ -188,24 +188,24 @@ retried every fifth epoch. The price: a drift in load makes one of the two compa
 than the rule is, so a rule's trials back off more often than they should -- they only come
 rarer (a rule that became better still gets its trial within 20 epochs), while the ratings, which
 choose, still take the two comparisons alike. And a trial's loss is counted per *sequence*: each
-client's log speed-up weighs its latency rows per request (the sequences it decodes; a client
-whose work is bulk weighs one), since what a trial costs is tokens. Client by client, a rule that
-lets the small clients race ahead while the large ones slow down rates level with the convoy:
-client threads of batch 1-16 (2026-12-01) rated "none" level with the convoy (ratings within
-x1.02) while the convoy fixed served x1.2 its tokens/s, so its trials never lost and came every
-fifth or tenth epoch. The ratings, which choose, still weigh each client alike: weighed by
-sequences, a rule that speeds up the small clients and leaves the largest as it is (the slowest,
-which no rule holds) rates far below what it is worth to the others, and the simulator's clients
-on cores of their own (``test_opportunistic_stops_waiting_when_waiting_does_not_pay``) left the
-convoy for "none" ~5 epochs later (x1.26 of immediate's step time over 8 s instead of x1.07).
-Measured (client threads of batch 1-16, ``--scenarios inference --policies opportunistic lockstep
-immediate --window-s 20``, five rounds alternating with the code before, 2026-12-01 06:37-06:52):
-opportunistic x0.99-1.12 of lockstep's mean latency (median x1.008) against x1.01-1.15 (x1.050)
-judged client by client, tokens/s alike (median 151 and 150); "none" backed off to every 20th
-epoch by the window's end in four runs of five, every 10th in the fifth (before: every 5th in two,
-10th in two, 20th in one), and ~1 trial fewer a 20 s window. Within this
-host's noise, in the direction of fewer trials. The ratings alone keep a losing rule in the trials
-too long:
+client's log speed-up weighs its latency rows per request (the sequences it decodes; a client whose
+work is bulk weighs one), since what a trial costs is tokens. Client by client, a rule that lets
+the small clients race ahead while the large ones slow down rates level with the convoy: client
+threads of batch 1-16 (2026-12-01, 20 s windows) rated "none" level with the convoy in two runs of
+three (ratings within x1.03; x1.2 in the third) while the convoy fixed served x1.2 its tokens/s, so
+its trials did not lose and came every 5th or 10th epoch in those two. The ratings, which choose,
+still weigh each client alike: weighed by sequences, a rule that speeds up the small clients and
+leaves the largest as it is (the slowest, which no rule holds) rates far below what it is worth to
+the others, and the simulator's clients on cores of their own
+(``test_opportunistic_stops_waiting_when_waiting_does_not_pay``) left the convoy for "none" ~5
+epochs later (x1.26 of immediate's step time over 8 s instead of x1.07). Measured (client threads
+of batch 1-16, ``--scenarios inference --policies opportunistic lockstep immediate --window-s 20``,
+five rounds alternating with the code before, 2026-12-01 06:37-06:52): opportunistic x0.99-1.12 of
+lockstep's mean latency (median x1.008) against x1.01-1.15 (x1.050) judged client by client,
+tokens/s alike (median 151 and 150); "none" backed off to every 20th epoch by the window's end in
+four runs of five, every 10th in the fifth (before: every 5th in two, 10th in two, 20th in one),
+and ~1 trial fewer a 20 s window. Within this host's noise, in the direction of fewer trials. The
+ratings alone keep a losing rule in the trials too long:
 moved a quarter of the way at a time, a rule x1.25 slower sits near the ``CLEARLY_WORSE`` line and
 was tried every fifth epoch (or tenth, beside the other rule's trials) for the whole run, each
 trial a slow epoch for every client. Measured (2026-11-30, client processes of batch 1-16 on this
