@@ -374,14 +374,14 @@ class Scheduler:
         is_decode = latency and request.latency_class is LatencyClass.DECODE
         self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=latency)
 
-    def _note_hand_out(self, request: PendingRequest, now_s: float) -> None:
+    def _note_hand_out(self, request: PendingRequest, lane: Lane, now_s: float) -> None:
         """``request``'s last rows were handed out at ``now_s`` (queued or served at once): its
         client's next step starts now (arrival predictor, decode guard), and the wait tuner counts it."""
         self._arrivals.handed_out(request, now_s)  # its client's pace is measured from here
         self._guard.handed_out(request.client_id, now_s)
         if self._tuner is not None:
-            latency = self.lane_of(request.latency_class, request.rows) == LATENCY
-            self._tuner.handed_out(request.client_id, 1, request.rows, now_s, request.rows if latency else 0)
+            latency_rows = request.rows if lane == LATENCY else 0  # what weighs the client in a trial's cost
+            self._tuner.handed_out(request.client_id, 1, request.rows, now_s, latency_rows)
 
     def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
         """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,
@@ -477,7 +477,7 @@ class Scheduler:
         # mattered: 6 client processes beside 2 fine-tuning jobs, p95 x1.46 and x1.54 of a
         # 1.2x-alone target with that cap, x0.96 and x1.09 without (alternated runs, 2026-11-29);
         # alone, 6 client threads ran 12-19 rows a batch with a cap against 30-32 without.
-        if convoy:  # (its walkers were found by _plan; latency work never waits for bulk work)
+        if convoy:  # (latency work never waits for bulk work: see _walkers)
             if self._convoy_waits_for(group, now_s):
                 return deadline_s, "deadline"
             return -math.inf, "none_coming"
@@ -545,8 +545,9 @@ class Scheduler:
         or with nobody to wait for (``_convoy_waits_for``); once per plan."""
         served = self._convoy_served_now.get(group)
         if served is None:
-            served = self._ready_now_reason(group, "convoy") is not None
-            served = served or next(self._walkers(group, now_s), None) is None
+            served = (
+                self._ready_now_reason(group, "convoy") is not None or next(self._walkers(group, now_s), None) is None
+            )
             self._convoy_served_now[group] = served
         return served
 
@@ -802,7 +803,7 @@ class Scheduler:
 
     def _finish(self, entry: _Entry, now_s: float) -> None:
         request = entry.request
-        self._note_hand_out(request, now_s)
+        self._note_hand_out(request, entry.lane, now_s)
         entry.group.remove(entry)
         entry.client.entries.remove(entry)
         del self._entries[request.request_id]
@@ -868,7 +869,7 @@ class Scheduler:
             client = self._client_state[client_id] = _Client(client_id)
         request = PendingRequest(-1, client_id, layer_id, op, rows, latency_class, now_s)
         self._note_arrival(client, request, LATENCY)
-        self._note_hand_out(request, now_s)
+        self._note_hand_out(request, LATENCY, now_s)
         return True
 
     def _holds_for_someone(

@@ -253,7 +253,8 @@ HISTORY = 40
 
 # Per client, what an epoch measured: its requests, the log of its rows per request, the log of its
 # requests per second, and its sequences (latency rows per request, at least 1: its weight in what
-# a trial cost, ``_speedup_per_sequence``).
+# a trial cost, ``_speedup_per_sequence``). During a prefill those rows are prompt tokens, but an
+# epoch of prefill is not compared with one of decoding (``_same_phase``).
 _Epoch = tuple[int, float, float, float]
 
 
@@ -309,13 +310,14 @@ class WaitTuner:
         if self._start_s is None:
             self._begin(now_s, 0.0, None)
         if now_s >= self._start_s + self._settle_s:
+            latency_rows = rows if latency_rows is None else latency_rows
             counts = self._per_client.get(client_id)
             if counts is None:
-                self._per_client[client_id] = [requests, rows, rows if latency_rows is None else latency_rows]
+                self._per_client[client_id] = [requests, rows, latency_rows]
             else:
                 counts[0] += requests
                 counts[1] += rows
-                counts[2] += rows if latency_rows is None else latency_rows
+                counts[2] += latency_rows
 
     def due(self, now_s: float) -> bool:
         """Whether ``tick`` may end the epoch now: the scheduler asks this on every plan, and
