@@ -225,3 +225,31 @@ def test_a_request_no_rule_would_hold_is_served_at_once_beside_an_active_client_
     for result in results:
         torch.testing.assert_close(result, _expected(ex, layer_id, "forward", rows), rtol=1e-5, atol=1e-6)
     assert (paths["alone"], paths["caller"]) == ((3, 0) if at_once else (0, 3))
+
+
+def test_a_product_served_alone_wakes_only_a_caller_that_waits_for_it_to_end(path):
+    """A product served alone (``try_alone``) leaves the queue as it was, so a caller waiting for a
+    time its last plan gave has nothing new to plan for; only one that found the engine computing
+    and waits for the product to end is woken. (Beside a flood held by its pacing, a flood thread
+    woken after each of a decoder's products, to plan for nothing, doubled the decoder's token
+    time in process.) A product from the queue wakes a waiting caller as before."""
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        engine = ex._engine
+        woken = []
+        engine._wake_a_runner = lambda: woken.append(True)
+        with engine._cond:
+            engine._callers_waiting = 1  # one caller waits for the time its plan gave
+            try:
+                engine._computing = True
+                engine._computing_done(queue_changed=False)
+                assert woken == []
+                engine._callers_blocked = 1  # ... and one for the product to end
+                engine._computing = True
+                engine._computing_done(queue_changed=False)
+                assert woken == [True]
+                engine._callers_blocked = 0
+                engine._computing = True
+                engine._computing_done()  # from the queue
+                assert woken == [True, True]
+            finally:
+                engine._callers_waiting = engine._callers_blocked = 0

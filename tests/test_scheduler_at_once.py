@@ -252,3 +252,43 @@ def test_served_at_once_exactly_when_the_queue_would_hand_it_out_at_once_alone(o
         scheduler.add(request)
         run_batches(call_s)
     assert compared
+
+
+def _decoder_beside_a_spent_flood(options: dict) -> tuple[Scheduler, float]:
+    """Client "a" decodes 1 row a call over ``LAYERS`` layers (the queue serves it: "f" has joined);
+    then client "f" floods layer l1 with three 16,384-row requests, and one flood product of 10 ms
+    spends the flood's allowance (``Scheduler._allowed``): "a" is an active decoder, so the flood
+    is held until the allowance fills again (at 5% of the wall clock). Returns the scheduler and
+    the time just after that product."""
+    scheduler = Scheduler(SchedulerConfig(**options))
+    scheduler.client_joined("f")
+    now, request_id = 0.0, 0
+    for _ in range(3):
+        for layer in range(LAYERS):
+            now = _served_by_queue(scheduler, PendingRequest(request_id, "a", f"l{layer}", Op.FORWARD, 1, D, now))
+            request_id += 1
+            now += 0.0005
+    scheduler._guard.backlog_share = 0.05  # as the decoder's slowed tokens would have brought it down
+    for i in range(3):
+        scheduler.add(PendingRequest(1000 + i, "f", "l1", Op.FORWARD, 16_384, F, now))
+    batch = scheduler.next_batch(now)
+    assert batch is not None and {s.request_id for s in batch.slices} <= {1000, 1001, 1002}
+    scheduler.batch_done(batch, 0.010, now + 0.010)
+    return scheduler, now + 0.0101
+
+
+@pytest.mark.parametrize("options", HOLD_FOR_NO_ONE)
+def test_a_decoder_beside_a_flood_its_pacing_holds_is_served_at_once(options):
+    """A flood held by its pacing would neither lead a batch nor ride along in the decoder's, so
+    the decoder's request is served as with nothing pending: at once, skipping the queue (in
+    process, the queue's path cost a decoder beside a held flood twice its time per call). The
+    queue agrees, on a copy; once the allowance has filled, the flood's rows may ride along and
+    the request keeps the queue."""
+    scheduler, now = _decoder_beside_a_spent_flood(options)
+    queue = copy.deepcopy(scheduler)
+    assert _at_once(scheduler, "a", now, layer="l1")
+    queue.add(PendingRequest(5000, "a", "l1", Op.FORWARD, 1, D, now))
+    assert [(p.request_id, p.stop) for p in queue.next_batch(now).slices] == [(5000, 1)]
+
+    scheduler, now = _decoder_beside_a_spent_flood(options)
+    assert not _at_once(scheduler, "a", now + 0.5, layer="l1")  # refilled

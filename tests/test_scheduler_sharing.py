@@ -1066,3 +1066,43 @@ def test_the_tuner_counts_a_clients_sequences_in_its_latency_work_only(monkeypat
     Simulation(SchedulerConfig(), walkers).run(0.2)
     assert seen["d0"] == seen["d1"] == {(4, 4)}
     assert seen["ft"] and all(latency_rows == 0 for _, latency_rows in seen["ft"])
+
+
+def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
+    """With bulk work on runners of its own (``bulk_lane="background"``, ``next_batch(lane=BULK)``)
+    the OS keeps bulk products out of the decoders' way, but a flood's client and the server's
+    socket thread still take the host's cores at normal priority, so a flood is paced there as on
+    a shared lane: cut to products its allowance can owe, and held while the allowance is spent
+    and a decoder is active -- a fine-tuning client walking its layers, one request at a time, is
+    not. Without an active decoder the flood runs unpaced."""
+    from symbiosis.executor.scheduler import CREDIT_CAP_S, Lane
+
+    scheduler = Scheduler(SchedulerConfig(bulk_lane="background"))
+    scheduler._guard.backlog_share = 0.05  # as a decoder's slowed tokens would have brought it down
+    now, request_id = 0.0, 0
+    for layer in range(4):  # "a" decodes (latency lane), so it is an active decoder
+        scheduler.add(PendingRequest(request_id, "a", f"l{layer}", Op.FORWARD, 1, D, now))
+        scheduler.next_batch(now, Lane.LATENCY)
+        request_id += 1
+        now += 0.0005
+    for i in range(3):
+        scheduler.add(PendingRequest(1000 + i, "f", "big", Op.FORWARD, 16_384, F, now))
+    first = scheduler.next_batch(now, Lane.BULK)
+    assert first is not None
+    scheduler.batch_done(first, first.rows * 1e-6, now + first.rows * 1e-6)  # 1 us a row, learned
+    now += 0.1  # the allowance has filled again
+    scheduler.add(PendingRequest(request_id, "a", "l0", Op.FORWARD, 1, D, now))  # still decoding
+    scheduler.next_batch(now, Lane.LATENCY)
+    batch = scheduler.next_batch(now, Lane.BULK)
+    assert batch is not None and batch.rows <= CREDIT_CAP_S / 1e-6 + 1  # cut to what its allowance can owe
+    scheduler.batch_done(batch, 4 * CREDIT_CAP_S, now + 4 * CREDIT_CAP_S)  # it took longer: spent
+    now += 4 * CREDIT_CAP_S
+    held, wakeup = scheduler.next_batch_or_wakeup(now, Lane.BULK)
+    assert held is None and now < wakeup < now + 1.0  # held until its allowance fills again
+
+    scheduler.add(PendingRequest(2000, "t", "other", Op.FORWARD, 256, F, now))  # a fine-tuning walk
+    walk = scheduler.next_batch(now, Lane.BULK)
+    assert walk is not None and [s.request_id for s in walk.slices] == [2000]
+    quiet = now + 2.0  # the decoder is gone: the flood runs unpaced, a whole row budget
+    unpaced = scheduler.next_batch(quiet, Lane.BULK)
+    assert unpaced is not None and unpaced.rows == scheduler.config.row_budget

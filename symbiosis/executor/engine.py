@@ -27,7 +27,8 @@ Bulk work (fine-tuning, long prompts: the scheduler's bulk lane) has threads of 
 ``SchedulerConfig.bulk_lane`` says ``background`` (``symbiosis serve``'s default on a CPU): they run
 bulk batches beside the latency runners above, at the OS's background CPU priority (SCHED_IDLE),
 so a decode request never waits behind a bulk product -- the OS takes the core back for latency
-work the moment it wakes -- and bulk work gets the CPU time latency work leaves. The latency
+work the moment it wakes -- and bulk work gets the CPU time latency work leaves (a flood is still
+paced: ``Scheduler.next_batch``; a bulk thread waits for the scheduler's wake-up then). The latency
 runners then take latency work only. Measured (co-serving phase of ``benchmarks/serving.py``: a
 serving client over shm beside 2 fine-tuning jobs): p95 inter-token latency x1.09-1.48 of
 inference alone (median x1.23, 14 runs) against x2.5-3.0 with one runner for both lanes. With
@@ -190,6 +191,7 @@ class ExecutionEngine:
         self._in_process_callers: set[str] = set()
         # Which threads ran products (observability; in-process and driven servers should leave
         # the compute thread idle, see the module doc). "alone": the lone-client fast path.
+        self._callers_blocked = 0  # waiting callers that wait for the product in progress to end
         self._batches_run_by = {"alone": 0, "caller": 0, "driver": 0, "compute_thread": 0}
         self.device, self.dtype = weights.device, weights.dtype
         # What a product costs, for the scheduler's cost model: on a CPU, the computing thread's CPU
@@ -209,8 +211,8 @@ class ExecutionEngine:
         bulk_thread = scheduler.config.bulk_lane == "background"  # "auto": see resolve_bulk_lane
         if bulk_thread and scheduler.config.decode_slo_ms is not None:
             log.warning(
-                "decode_slo_ms has no effect with bulk_lane='background': bulk work runs at the OS's background "
-                "priority instead of being paced to the target (bulk_lane='shared' paces it)"
+                "decode_slo_ms paces only floods with bulk_lane='background': other bulk work runs at the OS's "
+                "background priority instead of being paced to the target (bulk_lane='shared' paces it)"
             )
         # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
         # (``_bulk_loop``); the other runners then take latency work only.
@@ -387,12 +389,17 @@ class ExecutionEngine:
                         )
                         break
                     batch, wakeup = None, None  # another thread computes: it notifies when done
-                    if not self._computing:
+                    blocked = self._computing
+                    if not blocked:
                         batch, wakeup = self.scheduler.next_batch_or_wakeup(now, self._latency_lane)
                     if batch is not None:
                         self._run_locked(batch, "caller")
                         continue
-                    cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
+                    self._callers_blocked += blocked
+                    try:
+                        cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
+                    finally:
+                        self._callers_blocked -= blocked
             finally:
                 self._callers_waiting -= 1
                 del self._caller_cvs[request_id]
@@ -487,7 +494,7 @@ class ExecutionEngine:
                 counters.latency_s += self._clock() - started
                 self.scheduler.served_alone(client_id, local.shape[0], latency_class, layer_id, op, cost)
                 self._batches_run_by["alone"] += 1
-                self._computing_done()
+                self._computing_done(queue_changed=False)
         if local is rows and result.dtype is rows.dtype:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
@@ -629,7 +636,7 @@ class ExecutionEngine:
             while self._running:
                 now = self._clock()
                 idle = len(self._bulk_threads) - self._bulk_computing  # this one included
-                batch = self.scheduler.next_batch(now, Lane.BULK, share=idle)
+                batch, wakeup = self.scheduler.next_batch_or_wakeup(now, Lane.BULK, share=idle)
                 if batch is not None:
                     more = self.scheduler.has_pending(Lane.BULK)
                     if idle > 1 and more:
@@ -644,8 +651,8 @@ class ExecutionEngine:
                         self._run_locked(batch, "bulk_thread")
                     finally:
                         self._bulk_cores_busy -= threads
-                else:  # bulk work is never held (see ``Scheduler.next_batch``): none is pending
-                    self._bulk_cv.wait()
+                else:  # none is pending, or a flood is paced until ``wakeup`` (``Scheduler.next_batch``)
+                    self._bulk_cv.wait(None if wakeup is None else max(0.0, wakeup - now))
 
     def _bulk_threads_for(self, now: float, more: bool) -> int:
         """The torch threads of the batch a bulk thread just took (holding ``_cond``): one when
@@ -690,17 +697,22 @@ class ExecutionEngine:
             else:
                 self._computing_done(finished, runner == "caller")
 
-    def _computing_done(self, finished: list[int] = (), by_caller: bool = False) -> None:
+    def _computing_done(self, finished: list[int] = (), by_caller: bool = False, queue_changed: bool = True) -> None:
         """A product finished (holding ``_cond``): the callers of the requests it ``finished`` learn
         their results; unless a caller ran it (it goes on running batches, or wakes a runner as it
         leaves), one waiting caller gets its turn to compute; without callers, whoever runs what
-        is left is woken."""
+        is left is woken. Not after a product served alone (``queue_changed=False``) unless a
+        caller waits for the product to end: the others wait for a time their last plan gave,
+        which a product outside the queue did not move; woken, one plans for nothing. Beside a
+        flood held by its pacing, that was a flood thread woken after each of a decoder's
+        products, planning under the interpreter lock the decoder needs."""
         self._computing = False
         self._notify_callers_of(finished)
         if by_caller:
             return
         if self._callers_waiting:
-            self._wake_a_runner()
+            if queue_changed or self._callers_blocked:
+                self._wake_a_runner()
         elif self._work_for_latency_runners():
             self._wake_others()
 

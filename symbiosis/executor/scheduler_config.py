@@ -107,7 +107,8 @@ class SchedulerConfig:
             "time the target leaves (learned from the decoders' token times; never below 5%). Unset: no target, "
             "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows). Acts on a shared bulk lane "
             "only: with --bulk-lane background (serve's default on a CPU) bulk work runs at the OS's background "
-            "priority instead, which already gives decoders every core they want, and the target changes nothing."
+            "priority instead, which already gives decoders every core they want, and the target paces only a "
+            "flood (a client keeping several requests queued)."
         ),
     )
     decode_slowdown: float = field(
@@ -137,7 +138,8 @@ class SchedulerConfig:
             "Who runs bulk products (fine-tuning, long prompts). 'background': a thread of their own at the "
             "OS's background CPU priority (SCHED_IDLE), beside the products of latency work, so a decode "
             "request never waits behind one: the OS stops it for latency work at once, and bulk work gets "
-            "the CPU time latency work leaves (none while it takes every core). 'shared': the runners of "
+            "the CPU time latency work leaves (none while it takes every core); a flood is still paced "
+            "(see --decode-slowdown). 'shared': the runners of "
             "latency work run bulk products too, one product at a time, bulk owed its fair share and paced "
             "and cut into chunks for the decoders as --decode-slo-ms and --decode-slowdown say. 'auto' "
             "(default): background for `symbiosis serve` on a CPU (not yet with --shards); shared on an "
