@@ -1106,3 +1106,30 @@ def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
     quiet = now + 2.0  # the decoder is gone: the flood runs unpaced, a whole row budget
     unpaced = scheduler.next_batch(quiet, Lane.BULK)
     assert unpaced is not None and unpaced.rows == scheduler.config.row_budget
+
+
+def test_a_decoder_served_at_once_beside_bulk_clients_is_seen_by_the_decode_guard():
+    """On a background bulk lane a decoder whose only neighbours are bulk clients is served at once
+    (``serves_at_once(lane=LATENCY)``, the engine's fast path); its calls are still recorded, so
+    the decode guard knows it decodes and at what pace, and a flood beside it is paced when its
+    tokens slow down. (Unrecorded, the guard saw 0-2 tokens of such a bystander in a 6 s window,
+    and the flood was never paced.) A client with no one else joined records nothing."""
+    from symbiosis.executor.scheduler import Lane
+
+    scheduler = Scheduler(SchedulerConfig(bulk_lane="background"))
+    for i in range(3):
+        scheduler.add(PendingRequest(1000 + i, "f", "big", Op.FORWARD, 16_384, F, 0.0))
+    now = 0.0
+    for token in range(8):
+        for layer in range(4):
+            assert scheduler.serves_at_once("a", f"l{layer}", Op.FORWARD, 1, D, now, Lane.LATENCY)
+            scheduler.served_alone("a", 1, D)
+            now += 0.001 if token < 3 else 0.004  # its tokens become 4x slower (the flood's cores)
+    assert scheduler._guard.active(now) == ["a"]
+    guard = scheduler.stats()["decode_guard"]
+    assert guard["token_samples"] >= 6
+    assert guard["token_samples_over_own_target"] >= 3 and guard["backlog_share"] < 0.2
+
+    lone = Scheduler(SchedulerConfig(bulk_lane="background"))
+    assert lone.serves_at_once("a", "l0", Op.FORWARD, 1, D, 0.0, Lane.LATENCY)
+    assert lone.stats()["decode_guard"]["decoders_tracked"] == 0

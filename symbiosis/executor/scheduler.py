@@ -867,8 +867,14 @@ class Scheduler:
         queue cuts it into chunks. So does a request whose client has one pending (order).
 
         The request's arrival and hand-out are recorded as the queue records them (arrival
-        predictor, decode guard, wait tuner), so that the same decisions follow."""
+        predictor, decode guard, wait tuner), so that the same decisions follow -- also for a
+        latency request alone on its lane beside bulk clients: unrecorded, a decoder beside a
+        flood was invisible to the decode guard, which then never paced the flood (client
+        processes: 0-2 token samples in a 6 s window beside a flood labelled finetune). Not for a
+        client with no one else joined: no one's work is paced for it."""
         if self.alone(client_id, lane):
+            if lane is LATENCY and len(self._clients) > 1:
+                self._note_served_at_once(client_id, layer_id, op, rows, latency_class, now_s)
             return True
         if self.lane_of(latency_class, rows) is not LATENCY:
             return False
@@ -877,13 +883,19 @@ class Scheduler:
         self._tick_tuner(now_s)
         if self._holds_for_someone(client_id, layer_id, op, rows, latency_class, now_s):
             return False
+        self._note_served_at_once(client_id, layer_id, op, rows, latency_class, now_s)
+        return True
+
+    def _note_served_at_once(
+        self, client_id: str, layer_id: str, op: Op, rows: int, latency_class: LatencyClass, now_s: float
+    ) -> None:
+        """Record a latency request served at once as the queue records one it hands out at once."""
         client = self._client_state.get(client_id)
         if client is None:
             client = self._client_state[client_id] = _Client(client_id)
         request = PendingRequest(-1, client_id, layer_id, op, rows, latency_class, now_s)
         self._note_arrival(client, request, LATENCY)
         self._note_hand_out(request, LATENCY, now_s)
-        return True
 
     def _only_held_floods(self, now_s: float) -> bool:
         """Whether all that is pending is floods the queue holds now (each client a flood, no target,
