@@ -640,8 +640,8 @@ class Scheduler:
         """``entry``'s client has a backlog -- several requests queued, or more rows of one left
         than a batch holds (``row_budget``): a flood, not a client walking its layers. The second:
         a client sending one 16,384-row request at a time evaded the pacing that held the same
-        rows sent 8 at a time -- client threads: the bystander's p95 x5-6 of alone beside it while
-        it moved ~250k rows/s, against x1.6-1.7 and ~10k rows/s. A fine-tuning step of up to
+        rows sent 8 at a time -- client threads: the bystander's p95 x4.6-5.7 of alone beside it while
+        it moved ~250k rows/s; x1.6-1.8 and ~11k rows/s once paced. A fine-tuning step of up to
         ``row_budget`` rows a layer (4096: batch 8 x 512 tokens) is not a backlog."""
         return len(entry.client.entries) > 1 or entry.remaining > self.config.row_budget
 
@@ -657,7 +657,7 @@ class Scheduler:
 
     def _delay_budget_s(self, now_s: float, exclude: str | None = None, backlog: bool = False) -> float | None:
         """The decode guard's budget (``pacing.DecodeGuard.delay_budget_s``). A product for a client
-        with a ``backlog`` (several requests queued: a flood) is measured against the decoders'
+        with a ``backlog`` (a flood: ``_is_flood``) is measured against the decoders'
         own pace (lower envelope, token-time floor), which a starved decoder cannot inflate; other
         bulk work (a fine-tuning client walking its layers, one request at a time) against their
         pace as seen, as it always was: cutting that to the decoders' fastest pace left fine-tuning

@@ -108,7 +108,7 @@ class SchedulerConfig:
             "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows). Acts on a shared bulk lane "
             "only: with --bulk-lane background (serve's default on a CPU) bulk work runs at the OS's background "
             "priority instead, which already gives decoders every core they want, and the target paces only a "
-            "flood (a client keeping several requests queued)."
+            "flood (a client keeping several requests queued, or one larger than --row-budget)."
         ),
     )
     decode_slowdown: float = field(
@@ -116,8 +116,9 @@ class SchedulerConfig:
         metadata=_help(
             "Without --decode-slo-ms: the longest one product may delay an active decode client's layer call, "
             "as a multiple of that client's own time per call (learned); bulk rows are cut into chunks that "
-            "fit; and a client flooding the executor (several requests queued) is paced so that a decode "
-            "client's tokens stay within (1 + this) times its fastest token at p95 (a flood slows decoders "
+            "fit; and a client flooding the executor (several requests queued, or one larger than --row-budget) "
+            "is paced so that a decode client's tokens stay within (1 + this) times its fastest token at p95 "
+            "(a flood slows decoders "
             "outside the queue too: the server's socket thread, the host's cores). 1.0 bounds a decode step "
             "at about twice its time alone."
         ),
