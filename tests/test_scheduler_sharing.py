@@ -1068,13 +1068,11 @@ def test_the_tuner_counts_a_clients_sequences_in_its_latency_work_only(monkeypat
     assert seen["ft"] and all(latency_rows == 0 for _, latency_rows in seen["ft"])
 
 
-def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
-    """With bulk work on runners of its own (``bulk_lane="background"``, ``next_batch(lane=BULK)``)
-    the OS keeps bulk products out of the decoders' way, but a flood's client and the server's
-    socket thread still take the host's cores at normal priority, so a flood is paced there as on
-    a shared lane: cut to products its allowance can owe, and held while the allowance is spent
-    and a decoder is active -- a fine-tuning client walking its layers, one request at a time, is
-    not. Without an active decoder the flood runs unpaced."""
+def _paced_beside_a_decoder_on_a_background_lane(flood: list[tuple[int, int]]) -> tuple[Scheduler, float]:
+    """A decoder "a" active on the latency lane and a flooding client "f" (``flood``: its requests,
+    (request id, rows)) on a background bulk lane: asserts that the flood's products are cut to
+    what its allowance can owe, and held while the allowance is spent. Returns the scheduler and
+    the time then."""
     from symbiosis.executor.scheduler import CREDIT_CAP_S, Lane
 
     scheduler = Scheduler(SchedulerConfig(bulk_lane="background"))
@@ -1085,8 +1083,8 @@ def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
         scheduler.next_batch(now, Lane.LATENCY)
         request_id += 1
         now += 0.0005
-    for i in range(3):
-        scheduler.add(PendingRequest(1000 + i, "f", "big", Op.FORWARD, 16_384, F, now))
+    for flood_id, rows in flood:
+        scheduler.add(PendingRequest(flood_id, "f", "big", Op.FORWARD, rows, F, now))
     first = scheduler.next_batch(now, Lane.BULK)
     assert first is not None
     scheduler.batch_done(first, first.rows * 1e-6, now + first.rows * 1e-6)  # 1 us a row, learned
@@ -1099,7 +1097,19 @@ def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
     now += 4 * CREDIT_CAP_S
     held, wakeup = scheduler.next_batch_or_wakeup(now, Lane.BULK)
     assert held is None and now < wakeup < now + 1.0  # held until its allowance fills again
+    return scheduler, now
 
+
+def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
+    """With bulk work on runners of its own (``bulk_lane="background"``, ``next_batch(lane=BULK)``)
+    the OS keeps bulk products out of the decoders' way, but a flood's client and the server's
+    socket thread still take the host's cores at normal priority, so a flood is paced there as on
+    a shared lane: cut to products its allowance can owe, and held while the allowance is spent
+    and a decoder is active -- a fine-tuning client walking its layers, one request at a time, is
+    not. Without an active decoder the flood runs unpaced."""
+    from symbiosis.executor.scheduler import Lane
+
+    scheduler, now = _paced_beside_a_decoder_on_a_background_lane([(1000 + i, 16_384) for i in range(3)])
     scheduler.add(PendingRequest(2000, "t", "other", Op.FORWARD, 256, F, now))  # a fine-tuning walk
     walk = scheduler.next_batch(now, Lane.BULK)
     assert walk is not None and [s.request_id for s in walk.slices] == [2000]
@@ -1139,33 +1149,12 @@ def test_one_request_larger_than_a_batch_is_a_backlog_paced_like_a_flood():
     """A client that sends ONE 16,384-row request at a time has more rows queued than a batch holds
     (``row_budget``): a backlog, paced like several requests queued -- before, it evaded the pacing
     (client threads: the bystander's p95 x4.6-5.7 of alone beside it, x1.6-1.7 beside the same
-    rows sent 8 at a time). A fine-tuning step of ``row_budget`` rows or fewer walking its layers is not
-    paced; nor is the last batch of a large request, once fewer rows than a batch are left."""
-    from symbiosis.executor.scheduler import CREDIT_CAP_S, Lane
+    rows sent 8 at a time). A fine-tuning step of ``row_budget`` rows walking its layers is not
+    paced, and without a decoder the large request runs unpaced."""
+    from symbiosis.executor.scheduler import Lane
 
-    scheduler = Scheduler(SchedulerConfig(bulk_lane="background"))
-    scheduler._guard.backlog_share = 0.05  # as a decoder's slowed tokens would have brought it down
-    budget = scheduler.config.row_budget
-    now, request_id = 0.0, 0
-    for layer in range(4):  # "a" decodes (latency lane), so it is an active decoder
-        scheduler.add(PendingRequest(request_id, "a", f"l{layer}", Op.FORWARD, 1, D, now))
-        scheduler.next_batch(now, Lane.LATENCY)
-        request_id += 1
-        now += 0.0005
-    scheduler.add(PendingRequest(1000, "f", "big", Op.FORWARD, 4 * budget, F, now))  # one request
-    first = scheduler.next_batch(now, Lane.BULK)
-    assert first is not None
-    scheduler.batch_done(first, first.rows * 1e-6, now + first.rows * 1e-6)  # 1 us a row, learned
-    now += 0.1  # the allowance has filled again
-    scheduler.add(PendingRequest(request_id, "a", "l0", Op.FORWARD, 1, D, now))  # still decoding
-    scheduler.next_batch(now, Lane.LATENCY)
-    batch = scheduler.next_batch(now, Lane.BULK)
-    assert batch is not None and batch.rows <= CREDIT_CAP_S / 1e-6 + 1  # cut to what its allowance can owe
-    scheduler.batch_done(batch, 4 * CREDIT_CAP_S, now + 4 * CREDIT_CAP_S)  # it took longer: spent
-    now += 4 * CREDIT_CAP_S
-    held, wakeup = scheduler.next_batch_or_wakeup(now, Lane.BULK)
-    assert held is None and now < wakeup < now + 1.0  # held until its allowance fills again
-
+    budget = SchedulerConfig().row_budget
+    scheduler, now = _paced_beside_a_decoder_on_a_background_lane([(1000, 4 * budget)])  # one request
     scheduler.add(PendingRequest(2000, "t", "other", Op.FORWARD, budget, F, now))  # a fine-tuning walk
     walk = scheduler.next_batch(now, Lane.BULK)
     assert walk is not None and [s.request_id for s in walk.slices] == [2000] and walk.rows == budget
