@@ -1123,13 +1123,17 @@ def test_a_decoder_served_at_once_beside_bulk_clients_is_seen_by_the_decode_guar
     (``serves_at_once(lane=LATENCY)``, the engine's fast path); its calls are still recorded, so
     the decode guard knows it decodes and at what pace, and a flood beside it is paced when its
     tokens slow down. (Unrecorded, the guard saw 0-2 tokens of such a bystander in a 6 s window,
-    and the flood was never paced.) A client with no one else joined records nothing."""
+    and the flood was never paced.) Its very first call counts too, before it has joined; a client
+    with no one else joined records nothing."""
     from symbiosis.executor.scheduler import Lane
 
     scheduler = Scheduler(SchedulerConfig(bulk_lane="background"))
     for i in range(3):
         scheduler.add(PendingRequest(1000 + i, "f", "big", Op.FORWARD, 16_384, F, 0.0))
-    now = 0.0
+    assert scheduler.serves_at_once("a", "l0", Op.FORWARD, 1, D, 0.0, Lane.LATENCY)
+    assert scheduler.stats()["decode_guard"]["decoders_tracked"] == 1  # the first call, "a" not yet joined
+    scheduler.served_alone("a", 1, D)
+    now = 0.001
     for token in range(8):
         for layer in range(4):
             assert scheduler.serves_at_once("a", f"l{layer}", Op.FORWARD, 1, D, now, Lane.LATENCY)

@@ -338,8 +338,8 @@ class DecodeGuard:
         decoder (other than ``exclude``) is active or none has a measured pace yet.
         ``gap_of(client_id)``: the client's own time per layer call (or None). ``backlog``: the
         product serves a client with a backlog (a flood, not a fine-tuning walk:
-        ``Scheduler._is_flood``): without a target, the decoder's pace is then taken no slower than its token-time
-        floor per call (see the module doc)."""
+        ``Scheduler._is_flood``): without a target, the decoder's pace is then taken no slower
+        than its token-time floor per call (see the module doc)."""
         budget = math.inf
         for client_id in self.active(now_s):
             if client_id == exclude:

@@ -878,7 +878,7 @@ class Scheduler:
         processes: 0-2 token samples in a 6 s window beside a flood labelled finetune). Not for a
         client with no one else joined: no one's work is paced for it."""
         if self.alone(client_id, lane):
-            if lane is LATENCY and len(self._clients) > 1:
+            if lane is LATENCY and len(self._clients) > (client_id in self._clients):  # someone else joined
                 self._note_served_at_once(client_id, layer_id, op, rows, latency_class, now_s)
             return True
         if self.lane_of(latency_class, rows) is not LATENCY:

@@ -118,9 +118,8 @@ class SchedulerConfig:
             "as a multiple of that client's own time per call (learned); bulk rows are cut into chunks that "
             "fit; and a client flooding the executor (several requests queued, or one larger than --row-budget) "
             "is paced so that a decode client's tokens stay within (1 + this) times its fastest token at p95 "
-            "(a flood slows decoders "
-            "outside the queue too: the server's socket thread, the host's cores). 1.0 bounds a decode step "
-            "at about twice its time alone."
+            "(a flood slows decoders outside the queue too: the server's socket thread, the host's cores). "
+            "1.0 bounds a decode step at about twice its time alone."
         ),
     )
     decode_share_rows: int = field(
