@@ -72,12 +72,14 @@ def _client_main(conn, path: str, background: bool) -> None:
 
     from benchmarks import batching_clients as clients
     from benchmarks.options import quiet_libraries
+    from symbiosis.heap import skip_exit_collection
 
     torch.set_num_threads(1)  # one core's worth per client; the executor process takes its own
     quiet_libraries()
     while True:
         command, payload = conn.recv()
         if command == "exit":
+            skip_exit_collection()  # ~1 s of every client's exit otherwise (symbiosis/heap.py)
             return
         spec, address, seed, prompt_len, segment_tokens, warmup_s = payload
         try:

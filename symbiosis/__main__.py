@@ -1,3 +1,3 @@
-from symbiosis.cli import main
+from symbiosis.cli import run
 
-main()
+run()

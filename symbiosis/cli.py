@@ -72,6 +72,20 @@ BUG_REPORT_LINE = (
 )
 
 
+def run() -> None:
+    """The ``symbiosis`` command (and ``python -m symbiosis``): ``main()`` in a process of its own,
+    whose serving verbs freeze their startup heap and which skips the interpreter's last
+    collection at exit (``symbiosis/heap.py``: ~1 s for a process that loaded a model). ``main()``
+    itself leaves the caller's heap alone (tests run it in-process)."""
+    from symbiosis import heap
+
+    heap.own_this_process()
+    try:
+        main()
+    finally:
+        heap.skip_exit_collection()
+
+
 def main() -> None:
     """Run the CLI. Errors the user can fix (``SymbiosisError``: a bad flag value, a missing file,
     an unreachable executor) print one line and exit 2; click's usage errors print their usage

@@ -140,8 +140,10 @@ def api_command(
     gets one request carrying all running sequences' rows; requests for different adapters share
     a batch. Point the `openai` client at http://HOST:PORT/v1. Ready when GET /health answers 200.
     """
+    from symbiosis.heap import freeze_startup_heap
     from symbiosis.serving.server import ApiOptions, ApiServer, parse_adapter_specs, read_api_keys
 
+    freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
     options = ApiOptions(
         model=model,
         client=ClientOptions(
@@ -181,6 +183,7 @@ def api_command(
             + f"); GET {url}/health, {url}/metrics",
         )
 
+    freeze_startup_heap()  # what this process keeps while it serves: no collection walks it again
     server.run(on_ready=ready)
 
 

@@ -124,6 +124,9 @@ def serve(
     """
     from symbiosis.executor.executor import BaseExecutor, parse_device
     from symbiosis.executor.scheduler_config import resolve_bulk_lane
+    from symbiosis.heap import freeze_startup_heap
+
+    freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
 
     if (curve_secret_key is None) != (authorized_clients is None):
         raise typer.BadParameter("--curve-secret-key and --authorized-clients go together")
@@ -187,6 +190,7 @@ def serve(
     except BaseException:
         executor.close(drain=False)
         raise
+    freeze_startup_heap()  # what this process keeps while it serves: no collection walks it again
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

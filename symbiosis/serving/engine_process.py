@@ -457,8 +457,11 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
     import torch
     import zmq
 
+    from symbiosis.heap import freeze_startup_heap
     from symbiosis.jobs.client import load_tokenizer
     from symbiosis.serving.server import build_engine, executor_target
+
+    freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
 
     # Ctrl+C, or a stop signal to the whole process group, reaches the parent too, which finishes
     # what it serves and then stops us: going first would fail its last requests.
@@ -502,6 +505,7 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
             target.close()
         return
     engine, pool = parts.engine, parts.engine.pool
+    freeze_startup_heap()  # what this process keeps while it serves: no collection walks it again
     send({"op": "ready", "max_context": parts.max_context})
 
     def answer(message: dict, work) -> None:
@@ -568,4 +572,10 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    from symbiosis import heap
+
+    heap.own_this_process()
+    try:
+        serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    finally:
+        heap.skip_exit_collection()

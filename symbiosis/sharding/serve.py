@@ -44,6 +44,7 @@ from symbiosis.executor.engine import ExecutionEngine
 from symbiosis.executor.executor import parse_dtype
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights
+from symbiosis.heap import freeze_startup_heap
 from symbiosis.sharding import messages as M
 from symbiosis.sharding.executor import ShardedExecutor, ShardSetup
 from symbiosis.sharding.gather import GatheredWeights, GatherSequencer, load_row_shards
@@ -153,6 +154,7 @@ def run_rank(request: ServeRequest, info: RankInfo, echo=None) -> int:
     """Serve as rank ``info.rank`` until a signal (exit status 0) or a failure (status 1, see
     module doc; the process ends here then)."""
     echo = echo or _echo
+    freeze_startup_heap(collect=False)  # the modules imported (see heap.py)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -185,6 +187,7 @@ def run_rank(request: ServeRequest, info: RankInfo, echo=None) -> int:
         from symbiosis.executor.metrics import MetricsServer
 
         metrics = MetricsServer(executor, request.metrics_port)
+    freeze_startup_heap()  # what this rank keeps while it serves: no collection walks it again
     if info.is_entry:
         stats = executor.local_stats()["shard"]
         echo(
