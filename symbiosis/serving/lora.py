@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft.utils.other import get_pattern_key
 from safetensors.torch import load_file
 from torch import nn
 
@@ -158,7 +157,7 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
     # peft scales by the config's rank, and refuses weights of another: so do we, rather than
     # serve an update whose scale no monolithic model would use.
     rank_pattern = _pattern(path, config, "rank_pattern", module)
-    configured = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.get("r", 8))
+    configured = rank_pattern.get(_pattern_key(rank_pattern, module), config.get("r", 8))
     if configured != rank:
         raise AdapterFormatError(
             f"adapter {str(path)!r}: {module} has rank {rank} weights but its adapter_config.json says r={configured}"
@@ -169,7 +168,7 @@ def _lora_module(path: Path, module: str, pair: dict, config: dict, layer_shapes
     if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
         raise AdapterFormatError(f"adapter {str(path)!r}: {module} holds NaN or infinite weights")
     alpha_pattern = _pattern(path, config, "alpha_pattern", module)
-    alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.get("lora_alpha", 8))
+    alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module), config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraModule(a, b, float(scaling))
 
@@ -181,10 +180,21 @@ def _pattern(path: Path, config: dict, option: str, module: str) -> dict:
     try:
         if not isinstance(pattern, dict):
             raise TypeError(f"expected an object, got {type(pattern).__name__}")
-        get_pattern_key(list(pattern), module)
+        _pattern_key(pattern, module)
     except (TypeError, re.error) as exc:
         raise AdapterFormatError(f"adapter {str(path)!r}: {option} is not usable: {exc}") from None
     return pattern
+
+
+def _pattern_key(pattern: dict, module: str) -> str:
+    """peft's ``get_pattern_key``: the key of ``pattern`` that names ``module``, else ``module``.
+    Without a pattern (most adapters) peft is not imported: its import is ~2 s of a server's
+    start on this host, in the API process and again in its engine process."""
+    if not pattern:
+        return module
+    from peft.utils.other import get_pattern_key
+
+    return get_pattern_key(list(pattern), module)
 
 
 # A gathered layout costs each row ~4 ranks' worth of a stacked one (small batched products run

@@ -373,3 +373,14 @@ def test_weights_of_another_rank_than_the_config_says_are_refused(tmp_path):
     adapter = load({"r": 4, "rank_pattern": {"q": 2, "v": 2}})
     assert {m.scaling for m in adapter.modules.values()} == {4.0}
     assert load({"r": 2}).modules["layers.0.q"].scaling == 4.0
+
+
+def test_the_server_starts_without_importing_peft():
+    """peft's import was ~2 s of every API server's start (and again in its engine process), for
+    one helper that only adapters with a rank or alpha pattern need (``lora._pattern_key``)."""
+    import subprocess
+    import sys
+
+    code = "import sys, symbiosis.serving.server, symbiosis.serving.engine_process; print('peft' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
