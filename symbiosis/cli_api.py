@@ -140,39 +140,48 @@ def api_command(
     gets one request carrying all running sequences' rows; requests for different adapters share
     a batch. Point the `openai` client at http://HOST:PORT/v1. Ready when GET /health answers 200.
     """
-    from symbiosis.heap import freeze_startup_heap
-    from symbiosis.serving.server import ApiOptions, ApiServer, parse_adapter_specs, read_api_keys
+    from symbiosis.serving.engine_spawn import spawn_engine_process
 
-    freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
-    options = ApiOptions(
-        model=model,
-        client=ClientOptions(
-            executor=executor,
-            embedded=embedded,
-            device=device,
-            dtype=dtype,
-            timeout_s=timeout,
-            connect_timeout_s=connect_timeout,
-            quantization=quantization,
-        ),
-        adapters=parse_adapter_specs(adapter or []),
-        adapter_dir=adapter_dir,
-        host=host,
-        port=port,
-        served_model_name=served_model_name,
-        api_keys=read_api_keys(api_key or [], api_keys),
-        max_concurrent_requests=max_concurrent_requests,
-        max_batch_size=max_batch_size,
-        max_loaded_adapters=max_loaded_adapters,
-        kv_cache_mb=kv_cache_mb,
-        prefill_chunk_tokens=prefill_chunk_tokens,
-        allow_adapter_updates=allow_adapter_updates,
-        allow_non_loopback=allow_non_loopback,
-        engine_process=engine_process,
-        executor_bind=tuple(executor_bind or ()),
-        shutdown_timeout_s=shutdown_timeout,
-    )
-    server = ApiServer(options)
+    # First thing: the engine process's imports run beside this process's own (engine_spawn.py).
+    spawned = spawn_engine_process() if engine_process else None
+    try:
+        from symbiosis.heap import freeze_startup_heap
+        from symbiosis.serving.server import ApiOptions, ApiServer, parse_adapter_specs, read_api_keys
+
+        freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
+        options = ApiOptions(
+            model=model,
+            client=ClientOptions(
+                executor=executor,
+                embedded=embedded,
+                device=device,
+                dtype=dtype,
+                timeout_s=timeout,
+                connect_timeout_s=connect_timeout,
+                quantization=quantization,
+            ),
+            adapters=parse_adapter_specs(adapter or []),
+            adapter_dir=adapter_dir,
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            api_keys=read_api_keys(api_key or [], api_keys),
+            max_concurrent_requests=max_concurrent_requests,
+            max_batch_size=max_batch_size,
+            max_loaded_adapters=max_loaded_adapters,
+            kv_cache_mb=kv_cache_mb,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            allow_adapter_updates=allow_adapter_updates,
+            allow_non_loopback=allow_non_loopback,
+            engine_process=engine_process,
+            executor_bind=tuple(executor_bind or ()),
+            shutdown_timeout_s=shutdown_timeout,
+        )
+        server = ApiServer(options, spawned_engine=spawned)
+    except BaseException:  # a bad option, an unusable adapter, Ctrl-C while loading
+        if spawned is not None:
+            spawned.discard()
+        raise
     adapters = server.pool.names()
 
     def ready(url: str) -> None:

@@ -32,7 +32,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -43,6 +42,7 @@ import msgspec
 
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError, error_from_code
 from symbiosis.serving.engine import Delta, EngineHooks, Failure, GenerationRequest, Usage
+from symbiosis.serving.engine_spawn import SpawnedEngine, spawn_engine_process
 from symbiosis.serving.sampling import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("symbiosis.api")
@@ -159,20 +159,21 @@ class RemotePool:
 class RemoteEngine:
     """Starts the engine process and stands for its engine in this one (see module doc)."""
 
-    def __init__(self, options, hooks: EngineHooks) -> None:
+    def __init__(self, options, hooks: EngineHooks, spawned: SpawnedEngine | None = None) -> None:
+        """``spawned``: an engine process started earlier (``engine_spawn``), adopted; else one is
+        started now."""
         import torch
         import zmq
 
+        spawned = spawned or spawn_engine_process()
         self.hooks = hooks
-        self._folder = tempfile.mkdtemp(prefix="symbiosis-api-engine-")  # mode 0700
+        self._folder = spawned.folder
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._events = self._context.socket(zmq.PULL)
         for sock in (self._commands, self._events):
             sock.setsockopt(zmq.LINGER, 0)
-        commands, events = f"ipc://{self._folder}/commands", f"ipc://{self._folder}/events"
-        self._commands.bind(commands)
-        self._events.bind(events)
+        self._process = spawned.process
         self._send_lock = threading.Lock()
         self._sinks: dict[int, Any] = {}
         self._pending: dict[int, list] = {}  # call id -> [threading.Event, reply]
@@ -180,11 +181,9 @@ class RemoteEngine:
         self._dead: str | None = None  # why the engine process is gone
         self._closed = False
         self._stop_receiving = False
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "symbiosis.serving.engine_process", commands, events, str(os.getpid())],
-            stdin=subprocess.DEVNULL,
-        )
         try:
+            self._commands.bind(spawned.commands)
+            self._events.bind(spawned.events)
             self._wait_connected()
             self._send({"op": "config", "options": _options_to_wire(options), "torch_threads": torch.get_num_threads()})
             ready = self._wait_ready()

@@ -281,9 +281,12 @@ def share_embedded_executor(target, addresses) -> None:
 class ApiServer:
     """Everything ``symbiosis api`` runs; ``start()`` (background) or ``run()`` (foreground)."""
 
-    def __init__(self, options: ApiOptions, executor=None) -> None:
+    def __init__(self, options: ApiOptions, executor=None, spawned_engine=None) -> None:
         """``executor``: a ``BaseExecutor`` (or address) to use instead of ``options.client``'s
-        executor/embedded choice (the demo shares its own executor this way)."""
+        executor/embedded choice (the demo shares its own executor this way). ``spawned_engine``:
+        with ``options.engine_process``, an engine process started earlier to adopt
+        (``engine_spawn``; ``symbiosis api`` starts it before importing this module)."""
+        self._spawned_engine = spawned_engine
         if not is_loopback_host(options.host) and not options.allow_non_loopback:
             raise ApiConfigError(
                 f"--host {options.host} is not loopback; pass --allow-non-loopback (and --api-key) to expose the API"
@@ -326,10 +329,12 @@ class ApiServer:
         if self.in_engine_process:
             from symbiosis.serving.engine_process import RemoteEngine
 
-            self.engine = RemoteEngine(options, self.metrics)
+            self.engine = RemoteEngine(options, self.metrics, self._spawned_engine)
             self.model = None  # it lives in the engine process
             max_context, probe = self.engine.max_context, self.engine.probe
         else:
+            if self._spawned_engine is not None:  # not needed: the engine runs in this process
+                self._spawned_engine.discard()
             parts = build_engine(options, self.target, self._shared_executor, self.tokenizer, self.metrics)
             self.model, self.engine = parts.model, parts.engine
             max_context, probe = parts.max_context, parts.probe

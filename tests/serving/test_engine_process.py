@@ -292,3 +292,37 @@ def test_an_unreadable_message_from_the_engine_side_fails_requests_with_503_not_
     finally:
         server.close()
     assert server.engine._process.returncode is not None
+
+
+def _engine_processes_of(parent_pid: int) -> list[int]:
+    """Engine processes started by ``parent_pid`` (their command line ends with it) still alive."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"symbiosis.serving.engine_process" in argv and str(parent_pid).encode() in argv[-2:]:
+            found.append(int(entry.name))
+    return [pid for pid in found if pid != os.getpid()]
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_a_refused_start_leaves_no_engine_process_behind(api_model, tmp_path):
+    """``symbiosis api`` starts its engine process first thing (engine_spawn.py), before it has
+    read its options: a start refused after that stops the process it started."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "symbiosis", "api", "--model", str(api_model), "--embedded"]
+    log = tmp_path / "api.log"  # a file, not a pipe: the engine process would hold a pipe open
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            [*command, "--host", "0.0.0.0", "--port", "0"], stdout=output, stderr=subprocess.STDOUT
+        )
+        process.wait(timeout=120)
+    assert process.returncode == 2 and "--allow-non-loopback" in log.read_text(), log.read_text()
+    assert _engine_processes_of(process.pid) == []
