@@ -285,7 +285,8 @@ class ApiServer:
         """``executor``: a ``BaseExecutor`` (or address) to use instead of ``options.client``'s
         executor/embedded choice (the demo shares its own executor this way). ``spawned_engine``:
         with ``options.engine_process``, an engine process started earlier to adopt
-        (``engine_spawn``; ``symbiosis api`` starts it before importing this module)."""
+        (``engine_spawn``; ``symbiosis api`` starts it before importing this module). It is the
+        caller's to discard if this raises."""
         self._spawned_engine = spawned_engine
         if not is_loopback_host(options.host) and not options.allow_non_loopback:
             raise ApiConfigError(
@@ -306,6 +307,8 @@ class ApiServer:
         self.options = options
         self._shared_executor = executor
         self.in_engine_process = options.engine_process and executor is None
+        if spawned_engine is not None and not self.in_engine_process:
+            raise ApiConfigError("spawned_engine is for an engine process (engine_process=True, no executor)")
         # In engine-process mode the child makes the executor connection (or embedded executor).
         self.target = executor_target(options) if executor is None and not self.in_engine_process else None
         self.engine = None
@@ -333,8 +336,6 @@ class ApiServer:
             self.model = None  # it lives in the engine process
             max_context, probe = self.engine.max_context, self.engine.probe
         else:
-            if self._spawned_engine is not None:  # not needed: the engine runs in this process
-                self._spawned_engine.discard()
             parts = build_engine(options, self.target, self._shared_executor, self.tokenizer, self.metrics)
             self.model, self.engine = parts.model, parts.engine
             max_context, probe = parts.max_context, parts.probe

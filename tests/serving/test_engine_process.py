@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -295,22 +296,19 @@ def test_an_unreadable_message_from_the_engine_side_fails_requests_with_503_not_
 
 
 def _engine_processes_of(parent_pid: int) -> list[int]:
-    """Engine processes started by ``parent_pid`` (their command line ends with it) still alive."""
-    import os
-    from pathlib import Path
-
+    """Engine processes started by ``parent_pid`` (the last argument of their command line) still alive."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
         except OSError:
             continue
-        if b"symbiosis.serving.engine_process" in argv and str(parent_pid).encode() in argv[-2:]:
+        if b"symbiosis.serving.engine_process" in argv and argv[-1] == str(parent_pid).encode():
             found.append(int(entry.name))
-    return [pid for pid in found if pid != os.getpid()]
+    return found
 
 
-@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/cmdline").exists(), reason="reads /proc")
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
 def test_a_refused_start_leaves_no_engine_process_behind(api_model, tmp_path):
     """``symbiosis api`` starts its engine process first thing (engine_spawn.py), before it has
     read its options: a start refused after that stops the process it started."""
@@ -326,3 +324,14 @@ def test_a_refused_start_leaves_no_engine_process_behind(api_model, tmp_path):
         process.wait(timeout=120)
     assert process.returncode == 2 and "--allow-non-loopback" in log.read_text(), log.read_text()
     assert _engine_processes_of(process.pid) == []
+
+
+def test_an_engine_process_started_earlier_is_adopted_only_by_an_engine_process_server(api_model):
+    """``ApiServer(spawned_engine=...)`` without an engine process of its own is refused before it
+    builds anything (the caller, who started it, discards it), rather than left running."""
+    from symbiosis.jobs.client import ClientOptions
+    from symbiosis.serving.server import ApiConfigError, ApiOptions, ApiServer
+
+    options = ApiOptions(model=api_model, client=ClientOptions(embedded=True), port=0, engine_process=False)
+    with pytest.raises(ApiConfigError, match="spawned_engine is for an engine process"):
+        ApiServer(options, spawned_engine=object())
