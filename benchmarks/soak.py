@@ -1056,11 +1056,12 @@ class SoakRun:
         }
 
         growth = [self._growth(k, inc, progress) for k, inc in enumerate(self.incarnations)]
-        rss_ok = (
-            growth[0]["growth_pct"] is not None
-            and growth[0]["growth_pct"] < args.rss_target_pct
-            and all(g["growth_pct"] is None or g["growth_pct"] < args.rss_target_pct for g in growth[1:])
-        )
+        # Judged in every incarnation whose window after its warm-up holds enough samples, and at
+        # least one must: on a loaded host (another test worker beside a chaos run) the first
+        # incarnation's clients were still on their first episodes when it was killed at a third
+        # of the run, which left it no window, while the later ones had theirs.
+        judged = [g["growth_pct"] for g in growth if g["growth_pct"] is not None]
+        rss_ok = bool(judged) and all(pct < args.rss_target_pct for pct in judged)
 
         before, after = self.executor_before, self.executor_after
         executor_delta = {k: after[k] - before[k] for k in COUNTED} if after else None

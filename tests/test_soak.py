@@ -39,7 +39,10 @@ def test_soak_with_chaos(tiny_checkpoint, tmp_path):
             "--clients",
             "7",
             "--seconds",
-            "30",
+            # 45, not 30: each executor lives a third of it, and its RSS is judged only after every
+            # client finished an episode on it; beside another test worker (pytest -n 2) the first
+            # clients' episodes outlived a 10 s incarnation and no window was left to judge.
+            "45",
             "--warmup-s",
             "4",
             "--sample-interval-s",
