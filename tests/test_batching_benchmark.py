@@ -104,6 +104,29 @@ def test_busy_cores_are_over_the_time_between_the_readings_not_the_nominal_windo
     assert batching_clients.cores_busy(reading, batching_clients.remote_counters()) >= 0
 
 
+def test_the_step_under_way_at_the_windows_end_counts_for_its_share_inside(monkeypatch):
+    # A fine-tuning client whose steps take 0.4 s, in a window that ends at 1.0 s: two steps
+    # finished, and half of the third was done inside. Counting whole steps only read 2 steps'
+    # tokens (x0.8 of the client's rate); the share counts 2.5. Times are those of finished steps.
+    clock = {"now": 0.0}
+    monkeypatch.setattr(batching_clients.time, "perf_counter", lambda: clock["now"])
+
+    class FourTenthsOfASecondAStep:
+        steps = 0
+
+        def step(self) -> bool:
+            clock["now"] += 0.4
+            self.steps += 1
+            return True
+
+    client = FourTenthsOfASecondAStep()
+    record = batching_clients.ClientRecord(batching_clients.ClientSpec("finetune", batch_size=2, seq_len=128))
+    batching_clients.run_measured(client, record, end_s=1.0, stop=lambda: clock["now"] > 1.5)
+    assert client.steps == 4  # the last one began after the window: none of it counts
+    assert record.tokens == pytest.approx(2.5 * 256)
+    assert record.step_s == pytest.approx([0.4, 0.4])
+
+
 def test_serve_flags_give_serve_the_same_scheduler_config():
     """``--clients-as processes`` starts ``symbiosis serve`` with ``serve_flags(config)``: parsed by
     serve's own options, the flags must make exactly the config the thread mode uses."""
