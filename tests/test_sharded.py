@@ -267,7 +267,10 @@ def test_shards_launcher_serves_reports_every_shard_and_names_a_dead_one(tiny_ch
     /health lists both ranks; rank 1 killed with no restart left: the client's call fails with an
     error naming shard 1, and the launcher exits non-zero (never hangs)."""
     path = tiny_checkpoint("gpt2")
-    extra = ["--shards", "2", "--shard-strategy", "fsdp", "--max-restarts", "0", "--failure-linger-s", "5"]
+    # Rank 0 lingers longer than a client takes to give up on a call left unanswered (5 s of
+    # silence, then a retry): a call in flight when rank 1 dies was once left so, and with a 5 s
+    # linger the retry found no executor ("no executor answered", 1 full -n 2 run in ~10).
+    extra = ["--shards", "2", "--shard-strategy", "fsdp", "--max-restarts", "0", "--failure-linger-s", "10"]
     executor = ExecutorProcess(path, ["tcp://127.0.0.1:0"], extra_args=extra, metrics=True, timeout_s=180)
     try:
         _check_reference(path, executor.address, "gpt2")
