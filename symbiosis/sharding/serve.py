@@ -15,7 +15,9 @@ connect to the other ranks, serve (rank 0 the ``--bind`` addresses, every rank i
 ``--shard-bind`` endpoints), and wait for a signal or a failure.
 
 - SIGINT/SIGTERM: drain this rank's clients, say ``Bye`` to the peers, keep serving the peers'
-  forwarded requests until every peer has said ``Bye`` too (so their drains complete), exit 0.
+  forwarded requests until every peer has said ``Bye`` too (so their drains complete), exit 0 --
+  unless a peer turns out to have died first (within ``FAILURE_GRACE_S``: a launcher stops the
+  group when a rank dies), which is a failure.
 - A peer goes down: this rank fails (``ShardedExecutor.fail``: requests get
   ``ExecutorUnavailableError`` naming the shard) and exits with status 1, so the launcher restarts
   the group if it has restarts left. When it has none, rank 0 first keeps answering for
@@ -54,6 +56,15 @@ from symbiosis.sharding.placement import Layout, place_units
 from symbiosis.sharding.world import RankInfo, connect_store, make_group, rank_device, this_host
 
 log = logging.getLogger(__name__)
+
+# How long a rank told to stop (SIGINT/SIGTERM) waits to see whether a peer died first. A launcher
+# stops the whole group right after one of its ranks dies -- torch's elastic agent (``--shards``,
+# torchrun) sends SIGTERM within its monitor interval, 0.1 s -- which can come before this rank's
+# link thread has seen the death; stopping cleanly then, rank 0 drained and left, and its clients
+# found no executor instead of learning which shard failed (a rank killed, then SIGTERM to rank 0
+# at once: "no executor answered" in 2 runs of 2; `test_sharded.py`). The price: a clean stop of
+# a sharded executor takes this much longer.
+FAILURE_GRACE_S = 0.5
 
 
 def start_rank(
@@ -207,6 +218,8 @@ def run_rank(request: ServeRequest, info: RankInfo, echo=None) -> int:
             write_ready_file(request.ready_file, ready)
     while not stop.is_set() and not failed.is_set():
         stop.wait(0.2)
+    if not failed.is_set() and info.world_size > 1:
+        failed.wait(FAILURE_GRACE_S)  # a signal may be a launcher's answer to a rank's death (above)
     if failed.is_set():
         _exit_failed(executor, info, options, request, metrics, echo)
     return _stop_cleanly(executor, options, request, metrics, echo)
