@@ -269,8 +269,8 @@ def test_shards_launcher_serves_reports_every_shard_and_names_a_dead_one(tiny_ch
 
     Rank 0 gets SIGTERM right after the kill, as the launcher's elastic agent sends it within 0.1 s
     of a rank's death: when that signal came before rank 0 had seen the death, it stopped cleanly
-    and the client found no executor ("no executor answered": 1 full -n 2 run in ~10 before; 2 of
-    2 with the signal sent at once, before ``sharding.serve.FAILURE_GRACE_S``)."""
+    and the client found no executor ("no executor answered": once in a full -n 2 run on
+    2026-12-06; 2 of 2 with the signal sent at once, before ``sharding.serve.FAILURE_GRACE_S``)."""
     path = tiny_checkpoint("gpt2")
     extra = ["--shards", "2", "--shard-strategy", "fsdp", "--max-restarts", "0", "--failure-linger-s", "5"]
     executor = ExecutorProcess(path, ["tcp://127.0.0.1:0"], extra_args=extra, metrics=True, timeout_s=180)
