@@ -1118,6 +1118,70 @@ def test_a_flood_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
     assert unpaced is not None and unpaced.rows == scheduler.config.row_budget
 
 
+def _fine_tuning_beside_a_decoder_on_a_background_lane(runners: int, bulk_share: float) -> tuple[Scheduler, float]:
+    """A target of 50 ms, decoder "a" active on the latency lane, and a fine-tuning client "t"
+    walking its layers (one 256-row request at a time: no flood) on a background bulk lane of
+    ``runners`` threads, the target's feedback at ``bulk_share``. Returns the scheduler and the
+    time then, a first bulk batch of "t" run and learned (1 us a row)."""
+    from symbiosis.executor.scheduler import Lane
+
+    scheduler = Scheduler(SchedulerConfig(bulk_lane="background", decode_slo_ms=50.0))
+    scheduler.bulk_runners = runners
+    scheduler._guard.bulk_share = bulk_share
+    now, request_id = 0.0, 0
+    for layer in range(4):
+        scheduler.add(PendingRequest(request_id, "a", f"l{layer}", Op.FORWARD, 1, D, now))
+        scheduler.next_batch(now, Lane.LATENCY)
+        request_id += 1
+        now += 0.0005
+    scheduler.add(PendingRequest(2000, "t", "big", Op.FORWARD, 256, F, now))
+    first = scheduler.next_batch(now, Lane.BULK)
+    assert first is not None and first.rows == 256
+    scheduler.batch_done(first, 256e-6, now + 256e-6)
+    return scheduler, now + 256e-6
+
+
+def test_with_a_target_fine_tuning_on_a_background_bulk_lane_is_paced_while_a_decoder_is_active():
+    """On a background bulk lane the OS keeps bulk products off the decoders' cores, but fine-tuning
+    still slows them outside the queue (its clients' own work, the server's thread reading its
+    rows), and before, a target had nothing to act on there. With ``decode_slo_ms`` set, bulk
+    work is now paced on its own runners as on a shared lane: held while the allowance (the
+    target's ``bulk_share`` of every bulk runner) is spent and a decoder is active; with the
+    share at 1, two runners both busy are not held; without a decoder, nothing is held."""
+    from symbiosis.executor.scheduler import CREDIT_CAP_S, Lane
+
+    scheduler, now = _fine_tuning_beside_a_decoder_on_a_background_lane(runners=2, bulk_share=MIN_BULK_SHARE)
+    scheduler.add(PendingRequest(2001, "t", "big", Op.FORWARD, 256, F, now))
+    scheduler.add(PendingRequest(4, "a", "l0", Op.FORWARD, 1, D, now))  # still decoding
+    scheduler.next_batch(now, Lane.LATENCY)
+    scheduler._allowed.spend(2 * CREDIT_CAP_S)  # the products it ran took the allowance
+    held, wakeup = scheduler.next_batch_or_wakeup(now, Lane.BULK)
+    assert held is None and now < wakeup < now + 1.0
+    refill_s = CREDIT_CAP_S / (2 * MIN_BULK_SHARE)  # from -CREDIT_CAP_S at 2 runners' rate (1 runner: twice)
+    assert wakeup - now == pytest.approx(refill_s, rel=0.05)
+    later = scheduler.next_batch(wakeup + 1e-6, Lane.BULK)
+    assert later is not None and [s.request_id for s in later.slices] == [2001]
+
+    # The feedback at its top: two runners' worth of bulk products a second is no more than allowed.
+    busy, now = _fine_tuning_beside_a_decoder_on_a_background_lane(runners=2, bulk_share=1.0)
+    for request_id in range(3000, 3040):
+        busy.add(PendingRequest(request_id, "t", "big", Op.FORWARD, 256, F, now))
+        batch = busy.next_batch(now, Lane.BULK)
+        assert batch is not None, "held with the share at 1"
+        busy.batch_done(batch, 256e-6, now + 256e-6)
+        busy.add(PendingRequest(request_id + 100, "a", "l0", Op.FORWARD, 1, D, now))
+        busy.next_batch(now, Lane.LATENCY)
+        now += 256e-6 / 2  # two runners: each product's time is half a product of wall clock
+
+    # Without a target, the same fine-tuning walk is not paced there (the OS's priority is all).
+    untargeted = Scheduler(SchedulerConfig(bulk_lane="background"))
+    untargeted._allowed.spend(2 * CREDIT_CAP_S)
+    untargeted.add(PendingRequest(0, "a", "l0", Op.FORWARD, 1, D, 0.0))
+    untargeted.next_batch(0.0, Lane.LATENCY)
+    untargeted.add(PendingRequest(1, "t", "big", Op.FORWARD, 256, F, 0.0))
+    assert untargeted.next_batch(0.0, Lane.BULK) is not None
+
+
 def test_a_decoder_served_at_once_beside_bulk_clients_is_seen_by_the_decode_guard():
     """On a background bulk lane a decoder whose only neighbours are bulk clients is served at once
     (``serves_at_once(lane=LATENCY)``, the engine's fast path); its calls are still recorded, so

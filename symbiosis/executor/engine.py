@@ -61,7 +61,6 @@ and wakes its workers with syscalls once more threads exist than cores).
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 import weakref
@@ -88,8 +87,6 @@ from symbiosis.executor.scheduler import Lane, Scheduler
 from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.threads import enter_background_priority, with_torch_threads
 from symbiosis.vocabulary import LatencyClass, Op
-
-log = logging.getLogger(__name__)
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
@@ -209,11 +206,6 @@ class ExecutionEngine:
         self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
         self._alone_calls = 0
         bulk_thread = scheduler.config.bulk_lane == "background"  # "auto": see resolve_bulk_lane
-        if bulk_thread and scheduler.config.decode_slo_ms is not None:
-            log.warning(
-                "decode_slo_ms paces only floods with bulk_lane='background': other bulk work runs at the OS's "
-                "background priority instead of being paced to the target (bulk_lane='shared' paces it)"
-            )
         # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
         # (``_bulk_loop``); the other runners then take latency work only.
         self._latency_lane: Lane | None = Lane.LATENCY if bulk_thread else None
@@ -224,6 +216,7 @@ class ExecutionEngine:
             self._batches_run_by["bulk_thread"] = 0
             threads = torch.get_num_threads()
             count = scheduler.config.bulk_threads or threads
+            scheduler.bulk_runners = count
             self._bulk_cores = threads  # the most torch threads a bulk product runs on
             self._bulk_cores_busy = 0  # torch threads of the bulk products running now
             started = threading.Semaphore(0)

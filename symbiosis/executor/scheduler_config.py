@@ -105,10 +105,10 @@ class SchedulerConfig:
             "Per-token latency target of decode clients (ms; met at p95), FlexLLM-style co-serving: bulk rows "
             "(fine-tuning, long prompts) are cut into chunks short enough, and bulk work is paced to the share of "
             "time the target leaves (learned from the decoders' token times; never below 5%). Unset: no target, "
-            "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows). Acts on a shared bulk lane "
-            "only: with --bulk-lane background (serve's default on a CPU) bulk work runs at the OS's background "
-            "priority instead, which already gives decoders every core they want, and the target paces only a "
-            "flood (a client keeping several requests queued, or one larger than --row-budget)."
+            "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows). With --bulk-lane "
+            "background (serve's default on a CPU) bulk products run at the OS's background priority, which "
+            "already gives decoders every core they want, and the target paces bulk work there too (its clients' "
+            "own work and its rows' transfer still take CPU): the share is then of every bulk thread's time."
         ),
     )
     decode_slowdown: float = field(
