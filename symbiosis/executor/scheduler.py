@@ -652,9 +652,9 @@ class Scheduler:
         """Whether ``entry``'s bulk work is paced on a background bulk lane while decoders are
         active: a flood always; with a target (``decode_slo_ms``), any bulk work. Measured (issue
         11, clients as processes on this 2-core host, 6 decoders beside 2 fine-tuning clients, a
-        target of 1.2x the decoders' p95 alone): unpaced there, fine-tuning kept 26% of its solo
-        rate with the decoders at x0.91 of the target -- but nothing held them to it had it been
-        missed; a shared lane paced to the same target kept 9-10%."""
+        target of 1.2x the decoders' p95 alone, two rounds): unpaced there, the decoders' p95 was
+        x1.11-1.14 of the target with 27-30% of fine-tuning's solo rate kept; paced, x0.98-1.02
+        with 16-21% kept; a shared lane paced to the same target kept 9-10%."""
         return self._guard.slo_s is not None or self._is_flood(entry)
 
     def _is_flood(self, entry: _Entry) -> bool:
