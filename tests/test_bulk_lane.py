@@ -131,6 +131,50 @@ def test_concurrent_bulk_and_latency_requests_are_exact(path):
             torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_fine_tuning_paced_to_a_target_beside_a_decoder_is_exact(path, monkeypatch):
+    """With ``decode_slo_ms`` on a background bulk lane, fine-tuning work beside an active decoder
+    is paced and its rows cut to what the allowance can owe (``Scheduler._paced_on_own_runner``):
+    the chunks' products, assembled, are still the request's own product, and so are the
+    decoder's. The target's feedback starts at its floor here, as a decoder over the target
+    would have brought it, and the allowance's cap is 20 us, so that whether a chunk is cut does
+    not hang on how fast this host multiplies (a 2000-row product of this model fits in the real
+    cap's 2 ms)."""
+    from symbiosis.executor import scheduler as scheduler_module
+    from symbiosis.executor.pacing import MIN_BULK_SHARE
+
+    monkeypatch.setattr(scheduler_module, "CREDIT_CAP_S", 2e-5)
+
+    # One bulk thread: a request is not split between idle threads, so a cut is the pacing's.
+    config = dict(bulk_lane="background", bulk_threads=1, decode_slo_ms=1.0)
+    with symbiosis.BaseExecutor.from_pretrained(path, **config) as ex:
+        ex._engine.scheduler._guard.bulk_share = MIN_BULK_SHARE
+        g = torch.Generator().manual_seed(3)
+        decode_rows = [torch.randn(1, 64, generator=g) for _ in range(400)]
+        bulk_rows = [torch.randn(2000, 64, generator=g) for _ in range(3)]
+        decoded: list[torch.Tensor] = []
+        done = threading.Event()
+
+        def decode():
+            for rows in decode_rows:  # one client decoding at its own pace, until the bulk work is done
+                decoded.append(ex.call("decoder", LAYER, Op.FORWARD, rows, LatencyClass.DECODE, timeout_s=30))
+                if done.is_set():
+                    break
+                time.sleep(0.0005)
+
+        decoder = threading.Thread(target=decode)
+        decoder.start()
+        time.sleep(0.05)  # the decoder is active before the fine-tuning work arrives
+        tuned = [ex.call("trainer", LAYER, Op.FORWARD, rows, LatencyClass.FINETUNE, timeout_s=60) for rows in bulk_rows]
+        done.set()
+        decoder.join(timeout=30)
+        stats = ex.stats()["scheduler"]
+    for rows, result in zip(bulk_rows, tuned):
+        torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
+    for rows, result in zip(decode_rows, decoded):
+        torch.testing.assert_close(result, _expected(ex, rows), rtol=1e-5, atol=1e-6)
+    assert stats["chunks_cut_for_decode"] > 0, stats  # the pacing's cut happened
+
+
 def test_unknown_bulk_lane_is_a_configuration_error():
     with pytest.raises(ConfigurationError, match="bulk_lane"):
         SchedulerConfig(bulk_lane="sideways")

@@ -1147,7 +1147,7 @@ def test_with_a_target_fine_tuning_on_a_background_bulk_lane_is_paced_while_a_de
     rows), and before, a target had nothing to act on there. With ``decode_slo_ms`` set, bulk
     work is now paced on its own runners as on a shared lane: held while the allowance (the
     target's ``bulk_share`` of every bulk runner) is spent and a decoder is active; with the
-    share at 1, two runners both busy are not held; without a decoder, nothing is held."""
+    share at 1, two runners both busy are not held; without a target, the same walk is not held."""
     from symbiosis.executor.scheduler import CREDIT_CAP_S, Lane
 
     scheduler, now = _fine_tuning_beside_a_decoder_on_a_background_lane(runners=2, bulk_share=MIN_BULK_SHARE)

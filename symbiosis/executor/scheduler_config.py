@@ -102,7 +102,7 @@ class SchedulerConfig:
     decode_slo_ms: float | None = field(
         default=None,
         metadata=_help(
-            "Per-token latency target of decode clients (ms; met at p95), FlexLLM-style co-serving: bulk rows "
+            "Per-token latency target of decode clients (ms; aimed at p95), FlexLLM-style co-serving: bulk rows "
             "(fine-tuning, long prompts) are cut into chunks short enough, and bulk work is paced to the share of "
             "time the target leaves (learned from the decoders' token times; never below 5%). Unset: no target, "
             "bulk work gets its fair share (see --decode-slowdown, --decode-share-rows). With --bulk-lane "
