@@ -35,7 +35,10 @@ class LatencyClass(enum.StrEnum):
 
     @property
     def priority(self) -> int:
-        return {"decode": 0, "prefill": 1, "finetune": 2}[self.value]
+        return _PRIORITY[self]  # a StrEnum hashes and compares as its value
+
+
+_PRIORITY = {"decode": 0, "prefill": 1, "finetune": 2}  # (once, not a new dict per ask: a hot path)
 
 
 #: Wire value -> enum, for hot paths: a dict lookup is ~20x cheaper than ``Op(value)``.

@@ -59,6 +59,35 @@ def test_concurrent_requests_are_exact_under_every_policy(path, policy, row_budg
             assert ex.stats()["layers"][layer_id]["batches"] >= sum(rows.shape[0] for _, rows in jobs) // 3
 
 
+def test_latency_products_are_timed_one_in_four_and_bulk_products_always(path):
+    """A CPU clock is a system call: queued latency-only batches are timed for the cost model once
+    in ``ALONE_TIMING_EVERY``; bulk batches always (their time charges the bulk lane's credits)."""
+    from symbiosis.executor.engine import ALONE_TIMING_EVERY
+
+    layer_id = "model.layers.0.self_attn.q_proj"
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=0) as ex:
+        engine = ex._engine
+        reported = []
+        batch_done = engine.scheduler.batch_done
+        engine.scheduler.batch_done = lambda batch, duration_s, now_s: (
+            reported.append((batch.latency_only, duration_s)),
+            batch_done(batch, duration_s, now_s),
+        )
+        engine.attach_driver(lambda: None)  # this thread runs the batches (``run_ready``)
+        for client in ("a", "b"):  # another client joined: lockstep queues every request
+            engine.client_joined(client)
+        rows = torch.randn(1, 64)
+        classes = [LatencyClass.DECODE] * (2 * ALONE_TIMING_EVERY) + [LatencyClass.FINETUNE] * 3
+        for latency_class in classes:
+            future = engine.submit("a", layer_id, Op.FORWARD, rows, latency_class, wake=False)
+            engine.run_ready()
+            torch.testing.assert_close(future.result(timeout=10), _expected(ex, layer_id, "forward", rows))
+        assert ex.stats()["batches_run_by"]["driver"] == len(classes)
+        assert [latency_only for latency_only, _ in reported] == [c is LatencyClass.DECODE for c in classes]
+        timed = [duration_s is not None for _, duration_s in reported]
+        assert timed == ([True] + [False] * (ALONE_TIMING_EVERY - 1)) * 2 + [True] * 3
+
+
 def test_executor_keeps_no_tensor_after_a_call(path):
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         rows = torch.randn(4, 64)

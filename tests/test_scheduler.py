@@ -281,6 +281,22 @@ def test_batch_orders_decode_first_and_splits_the_finetune_request():
     assert scheduler.next_batch(0.002) is None and scheduler.pending_rows() == 0
 
 
+def test_a_batch_says_whether_it_carries_only_latency_work_and_an_untimed_one_keeps_its_estimate():
+    scheduler = Scheduler(SchedulerConfig(policy="immediate", row_budget=8))
+    scheduler.add(req(1, rows=2, cls=D, at=0.0))
+    scheduler.add(req(2, rows=3, cls=P, at=0.0))
+    decode = scheduler.next_batch(0.001)
+    assert decode.latency_only and decode.rows == 5
+    scheduler.batch_done(decode, None, 0.001)  # the engine sampled it out: nothing learned
+    assert scheduler._cost.line(("l0", Op.FORWARD)) is None and scheduler._last_fill is None
+    scheduler.add(req(3, rows=1, cls=D, at=0.002))
+    scheduler.add(req(4, rows=4, cls=F, at=0.002))  # fine-tuning rides along: the product is timed
+    mixed = scheduler.next_batch(0.002)
+    assert not mixed.latency_only and mixed.rows == 5
+    scheduler.batch_done(mixed, 5e-6, 0.002)
+    assert scheduler._cost.line(("l0", Op.FORWARD)) == pytest.approx((0.0, 1e-6))
+
+
 def test_split_request_rest_is_served_at_once_without_waiting_again():
     scheduler = Scheduler(SchedulerConfig(policy="lockstep", row_budget=8))
     for c in ("a", "b"):

@@ -92,7 +92,10 @@ ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
 # with more ready: a latency-sensitive request may be waiting unread behind a run of bulk chunks.
 DRIVER_SLICE_S = 0.0005
-#: The lone-client path times one product in this many for the cost model (``_run_alone``).
+#: A product of latency work only (served alone, or a queued batch without bulk rows) is timed
+#: for the cost model once in this many: a CPU clock is a system call on a VM, and two per product
+#: were ~5% of a lone 1-row round trip and ~10% of the queued path's time in the engine (issue 11).
+#: Bulk products are always timed: their durations also charge the bulk lane's credits.
 ALONE_TIMING_EVERY = 4
 
 
@@ -205,6 +208,7 @@ class ExecutionEngine:
         # Weak references: a remembered tensor may lie in a shared-memory segment that must close.
         self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
         self._alone_calls = 0
+        self._latency_batches = 0  # queued latency-only batches run (one in ALONE_TIMING_EVERY is timed)
         bulk_thread = scheduler.config.bulk_lane == "background"  # "auto": see resolve_bulk_lane
         # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
         # (``_bulk_loop``); the other runners then take latency work only.
@@ -676,13 +680,17 @@ class ExecutionEngine:
         else:
             self._computing = True
         self._batches_run_by[runner] += 1
+        timed = True
+        if batch.latency_only:
+            self._latency_batches += 1
+            timed = self._latency_batches % ALONE_TIMING_EVERY == 1
         self._cond.release()
-        duration, finished = None, []
+        ok, duration, finished = False, None, []
         try:
-            duration, finished = self._compute(batch, parts)
+            ok, duration, finished = self._compute(batch, parts, timed)
         finally:
             self._cond.acquire()
-            if duration is not None:
+            if ok:
                 self.scheduler.batch_done(batch, duration, self._clock())  # the cost model learns from it
             if bulk:  # the latency runners' work is not changed by it: only its callers learn
                 self._bulk_computing -= 1
@@ -725,9 +733,10 @@ class ExecutionEngine:
             return False
         return self._latency_lane is None or self.scheduler.has_pending(self._latency_lane)
 
-    def _compute(self, batch: Batch, parts) -> tuple[float | None, list[int]]:
-        """The product and completing its requests' futures (called without ``_cond`` held): the
-        product's duration in seconds (None if it failed), and the ids of the requests it ended."""
+    def _compute(self, batch: Batch, parts, timed: bool = True) -> tuple[bool, float | None, list[int]]:
+        """The product and completing its requests' futures (called without ``_cond`` held):
+        whether it succeeded, its duration in seconds (when ``timed``), and the ids of the
+        requests it ended."""
         if torch.is_grad_enabled():
             # A caller's thread outside autograd's own ``forward`` (``call`` used directly): its
             # rows may require grad. Base products never record autograd: the client's
@@ -735,18 +744,18 @@ class ExecutionEngine:
             # assembly of a split request raise in a bulk thread, which died with the request
             # unanswered (the executor's own threads turn autograd off when they start).
             with torch.no_grad():
-                return self._compute(batch, parts)
+                return self._compute(batch, parts, timed)
         layer = self.weights.layers[batch.layer_id]
-        started = self._product_clock()
+        started = self._product_clock() if timed else 0.0
         try:
             outputs = run_batch(layer, batch.op, [_rows_of(s, inflight.rows) for s, inflight in parts])
         except Exception as exc:  # a failed product fails its batch, never the executor
-            return None, self._fail_batch(batch.layer_id, parts, exc)
-        duration = self._product_clock() - started
+            return False, None, self._fail_batch(batch.layer_id, parts, exc)
+        duration = self._product_clock() - started if timed else None
         try:
-            return duration, self._complete(batch, parts, outputs)
+            return True, duration, self._complete(batch, parts, outputs)
         except Exception as exc:  # nor does a failure handing its results out (the runner lives on)
-            return None, self._fail_batch(batch.layer_id, parts, exc)
+            return False, None, self._fail_batch(batch.layer_id, parts, exc)
 
     def _fail_batch(self, layer_id: str, parts, exc: Exception) -> list[int]:
         error = exc if isinstance(exc, SymbiosisError) else SymbiosisError(f"executor failed on {layer_id}: {exc!r}")

@@ -225,8 +225,10 @@ class _Group:
             self.client_counts[client] = left
         else:
             del self.client_counts[client]
-        if entry.budget_deadline_s <= self.budget_deadline_s:
-            self.budget_deadline_s = min((e.budget_deadline_s for e in self.entries), default=math.inf)
+        if not self.entries:  # the usual case on the queued path: a batch took the group's one request
+            self.budget_deadline_s = math.inf
+        elif entry.budget_deadline_s <= self.budget_deadline_s:
+            self.budget_deadline_s = min(e.budget_deadline_s for e in self.entries)
 
     def oldest_arrival_s(self) -> float:
         return self.entries[0].request.arrival_s
@@ -392,10 +394,16 @@ class Scheduler:
             latency_rows = request.rows if lane == LATENCY else 0  # what weighs the client in a trial's cost
             self._tuner.handed_out(request.client_id, 1, request.rows, now_s, latency_rows)
 
-    def batch_done(self, batch: Batch, duration_s: float, now_s: float) -> None:
+    def batch_done(self, batch: Batch, duration_s: float | None, now_s: float) -> None:
         """The engine ran ``batch`` in ``duration_s`` (ending at ``now_s``): learn the product's cost,
-        and if bulk work led it, charge the bulk lane's credits (the estimate was charged already)."""
+        and correct the lanes' credits by what it took more or less than its estimate (charged when
+        it was filled). ``duration_s`` None: not timed (a latency-only batch the engine sampled
+        out): the estimate stands."""
         key = (batch.layer_id, batch.op)
+        if duration_s is None:
+            if self._last_fill is not None and self._last_fill[0] == key:
+                self._last_fill = None
+            return
         self._cost.observe(key, batch.rows, duration_s)
         if self._last_fill is not None and self._last_fill[0] == key:
             _, lane, estimate_s = self._last_fill
@@ -607,7 +615,10 @@ class Scheduler:
                 # target, any bulk work) still slows them outside the queue: paced there too.
                 wakeup_s = min(wakeup_s, self._allowed.positive_at_s(now_s, self._allowance_rate()))
                 continue
-            entry = min(candidates, key=lambda e: self._own_rank(e, aged_before_s))
+            if len(candidates) == 1:  # the usual case: one request per client (a walk)
+                entry = head
+            else:
+                entry = min(candidates, key=lambda e: self._own_rank(e, aged_before_s))
             lane = entry.lane
             rank = (client.tag, entry.request.arrival_s, entry.seq)
             if best[lane] is None or rank < best[lane][0]:
@@ -758,13 +769,17 @@ class Scheduler:
                 fits = self._cost.rows_within(group.key, CREDIT_CAP_S)
                 if fits is not None:
                     bulk_limit = min(bulk_limit, max(self._min_chunk_rows, fits))
-        others = sorted(
-            (e for e in group.entries if e is not lead and (only is None or e.lane == only)),
-            key=lambda e: (
-                e.lane,
-                e.client.tag,
-                self._own_rank(e, aged_before_s),
-            ),
+        others = (
+            sorted(
+                (e for e in group.entries if e is not lead and (only is None or e.lane == only)),
+                key=lambda e: (
+                    e.lane,
+                    e.client.tag,
+                    self._own_rank(e, aged_before_s),
+                ),
+            )
+            if len(group.entries) > 1
+            else ()
         )
         lane = lead.lane
         if lane == BULK:
@@ -772,7 +787,7 @@ class Scheduler:
         self._virtual[lane] = max(self._virtual[lane], lead.client.tag)
         self._lane_batches[lane] += 1
         slices: list[RowSlice] = []
-        rows = flood_rows = 0
+        rows = flood_rows = bulk_rows = 0
         for entry in [lead, *others]:
             remaining = entry.remaining
             room = self._row_budget - rows
@@ -793,6 +808,7 @@ class Scheduler:
                     self._chunks_cut += 1 if take > 0 else 0
                 if flood_riding:
                     flood_rows += take
+                bulk_rows += take
             if take == 0 and remaining > 0:
                 continue
             self._hand_out(entry, take, now_s)
@@ -809,7 +825,7 @@ class Scheduler:
         self._last_fill = (group.key, lane, estimate_s)
         self._batches += 1
         self._rows_served += rows
-        return Batch(layer_id=group.layer_id, op=group.op, slices=tuple(slices))
+        return Batch(group.layer_id, group.op, tuple(slices), bulk_rows == 0)
 
     def _bulk_limit(self, lead: _Entry, now_s: float) -> int:
         """The most bulk rows a batch led by ``lead`` may carry: the rows its product can run in the
