@@ -19,7 +19,9 @@ client is idle (quiet for over a second: tenants between bursts). ``ipc+queued``
 ``shm+ipc+queued``, ``tcp+queued``) are ``+joined`` on a second executor in the server child,
 lockstep with a timeout of 0: a rule that holds every request for the other client, but never
 waits, so each call pays the queued path (add, plan, fill, a result sink) and nothing else -- what
-every request of a convoy or of a client beside a flood pays on top of its wait.
+every request of a convoy or of a client beside a flood pays on top of its wait. ``inproc+queued``
+is that rule on an in-process executor (two ``InProcTransport`` clients in the client child): the
+executor's own share of the queued path, with no transport, against ``inproc``'s lone-client path.
 
 Back-to-back calls keep both sides awake, which a real client does not: between its base-layer
 calls a decode step computes attention and norms (a few hundred µs at hidden 512), long enough
@@ -127,6 +129,10 @@ def _client(addresses: list[str]) -> None:
     remote = {"ipc": ipc, "tcp": tcp, "shm+ipc": "shm+" + ipc}
     queued = {"ipc": queued_ipc, "tcp": queued_tcp, "shm+ipc": "shm+" + queued_ipc}
     inproc = InProcTransport(_make_executor(0))
+    # ``inproc+queued``: the queued path of the executor itself, without a transport (the caller's
+    # thread queues its request and runs the batch; see the module doc).
+    queued_executor = _make_executor(0, queued=True)
+    inproc_queued = [InProcTransport(queued_executor), InProcTransport(queued_executor)]
     opened: dict[str, list[Any]] = {}  # one case's remote transports at a time: see the module doc
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -136,6 +142,9 @@ def _client(addresses: list[str]) -> None:
         layer = f"h{command['hidden']}"
         if name == "inproc":
             transport = inproc
+        elif name == "inproc" + QUEUED:
+            transport, peer = inproc_queued
+            peer.call(layer, Op.FORWARD, rows, LatencyClass.DECODE)  # active: it sent just now
         else:
             for other in [n for n in opened if n != name]:
                 for stale in opened.pop(other):
@@ -167,8 +176,10 @@ def _client(addresses: list[str]) -> None:
     for transports in opened.values():
         for transport in transports:
             transport.close()
-    inproc.close()
+    for transport in (inproc, *inproc_queued):
+        transport.close()
     inproc.service.close()
+    queued_executor.close()
 
 
 def child_main() -> None:
@@ -273,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=",".join(TRANSPORTS),
         help=f"Comma-separated subset of %(default)s, and of those but inproc with {JOINED!r} (another client "
         f"joined and active), {IDLE!r} (another client joined and idle) or {QUEUED!r} (another client joined "
-        "and active, on an executor that queues every call).",
+        f"and active, on an executor that queues every call; also inproc{QUEUED}: the executor's own queued path).",
     )
     parser.add_argument("--hiddens", default=",".join(map(str, HIDDENS)), help="Comma-separated subset of %(default)s.")
     parser.add_argument("--output", type=Path, default=None, help=f"Also write the JSON to {NAME}.json in this folder.")
@@ -285,7 +296,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"{args.baseline} holds no symbiosis package")
         variants["baseline"] = args.baseline.resolve()
     transports = args.transports.split(",")
-    known = {*TRANSPORTS, *(t + suffix for t in TRANSPORTS if t != "inproc" for suffix in PEER_SUFFIXES)}
+    known = {
+        *TRANSPORTS,
+        "inproc" + QUEUED,
+        *(t + suffix for t in TRANSPORTS if t != "inproc" for suffix in PEER_SUFFIXES),
+    }
     if unknown := [t for t in transports if t not in known]:
         parser.error(f"unknown transports {unknown}; choose from {sorted(known)}")
     cases = [(t, int(h), r) for t in transports for h in args.hiddens.split(",") for r in ROWS]

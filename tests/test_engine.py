@@ -88,6 +88,44 @@ def test_latency_products_are_timed_one_in_four_and_bulk_products_always(path):
         assert timed == ([True] + [False] * (ALONE_TIMING_EVERY - 1)) * 2 + [True] * 3
 
 
+def test_threads_that_call_again_and_again_wait_on_their_own_condition_and_get_exact_results(path):
+    """A calling thread keeps one condition for all its queued calls (``_caller_cv``): three
+    threads calling 40 times each under lockstep (each call queued and woken by another thread's
+    product, or running it) all finish, each result exact, each thread on one condition."""
+    layer_id = "model.layers.0.self_attn.q_proj"
+    with symbiosis.BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=2) as ex:
+        engine = ex._engine
+        conditions: dict[str, set[int]] = {}
+        make = engine._caller_cv
+
+        def recorded():
+            cv = make()
+            conditions.setdefault(threading.current_thread().name, set()).add(id(cv))
+            return cv
+
+        engine._caller_cv = recorded
+        errors = []
+
+        def client(name: str, seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            try:
+                for _ in range(40):
+                    rows = torch.randn(1 + seed, 64, generator=g)
+                    result = ex.call(name, layer_id, Op.FORWARD, rows, LatencyClass.DECODE, 30.0)
+                    torch.testing.assert_close(result, _expected(ex, layer_id, "forward", rows), rtol=1e-5, atol=1e-6)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(f"c{i}", i), name=f"c{i}") for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert conditions and all(len(ids) == 1 for ids in conditions.values())
+        assert ex.stats()["batches_run_by"]["caller"] > 0
+
+
 def test_executor_keeps_no_tensor_after_a_call(path):
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         rows = torch.randn(4, 64)
