@@ -144,16 +144,18 @@ def test_coserving_figures_are_medians_over_pairs_of_phases():
 def test_roundtrip_times_cases_with_another_client_joined(tmp_path, capsys):
     """``ipc+joined``: the measured client shares the executor with another, active client;
     ``ipc+idle``: with another, idle one; ``ipc+queued``: with an active one, on an executor whose
-    rule queues every call (the scheduler's path instead of the lone-client one); an unknown
-    transport is refused up front."""
+    rule queues every call (the scheduler's path instead of the lone-client one); ``inproc+queued``:
+    that rule in-process, without a transport; an unknown transport is refused up front."""
     from benchmarks import roundtrip
 
-    cases = "--transports ipc,ipc+joined,ipc+idle,ipc+queued --hiddens 64 --calls 40 --blocks 2 --warmup 2"
+    cases = (
+        "--transports ipc,ipc+joined,ipc+idle,ipc+queued,inproc+queued --hiddens 64 --calls 40 --blocks 2 --warmup 2"
+    )
     cases = [*cases.split(), "--gap-us", "20"]
     written = roundtrip.main([*cases, "--output", str(tmp_path)])
     assert written["config"]["gap_us"] == 20  # the client worked between its calls
     assert json.loads((tmp_path / "roundtrip.json").read_text())["results"] == written["results"]
-    kinds = ("ipc", "ipc+joined", "ipc+idle", "ipc+queued")
+    kinds = ("ipc", "ipc+joined", "ipc+idle", "ipc+queued", "inproc+queued")
     assert set(written["results"]) == {f"{t}/h64/r{r}" for t in kinds for r in (1, 16)}
     timings = [entry["current"] for entry in written["results"].values()]
     assert all(t["n"] == 40 and t["median_us"] > 0 for t in timings)
