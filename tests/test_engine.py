@@ -61,8 +61,8 @@ def test_concurrent_requests_are_exact_under_every_policy(path, policy, row_budg
 
 def test_latency_products_are_timed_one_in_four_and_bulk_products_always(path):
     """A CPU clock is a system call: queued latency-only batches are timed for the cost model once
-    in ``ALONE_TIMING_EVERY``; bulk batches always (their time charges the bulk lane's credits)."""
-    from symbiosis.executor.engine import ALONE_TIMING_EVERY
+    in ``LATENCY_TIMING_EVERY``; bulk batches always (their time charges the bulk lane's credits)."""
+    from symbiosis.executor.engine import LATENCY_TIMING_EVERY
 
     layer_id = "model.layers.0.self_attn.q_proj"
     with symbiosis.BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=0) as ex:
@@ -77,7 +77,7 @@ def test_latency_products_are_timed_one_in_four_and_bulk_products_always(path):
         for client in ("a", "b"):  # another client joined: lockstep queues every request
             engine.client_joined(client)
         rows = torch.randn(1, 64)
-        classes = [LatencyClass.DECODE] * (2 * ALONE_TIMING_EVERY) + [LatencyClass.FINETUNE] * 3
+        classes = [LatencyClass.DECODE] * (2 * LATENCY_TIMING_EVERY) + [LatencyClass.FINETUNE] * 3
         for latency_class in classes:
             future = engine.submit("a", layer_id, Op.FORWARD, rows, latency_class, wake=False)
             engine.run_ready()
@@ -85,7 +85,7 @@ def test_latency_products_are_timed_one_in_four_and_bulk_products_always(path):
         assert ex.stats()["batches_run_by"]["driver"] == len(classes)
         assert [latency_only for latency_only, _ in reported] == [c is LatencyClass.DECODE for c in classes]
         timed = [duration_s is not None for _, duration_s in reported]
-        assert timed == ([True] + [False] * (ALONE_TIMING_EVERY - 1)) * 2 + [True] * 3
+        assert timed == ([True] + [False] * (LATENCY_TIMING_EVERY - 1)) * 2 + [True] * 3
 
 
 def test_threads_that_call_again_and_again_wait_on_their_own_condition_and_get_exact_results(path):

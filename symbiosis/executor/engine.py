@@ -92,11 +92,11 @@ ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
 # with more ready: a latency-sensitive request may be waiting unread behind a run of bulk chunks.
 DRIVER_SLICE_S = 0.0005
-#: A product of latency work only (served alone, or a queued batch without bulk rows) is timed
-#: for the cost model once in this many: a CPU clock is a system call on a VM, and two per product
-#: were ~5% of a lone 1-row round trip and ~10% of the queued path's time in the engine (issue 11).
-#: Bulk products are always timed: their durations also charge the bulk lane's credits.
-ALONE_TIMING_EVERY = 4
+#: A product served alone (``_run_alone``) or a queued batch of latency work only is timed for the
+#: cost model once in this many: a CPU clock is a system call on a VM, and two per product were ~5%
+#: of a lone 1-row round trip and ~10% of the queued path's time in the engine (issue 11). Queued
+#: batches with bulk rows are always timed: their durations also charge the bulk lane's credits.
+LATENCY_TIMING_EVERY = 4
 
 
 class ResultSink(Protocol):
@@ -203,13 +203,12 @@ class ExecutionEngine:
         self._on_cpu = self.device.type == "cpu"
         # The lone-client path, whose every call is a few µs of Python on top of a tiny product
         # (a decode row), keeps what it can from one call to the next: which ``out`` suits which
-        # rows (the lane slots of ``transport/lane_routes.py`` pass the same tensors every time),
-        # and it times one call in ``ALONE_TIMING_EVERY`` for the cost model (a CPU clock is a
-        # system call, two per call were ~5% of a 1-row round trip).
+        # rows (the lane slots of ``transport/lane_routes.py`` pass the same tensors every time).
         # Weak references: a remembered tensor may lie in a shared-memory segment that must close.
         self._alone_out_fits: dict[tuple[str, Op], tuple[object, weakref.ref, weakref.ref, bool]] = {}
-        self._alone_calls = 0
-        self._latency_batches = 0  # queued latency-only batches run (one in ALONE_TIMING_EVERY is timed)
+        # Products that may go untimed (``LATENCY_TIMING_EVERY``), counted by the thread that
+        # holds ``_computing``, so one at a time.
+        self._latency_products = 0
         bulk_thread = scheduler.config.bulk_lane == "background"  # "auto": see resolve_bulk_lane
         # Bulk work (fine-tuning, long prompts) on its own thread at the OS's background priority
         # (``_bulk_loop``); the other runners then take latency work only.
@@ -482,8 +481,7 @@ class ExecutionEngine:
             else:
                 out_fits = out_fits_product(layer, op, local, out)
                 self._alone_out_fits[(layer_id, op)] = (layer, weakref.ref(out), weakref.ref(local), out_fits)
-        self._alone_calls += 1
-        timed = self._alone_calls % ALONE_TIMING_EVERY == 1
+        timed = self._times_latency_product()
         started = self._clock()
         cpu_started = self._product_clock() if timed else 0.0
         try:
@@ -692,10 +690,7 @@ class ExecutionEngine:
         else:
             self._computing = True
         self._batches_run_by[runner] += 1
-        timed = True
-        if batch.latency_only:
-            self._latency_batches += 1
-            timed = self._latency_batches % ALONE_TIMING_EVERY == 1
+        timed = not batch.latency_only or self._times_latency_product()
         self._cond.release()
         ok, duration, finished = False, None, []
         try:
@@ -744,6 +739,12 @@ class ExecutionEngine:
         if not self._inflight:
             return False
         return self._latency_lane is None or self.scheduler.has_pending(self._latency_lane)
+
+    def _times_latency_product(self) -> bool:
+        """Whether the product about to run (served alone, or a queued batch of latency work only)
+        is timed for the cost model: one in ``LATENCY_TIMING_EVERY`` (the caller holds ``_computing``)."""
+        self._latency_products += 1
+        return self._latency_products % LATENCY_TIMING_EVERY == 1
 
     def _compute(self, batch: Batch, parts, timed: bool = True) -> tuple[bool, float | None, list[int]]:
         """The product and completing its requests' futures (called without ``_cond`` held):
