@@ -34,6 +34,12 @@ Targets (issue 11), each reported PASS/MISS in ``summary.targets``: (a) opportun
 on tokens/s and <= lockstep on mean per-token latency; (b) fine-tuning keeps >= 85% of its solo
 tokens/s while inference p95 is <= 1.2x alone (opportunistic), or within the set target
 (opportunistic-slo); (c) the bystander's p95 <= 3x alone under either flood (opportunistic).
+(a) compares the medians of each policy's repeats, (b) and (c) take the median of the ratios of
+each repeat's runs; beside every target, ``per_repeat`` holds that ratio in each repeat (the
+runs of one repeat run side by side, in an order rotated from repeat to repeat), so a miss can
+be read against this host's round-to-round noise: five repeats of client threads (2026-12-06)
+met (a)'s latency target at x0.969 of lockstep's median while their repeats said x1.11, 1.04,
+0.96, 0.96, 1.24.
 
 Threads share one Python interpreter: the GIL serializes client-side Python and the products'
 dispatch; on a 2-core machine this bounds what any policy can gain. The numbers are what this
@@ -41,7 +47,7 @@ machine gives, with the load average at the start and end recorded next to them.
 
 JSON (``batching.json`` in ``--output``): ``benchmark, command, machine, config, runs_by_scenario,
 inference, mixed, flood, summary, wall_s``; ``summary`` holds the headline figures and
-``targets`` (name, value, target, met). Plot: ``batching.png``.
+``targets`` (name, value, target, met, per_repeat). Plot: ``batching.png``.
 
 Run: ``python -m benchmarks.batching [--quick] [--clients-as processes] [--scenarios ...] --output DIR``.
 """
@@ -50,10 +56,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -228,11 +235,19 @@ def aggregate(runs: Sequence[dict]) -> dict:
     return result
 
 
+def per_repeat_ratios(numerators: Sequence[dict], denominators: Sequence[dict], key: str) -> list[float]:
+    """The ratio of ``key`` in each repeat (its runs ran side by side), for the repeats in which both
+    runs have the figure. Their spread says what the host's noise did to a ratio of medians."""
+    return _finite(timing.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key])
+
+
+def _finite(ratios: Iterable[float]) -> list[float]:
+    return [r for r in ratios if not math.isnan(r)]
+
+
 def median_ratio(numerators: Sequence[dict], denominators: Sequence[dict], key: str) -> float:
     """Median over repeats of the per-repeat ratio (runs of one repeat ran side by side)."""
-    return timing.median_or_nan(
-        [timing.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key]]
-    )
+    return timing.median_or_nan(per_repeat_ratios(numerators, denominators, key))
 
 
 def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_ms: list[float]) -> dict:
@@ -252,6 +267,15 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
                     "mean_rows_per_batch",
                 )
             } | {"wait_rules": a["wait_rules"]}
+    # The heterogeneous targets compare medians; what each repeat's side-by-side runs said is kept
+    # beside them (``per_repeat``), so a miss by less than the host's noise reads as one.
+    opportunistic = summary["inference"].get("opportunistic")
+    if opportunistic is not None:
+        opportunistic["per_repeat"] = {
+            f"{key}_vs_{other}": per_repeat_ratios(runs["inference", "opportunistic"], runs["inference", other], key)
+            for key, other in (("tokens_per_s", "immediate"), ("latency_ms_mean", "lockstep"))
+            if ("inference", other) in have
+        }
     for v in variants:
         base = "opportunistic" if v == SLO_VARIANT else v
         if (
@@ -265,6 +289,7 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
             runs["inference_alone", base],
             runs["finetune_alone", base],
         )
+        slo_ratios = _finite(timing.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms) if r["latency_ms_p95"])
         summary["mixed"][v] = {
             "inference_latency_ms_p95_alone": agg["inference_alone", base]["latency_ms_p95"],
             "inference_latency_ms_p95_mixed": agg["inference_with_finetune", v]["latency_ms_p95"],
@@ -279,9 +304,12 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
             "cpu_cores_busy_finetune_alone": agg["finetune_alone", base]["cpu_cores_busy"],
             "cpu_cores_busy_mixed": agg["inference_with_finetune", v]["cpu_cores_busy"],
             "decode_slo_ms": timing.median_or_nan(slo_ms) if v == SLO_VARIANT else None,
-            "slo_p95_ratio": timing.median_or_nan([timing.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms)])
-            if v == SLO_VARIANT
-            else None,
+            "slo_p95_ratio": timing.median_or_nan(slo_ratios) if v == SLO_VARIANT else None,
+            "per_repeat": {
+                "finetune_kept": per_repeat_ratios(mixed, ft_alone, "finetune_tokens_per_s"),
+                "inference_p95_ratio": per_repeat_ratios(mixed, alone, "latency_ms_p95"),
+            }
+            | ({"slo_p95_ratio": slo_ratios} if v == SLO_VARIANT else {}),
         }
     for v in variants:
         if ("bystander_alone", v) not in have:
@@ -291,9 +319,9 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
             scenario = f"flood_{label}"
             if (scenario, v) in have:
                 entry[f"bystander_p95_ms_{scenario}"] = agg[scenario, v]["latency_ms_p95"]
-                entry[f"p95_ratio_{scenario}"] = median_ratio(
-                    runs[scenario, v], runs["bystander_alone", v], "latency_ms_p95"
-                )
+                ratios = per_repeat_ratios(runs[scenario, v], runs["bystander_alone", v], "latency_ms_p95")
+                entry[f"p95_ratio_{scenario}"] = timing.median_or_nan(ratios)
+                entry.setdefault("per_repeat", {})[f"p95_ratio_{scenario}"] = ratios
                 entry[f"flood_rows_per_s_{scenario}"] = agg[scenario, v]["flood_rows_per_s"]
         summary["flood"][v] = entry
     summary["targets"] = targets(summary)
@@ -303,29 +331,53 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
 def targets(summary: dict) -> list[dict]:
     found = []
 
-    def check(name: str, value: float | None, target: float, met: bool | None) -> None:
-        found.append({"name": name, "value": value, "target": target, "met": bool(met) if met is not None else None})
+    def check(name: str, value: float | None, target: float, met: bool | None, per_repeat: list | None) -> None:
+        entry = {"name": name, "value": value, "target": target, "met": bool(met) if met is not None else None}
+        if per_repeat is not None:  # the same ratio in each repeat's side-by-side runs (``per_repeat_ratios``)
+            entry["per_repeat"] = per_repeat
+        found.append(entry)
 
     inference = summary["inference"]
+    repeats = inference.get("opportunistic", {}).get("per_repeat", {})
     if {"opportunistic", "immediate"} <= set(inference):
         ratio = timing.ratio(inference["opportunistic"]["tokens_per_s"], inference["immediate"]["tokens_per_s"])
-        check("heterogeneous: opportunistic tokens/s / immediate >= 1", ratio, 1.0, ratio >= 1.0)
+        check(
+            "heterogeneous: opportunistic tokens/s / immediate >= 1",
+            ratio,
+            1.0,
+            ratio >= 1.0,
+            repeats.get("tokens_per_s_vs_immediate"),
+        )
     if {"opportunistic", "lockstep"} <= set(inference):
         ratio = timing.ratio(inference["opportunistic"]["latency_ms_mean"], inference["lockstep"]["latency_ms_mean"])
-        check("heterogeneous: opportunistic mean per-token latency / lockstep <= 1", ratio, 1.0, ratio <= 1.0)
+        check(
+            "heterogeneous: opportunistic mean per-token latency / lockstep <= 1",
+            ratio,
+            1.0,
+            ratio <= 1.0,
+            repeats.get("latency_ms_mean_vs_lockstep"),
+        )
     for v, figures in summary["mixed"].items():
         if v not in ("opportunistic", SLO_VARIANT):
             continue
+        repeats = figures.get("per_repeat", {})
         kept = figures["finetune_kept"]
         check(
             f"mixed ({v}): fine-tuning kept >= {TARGETS['finetune_kept']:.0%} of solo",
             kept,
             TARGETS["finetune_kept"],
             kept >= TARGETS["finetune_kept"],
+            repeats.get("finetune_kept"),
         )
         if v == SLO_VARIANT:
             ratio = figures["slo_p95_ratio"]
-            check(f"mixed ({v}): inference p95 / the set target <= 1", ratio, 1.0, ratio <= 1.0)
+            check(
+                f"mixed ({v}): inference p95 / the set target <= 1",
+                ratio,
+                1.0,
+                ratio <= 1.0,
+                repeats.get("slo_p95_ratio"),
+            )
         else:
             ratio = figures["inference_p95_ratio"]
             check(
@@ -333,6 +385,7 @@ def targets(summary: dict) -> list[dict]:
                 ratio,
                 TARGETS["inference_p95_ratio"],
                 ratio <= TARGETS["inference_p95_ratio"],
+                repeats.get("inference_p95_ratio"),
             )
     flood = summary["flood"].get("opportunistic", {})
     for label in ("finetune", "decode"):
@@ -343,6 +396,7 @@ def targets(summary: dict) -> list[dict]:
                 ratio,
                 TARGETS["flood_p95_ratio"],
                 ratio <= TARGETS["flood_p95_ratio"],
+                flood.get("per_repeat", {}).get(f"p95_ratio_flood_{label}"),
             )
     return found
 

@@ -258,3 +258,61 @@ def test_a_window_profile_of_a_file_that_is_not_there_is_a_usage_error(tmp_path,
         window_profile.main(["--serving", str(tmp_path / "*executor.txt")])
     assert exited.value.code == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _run(**figures: float | None) -> dict:
+    """One run's record as ``summarize`` reads it: every scalar (None where not given), no clients."""
+    return {key: figures.get(key) for key in batching.SCALARS} | {"per_client": []}
+
+
+def test_each_target_keeps_its_ratio_in_every_repeat_paired_side_by_side(tmp_path):
+    """The targets compare medians; beside each, the ratio of every repeat's side-by-side runs
+    (``per_repeat``), in repeat order, so that a miss smaller than the host's round-to-round noise
+    reads as one (five repeats of client threads on 2026-12-06: the adaptive rule, the fixed convoy
+    and lockstep within 1% of each other's medians, each policy x1.2 from round to round)."""
+    runs = {
+        ("inference", "opportunistic"): [
+            _run(tokens_per_s=110.0, latency_ms_mean=90.0),
+            _run(tokens_per_s=80.0, latency_ms_mean=120.0),
+        ],
+        ("inference", "immediate"): [
+            _run(tokens_per_s=100.0, latency_ms_mean=95.0),
+            _run(tokens_per_s=100.0, latency_ms_mean=95.0),
+        ],
+        ("inference", "lockstep"): [
+            _run(tokens_per_s=100.0, latency_ms_mean=100.0),
+            _run(tokens_per_s=100.0, latency_ms_mean=100.0),
+        ],
+        ("inference_alone", "opportunistic"): [_run(latency_ms_p95=100.0), _run(latency_ms_p95=50.0)],
+        ("finetune_alone", "opportunistic"): [_run(finetune_tokens_per_s=1000.0), _run(finetune_tokens_per_s=None)],
+        ("inference_with_finetune", "opportunistic"): [
+            _run(latency_ms_p95=150.0, finetune_tokens_per_s=300.0),
+            _run(latency_ms_p95=100.0, finetune_tokens_per_s=200.0),
+        ],
+        ("bystander_alone", "opportunistic"): [_run(latency_ms_p95=10.0), _run(latency_ms_p95=20.0)],
+        ("flood_decode", "opportunistic"): [_run(latency_ms_p95=15.0), _run(latency_ms_p95=50.0)],
+    }
+    summary = batching.summarize(runs, ["opportunistic", "immediate", "lockstep"], [])
+    by_name = {t["name"]: t for t in summary["targets"]}
+    throughput = by_name["heterogeneous: opportunistic tokens/s / immediate >= 1"]
+    assert throughput["value"] == pytest.approx(95.0 / 100.0)  # a ratio of medians, as before
+    assert throughput["per_repeat"] == pytest.approx([1.1, 0.8])
+    latency = by_name["heterogeneous: opportunistic mean per-token latency / lockstep <= 1"]
+    assert latency["per_repeat"] == pytest.approx([0.9, 1.2])
+    assert by_name["mixed (opportunistic): inference p95 mixed / alone <= 1.2"]["per_repeat"] == pytest.approx(
+        [1.5, 2.0]
+    )
+    # A repeat without the figure (fine-tuning alone finished nothing) is left out, not paired with the next.
+    assert by_name["mixed (opportunistic): fine-tuning kept >= 85% of solo"]["per_repeat"] == pytest.approx([0.3])
+    assert by_name["flood labelled decode (opportunistic): bystander p95 / alone <= 3"]["per_repeat"] == pytest.approx(
+        [1.5, 2.5]
+    )
+
+    # The README renders them after the value (from a run of several repeats only).
+    _write_inference_run(tmp_path, "processes", "ipc", [throughput, latency])
+    lines = report.batching_section(tmp_path, tmp_path)
+    assert [line for line in lines if line.startswith("- **Where we lose")] == [
+        "- **Where we lose (target missed):** heterogeneous: opportunistic tokens/s / immediate >= 1"
+        " (0.950; per repeat 1.10, 0.80); heterogeneous: opportunistic mean per-token latency / lockstep <= 1"
+        " (1.050; per repeat 0.90, 1.20)."
+    ]
