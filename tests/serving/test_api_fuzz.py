@@ -223,7 +223,11 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_open(fuzz_se
         status, raw = connection.post("/v1/completions", body)
     assert status == 500 and json.loads(raw)["error"]["type"] == "internal_error"
     status, raw = connection.post("/v1/completions", body)
-    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+    answer = json.loads(raw)
+    # Sampled (no temperature given): the end-of-sequence token may come first (CI, 2026-12-06).
+    assert status == 200 and (
+        answer["usage"]["completion_tokens"] == 2 or answer["choices"][0]["finish_reason"] == "stop"
+    )
 
 
 @ON_A_THREAD
