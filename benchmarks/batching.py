@@ -56,11 +56,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -238,11 +237,7 @@ def aggregate(runs: Sequence[dict]) -> dict:
 def per_repeat_ratios(numerators: Sequence[dict], denominators: Sequence[dict], key: str) -> list[float]:
     """The ratio of ``key`` in each repeat (its runs ran side by side), for the repeats in which both
     runs have the figure. Their spread says what the host's noise did to a ratio of medians."""
-    return _finite(timing.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key])
-
-
-def _finite(ratios: Iterable[float]) -> list[float]:
-    return [r for r in ratios if not math.isnan(r)]
+    return timing.finite(timing.ratio(n[key], d[key]) for n, d in zip(numerators, denominators) if n[key] and d[key])
 
 
 def median_ratio(numerators: Sequence[dict], denominators: Sequence[dict], key: str) -> float:
@@ -289,7 +284,11 @@ def summarize(runs: dict[tuple[str, str], list[dict]], variants: list[str], slo_
             runs["inference_alone", base],
             runs["finetune_alone", base],
         )
-        slo_ratios = _finite(timing.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms) if r["latency_ms_p95"])
+        slo_ratios = (
+            timing.finite(timing.ratio(r["latency_ms_p95"], s) for r, s in zip(mixed, slo_ms) if r["latency_ms_p95"])
+            if v == SLO_VARIANT
+            else []
+        )
         summary["mixed"][v] = {
             "inference_latency_ms_p95_alone": agg["inference_alone", base]["latency_ms_p95"],
             "inference_latency_ms_p95_mixed": agg["inference_with_finetune", v]["latency_ms_p95"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,9 +42,14 @@ def summarize(samples_s: Sequence[float]) -> dict[str, float]:
     }
 
 
+def finite(values: Iterable[float | None]) -> list[float]:
+    """``values`` without the missing (None) and the undefined (NaN) ones."""
+    return [v for v in values if v is not None and not math.isnan(v)]
+
+
 def median_or_nan(values: Sequence[float]) -> float:
-    finite = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(finite) if finite else math.nan
+    present = finite(values)
+    return statistics.median(present) if present else math.nan
 
 
 def ratio(numerator: float, denominator: float) -> float:

@@ -284,9 +284,8 @@ class ExecutionEngine:
         if rows.shape[0] == 0:
             future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
             return future
-        # Cast here: the computing thread only multiplies. The usual case needs no cast, and is
-        # told apart without a no-op ``to`` (as ``try_alone`` does): every queued request pays it.
-        cast = not (rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device))
+        # Cast here: the computing thread only multiplies.
+        cast = not self._is_local(rows)
         if cast:
             local = rows.to(device=self.device, dtype=self.dtype)
         else:
@@ -366,9 +365,7 @@ class ExecutionEngine:
         result = self.try_alone(client_id, layer_id, op, rows, latency_class)
         if result is not None:
             return result
-        # A no-op ``to`` costs a microsecond or two; the usual case needs none (as in ``submit``).
-        same = rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device)
-        local = rows if same else rows.to(device=self.device, dtype=self.dtype)
+        local = rows if self._is_local(rows) else rows.to(device=self.device, dtype=self.dtype)
         future: Future = Future()
         deadline = self._clock() + timeout_s
         cv = self._caller_cv()
@@ -407,6 +404,11 @@ class ExecutionEngine:
                 elif self._inflight and not self._computing:
                     self._wake_a_runner()  # this caller may have been the one woken to run the next batch
         return future.result()
+
+    def _is_local(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` are already in the executor's dtype and on its device: the usual case,
+        told apart without a no-op ``to`` (a microsecond or two on every request that pays it)."""
+        return rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device)
 
     def _caller_cv(self) -> threading.Condition:
         """This thread's own condition on the engine's lock, made at its first queued call and
@@ -457,7 +459,7 @@ class ExecutionEngine:
                 return None
             self._computing = True
         try:
-            if rows.dtype is self.dtype and (rows.is_cpu if self._on_cpu else rows.device == self.device):
+            if self._is_local(rows):
                 local = aligned(rows) if align else rows  # the usual case: no no-op ``to`` there and back
             else:
                 out = None  # the product is cast back to the rows' dtype anyway

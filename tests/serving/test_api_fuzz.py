@@ -217,17 +217,14 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_open(fuzz_se
     def broken_submit(*_args, **_kwargs):
         raise RuntimeError("a bug")
 
-    body = {"model": "qv4", "prompt": "abc", "max_tokens": 2}
+    # Greedy: a sampled answer may end early on the end-of-sequence token (CI, 2026-12-06: 1 of 2).
+    body = {"model": "qv4", "prompt": "abc", "max_tokens": 2, "temperature": 0}
     with monkeypatch.context() as patch:
         patch.setattr(server.engine, "submit", broken_submit)
         status, raw = connection.post("/v1/completions", body)
     assert status == 500 and json.loads(raw)["error"]["type"] == "internal_error"
     status, raw = connection.post("/v1/completions", body)
-    answer = json.loads(raw)
-    # Sampled (no temperature given): the end-of-sequence token may come first (CI, 2026-12-06).
-    assert status == 200 and (
-        answer["usage"]["completion_tokens"] == 2 or answer["choices"][0]["finish_reason"] == "stop"
-    )
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
 
 
 @ON_A_THREAD
