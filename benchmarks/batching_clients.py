@@ -50,6 +50,11 @@ class ClientSpec:
     seq_len: int = 0  # fine-tuning tokens per sequence
     depth: int = 0  # flood: requests kept outstanding
     label: str = "finetune"  # flood: the latency class it claims
+    # inference: open loop, a step started at most every ``interval_s`` (0: closed loop, back to
+    # back); ``phase``: the share of an interval the client waits before its first measured step,
+    # so that streams read at one rate do not all step at the same instant (``pace``)
+    interval_s: float = 0.0
+    phase: float = 0.0
 
 
 @dataclass
@@ -179,16 +184,37 @@ def make_client(path, target, spec: ClientSpec, seed: int, prompt_len: int, segm
     return FinetuneClient(model, spec, seed=seed), transport.close
 
 
+def pace(spec: ClientSpec, step_started_s: float) -> None:
+    """Open loop (``spec.interval_s``): wait until one interval after the last step started -- a
+    stream read at a fixed rate, as a user reads tokens -- or go on at once when that step took
+    longer (the stream falls behind; its step time says so). Closed loop: return at once.
+
+    Why an open loop. Closed-loop decoders take every core they can (6 of them kept 1.67 of this
+    host's 2 busy), so beside them fine-tuning can only take their time: the mixed figure then
+    measures the host, not whether the scheduler leaves fine-tuning the rows the decoders do not
+    need (issue 11's "every row the SLO leaves free"). Decoders read at a set rate leave idle time,
+    as inference below its peak does (FlexLLM measures its co-serving over request rates)."""
+    if spec.interval_s:
+        delay_s = step_started_s + spec.interval_s - time.perf_counter()
+        if delay_s > 0:
+            time.sleep(delay_s)
+
+
 def warm_up(client, spec: ClientSpec, seconds: float) -> None:
     """A few steps (prefill and 2 decode steps, or 1 training step), then more until ``seconds``
     have passed, so that the window measures a steady state: the executor has learned the
     clients' order and pace, and an adaptive policy its rule (the same warm-up for every policy).
-    A flood sends one small request and starts flooding with the window."""
+    A flood sends one small request and starts flooding with the window. An open-loop client
+    keeps its rate in the warm-up too (``pace``)."""
     started = time.perf_counter()
     for _ in range(3 if spec.kind == "inference" else 1):
+        step_started = time.perf_counter()
         client.step()
+        pace(spec, step_started)
     while spec.kind != "flood" and time.perf_counter() - started < seconds:
+        step_started = time.perf_counter()
         client.step()
+        pace(spec, step_started)
 
 
 def run_measured(client, record: ClientRecord, end_s: float, stop: Callable[[], bool]) -> None:
@@ -208,18 +234,21 @@ def run_measured(client, record: ClientRecord, end_s: float, stop: Callable[[], 
             time.sleep(0.01)
         record.tokens = client.finish()
         return
-    tokens_per_step = record.spec.batch_size * max(1, record.spec.seq_len)
+    spec = record.spec
+    tokens_per_step = spec.batch_size * max(1, spec.seq_len)
+    if spec.interval_s and spec.phase:  # open loop: the streams' steps spread over an interval
+        time.sleep(spec.interval_s * spec.phase)
     while not stop():
         started = time.perf_counter()
         counted = client.step()
         finished = time.perf_counter()
-        if not counted:
-            continue
-        if finished <= end_s:
-            record.step_s.append(finished - started)
-            record.tokens += tokens_per_step
-        elif started < end_s:  # under way at the window's end: the share of it inside
-            record.tokens += tokens_per_step * (end_s - started) / (finished - started)
+        if counted:
+            if finished <= end_s:
+                record.step_s.append(finished - started)
+                record.tokens += tokens_per_step
+            elif started < end_s:  # under way at the window's end: the share of it inside
+                record.tokens += tokens_per_step * (end_s - started) / (finished - started)
+        pace(spec, started)
 
 
 def host_cpu_reading() -> dict:

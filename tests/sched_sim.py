@@ -6,7 +6,8 @@ The executor runs one batch at a time; a batch of ``n`` rows takes ``fixed_s + p
 - ``Walker``: walks ``layers`` forward requests per pass (a decoder: one pass per token, class
   decode), or a forward pass then a backward pass (a fine-tuning step, class finetune), sending
   each request ``gap_s`` after the previous one's result (its own work per layer) and
-  ``pass_gap_s`` more between passes;
+  ``pass_gap_s`` more between passes -- or, with ``interval_s``, an open loop: a pass starts
+  at most every ``interval_s`` (``pass_times`` is then its per-token latency);
 - ``Flood``: keeps ``depth`` requests of ``rows`` rows outstanding on one layer, from time 0.
   With ``host_s_per_row``, each of its results also costs work on the clients' host (copying it,
   making the next request) for that long per row, and a walker whose own work starts while that
@@ -37,7 +38,11 @@ class Walker:
     latency_class: LatencyClass = LatencyClass.DECODE
     pass_gap_s: float = 0.0
     start_s: float = 0.0
+    # An open loop: a pass starts at most every ``interval_s`` (a stream read at a set rate), one
+    # interval after the last pass started, or at once when that pass took longer (0: closed loop).
+    interval_s: float = 0.0
     pass_ends: list[float] = field(default_factory=list)
+    pass_starts: list[float] = field(default_factory=list)  # arrival of each pass's first request
     waits: list[float] = field(default_factory=list)  # arrival -> its batch started, per request
 
     def steps(self):
@@ -50,6 +55,11 @@ class Walker:
     def token_times(self, skip: int = 2) -> list[float]:
         ends = self.pass_ends[skip:]
         return [b - a for a, b in zip(ends, ends[1:])]
+
+    def pass_times(self, skip: int = 2) -> list[float]:
+        """From each pass's first request to its end: a client's per-token latency when it idles
+        between passes (``pass_gap_s``: an open-loop stream, read at a set rate)."""
+        return [end - start for start, end in list(zip(self.pass_starts, self.pass_ends))[skip:]]
 
 
 @dataclass
@@ -98,6 +108,8 @@ class Simulation:
                 rid = next(ids)
                 if isinstance(client, Walker):
                     layer_id, op = client.steps()[step]
+                    if step == 0:
+                        client.pass_starts.append(at)
                     request = PendingRequest(rid, client.client_id, layer_id, op, client.rows, client.latency_class, at)
                 else:
                     request = PendingRequest(
@@ -150,7 +162,10 @@ class Simulation:
         steps = len(client.steps())
         if step + 1 == steps:
             client.pass_ends.append(end_s)
-            heapq.heappush(arrivals, (end_s + gap_s + client.pass_gap_s, next(tiebreak), client, 0))
+            next_s = end_s + gap_s + client.pass_gap_s
+            if client.interval_s:
+                next_s = max(next_s, client.pass_starts[-1] + client.interval_s)
+            heapq.heappush(arrivals, (next_s, next(tiebreak), client, 0))
         else:
             heapq.heappush(arrivals, (end_s + gap_s, next(tiebreak), client, step + 1))
 

@@ -127,6 +127,59 @@ def test_the_step_under_way_at_the_windows_end_counts_for_its_share_inside(monke
     assert record.step_s == pytest.approx([0.4, 0.4])
 
 
+def test_an_open_loop_decoder_steps_once_an_interval_from_its_phase_and_times_its_steps_only(monkeypatch):
+    # A stream read every 100 ms whose steps take 10 ms, starting half an interval late: it steps
+    # at 50, 150, ... ms and sleeps between; its latency is the 10 ms of each step, not the interval.
+    # A step that takes longer than the interval is followed by the next at once (it fell behind).
+    clock = {"now": 0.0}
+    monkeypatch.setattr(batching_clients.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(batching_clients.time, "sleep", lambda s: clock.__setitem__("now", clock["now"] + s))
+
+    class Decoder:
+        def __init__(self, step_s: float) -> None:
+            self.step_s, self.starts = step_s, []
+
+        def step(self) -> bool:
+            self.starts.append(clock["now"])
+            clock["now"] += self.step_s
+            return True
+
+    spec = batching_clients.ClientSpec("inference", batch_size=2, interval_s=0.1, phase=0.5)
+    client, record = Decoder(0.01), batching_clients.ClientRecord(spec)
+    batching_clients.run_measured(client, record, end_s=0.5, stop=lambda: clock["now"] > 0.5)
+    assert client.starts == pytest.approx([0.05, 0.15, 0.25, 0.35, 0.45])  # then it waits past the end
+    assert record.step_s == pytest.approx([0.01] * 5)
+    assert record.tokens == pytest.approx(5 * 2)
+
+    clock["now"] = 0.0
+    slow = Decoder(0.25)
+    batching_clients.run_measured(slow, batching_clients.ClientRecord(spec), end_s=0.5, stop=lambda: clock["now"] > 0.5)
+    assert slow.starts == pytest.approx([0.05, 0.30])
+
+    closed = batching_clients.ClientSpec("inference", batch_size=2)  # closed loop: back to back, no phase
+    clock["now"] = 0.0
+    back_to_back = Decoder(0.1)
+    batching_clients.run_measured(back_to_back, batching_clients.ClientRecord(closed), 0.3, lambda: clock["now"] >= 0.3)
+    assert back_to_back.starts == pytest.approx([0.0, 0.1, 0.2])
+
+
+def test_open_loop_streams_are_spread_over_the_interval_and_their_verdicts_say_so():
+    args = batching.parse_args(["--quick", "--decode-interval-ms", "200"])
+    specs = batching.clients_for("inference_with_finetune", args)
+    streams = [s for s in specs if s.kind == "inference"]
+    assert [s.interval_s for s in streams] == [0.2] * batching.MIXED_INFERENCE_CLIENTS
+    assert [s.phase for s in streams] == pytest.approx([i / len(streams) for i in range(len(streams))])
+    assert all(s.interval_s == 0 for s in specs if s.kind == "finetune")
+    assert all(s.interval_s == 0 for s in batching.clients_for("inference", batching.parse_args(["--quick"])))
+    summary = {"inference": {}, "mixed": {}, "flood": {"opportunistic": {"p95_ratio_flood_decode": 1.5}}}
+    (verdict,) = batching.targets(summary, decode_interval_ms=200)
+    assert verdict["name"].startswith("decoders open loop, a step every 200 ms: flood labelled decode")
+    (closed,) = batching.targets(summary)
+    assert closed["name"].startswith("flood labelled decode")
+    with pytest.raises(SystemExit):
+        batching.parse_args(["--quick", "--decode-interval-ms", "0"])
+
+
 def test_serve_flags_give_serve_the_same_scheduler_config():
     """``--clients-as processes`` starts ``symbiosis serve`` with ``serve_flags(config)``: parsed by
     serve's own options, the flags must make exactly the config the thread mode uses."""

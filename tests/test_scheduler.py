@@ -470,12 +470,19 @@ PREDICTION_CASES = {
     "b_ahead": ([("l0", 1.0, Op.FORWARD), ("l1", 1.002, Op.FORWARD), ("l2", 1.004, Op.FORWARD)], ("l1", 1.0045), None),
     "b_served_at_this_layer": ([("l0", 1.0, Op.FORWARD), ("l1", 1.002, Op.FORWARD)], ("l1", 1.0025), None),
     "b_too_far_behind_for_budget": ([("l0", 1.0, Op.FORWARD)], ("l3", 1.0005), None),
-    # b walked its second pass: it repeats the forward op (a decoder), so it comes round again to
-    # l1 in 2 hops (l3 -> l0 -> l1), expected at 1.006 + 2 x 2 ms; held until the deadline.
+    # b walked its second pass right after its first: it repeats the forward op (a decoder) and
+    # turns between passes in one gap, so it comes round again to l1 in 2 hops (l3 -> l0 -> l1),
+    # expected at 0.114 + 2 ms + its 2 ms turn; held until the deadline.
     "b_finished_its_pass_comes_round_again": (
+        [(layer, 0.108 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)],
+        ("l1", 0.115),
+        0.120,
+    ),
+    # ... but b idled 0.9 s between its passes (a stream read at a set rate): not coming soon.
+    "b_idles_between_its_passes": (
         [(layer, 1.0 + i * 0.002, Op.FORWARD) for i, layer in enumerate(LAYERS)],
         ("l1", 1.007),
-        1.012,
+        None,
     ),
     "b_idle_after_its_only_pass": ([], ("l1", 1.0), None),
     "b_in_backward": ([("l3", 1.0, Op.BACKWARD)], ("l1", 1.0005), None),

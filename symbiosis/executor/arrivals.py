@@ -6,8 +6,9 @@ backward: its reverse), one request at a time, since it needs each result before
 the next layer's input. So from arrivals alone one can learn:
 
 - the layer order per op: a layer first seen right after layer ``p`` of the same client and op
-  gets position ``p + 1``; a client's first request of an op gets 0 (clients start a pass at the
-  first layer, so the first pass anyone walks fixes the order), but only provisionally: a client
+  gets position ``p + 1`` (a sibling group: its first member's, ``_first_member_position``); a
+  client's first request of an op gets 0 (clients start a pass at the first layer, so the first
+  pass anyone walks fixes the order), but only provisionally: a client
   that calls one layer again and again (a flood) may come first, and a layer whose 0 came that
   way takes ``p + 1`` from the first client that walks onto it (else a decoder's pass would look
   cut in two there, and its token time half what it is);
@@ -19,14 +20,24 @@ the next layer's input. So from arrivals alone one can learn:
   sizes bulk chunks from it (``pacing.DecodeGuard``); from the plain EWMA, a flood fed back on
   itself: longer chunks delayed the decoder, which looked slower, which allowed longer chunks
   (measured: a bystander's "gap" of 34 ms against ~1 ms alone, decode x40 under a flood);
-- whether a client *repeats* an op: a decoding client starts its next forward pass right after
-  the last one (it wraps around to position 0), a fine-tuning client turns to backward instead.
+- whether a client *repeats* an op: a decoding client starts its next forward pass after the
+  last one (it wraps around to position 0), a fine-tuning client turns to backward instead;
+- how long a client that repeats an op takes between passes (``turn``: an EWMA of the time from
+  its last request of a pass being handed out to the first request of its next pass). A decoder
+  stepping back to back turns in about one gap (sampling, the next token's embedding); a stream
+  read at a set rate (a user reading tokens: an open loop) waits out its interval there, often
+  longer than any hold -- measured on this 2-core host (issue 11, 6 client processes each
+  stepping every 200 ms): a convoy that waited for such clients as if they were coming took the
+  decoders from 20 ms a token to 37 ms (p95 28 -> 122 ms), and beside fine-tuning to 96-115 ms
+  (p95 x4 of alone); in the simulator (``tests/sched_sim.py``) x2.8 of not waiting.
 
 A client behind a layer in the same pass (``hops = position(layer) - position(its last request)
 > 0``) is expected there at ``(handed_out_s or now) + hops * gap``. A client that repeats the op
 and is at or past the layer is on its way too, through the end of its pass and the start of the
 next one (``hops = positions - position + position(layer)``), if that is at most half a pass: a
 client further round is rather ahead, and waiting for it would make two clients wait for each other.
+Its turn between the passes takes the place of one gap there; and a client that idles between
+passes (``TURN_SHARE_OF_HOLD``) is not on its way to a layer it must turn to reach (``walking``).
 """
 
 from __future__ import annotations
@@ -34,11 +45,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from symbiosis.executor.requests import PendingRequest
-from symbiosis.vocabulary import Op
+from symbiosis.vocabulary import GROUP_SEPARATOR, Op
 
 # Weight of a new sample in a client's pace EWMA: the last few hops dominate, so the estimate
 # follows a client whose pace changes (prefill -> decode, more load) within a few layers.
 GAP_EWMA_WEIGHT = 0.25
+# A client whose turn between passes takes over this share of the longest hold (the convoy's
+# ``idle_s``, ``lockstep_timeout_ms``) idles between them -- an open loop -- and is not on its
+# way to a layer it must turn to reach. Measured turns of clients stepping back to back (this
+# 2-core host, 8 decoders of batch 1-16, 2026-12-06): client processes 3.4-5.8 ms (median; p90
+# up to 7.3), client threads sharing one interpreter lock 9.5-11.8 ms (p90 up to 14.6). An open-
+# loop stream's turn is its interval less its pass, and a hold lengthens the pass: half the hold
+# keeps a stream that a convoy slowed from looking like one stepping back to back (streams every
+# 100 ms in the simulator: passes of 58 ms under the convoy, turns of 42, against 20 ms passes
+# not waiting; skipping only streams that would start after the hold ended kept that state).
+TURN_SHARE_OF_HOLD = 0.5
 # Weight of a larger sample in a client's own-gap lower envelope (a smaller one replaces it): a
 # client that really slowed down is followed within a few dozen calls, a delay is mostly ignored.
 OWN_GAP_RISE_WEIGHT = 0.05
@@ -55,6 +76,7 @@ class _Track:
         "handed_out_s",
         "gap_s",
         "own_gap_s",
+        "turn_s",
         "repeats",
         "walks",
         "latency",
@@ -68,6 +90,7 @@ class _Track:
         self.handed_out_s: float | None = None  # None while that request is pending
         self.gap_s: dict[Op, float] = {}
         self.own_gap_s: dict[Op, float] = {}  # lower envelope of the same samples (module doc)
+        self.turn_s: dict[Op, float] = {}  # time between its passes of an op it repeats (module doc)
         self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
         self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
         self.latency = True  # its last request was latency work (decode, prefill), not bulk
@@ -98,9 +121,12 @@ class ArrivalPredictor:
             provisional.discard(request.layer_id)  # a walk reached it: its place is after the last layer
             position = positions[request.layer_id] = track.position + 1
         elif position is None:
-            position = positions[request.layer_id] = track.position + 1 if same_op else 0
-            if not same_op:
-                provisional.add(request.layer_id)
+            position = self._first_member_position(request.op, request.layer_id)
+            if position is None:
+                position = track.position + 1 if same_op else 0
+                if not same_op:
+                    provisional.add(request.layer_id)
+            positions[request.layer_id] = position
         if same_op and position > track.position and track.handed_out_s is not None:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
             old = track.gap_s.get(request.op)
@@ -111,6 +137,10 @@ class ArrivalPredictor:
             )
         elif same_op and position < track.position:
             track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
+            if track.handed_out_s is not None:
+                sample = request.arrival_s - track.handed_out_s
+                old = track.turn_s.get(request.op)
+                track.turn_s[request.op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
         elif not same_op and track.op is not None:
             track.repeats.discard(track.op)  # it left that op for another one
         track.walks = not same_op or position != track.position
@@ -118,6 +148,20 @@ class ArrivalPredictor:
         track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
         track.layer_id = request.layer_id
         return position
+
+    def _first_member_position(self, op: Op, layer_id: str) -> int | None:
+        """A sibling group's place in the walk: its first member's, when that member has one for
+        good (``vocabulary.group_id``). A client calls the members one by one in its first pass
+        (its prefill) and as a group once it has seen them share an input; placed after the
+        request before it, the group of a decoder's first layer came after the last one (the
+        ``lm_head``), so its passes seemed to wrap one request late and its turn between tokens
+        read as a hop inside the pass (measured, client processes: turns of ~2 ms and a gap of
+        ~30 ms, where the clients idled 180 ms between tokens)."""
+        if GROUP_SEPARATOR not in layer_id:
+            return None
+        first = layer_id.partition(GROUP_SEPARATOR)[0]
+        position = self.positions[op].get(first)
+        return None if position is None or first in self._provisional[op] else position
 
     def handed_out(self, request: PendingRequest, now_s: float) -> None:
         """``request``'s last rows were handed out at ``now_s``: its client's next step starts then."""
@@ -147,6 +191,11 @@ class ArrivalPredictor:
         track = self.tracks.get(client_id)
         return None if track is None else track.own_gap_s.get(op)
 
+    def _turn_s(self, track: _Track, target: int) -> float | None:
+        """The time ``track``'s client takes between two passes, when it must make that turn to
+        reach position ``target`` (it is at or past it: ``_hops`` wrapped) and it was measured."""
+        return track.turn_s.get(track.op) if track.position >= target else None
+
     def _hops(self, track: _Track, target: int, length: int, wrap: bool) -> int | None:
         """Layers ``track``'s client still has to walk to reach position ``target``; None when it is
         not on its way: not walking (it sent its last two requests for one layer, as a client
@@ -167,10 +216,12 @@ class ArrivalPredictor:
         self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, idle_s: float, latency_only: bool = False
     ) -> Iterator[str]:
         """The clients not in ``skip`` on their way to the layer in their walk of ``op`` (see
-        ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``); with
-        ``latency_only``, only those whose last request was latency work. No pace is needed: the
-        convoy rule waits for them however slow they are. Lazily: the convoy asks whether one of
-        them can come, and the first that can ends the look (``Scheduler._convoy_waits_for``)."""
+        ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``), nor
+        idling between passes (a turn between passes, when they must make it to reach the layer,
+        of over ``TURN_SHARE_OF_HOLD`` of ``idle_s``: the module doc); with ``latency_only``, only
+        those whose last request was latency work. No pace is needed: the convoy rule waits for them
+        however slow they are within a pass. Lazily: the convoy asks whether one of them can
+        come, and the first that can ends the look (``Scheduler._convoy_waits_for``)."""
         target = self.positions[op].get(layer_id)
         if target is None:
             return
@@ -178,12 +229,17 @@ class ArrivalPredictor:
         for client_id, track in self.tracks.items():
             if track.op is not op or client_id in skip:
                 continue
-            if track.handed_out_s is not None and now_s - track.handed_out_s > idle_s:
+            handed_out_s = track.handed_out_s
+            if handed_out_s is not None and now_s - handed_out_s > idle_s:
                 continue
             if latency_only and not track.latency:
                 continue
-            if self._hops(track, target, length, wrap=True) is not None:
-                yield client_id
+            if self._hops(track, target, length, wrap=True) is None:
+                continue
+            turn_s = self._turn_s(track, target)
+            if turn_s is not None and turn_s > TURN_SHARE_OF_HOLD * idle_s:
+                continue  # it idles between passes: a stream read at a set rate (module doc)
+            yield client_id
 
     def expected(
         self, layer_id: str, op: Op, skip: dict[str, int], now_s: float, wrap: bool = False, latency_only: bool = False
@@ -210,5 +266,7 @@ class ArrivalPredictor:
             if gap_s is None:
                 continue
             start_s = now_s if track.handed_out_s is None else track.handed_out_s  # pending: not before now
-            coming.append((start_s + hops * gap_s, gap_s))
+            turn_s = self._turn_s(track, target)
+            walk_s = hops * gap_s if turn_s is None else (hops - 1) * gap_s + turn_s  # the turn is one hop
+            coming.append((start_s + walk_s, gap_s))
         return coming

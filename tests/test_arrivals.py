@@ -1,0 +1,71 @@
+"""The arrival predictor (``symbiosis/executor/arrivals.py``): where each client is in its walk
+over the base layers, and who is on its way to a layer -- fed by hand, times in seconds."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from symbiosis.executor.arrivals import TURN_SHARE_OF_HOLD, ArrivalPredictor
+from symbiosis.executor.requests import PendingRequest
+from symbiosis.vocabulary import LatencyClass, Op, group_id
+
+F = Op.FORWARD
+LAYERS = ["l0.q", "l0.k", "l0.v", "l0.o", "l1.q", "l1.k", "l1.v", "l1.o", "head"]
+QKV = [group_id(["l0.q", "l0.k", "l0.v"]), "l0.o", group_id(["l1.q", "l1.k", "l1.v"]), "l1.o", "head"]
+HOLD_S = 0.05  # the convoy's longest hold (``lockstep_timeout_ms``)
+_ids = itertools.count()
+
+
+def walk(predictor: ArrivalPredictor, client: str, layers: list[str], start_s: float, gap_s: float) -> float:
+    """``client`` sends ``layers`` one after the other, each ``gap_s`` after the last was handed out
+    (handed out at once); returns when the last was handed out."""
+    now = start_s
+    for layer in layers:
+        request = PendingRequest(next(_ids), client, layer, F, 1, LatencyClass.DECODE, now)
+        predictor.arrived(request)
+        predictor.handed_out(request, now)
+        now += gap_s
+    return now - gap_s
+
+
+def test_a_sibling_group_takes_its_first_members_place_in_the_walk():
+    # The first pass calls q, k, v one by one (a client has not yet seen them share an input);
+    # later passes call them as one group. Placed after the request before it, the first layer's
+    # group came after the head: the walk seemed to wrap inside the pass, after that group.
+    predictor = ArrivalPredictor()
+    end = walk(predictor, "a", LAYERS, 0.0, 0.001)
+    walk(predictor, "a", QKV, end + 0.2, 0.001)
+    positions = predictor.positions[F]
+    assert positions[QKV[0]] == positions["l0.q"] == 0
+    assert positions[QKV[2]] == positions["l1.q"]
+    assert predictor.tracks["a"].repeats == {F}
+    # The 200 ms between the passes is the client's turn, not a hop inside its pass.
+    assert predictor.tracks["a"].turn_s[F] == pytest.approx(0.2)
+    assert predictor.gap_s("a", F) < 0.002
+
+
+def test_a_client_that_idles_between_passes_is_not_on_its_way_round_one_that_turns_at_once_is():
+    def finished_pass(turn_s: float) -> tuple[ArrivalPredictor, float]:
+        predictor = ArrivalPredictor()
+        end = walk(predictor, "b", LAYERS, 0.0, 0.001)  # places the layers
+        for _ in range(4):  # passes of a client that turns in ``turn_s``
+            end = walk(predictor, "b", QKV, end + turn_s, 0.001)
+        return predictor, end
+
+    # Just after its pass, "a" waits at the first layer: is "b" coming round to it?
+    back_to_back, end = finished_pass(0.004)  # turns like a decoder stepping back to back
+    assert list(back_to_back.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True)) == ["b"]
+    reading, end = finished_pass(0.180)  # a stream read every ~200 ms: it idles between passes
+    assert list(reading.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True)) == []
+    # ... whose next pass is due after a turn, not after one gap: so predicted too.
+    ((expected_s, _),) = reading.expected(QKV[0], F, {"a": 1}, end + 0.001, wrap=True)
+    assert expected_s == pytest.approx(end + 0.180, abs=0.02)
+    # Inside a pass the turn does not matter: it is on its way to a layer ahead of it.
+    walk(reading, "b", QKV[:2], end + 0.180, 0.001)
+    assert list(reading.walking(QKV[3], F, {"a": 1}, end + 0.183, HOLD_S, True)) == ["b"]
+    # Where the line lies: a turn of up to that share of the hold is waited for.
+    for turn_s, waited in ((0.9 * TURN_SHARE_OF_HOLD * HOLD_S, True), (1.1 * TURN_SHARE_OF_HOLD * HOLD_S, False)):
+        predictor, end = finished_pass(turn_s)
+        assert bool(list(predictor.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True))) is waited
