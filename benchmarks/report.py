@@ -226,8 +226,9 @@ def _target_value(target: dict[str, Any]) -> str:
 
 
 #: Folders of ``docs/benchmarks/batching`` the README renders, in this order: client threads, client
-#: processes over ipc://, client processes over tcp:// (``--scheme tcp``; run with ``--scenarios inference``).
-BATCHING_MODES = ("threads", "processes", "tcp")
+#: processes over ipc://, client processes over tcp:// (``--scheme tcp``; run with ``--scenarios inference``),
+#: and client processes whose decoders step at a set rate (``--decode-interval-ms``: an open loop).
+BATCHING_MODES = ("threads", "processes", "tcp", "processes_open_loop")
 
 
 def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
@@ -243,6 +244,9 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
         transport = summary.get("transport")
         # Client processes over tcp:// are how remote clients connect (the third setting of issue 11).
         over = f" over {transport}://, as remote clients connect" if transport == "tcp" else ""
+        interval = summary.get("decode_interval_ms")
+        if interval:  # below their peak: each decoder steps at most every ``interval`` ms
+            over += f", decoders stepping every {interval:g} ms (open loop)"
         lines += [
             f"### Batching and sharing between clients, clients as {clients_as}{over} (issues 4, 11)",
             "",
@@ -308,7 +312,12 @@ def batching_section(results_dir: Path, relative_to: Path) -> list[str]:
                 + "; ".join(f"{t['name']} ({_target_value(t)})" for t in missed)
                 + "."
             )
-        lines += ["", "| policy | tokens/s | mean latency ms | p95 latency ms | rows/batch |", "|---|---|---|---|---|"]
+        if inference:
+            lines += [
+                "",
+                "| policy | tokens/s | mean latency ms | p95 latency ms | rows/batch |",
+                "|---|---|---|---|---|",
+            ]
         for v, f in inference.items():
             lines.append(
                 f"| {v} | {_num(f['tokens_per_s'], 1, '.0f')} | {_num(f['latency_ms_mean'], 1, '.0f')} | "

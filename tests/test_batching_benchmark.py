@@ -48,10 +48,13 @@ def test_batching_quick_writes_documented_json(tmp_path):
     assert any("Batching" in line for line in lines) and any("PASS" in line or "MISS" in line for line in lines)
 
 
-def _write_inference_run(results: Path, mode: str, transport: str, targets: list[dict]) -> None:
+def _write_inference_run(
+    results: Path, mode: str, transport: str, targets: list[dict], decode_interval_ms: float | None = None
+) -> None:
     """A client-process run of the heterogeneous scenario alone, as ``batching.json`` in ``results/batching/mode``."""
     figures = {"tokens_per_s": 100.0, "latency_ms_mean": 50.0, "latency_ms_p95": 60.0, "mean_rows_per_batch": 9.0}
     summary = {
+        "decode_interval_ms": decode_interval_ms,
         "inference": {"opportunistic": figures, "immediate": figures},
         "mixed": {},
         "flood": {},
@@ -73,10 +76,13 @@ def test_the_readme_renders_client_processes_over_tcp_as_a_setting_of_their_own(
     met = [{"name": "heterogeneous: x", "value": 1.0, "target": 1.0, "met": True}]
     _write_inference_run(tmp_path, "processes", "ipc", met)
     _write_inference_run(tmp_path, "tcp", "tcp", met)
+    _write_inference_run(tmp_path, "processes_open_loop", "ipc", met, decode_interval_ms=200.0)
     headings = [line for line in report.batching_section(tmp_path, tmp_path) if line.startswith("### ")]
     assert headings == [
         "### Batching and sharing between clients, clients as processes (issues 4, 11)",
         "### Batching and sharing between clients, clients as processes over tcp://, as remote clients connect"
+        " (issues 4, 11)",
+        "### Batching and sharing between clients, clients as processes, decoders stepping every 200 ms (open loop)"
         " (issues 4, 11)",
     ]
 

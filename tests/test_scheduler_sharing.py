@@ -345,6 +345,37 @@ def test_a_decoder_that_pauses_between_tokens_keeps_its_token_time():
     assert guard.longest_token_s(now) == pytest.approx(0.010) and guard.tokens_seen == 4
 
 
+def test_a_stream_read_at_a_set_rate_is_timed_by_its_passes_and_stays_active_while_it_idles():
+    """A decoder that steps every 200 ms (a user reading: an open loop) in passes of ~10 ms was
+    timed at 200 ms a token: over a 20 ms target at every token, so fine-tuning's share fell to
+    its floor while the decoder met the target by far. Its token is its pass when it idled longer
+    than the pass took; it stays active through the idle time (so bulk work stays paced for its
+    next token), and the wait tuner's epochs still span its tokens (its period)."""
+    guard, now = DecodeGuard(slo_s=0.02, slowdown=1.0), 0.0
+    for token in range(30):
+        start = now
+        for position in range(4):  # 4 layer calls of 1 ms, 1.5 ms of its own work between
+            guard.arrived("d", Op.FORWARD, True, position, now)
+            guard.handed_out("d", now + 0.001)
+            now += 0.0025
+        if token > 0:  # once its period is known: idle, but due again
+            assert guard.active(start + 0.15) == ["d"]
+        now = start + 0.2
+    assert guard.tokens_seen == 29 and guard.slo_misses == 0 and guard.bulk_share == 1.0
+    assert guard.stats()["token_ms_ewma_max"] == pytest.approx(8.5)  # its passes: 3 x 2.5 ms + 1 ms
+    assert guard.longest_token_s(now) == pytest.approx(0.2)
+    # A decoder stepping back to back keeps the time from one token's start to the next, its
+    # own work between the passes included (that work is part of what its user waits for).
+    back_to_back, now = DecodeGuard(slo_s=0.02, slowdown=1.0), 0.0
+    for _ in range(10):
+        for position in range(4):
+            back_to_back.arrived("d", Op.FORWARD, True, position, now)
+            back_to_back.handed_out("d", now + 0.001)
+            now += 0.0025
+        now += 0.004  # its sampling and the next token's embedding
+    assert back_to_back.stats()["token_ms_ewma_max"] == pytest.approx(14.0)
+
+
 def test_a_decoder_starved_between_its_calls_is_timed_not_taken_for_paused():
     """A decoder whose client is starved of CPU (bulk work on its cores) goes quiet between calls
     too: its slow tokens are what a target's feedback must see, so only a gap of ``PAUSE_S`` or
