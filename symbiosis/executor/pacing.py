@@ -9,7 +9,9 @@ request labelled decode that is larger than a decode-sized share):
   profiled in advance, so it follows the machine's load.
 - ``DecodeGuard`` follows the clients that are decoding (their last request was a forward
   request of class ``decode``): their pace per layer call (from ``ArrivalPredictor``), the time of
-  each token (arrival of one pass's first layer to the next), and from those the *delay budget*:
+  each token (arrival of one pass's first layer to the next; the pass alone for a decoder that
+  idles between passes longer than its pass takes, a stream read at a set rate:
+  ``DecodeGuard._token_time_s``), and from those the *delay budget*:
   how long one product may delay one of their layer calls. A pass during which the decoder paused
   (quiet between two calls for ``PAUSE_S`` or two of its tokens, whichever is longer: its own next
   job, a start line) is no token: counted, one pause of a few seconds raised a decoder's token
