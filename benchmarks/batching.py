@@ -41,6 +41,11 @@ be read against this host's round-to-round noise: five repeats of client threads
 met (a)'s latency target at x0.969 of lockstep's median while their repeats said x1.11, 1.04,
 0.96, 0.96, 1.24.
 
+Every client above is a closed loop (it steps back to back); with ``--decode-interval-ms MS`` every
+inference client is an open loop instead -- a step started at most every MS, the streams' first
+steps spread over the interval (``spread_phases``) -- so that the decoders leave the host idle
+time, as inference below its peak does; each target's name then says so.
+
 Threads share one Python interpreter: the GIL serializes client-side Python and the products'
 dispatch; on a 2-core machine this bounds what any policy can gain. The numbers are what this
 machine gives, with the load average at the start and end recorded next to them.

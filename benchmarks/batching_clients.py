@@ -207,14 +207,13 @@ def warm_up(client, spec: ClientSpec, seconds: float) -> None:
     A flood sends one small request and starts flooding with the window. An open-loop client
     keeps its rate in the warm-up too (``pace``)."""
     started = time.perf_counter()
-    for _ in range(3 if spec.kind == "inference" else 1):
+    first_steps = 3 if spec.kind == "inference" else 1
+    steps = 0
+    while steps < first_steps or (spec.kind != "flood" and time.perf_counter() - started < seconds):
         step_started = time.perf_counter()
         client.step()
         pace(spec, step_started)
-    while spec.kind != "flood" and time.perf_counter() - started < seconds:
-        step_started = time.perf_counter()
-        client.step()
-        pace(spec, step_started)
+        steps += 1
 
 
 def run_measured(client, record: ClientRecord, end_s: float, stop: Callable[[], bool]) -> None:

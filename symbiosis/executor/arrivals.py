@@ -65,6 +65,12 @@ TURN_SHARE_OF_HOLD = 0.5
 OWN_GAP_RISE_WEIGHT = 0.05
 
 
+def _follow(estimates: dict[Op, float], op: Op, sample: float) -> None:
+    """Move ``op``'s estimate (an EWMA, ``GAP_EWMA_WEIGHT``) towards ``sample``; the first sample sets it."""
+    old = estimates.get(op)
+    estimates[op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
+
+
 class _Track:
     """One client's last request (op, learned position, hand-out time) and its pace per op."""
 
@@ -129,8 +135,7 @@ class ArrivalPredictor:
             positions[request.layer_id] = position
         if same_op and position > track.position and track.handed_out_s is not None:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
-            old = track.gap_s.get(request.op)
-            track.gap_s[request.op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
+            _follow(track.gap_s, request.op, sample)
             own = track.own_gap_s.get(request.op)
             track.own_gap_s[request.op] = (
                 sample if own is None or sample < own else own + OWN_GAP_RISE_WEIGHT * (sample - own)
@@ -138,9 +143,7 @@ class ArrivalPredictor:
         elif same_op and position < track.position:
             track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
             if track.handed_out_s is not None:
-                sample = request.arrival_s - track.handed_out_s
-                old = track.turn_s.get(request.op)
-                track.turn_s[request.op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
+                _follow(track.turn_s, request.op, request.arrival_s - track.handed_out_s)
         elif not same_op and track.op is not None:
             track.repeats.discard(track.op)  # it left that op for another one
         track.walks = not same_op or position != track.position

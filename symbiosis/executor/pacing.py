@@ -298,14 +298,12 @@ class DecodeGuard:
         """A batch led by bulk work started: tokens in progress are not samples of a decoder's own pace."""
         self._bulk_ran_s = now_s
 
-    def _token(self, decoder: _Decoder, token_s: float, period_s: float | None = None, clean: bool = True) -> None:
-        """One token sample: ``token_s`` its time (``_token_time_s``), ``period_s`` (default: the
-        same) the time from its start to the next token's."""
-        period_s = token_s if period_s is None else period_s
+    def _token(self, decoder: _Decoder, token_s: float, period_s: float, clean: bool) -> None:
+        """One token sample: ``token_s`` its time (``_token_time_s``), ``period_s`` the time from
+        its start to the next token's."""
+        old_period_s = decoder.period_s
         decoder.period_s = (
-            period_s
-            if decoder.period_s is None
-            else decoder.period_s + TOKEN_EWMA_WEIGHT * (period_s - decoder.period_s)
+            period_s if old_period_s is None else old_period_s + TOKEN_EWMA_WEIGHT * (period_s - old_period_s)
         )
         if decoder.token_s is None:
             decoder.token_s = token_s
