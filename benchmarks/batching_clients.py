@@ -273,6 +273,7 @@ def counters_from_stats(stats: dict) -> dict:
         "wait_rule": stats.get("wait_rule"),
         "decode_guard": stats.get("decode_guard"),
         "chunks_cut_for_decode": stats.get("chunks_cut_for_decode"),
+        "bulk_batches_in_free_time": stats.get("bulk_batches_in_free_time"),
     }
 
 
@@ -310,6 +311,7 @@ def summarize_run(records: Sequence[ClientRecord], counters: dict, window_s: flo
         "wait_rule": end.get("wait_rule"),
         "decode_guard": end.get("decode_guard"),
         "chunks_cut_for_decode": end.get("chunks_cut_for_decode"),
+        "bulk_batches_in_free_time": end.get("bulk_batches_in_free_time"),
         "per_client": [
             {
                 "kind": r.spec.kind,

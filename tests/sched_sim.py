@@ -44,6 +44,7 @@ class Walker:
     pass_ends: list[float] = field(default_factory=list)
     pass_starts: list[float] = field(default_factory=list)  # arrival of each pass's first request
     waits: list[float] = field(default_factory=list)  # arrival -> its batch started, per request
+    arrivals: list[float] = field(default_factory=list)  # when each of its requests arrived
 
     def steps(self):
         """(layer_id, op) of every request of one step, in order."""
@@ -110,6 +111,7 @@ class Simulation:
                     layer_id, op = client.steps()[step]
                     if step == 0:
                         client.pass_starts.append(at)
+                    client.arrivals.append(at)
                     request = PendingRequest(rid, client.client_id, layer_id, op, client.rows, client.latency_class, at)
                 else:
                     request = PendingRequest(

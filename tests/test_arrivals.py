@@ -46,26 +46,47 @@ def test_a_sibling_group_takes_its_first_members_place_in_the_walk():
     assert predictor.gap_s("a", F) < 0.002
 
 
-def test_a_client_that_idles_between_passes_is_not_on_its_way_round_one_that_turns_at_once_is():
-    def finished_pass(turn_s: float) -> tuple[ArrivalPredictor, float]:
+def test_a_client_that_idles_between_passes_is_not_on_its_way_one_that_turns_at_once_is():
+    def finished_pass(turn_s: float, gap_s: float = 0.001) -> tuple[ArrivalPredictor, float]:
         predictor = ArrivalPredictor()
-        end = walk(predictor, "b", LAYERS, 0.0, 0.001)  # places the layers
+        end = walk(predictor, "b", LAYERS, 0.0, gap_s)  # places the layers
         for _ in range(4):  # passes of a client that turns in ``turn_s``
-            end = walk(predictor, "b", QKV, end + turn_s, 0.001)
+            end = walk(predictor, "b", QKV, end + turn_s, gap_s)
         return predictor, end
 
     # Just after its pass, "a" waits at the first layer: is "b" coming round to it?
-    back_to_back, end = finished_pass(0.004)  # turns like a decoder stepping back to back
-    assert list(back_to_back.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True)) == ["b"]
+    back_to_back, back_to_back_end = finished_pass(0.002)  # turns like a decoder stepping back to back
+    assert list(back_to_back.walking(QKV[0], F, {"a": 1}, back_to_back_end + 0.001, HOLD_S, True)) == ["b"]
     reading, end = finished_pass(0.180)  # a stream read every ~200 ms: it idles between passes
     assert list(reading.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True)) == []
     # ... whose next pass is due after a turn, not after one gap: so predicted too.
     ((expected_s, _),) = reading.expected(QKV[0], F, {"a": 1}, end + 0.001, wrap=True)
     assert expected_s == pytest.approx(end + 0.180, abs=0.02)
-    # Inside a pass the turn does not matter: it is on its way to a layer ahead of it.
+    # Inside its pass a stream is not waited for either: a convoy it joins parts at the pass's end,
+    # and one that waited for streams behind held each of them for the phases of those behind it.
     walk(reading, "b", QKV[:2], end + 0.180, 0.001)
-    assert list(reading.walking(QKV[3], F, {"a": 1}, end + 0.183, HOLD_S, True)) == ["b"]
-    # Where the line lies: a turn of up to that share of the hold is waited for.
-    for turn_s, waited in ((0.9 * TURN_SHARE_OF_HOLD * HOLD_S, True), (1.1 * TURN_SHARE_OF_HOLD * HOLD_S, False)):
-        predictor, end = finished_pass(turn_s)
-        assert bool(list(predictor.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True))) is waited
+    assert list(reading.walking(QKV[3], F, {"a": 1}, end + 0.183, HOLD_S, True)) == []
+    walk(back_to_back, "b", QKV[:2], back_to_back_end + 0.002, 0.001)
+    assert list(back_to_back.walking(QKV[3], F, {"a": 1}, back_to_back_end + 0.005, HOLD_S, True)) == ["b"]
+    # Where the line lies: a turn longer than a pass at the client's own pace (one gap a layer of
+    # the walk), or than that share of the hold, whichever is shorter.
+    own_pass_s = back_to_back.own_gap_s("b", F) * back_to_back.pass_length(F)  # (a group's jump: 3 hops a gap)
+    assert 0.002 < own_pass_s < 0.011
+    for gap_s, line_s in ((0.001, own_pass_s), (0.010, TURN_SHARE_OF_HOLD * HOLD_S)):
+        for turn_s, waited in ((0.9 * line_s, True), (1.1 * line_s, False)):
+            predictor, end = finished_pass(turn_s, gap_s)
+            assert bool(list(predictor.walking(QKV[0], F, {"a": 1}, end + 0.001, HOLD_S, True))) is waited
+
+
+def test_a_clients_next_call_is_due_one_own_gap_after_its_last_hand_out_or_one_turn_after_its_pass():
+    predictor = ArrivalPredictor()
+    end = walk(predictor, "b", LAYERS, 0.0, 0.001)
+    for _ in range(3):  # a stream: a pass, then 30 ms idle
+        end = walk(predictor, "b", LAYERS, end + 0.030, 0.001)
+    assert predictor.next_call_s("b", F) == pytest.approx(end + 0.030)  # its pass ended: a turn away
+    walk(predictor, "b", LAYERS[:1], end + 0.030, 0.001)  # in its pass: one gap of its own away
+    assert predictor.next_call_s("b", F) == pytest.approx(end + 0.031)
+    request = PendingRequest(next(_ids), "b", LAYERS[1], F, 1, LatencyClass.DECODE, end + 0.031)
+    predictor.arrived(request)
+    assert predictor.next_call_s("b", F) is None  # pending: it is here, not due
+    assert predictor.next_call_s("b", Op.BACKWARD) is None and predictor.next_call_s("nobody", F) is None

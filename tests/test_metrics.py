@@ -69,6 +69,7 @@ def test_metrics_say_what_the_scheduler_decides(tiny_checkpoint):
         assert 'symbiosis_pending_requests{latency_class="decode"} 0.0' in lines
         assert 'symbiosis_pending_rows{latency_class="finetune"} 0.0' in lines
         assert "symbiosis_chunks_cut_for_decode_total 0.0" in lines
+        assert "symbiosis_bulk_batches_in_free_time_total 0.0" in lines
         assert "symbiosis_bulk_share_ratio 1.0" in lines and "symbiosis_backlog_share_ratio 1.0" in lines
         assert "symbiosis_decode_tokens_over_slo_total 0.0" in lines
         assert f"symbiosis_decoders_tracked {float(scheduler['decode_guard']['decoders_tracked'])}" in lines

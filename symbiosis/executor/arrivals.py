@@ -36,8 +36,14 @@ A client behind a layer in the same pass (``hops = position(layer) - position(it
 and is at or past the layer is on its way too, through the end of its pass and the start of the
 next one (``hops = positions - position + position(layer)``), if that is at most half a pass: a
 client further round is rather ahead, and waiting for it would make two clients wait for each other.
-Its turn between the passes takes the place of one gap there; and a client that idles between
-passes (``TURN_SHARE_OF_HOLD``) is not on its way to a layer it must turn to reach (``walking``).
+Its turn between the passes takes the place of one gap there. A client that idles between passes
+(``_idles_between_passes``) is not waited for by the convoy (``walking``): not at the wrap, nor
+behind in its pass -- a convoy it joins parts at its pass's end, and streams waited for behind in
+their passes held the ones ahead of them for their phases (the simulator, 6 streams every 60 ms
+with their phases spread: passes x1.54 of not waiting, p95 x2.5, with the adaptive rule).
+
+When a client's next request is due (``next_call_s``) tells the scheduler how long the executor
+is free of latency work, for bulk work to fill (``Scheduler._free_until_s``).
 """
 
 from __future__ import annotations
@@ -51,18 +57,27 @@ from symbiosis.vocabulary import GROUP_SEPARATOR, Op
 # follows a client whose pace changes (prefill -> decode, more load) within a few layers.
 GAP_EWMA_WEIGHT = 0.25
 # A client whose turn between passes takes over this share of the longest hold (the convoy's
-# ``idle_s``, ``lockstep_timeout_ms``) idles between them -- an open loop -- and is not on its
-# way to a layer it must turn to reach. Measured turns of clients stepping back to back (this
+# ``idle_s``, ``lockstep_timeout_ms``), or longer than a pass at its own pace, idles between them
+# -- an open loop -- and is not waited for (``walking``). Measured turns of clients stepping back to back (this
 # 2-core host, 8 decoders of batch 1-16, 2026-12-06): client processes 3.4-5.8 ms (median; p90
 # up to 7.3), client threads sharing one interpreter lock 9.5-11.8 ms (p90 up to 14.6). An open-
 # loop stream's turn is its interval less its pass, and a hold lengthens the pass: half the hold
 # keeps a stream that a convoy slowed from looking like one stepping back to back (streams every
 # 100 ms in the simulator: passes of 58 ms under the convoy, turns of 42, against 20 ms passes
 # not waiting; skipping only streams that would start after the hold ended kept that state).
+# Against a pass at their own pace (own gap x layers, client threads of the same run): turns of
+# 0.11-0.25 of it.
 TURN_SHARE_OF_HOLD = 0.5
 # Weight of a larger sample in a client's own-gap lower envelope (a smaller one replaces it): a
 # client that really slowed down is followed within a few dozen calls, a delay is mostly ignored.
 OWN_GAP_RISE_WEIGHT = 0.05
+
+
+def _envelope(estimates: dict[Op, float], op: Op, sample: float) -> None:
+    """Move ``op``'s lower envelope towards ``sample``: a smaller one replaces it, a larger one
+    raises it slowly (``OWN_GAP_RISE_WEIGHT``)."""
+    old = estimates.get(op)
+    estimates[op] = sample if old is None or sample < old else old + OWN_GAP_RISE_WEIGHT * (sample - old)
 
 
 def _follow(estimates: dict[Op, float], op: Op, sample: float) -> None:
@@ -83,6 +98,7 @@ class _Track:
         "gap_s",
         "own_gap_s",
         "turn_s",
+        "own_turn_s",
         "repeats",
         "walks",
         "latency",
@@ -97,6 +113,7 @@ class _Track:
         self.gap_s: dict[Op, float] = {}
         self.own_gap_s: dict[Op, float] = {}  # lower envelope of the same samples (module doc)
         self.turn_s: dict[Op, float] = {}  # time between its passes of an op it repeats (module doc)
+        self.own_turn_s: dict[Op, float] = {}  # lower envelope of the same samples (``next_call_s``)
         self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
         self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
         self.latency = True  # its last request was latency work (decode, prefill), not bulk
@@ -108,6 +125,7 @@ class ArrivalPredictor:
     def __init__(self) -> None:
         self.positions: dict[Op, dict[str, int]] = {op: {} for op in Op}
         self._provisional: dict[Op, set[str]] = {op: set() for op in Op}  # positions no walk has set yet
+        self._last_position: dict[Op, int] = {op: -1 for op in Op}  # the end of a pass (``next_call_s``)
         self.tracks: dict[str, _Track] = {}
 
     def arrived(self, request: PendingRequest, latency: bool = True) -> int:
@@ -136,16 +154,16 @@ class ArrivalPredictor:
         if same_op and position > track.position and track.handed_out_s is not None:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
             _follow(track.gap_s, request.op, sample)
-            own = track.own_gap_s.get(request.op)
-            track.own_gap_s[request.op] = (
-                sample if own is None or sample < own else own + OWN_GAP_RISE_WEIGHT * (sample - own)
-            )
+            _envelope(track.own_gap_s, request.op, sample)
         elif same_op and position < track.position:
             track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
             if track.handed_out_s is not None:
                 _follow(track.turn_s, request.op, request.arrival_s - track.handed_out_s)
+                _envelope(track.own_turn_s, request.op, request.arrival_s - track.handed_out_s)
         elif not same_op and track.op is not None:
             track.repeats.discard(track.op)  # it left that op for another one
+        if position > self._last_position[request.op]:
+            self._last_position[request.op] = position
         track.walks = not same_op or position != track.position
         track.latency = latency
         track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
@@ -194,10 +212,40 @@ class ArrivalPredictor:
         track = self.tracks.get(client_id)
         return None if track is None else track.own_gap_s.get(op)
 
+    def next_call_s(self, client_id: str, op: Op) -> float | None:
+        """When the client's next request of ``op`` is due: from its last request's hand-out, one
+        of its own gaps (the lower envelope: rather too early than too late), or its turn when
+        that request ended a pass of an op it repeats. None when it has a request pending, is in
+        another op, or its pace is not known yet."""
+        track = self.tracks.get(client_id)
+        if track is None or track.op is not op or track.handed_out_s is None:
+            return None
+        gap_s = track.own_gap_s.get(op)
+        if op in track.repeats and track.position >= self._last_position[op]:
+            gap_s = track.own_turn_s.get(op, gap_s)
+        return None if gap_s is None else track.handed_out_s + gap_s
+
     def _turn_s(self, track: _Track, target: int) -> float | None:
         """The time ``track``'s client takes between two passes, when it must make that turn to
         reach position ``target`` (it is at or past it: ``_hops`` wrapped) and it was measured."""
         return track.turn_s.get(track.op) if track.position >= target else None
+
+    @staticmethod
+    def _idles_between_passes(track: _Track, turn_s: float, length: int, idle_s: float) -> bool:
+        """Whether a client that turns ``turn_s`` between passes idles there rather than stepping
+        back to back: its turn is over ``TURN_SHARE_OF_HOLD`` of the longest hold, or longer than
+        a pass at its own pace (``own_gap`` per layer). The second holds however slow a convoy
+        made its passes: the pass at its own pace stays, the turn only shrinks towards interval
+        less pass. With the first alone, streams read every 30 ms with their phases spread (the
+        simulator, beside two fine-tuning walkers) turned ~20 ms, under half the 50 ms hold, and
+        the convoy waited for them: their passes x5.5 of alone. (A pass at its own pace is
+        underestimated where groups skip positions -- a group's jump of 3 is one gap, so its
+        samples are a third -- which leaves back-to-back clients' turns, 0.11-0.25 of it as
+        measured, far from the line still.)"""
+        if turn_s > TURN_SHARE_OF_HOLD * idle_s:
+            return True
+        own_gap_s = track.own_gap_s.get(track.op) if track.op is not None else None
+        return own_gap_s is not None and turn_s > own_gap_s * length
 
     def _hops(self, track: _Track, target: int, length: int, wrap: bool) -> int | None:
         """Layers ``track``'s client still has to walk to reach position ``target``; None when it is
@@ -220,8 +268,7 @@ class ArrivalPredictor:
     ) -> Iterator[str]:
         """The clients not in ``skip`` on their way to the layer in their walk of ``op`` (see
         ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``), nor
-        idling between passes (a turn between passes, when they must make it to reach the layer,
-        of over ``TURN_SHARE_OF_HOLD`` of ``idle_s``: the module doc); with ``latency_only``, only
+        idling between passes (``_idles_between_passes``: the module doc); with ``latency_only``, only
         those whose last request was latency work. No pace is needed: the convoy rule waits for them
         however slow they are within a pass. Lazily: the convoy asks whether one of them can
         come, and the first that can ends the look (``Scheduler._convoy_waits_for``)."""
@@ -239,9 +286,9 @@ class ArrivalPredictor:
                 continue
             if self._hops(track, target, length, wrap=True) is None:
                 continue
-            turn_s = self._turn_s(track, target)
-            if turn_s is not None and turn_s > TURN_SHARE_OF_HOLD * idle_s:
-                continue  # it idles between passes: a stream read at a set rate (module doc)
+            turn_s = track.turn_s.get(op) if op in track.repeats else None
+            if turn_s is not None and self._idles_between_passes(track, turn_s, length, idle_s):
+                continue  # a stream read at a set rate (module doc)
             yield client_id
 
     def expected(

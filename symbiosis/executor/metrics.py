@@ -136,6 +136,12 @@ def scheduler_metrics(scheduler: dict):
             "Bulk products cut short so that a decoder does not wait behind them",
             value=scheduler["chunks_cut_for_decode"],
         )
+    if "bulk_batches_in_free_time" in scheduler:
+        yield CounterMetricFamily(
+            "symbiosis_bulk_batches_in_free_time",
+            "Bulk products run, with their paced share spent, in the time before the decoders' next calls were due",
+            value=scheduler["bulk_batches_in_free_time"],
+        )
     guard = scheduler.get("decode_guard")
     if guard:
         yield GaugeMetricFamily("symbiosis_decoders_tracked", "Clients seen decoding", value=guard["decoders_tracked"])
