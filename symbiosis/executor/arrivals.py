@@ -36,11 +36,13 @@ A client behind a layer in the same pass (``hops = position(layer) - position(it
 and is at or past the layer is on its way too, through the end of its pass and the start of the
 next one (``hops = positions - position + position(layer)``), if that is at most half a pass: a
 client further round is rather ahead, and waiting for it would make two clients wait for each other.
-Its turn between the passes takes the place of one gap there. A client that idles between passes
-(``_idles_between_passes``) is not waited for by the convoy (``walking``): not at the wrap, nor
-behind in its pass -- a convoy it joins parts at its pass's end, and streams waited for behind in
-their passes held the ones ahead of them for their phases (the simulator, 6 streams every 60 ms
-with their phases spread: passes x1.54 of not waiting, p95 x2.5, with the adaptive rule).
+Its turn between the passes takes the place of one gap there; and a client that idles between
+passes (``_idles_between_passes``) is not on its way to a layer it must turn to reach
+(``walking``). Inside its pass it still is: not waiting for idlers there too freed streams every
+60 ms with their phases spread in the simulator (passes x1.54 of not waiting's with the adaptive
+rule, p95 x2.5; x1.00 then), but broke the convoys of client processes stepping back to back on
+this host (25-28 rows a batch against 37.3 for the fixed convoy): their turns run 26-42 ms for a
+while (the benchmark's warm-up), over half the hold, and each then went unwaited all round.
 
 When a client's next request is due (``next_call_s``) tells the scheduler how long the executor
 is free of latency work, for bulk work to fill (``Scheduler._free_until_s``).
@@ -58,15 +60,15 @@ from symbiosis.vocabulary import GROUP_SEPARATOR, Op
 GAP_EWMA_WEIGHT = 0.25
 # A client whose turn between passes takes over this share of the longest hold (the convoy's
 # ``idle_s``, ``lockstep_timeout_ms``), or longer than a pass at its own pace, idles between them
-# -- an open loop -- and is not waited for (``walking``). Measured turns of clients stepping back to back (this
-# 2-core host, 8 decoders of batch 1-16, 2026-12-06): client processes 3.4-5.8 ms (median; p90
-# up to 7.3), client threads sharing one interpreter lock 9.5-11.8 ms (p90 up to 14.6). An open-
-# loop stream's turn is its interval less its pass, and a hold lengthens the pass: half the hold
-# keeps a stream that a convoy slowed from looking like one stepping back to back (streams every
-# 100 ms in the simulator: passes of 58 ms under the convoy, turns of 42, against 20 ms passes
-# not waiting; skipping only streams that would start after the hold ended kept that state).
-# Against a pass at their own pace (own gap x layers, client threads of the same run): turns of
-# 0.11-0.25 of it.
+# -- an open loop -- and is not on its way to a layer it must turn to reach. Measured turns of
+# clients stepping back to back (this 2-core host, 8 decoders of batch 1-16, 2026-12-06): client
+# processes 3.4-5.8 ms (median; p90 up to 7.3), client threads sharing one interpreter lock
+# 9.5-11.8 ms (p90 up to 14.6); against a pass at their own pace, 0.07-0.25 of it (client
+# threads), ~0.1 (client processes). An open-loop stream's turn is its interval less its pass, and
+# a hold lengthens the pass: half the hold keeps a stream that a convoy slowed from looking like
+# one stepping back to back (streams every 100 ms in the simulator: passes of 58 ms under the
+# convoy, turns of 42, against 20 ms passes not waiting; skipping only streams that would start
+# after the hold ended kept that state).
 TURN_SHARE_OF_HOLD = 0.5
 # Weight of a larger sample in a client's own-gap lower envelope (a smaller one replaces it): a
 # client that really slowed down is followed within a few dozen calls, a delay is mostly ignored.
@@ -99,6 +101,9 @@ class _Track:
         "own_gap_s",
         "turn_s",
         "own_turn_s",
+        "own_call_s",
+        "calls",
+        "pass_calls",
         "repeats",
         "walks",
         "latency",
@@ -114,6 +119,11 @@ class _Track:
         self.own_gap_s: dict[Op, float] = {}  # lower envelope of the same samples (module doc)
         self.turn_s: dict[Op, float] = {}  # time between its passes of an op it repeats (module doc)
         self.own_turn_s: dict[Op, float] = {}  # lower envelope of the same samples (``next_call_s``)
+        # A pass at its own pace (``_idles_between_passes``): the lower envelope of its time per
+        # call (not per position: a group's jump skips positions), and the calls of its last pass.
+        self.own_call_s: dict[Op, float] = {}
+        self.calls = 0  # calls in the pass under way
+        self.pass_calls = 0  # calls in its last whole pass
         self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
         self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
         self.latency = True  # its last request was latency work (decode, prefill), not bulk
@@ -155,8 +165,10 @@ class ArrivalPredictor:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
             _follow(track.gap_s, request.op, sample)
             _envelope(track.own_gap_s, request.op, sample)
+            _envelope(track.own_call_s, request.op, request.arrival_s - track.handed_out_s)
         elif same_op and position < track.position:
             track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
+            track.pass_calls, track.calls = track.calls, 0
             if track.handed_out_s is not None:
                 _follow(track.turn_s, request.op, request.arrival_s - track.handed_out_s)
                 _envelope(track.own_turn_s, request.op, request.arrival_s - track.handed_out_s)
@@ -165,6 +177,7 @@ class ArrivalPredictor:
         if position > self._last_position[request.op]:
             self._last_position[request.op] = position
         track.walks = not same_op or position != track.position
+        track.calls = track.calls + 1 if same_op else 1
         track.latency = latency
         track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
         track.layer_id = request.layer_id
@@ -231,21 +244,20 @@ class ArrivalPredictor:
         return track.turn_s.get(track.op) if track.position >= target else None
 
     @staticmethod
-    def _idles_between_passes(track: _Track, turn_s: float, length: int, idle_s: float) -> bool:
+    def _idles_between_passes(track: _Track, turn_s: float, idle_s: float) -> bool:
         """Whether a client that turns ``turn_s`` between passes idles there rather than stepping
         back to back: its turn is over ``TURN_SHARE_OF_HOLD`` of the longest hold, or longer than
-        a pass at its own pace (``own_gap`` per layer). The second holds however slow a convoy
-        made its passes: the pass at its own pace stays, the turn only shrinks towards interval
-        less pass. With the first alone, streams read every 30 ms with their phases spread (the
-        simulator, beside two fine-tuning walkers) turned ~20 ms, under half the 50 ms hold, and
-        the convoy waited for them: their passes x5.5 of alone. (A pass at its own pace is
-        underestimated where groups skip positions -- a group's jump of 3 is one gap, so its
-        samples are a third -- which leaves back-to-back clients' turns, 0.11-0.25 of it as
-        measured, far from the line still.)"""
+        a pass at its own pace (the lower envelope of its time per call, times the calls of its
+        last pass; not per position, as ``own_gap``: a group's jump skips positions). The second
+        holds however slow a convoy made its passes: the pass at its own pace stays, the turn
+        only shrinks towards interval less pass. With the first alone, streams read every 30 ms
+        with their phases spread (the simulator, beside two fine-tuning walkers) turned ~20 ms,
+        under half the 50 ms hold, and the convoy waited for them: their passes x5.5 of alone.
+        Back-to-back clients on this host turned in 0.07-0.25 of a pass at their own pace."""
         if turn_s > TURN_SHARE_OF_HOLD * idle_s:
             return True
-        own_gap_s = track.own_gap_s.get(track.op) if track.op is not None else None
-        return own_gap_s is not None and turn_s > own_gap_s * length
+        own_call_s = track.own_call_s.get(track.op) if track.op is not None else None
+        return own_call_s is not None and track.pass_calls > 0 and turn_s > own_call_s * track.pass_calls
 
     def _hops(self, track: _Track, target: int, length: int, wrap: bool) -> int | None:
         """Layers ``track``'s client still has to walk to reach position ``target``; None when it is
@@ -268,7 +280,8 @@ class ArrivalPredictor:
     ) -> Iterator[str]:
         """The clients not in ``skip`` on their way to the layer in their walk of ``op`` (see
         ``_hops``) and not idle (a request pending, or one handed out within ``idle_s``), nor
-        idling between passes (``_idles_between_passes``: the module doc); with ``latency_only``, only
+        idling between passes when they must turn to reach the layer (``_idles_between_passes``:
+        the module doc); with ``latency_only``, only
         those whose last request was latency work. No pace is needed: the convoy rule waits for them
         however slow they are within a pass. Lazily: the convoy asks whether one of them can
         come, and the first that can ends the look (``Scheduler._convoy_waits_for``)."""
@@ -286,8 +299,8 @@ class ArrivalPredictor:
                 continue
             if self._hops(track, target, length, wrap=True) is None:
                 continue
-            turn_s = track.turn_s.get(op) if op in track.repeats else None
-            if turn_s is not None and self._idles_between_passes(track, turn_s, length, idle_s):
+            turn_s = self._turn_s(track, target)
+            if turn_s is not None and self._idles_between_passes(track, turn_s, idle_s):
                 continue  # a stream read at a set rate (module doc)
             yield client_id
 

@@ -88,8 +88,10 @@ work slows decoders outside the queue). Measured in the simulator (a target of 1
 p95 alone; immediate / opportunistic): 6 streams stepping together every 30 ms beside 2
 fine-tuning walkers, fine-tuning kept 10% / 17% of its solo rate before, 62% / 80% now; the same
 streams 5 ms apart 12% / 3% (opportunistic's p95 then x5 of the target: its convoy waited for the
-streams, ``arrivals.py``), now 20% / 17%; 3 decoders back to back (``coserving`` in the tests) 28%
-/ 53%, now 46% / 58%; the p95 at the target (within 3%) in each now.
+streams, ``arrivals.py``), now 20% / 7%; 3 decoders back to back (``coserving`` in the tests) 28%
+/ 53%, now 46% / 58%. The p95 is within 2% of the target in each but opportunistic's: x1.05 of
+it beside the streams stepping together (x1.03 before), x1.16 beside those 5 ms apart (its
+convoy still waits for streams behind in their passes).
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
 """
