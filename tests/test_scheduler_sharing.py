@@ -174,7 +174,9 @@ def test_decode_slo_is_met_next_to_a_finetuning_backlog(policy):
     arrivals = sorted(a for c in sim.clients if c.latency_class is D for a in c.arrivals if a > 0.5)
     whole = [(start, end) for start, end, b in sim.batches if start > 0.5 and b.rows >= 512]
     assert not any(bisect.bisect_right(arrivals, start) < bisect.bisect_left(arrivals, end) for start, end in whole)
-    assert sim.scheduler.stats()["chunks_cut_for_decode"] > 0 and sim.scheduler.stats()["bulk_batches_in_free_time"] > 0
+    stats = sim.scheduler.stats()
+    assert stats["chunks_cut_for_decode"] > 0
+    assert 0 < stats["bulk_batches_in_free_time"] <= stats["batches_led_by_lane"]["bulk"]
 
 
 @pytest.mark.slow

@@ -93,7 +93,8 @@ streams, ``arrivals.py``), now 20% / 7%; 3 decoders back to back (``coserving`` 
 it beside the streams stepping together (x1.03 before), x1.16 beside those 5 ms apart (its
 convoy still waits for streams behind in their passes).
 
-Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients).
+Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients);
+a plan in which bulk work may lead while decoders are active adds O(decoders) (``_free_until_s``).
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ class Scheduler:
         # (key, lane, estimated duration, the decoders' free time it started in)
         self._last_fill: tuple[tuple[str, Op], int, float, float] | None = None
         # The decoders' free time when bulk work was last let lead (``_bulk_may_lead``; None in a
-        # plan that did not ask), and whether only that time was allowed it.
+        # plan that did not ask), and whether only that time was allowed it (the allowance spent).
         self._free_s: float | None = None
         self._free_only = False
         self._lane_batches = [0, 0]
@@ -613,7 +614,7 @@ class Scheduler:
         ready: dict[_Group, str] = {}
         wakeup_s = math.inf
         latency_hold_s = math.inf  # the end of the earliest hold of latency work (``_free_until_s``)
-        self._free_s = None
+        self._free_s, self._free_only = None, False  # set by ``_bulk_may_lead``, read by ``_fill``
         if rule == "convoy" and only is not BULK:  # a new view for this plan (see _convoy_waits_for)
             self._convoy_served_now = {}
         for group in self._groups.values():
@@ -682,7 +683,6 @@ class Scheduler:
             # With a target, the share its feedback sets: where the clients' own work shares the
             # executor's cores, free time is not free, and only the feedback sees that.
             self._free_s = (free_until_s - now_s) * (self._guard.bulk_share if targeted else 1.0)
-        self._free_only = False
         spent = self._allowance_spent(entry, now_s)  # (this also fills the allowance up to now)
         # Paced while decoders are active: all bulk work to a target's share; without a target, a
         # client with a backlog (a flood) to the share that keeps decoders near their own pace.
@@ -690,7 +690,6 @@ class Scheduler:
             fits = None if flood else self._cost.rows_within(entry.group.key, self._free_s)
             if fits is not None and fits >= self._min_chunk_rows:
                 self._free_only = True  # a chunk in the decoders' free time: it delays none of them
-                self._free_time_batches += 1
                 return entry, now_s
             return None, self._allowed.positive_at_s(now_s, self._allowance_rate())
         if latency_waiting and self._owed_s <= 0:
@@ -886,6 +885,8 @@ class Scheduler:
         if estimate_s is None:
             estimate_s = NOMINAL_PRODUCT_S
         free_s = self._free_s if lane == BULK and self._free_s is not None else 0.0
+        if lane == BULK and self._free_only:  # counted here, not in the plan: a plan may only ask when
+            self._free_time_batches += 1  # (``next_wakeup``)
         self._charge(lane, estimate_s, max(0.0, estimate_s - free_s))  # an estimate: batch_done corrects it
         if flood_rows:  # a flood's rows riding along spend its allowance (their share of the estimate)
             self._allowed.spend(estimate_s * flood_rows / rows)
