@@ -62,11 +62,21 @@ def test_a_client_that_idles_between_passes_is_not_on_its_way_round_one_that_tur
     # ... whose next pass is due after a turn, not after one gap: so predicted too.
     ((expected_s, _),) = reading.expected(QKV[0], F, {"a": 1}, end + 0.001, wrap=True)
     assert expected_s == pytest.approx(end + 0.180, abs=0.02)
-    # Inside its pass the turn does not matter: it is on its way to a layer ahead of it.
-    walk(reading, "b", QKV[:2], end + 0.180, 0.001)
-    assert list(reading.walking(QKV[3], F, {"a": 1}, end + 0.183, HOLD_S, True)) == ["b"]
+    # Inside its pass, a client stepping back to back is on its way to a layer ahead of it...
     walk(back_to_back, "b", QKV[:2], back_to_back_end + 0.002, 0.001)
     assert list(back_to_back.walking(QKV[3], F, {"a": 1}, back_to_back_end + 0.005, HOLD_S, True)) == ["b"]
+    # ... and a stream is not: its next pass starts on its own clock, so a convoy held for it
+    # now would be held for it again next pass.
+    walk(reading, "b", QKV[:2], end + 0.180, 0.001)
+    assert list(reading.walking(QKV[3], F, {"a": 1}, end + 0.183, HOLD_S, True)) == []
+    # (but for the layer it is computing the input of: one gap away, a short wait)
+    assert list(reading.walking(QKV[2], F, {"a": 1}, end + 0.183, HOLD_S, True)) == ["b"]
+    # A turn over half the hold but under a pass at its own pace (client processes stepping back
+    # to back while the host is overloaded) is waited for inside the pass, though not round it.
+    slow, slow_end = finished_pass(1.1 * TURN_SHARE_OF_HOLD * HOLD_S, 0.010)
+    assert list(slow.walking(QKV[0], F, {"a": 1}, slow_end + 0.001, HOLD_S, True)) == []
+    walk(slow, "b", QKV[:2], slow_end + 0.030, 0.010)
+    assert list(slow.walking(QKV[3], F, {"a": 1}, slow_end + 0.041, HOLD_S, True)) == ["b"]
     # Where the line lies: a turn longer than a pass at the client's own pace (its calls' time), or
     # than that share of the hold, whichever is shorter.
     own_pass_s = 0.001 * len(QKV)  # its calls' time: a group's jump is one call, though it skips positions

@@ -38,11 +38,22 @@ next one (``hops = positions - position + position(layer)``), if that is at most
 client further round is rather ahead, and waiting for it would make two clients wait for each other.
 Its turn between the passes takes the place of one gap there; and a client that idles between
 passes (``_idles_between_passes``) is not on its way to a layer it must turn to reach
-(``walking``). Inside its pass it still is: not waiting for idlers there too freed streams every
-60 ms with their phases spread in the simulator (passes x1.54 of not waiting's with the adaptive
-rule, p95 x2.5; x1.00 then), but broke the convoys of client processes stepping back to back on
-this host (25-28 rows a batch against 37.3 for the fixed convoy): their turns run 26-42 ms for a
-while (the benchmark's warm-up), over half the hold, and each then went unwaited all round.
+(``walking``). Inside its pass, one whose turn is longer than a pass at its own pace
+(``_turns_longer_than_its_pass``) is not on its way either, but to the layer it is computing the
+input of (one hop: a short wait): its next pass starts on its own clock, not when a convoy's
+results come, so a convoy that held for it would have to hold for it again every pass. In the
+simulator, streams every 15 ms, 2.5 ms apart: passes p95 x1.57 of the immediate policy's when
+waited for, x1.25 not; beside fine-tuning x1.84 -> x1.59 of alone; with a 1.2x target,
+fine-tuning kept 10% -> 23%. Streams every 30 ms, ~5 ms apart, with that target: p95 x1.16 ->
+x1.04 of it, fine-tuning kept 7% -> 17%. Without the one-hop wait, streams stepping together
+(0.1 ms apart) no longer formed their convoy (beside fine-tuning p95 x1.24 -> x1.30 of alone;
+with it x1.25).
+Back-to-back clients stay waited for there, even while their turns run over half the hold: that
+line, applied inside passes too, broke the convoys of client processes on this host (25-28 rows a
+batch against 37.3 for the fixed convoy: their turns ran 26-42 ms for a while, the benchmark's
+warm-up). Against a pass at its own pace their turns stay short: measured (8 client processes
+of batch 1-16 stepping back to back, this 2-core host overloaded, 2026-12-07) 0.04-0.73 of it,
+mostly 0.1-0.4, the top after a stall of all clients.
 
 When a client's next request is due (``next_call_s``) tells the scheduler how long the executor
 is free of latency work, for bulk work to fill (``Scheduler._free_until_s``).
@@ -254,10 +265,19 @@ class ArrivalPredictor:
         with their phases spread (the simulator, beside two fine-tuning walkers) turned ~20 ms,
         under half the 50 ms hold, and the convoy waited for them: their passes x5.5 of alone.
         Back-to-back clients on this host turned in 0.07-0.25 of a pass at their own pace."""
-        if turn_s > TURN_SHARE_OF_HOLD * idle_s:
-            return True
+        return turn_s > TURN_SHARE_OF_HOLD * idle_s or ArrivalPredictor._turns_longer_than_its_pass(track, turn_s)
+
+    @staticmethod
+    def _turns_longer_than_its_pass(track: _Track, turn_s: float | None) -> bool:
+        """Whether a client's turn between passes (``turn_s``) is longer than a pass at its own
+        pace: the lower envelope of its time per call times the calls of its last pass."""
         own_call_s = track.own_call_s.get(track.op) if track.op is not None else None
-        return own_call_s is not None and track.pass_calls > 0 and turn_s > own_call_s * track.pass_calls
+        return (
+            turn_s is not None
+            and own_call_s is not None
+            and track.pass_calls > 0
+            and turn_s > own_call_s * track.pass_calls
+        )
 
     def _hops(self, track: _Track, target: int, length: int, wrap: bool) -> int | None:
         """Layers ``track``'s client still has to walk to reach position ``target``; None when it is
@@ -297,11 +317,19 @@ class ArrivalPredictor:
                 continue
             if latency_only and not track.latency:
                 continue
-            if self._hops(track, target, length, wrap=True) is None:
+            hops = self._hops(track, target, length, wrap=True)
+            if hops is None:
                 continue
             turn_s = self._turn_s(track, target)
             if turn_s is not None and self._idles_between_passes(track, turn_s, idle_s):
                 continue  # a stream read at a set rate (module doc)
+            if (
+                turn_s is None
+                and hops > 1
+                and op in track.repeats
+                and self._turns_longer_than_its_pass(track, track.turn_s.get(op))
+            ):
+                continue  # the same stream inside its pass: held for, it would be held for again next pass
             yield client_id
 
     def expected(

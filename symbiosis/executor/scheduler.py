@@ -91,7 +91,8 @@ streams 5 ms apart 12% / 3% (opportunistic's p95 then x5 of the target: its conv
 streams, ``arrivals.py``), now 20% / 7%; 3 decoders back to back (``coserving`` in the tests) 28%
 / 53%, now 46% / 58%. The p95 is within 2% of the target in each but opportunistic's: x1.05 of
 it beside the streams stepping together (x1.03 before), x1.16 beside those 5 ms apart (its
-convoy still waits for streams behind in their passes).
+convoy waited for streams behind in their passes; not since 2026-12-07, ``arrivals.py``: x1.04,
+fine-tuning kept 17%).
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients);
 a plan in which bulk work may lead while decoders are active adds O(decoders) (``_free_until_s``).
