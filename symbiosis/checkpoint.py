@@ -48,6 +48,10 @@ class TensorSource:
     key: str
 
 
+#: Config entries that name where a checkpoint was loaded from, not what it is (``fingerprint``).
+PATH_DEPENDENT_CONFIG_KEYS = frozenset({"_name_or_path"})
+
+
 class Checkpoint:
     """A local Hugging Face checkpoint folder: ``config.json`` plus ``*.safetensors``."""
 
@@ -122,7 +126,10 @@ class Checkpoint:
         one architecture with different weights still differ because their data bytes do.
         """
         digest = hashlib.sha256()
-        digest.update(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        # Not where the folder is: ``_name_or_path`` is the path as typed, and one checkpoint named
+        # by another path (absolute, relative from elsewhere, a copy, another host) is the same.
+        config = {k: v for k, v in self.config.to_dict().items() if k not in PATH_DEPENDENT_CONFIG_KEYS}
+        digest.update(json.dumps(config, sort_keys=True, default=str).encode())
         for layer_id in sorted(specs):
             spec = specs[layer_id]
             digest.update(f"{layer_id}:{spec.in_features}:{spec.out_features}:{spec.has_bias};".encode())

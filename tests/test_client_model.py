@@ -155,6 +155,20 @@ def test_client_from_another_checkpoint_is_refused(llama, executor, tmp_path):
         symbiosis.load_client_model(other, executor=executor)
 
 
+def test_the_same_checkpoint_by_another_path_or_a_copy_is_accepted(llama, executor, tmp_path, monkeypatch):
+    """The fingerprint is what the checkpoint is, not where: ``config._name_or_path`` is the
+    path as typed, and hashing it refused the executor's own checkpoint named absolutely, relative
+    from elsewhere, or copied (found trying the CLI as a new user would)."""
+    import os
+    import shutil
+
+    shutil.copytree(llama, tmp_path / "copy")
+    monkeypatch.chdir(tmp_path)
+    for path in (os.path.abspath(llama), os.path.relpath(llama, tmp_path), "copy"):
+        model = symbiosis.load_client_model(path, executor=executor)
+        model.symbiosis_transport.close()
+
+
 def test_deepcopy_shares_the_connection(llama, executor):
     import copy
 
