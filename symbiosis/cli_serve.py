@@ -125,6 +125,7 @@ def serve(
     from symbiosis.executor.executor import BaseExecutor, parse_device
     from symbiosis.executor.scheduler_config import resolve_bulk_lane
     from symbiosis.heap import freeze_startup_heap
+    from symbiosis.transport.zmq_server import check_bind_address, check_ipc_path_free
 
     freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
 
@@ -133,6 +134,8 @@ def serve(
     curve = CurveServerKeys(curve_secret_key, authorized_clients) if curve_secret_key and authorized_clients else None
     for address in bind:  # before loading anything
         check_abstract_ipc(address, curve)
+        check_bind_address(address, allow_non_loopback, authenticated=curve is not None)
+        check_ipc_path_free(address)
     if ready_file is not None and not ready_file.parent.is_dir():
         raise MissingFileError(f"--ready-file {str(ready_file)!r}: folder {str(ready_file.parent)!r} does not exist")
     from symbiosis.executor.quantized import parse_quantization

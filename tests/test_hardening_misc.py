@@ -173,6 +173,69 @@ def test_serve_refuses_abstract_ipc_without_curve(tiny_checkpoint, capsys, monke
     assert code == 2 and len(lines) == 1 and "without CURVE" in lines[0], err
 
 
+# ---- addresses ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("tcp://127.0.0.1", "names no port"),  # was: libzmq's "Invalid argument", or "not a loopback address"
+        ("tcp://127.0.0.1:99999", "from 0 to 65535"),  # was: served on port 34463
+        ("tcp://127.0.0.1:x", "must be a number"),
+        ("tcp://::1:7000", "IPv6 address goes in brackets"),
+    ],
+)
+def test_a_bad_tcp_address_is_a_clear_error_on_both_sides(address, message):
+    from symbiosis.errors import ConfigurationError
+    from symbiosis.transport.schemes import open_transport
+    from symbiosis.transport.zmq_server import check_bind_address
+
+    with pytest.raises(ConfigurationError, match=message.replace("0 to", "[01] to")):
+        check_bind_address(address, allow_non_loopback=False)
+    with pytest.raises(ConfigurationError, match=message.replace("0 to", "1 to")):
+        open_transport(address)
+
+
+def test_ipv6_loopback_serves(tiny_checkpoint):
+    import torch
+
+    import symbiosis
+
+    path = tiny_checkpoint("llama")
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:  # was: bind failed, "No such device"
+        server = executor.serve("tcp://[::1]:0")
+        try:
+            model = symbiosis.load_client_model(path, executor=server.address)
+            assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
+            model.symbiosis_transport.close()
+        finally:
+            server.close()
+
+
+def test_an_ipc_path_in_use_or_not_a_socket_is_refused(tiny_checkpoint, tmp_path):
+    """libzmq unlinks what lies at an ipc path and binds anew: a second executor took a live one's
+    address without a word, and a file named by mistake was deleted. A stale socket file is reused."""
+    import symbiosis
+    from symbiosis.errors import BindError
+
+    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
+        live = executor.serve(f"ipc://{tmp_path}/live.sock")
+        try:
+            with pytest.raises(BindError, match="another server is listening there"):
+                executor.serve(f"ipc://{tmp_path}/live.sock")
+        finally:
+            live.close()
+        precious = tmp_path / "precious.txt"
+        precious.write_text("keep")
+        with pytest.raises(BindError, match="is not a socket"):
+            executor.serve(f"ipc://{precious}")
+        assert precious.read_text() == "keep"
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(tmp_path / "stale.sock"))
+        stale.close()  # a crashed server's file: nobody listens
+        executor.serve(f"ipc://{tmp_path}/stale.sock").close()
+
+
 # ---- JSONL size ---------------------------------------------------------------------------------
 
 

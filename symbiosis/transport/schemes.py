@@ -31,6 +31,45 @@ def is_loopback_host(host: str) -> bool:
         return host == "localhost"
 
 
+#: The highest tcp port.
+MAX_PORT = 65535
+
+
+def split_tcp_address(address: str, *, bind: bool = False) -> tuple[str, str]:
+    """``(host, port)`` of a ``[scheme+]tcp://HOST:PORT`` address, the host without IPv6's brackets.
+    A ConfigurationError says what is wrong where the port is missing or out of range (before, a
+    missing port got libzmq's "Invalid argument" at connect, and at bind a refusal as "not a
+    loopback address"; a port over 65535 bound that port less 65536). ``bind``: port 0 or ``*``
+    (any free port) is allowed."""
+    rest = address.partition("://")[2]
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise ConfigurationError(f"{address!r} names no port: use tcp://HOST:PORT (IPv6: tcp://[ADDRESS]:PORT)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigurationError(f"{address!r}: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT")
+    if bind and port == "*":
+        return host.strip("[]"), port
+    lowest = 0 if bind else 1
+    if not port.isdigit() or not lowest <= int(port) <= MAX_PORT:
+        raise ConfigurationError(f"{address!r}: the port must be a number from {lowest} to {MAX_PORT}, got {port!r}")
+    return host.strip("[]"), port
+
+
+def is_ipv6_tcp(address: str) -> bool:
+    """Whether a tcp address names an IPv6 host (``tcp://[::1]:PORT``): ZeroMQ sockets need
+    ``zmq.IPV6`` set for those, or bind fails with "No such device" and connect never connects."""
+    return "tcp://[" in address
+
+
+def check_executor_address(address: str) -> str:
+    """``address`` if a client can connect to it: a known scheme (``TRANSPORTS``) and, for tcp, a
+    host and a port; else a ConfigurationError saying what is wrong."""
+    transport_class_name(address)
+    if "tcp://" in address:
+        split_tcp_address(address)
+    return address
+
+
 def on_this_host(address: str) -> bool:
     """Whether an executor ``address`` is on this machine: any ipc scheme, or tcp to loopback."""
     scheme, _, rest = address.partition("://")
@@ -39,13 +78,18 @@ def on_this_host(address: str) -> bool:
     return is_loopback_host(rest.rpartition(":")[0])
 
 
-def transport_class(address: str) -> type:
+def transport_class_name(address: str) -> str:
+    """``"module:Class"`` of the client transport for ``address`` (``TRANSPORTS``)."""
     for prefix, target in TRANSPORTS.items():
         if address.startswith(prefix):
-            module_name, class_name = target.split(":")
-            return getattr(importlib.import_module(module_name), class_name)
+            return target
     schemes = ", ".join(TRANSPORTS)
     raise ConfigurationError(f"unsupported executor address {address!r}: use one of the schemes {schemes}")
+
+
+def transport_class(address: str) -> type:
+    module_name, class_name = transport_class_name(check_executor_address(address)).split(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any):

@@ -51,6 +51,7 @@ from symbiosis.errors import (
     error_from_code,
 )
 from symbiosis.transport.lane import ClientLane, connect_tcp
+from symbiosis.transport.schemes import is_ipv6_tcp
 from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
@@ -135,6 +136,8 @@ class _Connection:
         try:
             if curve is not None:
                 configure_client_socket(self._sock, curve)
+            if is_ipv6_tcp(endpoint):
+                self._sock.setsockopt(zmq.IPV6, 1)
             self._sock.connect(endpoint)
         except BaseException:
             self._sock.disable_monitor()

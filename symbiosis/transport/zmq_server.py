@@ -55,6 +55,8 @@ import logging
 import os
 import queue
 import secrets
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +85,7 @@ from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestK
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed, RefusedMessage
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
-from symbiosis.transport.schemes import is_loopback_host
+from symbiosis.transport.schemes import is_ipv6_tcp, is_loopback_host, split_tcp_address
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
 from symbiosis.transport.waker import Waker
@@ -115,8 +117,7 @@ def check_bind_address(address: str, allow_non_loopback: bool, authenticated: bo
         return address
     if not address.startswith("tcp://"):
         raise ConfigurationError(f"unsupported address {address!r}: use tcp://HOST:PORT or ipc:///PATH")
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    host = host.strip("[]")
+    host, port = split_tcp_address(address, bind=True)
     if host == "localhost":
         host = "127.0.0.1"
     try:
@@ -329,6 +330,9 @@ class ZmqServer:
             largest_frame = max(self._limits.max_payload_bytes, P.MAX_HEADER_BYTES)
             self._router.setsockopt(zmq.MAXMSGSIZE, largest_frame + _FRAME_SLACK)
             self._router.setsockopt(zmq.LINGER, 500)
+            if is_ipv6_tcp(self._bind_address):
+                self._router.setsockopt(zmq.IPV6, 1)
+            check_ipc_path_free(self._bind_address)
             try:
                 self._router.bind(self._bind_address)
             except zmq.ZMQError as exc:
@@ -1213,6 +1217,32 @@ def _trim_heap() -> None:
     queued 660 MB of results left the executor 660 MB larger after it was gone (issue 10)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def check_ipc_path_free(address: str) -> None:
+    """Refuse to bind ``ipc:///PATH`` where a server already listens, or where a file that is not
+    a socket lies: libzmq unlinks whatever is at the path and binds anew, so a second executor
+    took a live one's address without a word (the first kept running, unreachable there, and lost
+    its socket file when the second exited), and a file given by mistake was deleted. A socket
+    file nobody listens at (a crashed server's) is replaced, as before."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return
+    path = address[len("ipc://") :]
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # nothing there (or unreadable: bind says why)
+    if not stat.S_ISSOCK(mode):
+        raise BindError(f"cannot listen at {address}: {path!r} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return  # refused: a stale socket file
+    finally:
+        probe.close()
+    raise BindError(f"cannot listen at {address}: another server is listening there")
 
 
 def _socket_file(address: str) -> tuple[str, int] | None:
