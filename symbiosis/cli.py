@@ -29,14 +29,17 @@ def root() -> None:
     """
 
 
+#: What ``make-model --arch`` takes: ``modelzoo.ARCHS``, spelled out because importing modelzoo loads
+#: torch and transformers, which ``--help`` must not (tests/test_cli_main.py checks they agree).
+MAKE_MODEL_ARCHS = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_bigcode", "opt", "phi3", "falcon", "gpt_neox")
+
+
 @app.command("make-model")
 def make_model_command(
     output: Annotated[Path, typer.Option(help="Folder to write the checkpoint into (created if missing).")],
     arch: Annotated[
         str,
-        typer.Option(
-            help="transformers architecture: llama, mistral, qwen2, gemma2, gpt2, gpt_bigcode, opt, phi3, falcon."
-        ),
+        typer.Option(help=f"transformers architecture: {', '.join(MAKE_MODEL_ARCHS)}."),
     ] = "llama",
     preset: Annotated[str, typer.Option(help="Size: tiny (tests), small (~15M params), base (~120M params).")] = "tiny",
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,

@@ -201,3 +201,17 @@ def test_help_of_every_verb_shows_every_flag_whole_in_80_columns():
             for flag in [*param.opts, *param.secondary_opts]:
                 if flag.startswith("--"):
                     assert flag in result.output, (name, flag)
+
+
+def test_make_model_help_lists_every_architecture_it_makes():
+    """Before, it left out gpt_neox."""
+    from typer.testing import CliRunner
+
+    from symbiosis import cli
+    from symbiosis.modelzoo import ARCHS
+
+    result = CliRunner().invoke(cli.app, ["make-model", "--help"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    words = result.output.replace(",", " ").replace(".", " ").split()
+    assert [arch for arch in ARCHS if arch not in words] == []
+    assert cli.MAKE_MODEL_ARCHS == ARCHS  # the help's copy of the list (the CLI may not import modelzoo)

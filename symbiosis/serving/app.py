@@ -34,6 +34,8 @@ from symbiosis.serving.engine import (
     GenerationRequest,
     RequestTooLargeError,
     ServerOverloadedError,
+    TooManySequencesError,
+    Usage,
 )
 from symbiosis.serving.logprobs import LogprobFormatter
 from symbiosis.serving.metrics import ServingMetrics
@@ -107,6 +109,10 @@ class _AnswerUnexpectedErrors:
 def _internal_error() -> ApiError:
     return ApiError(500, "internal server error; see the server log", "internal_error")
 
+
+#: How often a request waiting for its events looks whether its client went away (``next_while_connected``):
+#: an abandoned request runs on for at most this and one engine step.
+DISCONNECT_CHECK_S = 0.25
 
 #: ``top_k`` beyond this is sent as this: the same (no cut, larger than any vocabulary), and it
 #: fits the engine process's wire, whose integers are 64-bit.
@@ -182,6 +188,7 @@ class _Choices:
         self.queue: asyncio.Queue[tuple[int, Delta | Failure]] = asyncio.Queue()
         self.handles: list = []
         self.open = 0
+        self.connection_checked_at = mailbox.loop.time()  # when the client was last seen connected
 
     def sink_for(self, index: int):
         def sink(event: Delta | Failure) -> None:
@@ -236,11 +243,7 @@ def create_app(state: ApiState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = first.get("msg", "invalid request")
-        return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
+        return _invalid_request(exc.errors()[0] if exc.errors() else {}).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
@@ -391,46 +394,57 @@ def create_app(state: ApiState) -> FastAPI:
             logit_bias=tuple(sorted((body.logit_bias or {}).items())),
             min_p=body.min_p,
             min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     def submit_all(prompts: list[list[int]], adapter: str | None, body: SamplingFields, default_tokens) -> _Choices:
+        """The request's choices (``n`` a prompt), queued together or refused together (``engine.submit_all``)."""
         choices = _Choices(mailbox())
-        params = [sampling_params(body, len(ids), default_tokens) for ids in prompts]
+        requests = []
+        for ids in prompts:
+            param = sampling_params(body, len(ids), default_tokens)
+            for copy in range(body.n):
+                # With a seed, the n choices of a prompt draw from seed, seed + 1, ... (as vLLM
+                # does): each is reproducible, and they are not n copies of one sample.
+                if copy and param.seed is not None:
+                    param = dataclasses.replace(param, seed=param.seed + 1)
+                requests.append(GenerationRequest(ids, adapter, param, choices.sink_for(len(requests))))
         try:
-            index = 0
-            for ids, param in zip(prompts, params):
-                for copy in range(body.n):
-                    # With a seed, the n choices of a prompt draw from seed, seed + 1, ... (as vLLM
-                    # does): each is reproducible, and they are not n copies of one sample.
-                    if copy and param.seed is not None:
-                        param = dataclasses.replace(param, seed=param.seed + 1)
-                    request = GenerationRequest(ids, adapter, param, choices.sink_for(index))
-                    choices.handles.append(engine.submit(request))
-                    choices.open += 1
-                    index += 1
+            choices.handles = engine.submit_all(requests)
         except ServerOverloadedError as exc:
-            choices.cancel()
             raise ApiError(
                 429, str(exc), "rate_limit_error", headers={"Retry-After": str(config.retry_after_s)}
             ) from None
+        except TooManySequencesError as exc:  # never fits, however long the client waits: not a 429
+            raise ApiError(400, str(exc), param="n") from None
         except RequestTooLargeError as exc:
-            choices.cancel()
             raise ApiError(400, str(exc), param="max_tokens") from None
-        except BaseException:  # e.g. the engine process cannot answer: the choices already queued go too
-            choices.cancel()
-            raise
+        choices.open = len(requests)
         return choices
 
     async def next_while_connected(choices: _Choices, request: Request) -> tuple[int, Delta | Failure]:
-        """The next event; a client that went away meanwhile cancels the choices (checked every
-        half second: a prompt may wait in the queue or prefill for long before its first token)."""
+        """The next event; a client that went away meanwhile cancels the choices.
+
+        Checked every ``DISCONNECT_CHECK_S`` of wall clock, whether events flow or not: a prompt
+        may wait in the queue or prefill for long before its first token, and a non-streamed
+        request's events may flow for its whole generation (before, the check ran only after half
+        a second without one, so an abandoned request ran to its end). A check is one
+        non-blocking look at the connection's messages."""
+        loop = asyncio.get_running_loop()
         while True:
-            try:
-                return await asyncio.wait_for(choices.next(), timeout=0.5)
-            except TimeoutError:
+            wait_s = choices.connection_checked_at + DISCONNECT_CHECK_S - loop.time()
+            if wait_s <= 0:
                 if await request.is_disconnected():
                     choices.cancel()
-                    raise ApiError(499, "client closed the request") from None
+                    raise ApiError(499, "client closed the request")
+                choices.connection_checked_at = loop.time()
+                continue
+            if not choices.queue.empty():  # a burst of a step's events: no timer per event
+                return await choices.next()
+            try:
+                return await asyncio.wait_for(choices.next(), timeout=wait_s)
+            except TimeoutError:
+                continue
 
     async def collect(choices: _Choices, request: Request) -> list[dict]:
         """Every choice's full text, or the first failure as an ApiError; cancels on disconnect."""
@@ -468,9 +482,10 @@ def create_app(state: ApiState) -> FastAPI:
         ]
 
     async def stream(
-        choices: _Choices, request: Request, make_chunk, finish_chunks, include_usage: bool
+        choices: _Choices, request: Request, make_chunk, finish_chunks, include_usage: bool, n: int
     ) -> StreamingResponse:
-        """Server-sent events of ``make_chunk(index, event)`` payloads, ending with ``data: [DONE]``.
+        """Server-sent events of ``make_chunk(index, event)`` payloads, ending with ``data: [DONE]``
+        (with ``include_usage``, after ``finish_chunks(usage)``; ``n`` choices a prompt, see ``_usage``).
 
         The first event is awaited before answering, so an error before the first token is a
         proper HTTP error; a client that goes away before it cancels its choices (before, they
@@ -487,7 +502,7 @@ def create_app(state: ApiState) -> FastAPI:
             raise _failure_error(first[1])
 
         async def events() -> AsyncIterator[bytes]:
-            usage = {"prompt_tokens": 0, "completion_tokens": 0}
+            usages: list[tuple[int, Usage]] = []  # (choice, its usage) as each choice ends
             batch = [first]
             try:
                 while batch:
@@ -502,16 +517,14 @@ def create_app(state: ApiState) -> FastAPI:
                             break
                         out.extend(_sse(chunk) for chunk in make_chunk(index, event))
                         if event.usage is not None:
-                            usage["prompt_tokens"] += event.usage.prompt_tokens
-                            usage["completion_tokens"] += event.usage.completion_tokens
+                            usages.append((index, event.usage))
                     if out:
                         yield b"".join(out)
                     if choices.open <= 0:
                         break
                     batch = [await choices.next()] + choices.ready()
                 if include_usage:
-                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                    yield _sse(finish_chunks(usage))
+                    yield _sse(finish_chunks(_usage(usages, n)))
                 yield b"data: [DONE]\n\n"
             finally:
                 choices.cancel()  # a client that went away frees its sequences at the next step
@@ -573,10 +586,15 @@ def create_app(state: ApiState) -> FastAPI:
                     yield envelope([choice])
 
             return await stream(
-                choices, request, make_chunk, lambda usage: envelope([], usage=usage), body.include_usage_in_stream
+                choices,
+                request,
+                make_chunk,
+                lambda usage: envelope([], usage=usage),
+                body.include_usage_in_stream,
+                body.n,
             )
         results = await collect(choices, request)
-        usage = _usage(results, len(prompts), body.n)
+        usage = _usage([(r["index"], r["usage"]) for r in results], body.n)
         out = []
         for r in results:
             prompt_entries = r["prompt_logprobs"] if body.echo else None
@@ -635,6 +653,7 @@ def create_app(state: ApiState) -> FastAPI:
                 make_chunk,
                 lambda usage: envelope([], "chat.completion.chunk", usage=usage),
                 body.include_usage_in_stream,
+                body.n,
             )
         results = await collect(choices, request)
         return envelope(
@@ -648,7 +667,7 @@ def create_app(state: ApiState) -> FastAPI:
                 for r in results
             ],
             "chat.completion",
-            usage=_usage(results, 1, body.n),
+            usage=_usage([(r["index"], r["usage"]) for r in results], body.n),
         )
 
     # ---- tokenizer (vLLM's extras: what a prompt costs, before sending it) ------------------------------
@@ -726,10 +745,26 @@ def create_app(state: ApiState) -> FastAPI:
     return app
 
 
-def _usage(results: list[dict], prompts: int, n: int) -> dict:
-    # n choices of one prompt share its prompt tokens: count them once per prompt, like OpenAI.
-    prompt = sum(r["usage"].prompt_tokens for r in results[::n])
-    completion = sum(r["usage"].completion_tokens for r in results)
+def _invalid_request(error: dict) -> ApiError:
+    """A 400 for pydantic's (or FastAPI's) first validation ``error``, naming the field at fault."""
+    context = error.get("ctx") or {}
+    if error.get("type") == "json_invalid":
+        # FastAPI puts the character's position where a field's name goes: it is no field.
+        at = next((part for part in error.get("loc", ()) if isinstance(part, int)), None)
+        where = f" at character {at}" if at is not None else ""
+        return ApiError(400, f"the body is not valid JSON: {context.get('error', 'decode error')}{where}")
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(location) or context.get("param")  # a request-level check names its field in ctx
+    message = error.get("msg", "invalid request")
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _usage(usages: list[tuple[int, Usage]], n: int) -> dict:
+    """OpenAI's ``usage`` of a request from its choices' (index, usage), streamed or not. The ``n``
+    choices of a prompt (indices ``k * n`` to ``k * n + n - 1``) share its prompt tokens: counted
+    once a prompt, as OpenAI and vLLM do (a stream used to count them once a choice)."""
+    prompt = sum(usage.prompt_tokens for index, usage in usages if index % n == 0)
+    completion = sum(usage.completion_tokens for _, usage in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

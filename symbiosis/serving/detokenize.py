@@ -2,7 +2,8 @@
 
 A delta is released only when it is final: text ending in an incomplete UTF-8 character (U+FFFD)
 waits for the next token, and a suffix that could be the start of a stop string waits until it
-either completes the stop string (which is then cut, with everything after it) or cannot. With
+either completes the stop string (which is then cut, with everything after it; kept, and only what
+follows it cut, with vLLM's ``include_stop_str_in_output``) or cannot. With
 ``min_tokens`` (vLLM's), stop strings count only once that many tokens are out: one that ends
 before then is passed over, as vLLM passes over it.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 class IncrementalText:
     """The text of one sequence's generated tokens, released in final deltas."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0, keep_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.min_tokens = min_tokens  # stop strings count from this many tokens on (vLLM's min_tokens)
+        self.keep_stop = keep_stop  # the text ends with the stop string found (vLLM's include_stop_str_in_output)
         self.token_ids: list[int] = []
         self.text = ""  # final text so far (stop string cut)
         self.released = 0  # characters of ``text`` handed out
@@ -34,7 +36,7 @@ class IncrementalText:
         for stop in self.stop:
             at = text.find(stop, max(0, self.search_from - len(stop) + 1))
             if at >= 0:
-                text, self.stopped = text[:at], True
+                text, self.stopped = text[: at + len(stop) if self.keep_stop else at], True
         self.text = text
         if self.stopped:
             return self._release(len(text))

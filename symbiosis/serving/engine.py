@@ -68,14 +68,22 @@ class RequestTooLargeError(SymbiosisError):
     code = "request_too_large"
 
 
+class TooManySequencesError(RequestTooLargeError):
+    """One request has more sequences (prompts x n) than the server takes at once (HTTP 400, on ``n``)."""
+
+    code = "too_many_sequences"
+
+
 # They cross from the API server's engine process (``engine_process.py``) to its HTTP side.
-ERRORS_BY_CODE.update({cls.code: cls for cls in (ServerOverloadedError, RequestTooLargeError)})
+ERRORS_BY_CODE.update({cls.code: cls for cls in (ServerOverloadedError, RequestTooLargeError, TooManySequencesError)})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     max_batch_size: int = 32  # running sequences decoded together
-    max_waiting: int = 256  # queued requests beyond the running batch; more get 429
+    # Sequences running, prefilling or waiting at once (``--max-concurrent-requests``); a request
+    # whose sequences would take more gets 429, one that has more itself 400 (``submit_all``).
+    max_sequences: int = 256
     kv_cache_bytes: int = 2 << 30  # cap on the padded KV cache of the running batch
     max_prefill_tokens: int = 4096  # padded prompt tokens of the prompts admitted together
     # Rows (prompts x padded columns) of one prefill forward: a longer prefill runs in chunks of
@@ -260,31 +268,60 @@ class GenerationEngine:
     # ---- API side (any thread) --------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> SequenceHandle:
-        """Queue ``request``; ``ServerOverloadedError`` if the queue is full."""
+        """Queue one sequence (``submit_all`` of one)."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerationRequest]) -> list[SequenceHandle]:
+        """Queue the sequences of one API request (its prompts x ``n``) together, or none of them.
+
+        ``RequestTooLargeError`` if they can never run (``TooManySequencesError``: more than
+        ``max_sequences``; or one's KV cache over the cap); ``ServerOverloadedError`` if the
+        sequences running, prefilling and waiting leave no room for them now. All or nothing: a
+        request half queued would hold sequences whose siblings were refused (its client gets
+        the error, not their text), and each part counted as waiting against the rest of it."""
+        limit = self.options.max_sequences
+        if len(requests) > limit:
+            raise TooManySequencesError(
+                f"this request has {len(requests)} sequences (prompts x n); the server runs or queues at most "
+                f"{limit} at once. Send fewer prompts or a smaller n"
+            )
+        for request in requests:
+            self._check_cache_room(request)
+        now = time.monotonic()
+        sequences = [self._sequence_of(request, now) for request in requests]
+        with self._cond:
+            if self._stopping:
+                raise ServerOverloadedError("the server is shutting down")
+            if not self.executor_ok and self.executor_probe is not None:  # the loop probes until it is back
+                raise ExecutorUnavailableError(f"the base executor is unavailable: {self.last_error}")
+            in_flight = len(self._running) + len(self._admitting) + len(self._waiting)
+            if in_flight + len(sequences) > limit:
+                raise ServerOverloadedError(
+                    f"{in_flight} sequences are running or waiting and this request adds {len(sequences)}; "
+                    f"the server takes {limit} at once. Try again later"
+                )
+            self._waiting.extend(sequences)
+            self._cond.notify_all()
+        self._report_queue()
+        return [SequenceHandle(self, sequence) for sequence in sequences]
+
+    def _check_cache_room(self, request: GenerationRequest) -> None:
         needed = len(request.prompt_ids) + request.params.max_tokens
         if needed * self.bytes_per_token > self.options.kv_cache_bytes:
             raise RequestTooLargeError(
                 f"prompt + max_tokens = {needed} tokens need {needed * self.bytes_per_token >> 20} MiB of KV cache; "
                 f"the server's cap is {self.options.kv_cache_bytes >> 20} MiB"
             )
-        sequence = _Sequence(
+
+    def _sequence_of(self, request: GenerationRequest, arrived: float) -> _Sequence:
+        params = request.params
+        return _Sequence(
             id=next(self._ids),
             request=request,
-            text=IncrementalText(self.tokenizer, request.params.stop, request.params.min_tokens),
-            sampler=RowSampler(request.params, tuple(request.prompt_ids), frozenset(self.eos_ids)),
-            arrived=time.monotonic(),
+            text=IncrementalText(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output),
+            sampler=RowSampler(params, tuple(request.prompt_ids), frozenset(self.eos_ids)),
+            arrived=arrived,
         )
-        with self._cond:
-            if self._stopping:
-                raise ServerOverloadedError("the server is shutting down")
-            if not self.executor_ok and self.executor_probe is not None:  # the loop probes until it is back
-                raise ExecutorUnavailableError(f"the base executor is unavailable: {self.last_error}")
-            if len(self._waiting) >= self.options.max_waiting:
-                raise ServerOverloadedError(f"{len(self._waiting)} requests are already waiting; try again later")
-            self._waiting.append(sequence)
-            self._cond.notify_all()
-        self._report_queue()
-        return SequenceHandle(self, sequence)
 
     def _cancel(self, sequence: _Sequence) -> None:
         with self._cond:

@@ -9,7 +9,7 @@ beside an HTTP server of the same load in another process 559. vLLM splits its A
 engine core the same way. With the executor in a third process (shm) on 2 cores the CPUs, not
 the lock, are the limit: 408 alone, 368 with the in-process server, 359 beside one elsewhere.
 
-Parent side, :class:`RemoteEngine`: what ``app.py`` uses of the engine (``submit`` and the
+Parent side, :class:`RemoteEngine`: what ``app.py`` uses of the engine (``submit_all`` and the
 handle's ``cancel``, ``stats``, ``pool``, ``close``) and a ``probe`` of the executor. Child side,
 ``python -m symbiosis.serving.engine_process COMMANDS EVENTS PARENT_PID``: builds the split client, adapter
 pool and engine exactly as the in-process server does (``server.build_engine``) and serves them.
@@ -48,7 +48,7 @@ from symbiosis.serving.sampling import SamplingParams, TokenLogprobs
 log = logging.getLogger("symbiosis.api")
 
 READY_TIMEOUT_S = 600.0  # loading the model (and an embedded executor) in the child
-# One command's answer. Most are asked from the HTTP server's event loop (a submit per choice,
+# One command's answer. Most are asked from the HTTP server's event loop (a submit per request,
 # an adapter lookup per request, /health's stats), which waits for them: short, so a wedged
 # engine process stalls the streams for seconds, not a minute. An adapter load (from a worker
 # thread) reads a folder, and may take longer.
@@ -199,24 +199,34 @@ class RemoteEngine:
     # ---- what app.py uses -------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> _RemoteHandle:
-        sequence_id = next(self._ids)
-        self._sinks[sequence_id] = request.sink
-        try:
-            self._call(
-                "submit",
-                id=sequence_id,
-                prompt=list(request.prompt_ids),
-                adapter=request.adapter,
-                params=msgspec.to_builtins(request.params),
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerationRequest]) -> list[_RemoteHandle]:
+        """One request's sequences, queued together or refused together there (``GenerationEngine.submit_all``),
+        in one round trip."""
+        sequence_ids = [next(self._ids) for _ in requests]
+        sequences = []
+        for sequence_id, request in zip(sequence_ids, requests):
+            self._sinks[sequence_id] = request.sink
+            sequences.append(
+                {
+                    "id": sequence_id,
+                    "prompt": list(request.prompt_ids),
+                    "adapter": request.adapter,
+                    "params": msgspec.to_builtins(request.params),
+                }
             )
+        try:
+            self._call("submit", sequences=sequences)
         except BaseException:
-            self._sinks.pop(sequence_id, None)
-            try:  # a submit that timed out may still run there: commands arrive in order
-                self._send({"op": "cancel", "id": sequence_id})
-            except SymbiosisError:
-                pass
+            for sequence_id in sequence_ids:
+                self._sinks.pop(sequence_id, None)
+                try:  # a submit that timed out may still run there: commands arrive in order
+                    self._send({"op": "cancel", "id": sequence_id})
+                except SymbiosisError:
+                    pass
             raise
-        return _RemoteHandle(self, sequence_id)
+        return [_RemoteHandle(self, sequence_id) for sequence_id in sequence_ids]
 
     def stats(self) -> dict:
         return self._call("stats")
@@ -521,12 +531,20 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
             pass  # closing
 
     def submit(message: dict) -> None:
-        params = msgspec.convert(message["params"], SamplingParams)
-        request = GenerationRequest(list(message["prompt"]), message["adapter"], params, outbox.sink_for(message["id"]))
+        requests = [
+            GenerationRequest(
+                list(sequence["prompt"]),
+                sequence["adapter"],
+                msgspec.convert(sequence["params"], SamplingParams),
+                outbox.sink_for(sequence["id"]),
+            )
+            for sequence in message["sequences"]
+        ]
         if len(handles) >= 64:  # forget finished sequences (their cancel is a no-op anyway)
             for sequence_id in [i for i, h in handles.items() if h.done]:
                 del handles[sequence_id]
-        handles[message["id"]] = engine.submit(request)
+        queued = engine.submit_all(requests)
+        handles.update(zip((sequence["id"] for sequence in message["sequences"]), queued))
 
     handles: dict[int, Any] = {}
     quick = {

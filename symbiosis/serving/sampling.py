@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs
     min_p: float = 0.0  # 0: off
     min_tokens: int = 0  # 0: off
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
 
     @property
     def greedy(self) -> bool:

@@ -3,13 +3,22 @@
 Field names and defaults follow OpenAI's API (and vLLM's extras ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``repetition_penalty``). Parameters we do not implement are refused by name
 rather than ignored, so a client never gets silently different sampling than it asked for.
+
+Other fields are ignored (``extra="ignore"``), as OpenAI's own optional ones must be: the official
+client sends ``user``, ``metadata``, ``store``, ``service_tier`` and others that change nothing
+generated. So the fields that would change the output -- vLLM's extras above all (guided
+decoding, beam search, ``prompt_logprobs``...) -- are listed by name in ``REFUSED`` tables and
+refused unless at their "off" value (before, a request with ``guided_choice`` got 200 and
+unconstrained text).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from symbiosis.serving.sampling import MAX_LOGPROBS
 
@@ -17,9 +26,52 @@ from symbiosis.serving.sampling import MAX_LOGPROBS
 #: seed, seed + 1, ..., which ``torch.Generator.manual_seed`` takes up to 2**64 - 1).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
+#: Fields of vLLM's (and a few of OpenAI's) that change what is generated and that this server does
+#: not implement, each with its "off" value: what the server does without it. A request may send
+#: one only at that value, or null (or an empty list or object: asking for nothing).
+REFUSED_EXTRAS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "prompt_logprobs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structural_tag": None,
+    "structured_outputs": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "logits_processors": None,
+    "truncate_prompt_tokens": None,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "return_tokens_as_token_ids": False,
+    "vllm_xargs": None,
+    "audio": None,
+    "modalities": ["text"],
+    "web_search_options": None,
+}
+
+
+def refuse_unless_off(data: Any, refused: dict[str, Any]) -> Any:
+    """``data`` (a request body) unchanged, or a validation error naming the first field of
+    ``refused`` it sets to something else than that field's off value (``ctx["param"]``: the
+    field, for the error body's ``param``)."""
+    if isinstance(data, dict):
+        for name, off in refused.items():
+            value = data.get(name)
+            if value is not None and value != off and value not in ([], {}):
+                hint = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
+                raise PydanticCustomError(
+                    "unsupported_parameter", "not supported by this server; {hint}", {"param": name, "hint": hint}
+                )
+    return data
+
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    #: Fields refused unless off (``refuse_unless_off``); each request kind adds its own.
+    REFUSED: ClassVar[dict[str, Any]] = REFUSED_EXTRAS
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -48,6 +100,12 @@ class SamplingFields(BaseModel):
     functions: list[Any] | None = None
     function_call: Any = None
     return_token_ids: bool = False  # vLLM extra: each choice also carries its token ids
+    include_stop_str_in_output: bool = False  # vLLM extra: the text keeps the stop string that ended it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_extras(cls, data: Any) -> Any:
+        return refuse_unless_off(data, cls.REFUSED)
 
     @field_validator("stop")
     @classmethod
@@ -88,6 +146,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    REFUSED: ClassVar[dict[str, Any]] = {**REFUSED_EXTRAS, "add_special_tokens": True, "prompt_embeds": None}
+
     prompt: str | list[str] | list[int] | list[list[int]]  # texts, or token ids (one prompt or several)
     max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False  # the prompt before the completion (and its log-probabilities with logprobs)
@@ -125,7 +185,16 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value, info: ValidationInfo):
+        # As OpenAI: only an assistant message (one that called tools) may come without content, null or left out.
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts)")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -136,6 +205,18 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # vLLM's chat extras; ``echo`` there puts the last message before the answer.
+    REFUSED: ClassVar[dict[str, Any]] = {
+        **REFUSED_EXTRAS,
+        "echo": False,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "add_special_tokens": False,
+        "chat_template": None,
+        "chat_template_kwargs": None,
+        "documents": None,
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False

@@ -203,7 +203,7 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
     max_context = _max_context(model, tokenizer)
     engine_options = EngineOptions(
         max_batch_size=batch,
-        max_waiting=options.max_concurrent_requests - batch,
+        max_sequences=options.max_concurrent_requests,
         kv_cache_bytes=options.kv_cache_mb << 20,
         max_echo_positions=max_context,
         prefill_chunk_tokens=options.prefill_chunk_tokens,
@@ -376,7 +376,7 @@ class ApiServer:
         if server is None or not server.started:
             raise RuntimeError("the server is not running")
         host, port = server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
     def _listen(self) -> socket.socket:
         """The listening socket, bound here so a taken port is a clear error, not uvicorn's exit."""

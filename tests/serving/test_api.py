@@ -789,30 +789,31 @@ def test_the_queue_is_reported_in_the_order_it_was_counted(api_model):
     the hooks (the gauges, and the count the shutdown line prints). The loop's count after a first
     prefill could reach them after the counts of the submits that followed it, and stay until the
     next step: a SIGTERM then printed "2 sequence(s) in flight" of 16 (a CI run of 01d1339). Here
-    the loop is held between its first count and its report until the other choices are queued."""
+    the loop is held between its first count and its report until a second request is queued (a
+    request's choices are queued together)."""
     server = start_server(api_model)
     try:
         engine, metrics = server.engine, server.metrics
         loop = engine._thread
         counted = threading.Event()
         reports: list[int | None] = []  # running + waiting per report; None when a sequence finished
-        real_stats, real_submit = engine.stats, engine.submit
+        real_stats, real_submit = engine.stats, engine.submit_all
         real_queue_changed, real_finished = metrics.queue_changed, metrics.finished
 
         def stats():
             result = real_stats()
             if threading.current_thread() is loop and result["running"] and not counted.is_set():
                 counted.set()
-                time.sleep(0.3)  # counted, not yet reported: the other choices are submitted now
+                time.sleep(0.3)  # counted, not yet reported: the other request is submitted now
             return result
 
         submitted = []
 
-        def submit(request):
-            if submitted:  # the first choice goes at once, the others once the loop has counted it
-                assert counted.wait(10), "the loop never counted the first choice"
-            submitted.append(request)
-            return real_submit(request)
+        def submit(requests):
+            if submitted:  # the first request goes at once, the other once the loop has counted it
+                assert counted.wait(10), "the loop never counted the first request"
+            submitted.append(requests)
+            return real_submit(requests)
 
         def queue_changed(running, waiting, *rest):
             reports.append(running + waiting)
@@ -822,11 +823,12 @@ def test_the_queue_is_reported_in_the_order_it_was_counted(api_model):
             reports.append(None)
             real_finished(*args)
 
-        engine.stats, engine.submit = stats, submit
+        engine.stats, engine.submit_all = stats, submit
         metrics.queue_changed, metrics.finished = queue_changed, finished
-        body = {"model": served_name_of(server.options), "prompt": "hi", "max_tokens": 8, "n": 4, "ignore_eos": True}
-        status, _ = post(server.url + "/v1/completions", body)
-        assert status == 200 and counted.is_set()
+        body = {"model": served_name_of(server.options), "prompt": "hi", "max_tokens": 8, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:  # 1 choice and 3: one of them is counted before the other is queued
+            statuses = list(pool.map(lambda n: post(server.url + "/v1/completions", {**body, "n": n})[0], [1, 3]))
+        assert statuses == [200, 200] and counted.is_set() and len(submitted) == 2
         before_finish = reports[: reports.index(None)]
         assert max(before_finish) == 4
         assert before_finish == sorted(before_finish), before_finish  # before: [1, 2, 3, 4, 1, ...]
@@ -979,6 +981,9 @@ def test_a_client_that_goes_away_during_a_chunked_prefill_stops_it(api_model, mo
 
 
 def test_a_full_server_answers_429_with_retry_after(api_model, monkeypatch):
+    """The sequences running or waiting are bounded by ``max_concurrent_requests``: with the engine
+    held, a request of n=2 fills a server of 2 (one runs, one waits), and the next request gets 429
+    with Retry-After and queues nothing. (``test_api_requests.py`` has the other rules.)"""
     server = start_server(api_model, max_concurrent_requests=2, max_batch_size=1)
     try:
         gate = threading.Event()
@@ -987,29 +992,19 @@ def test_a_full_server_answers_429_with_retry_after(api_model, monkeypatch):
         client = openai_client(server)
         model = server.served_model_name
         with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(greedy_tokens, client, model, "first", 4)
+            first = pool.submit(client.completions.create, model=model, prompt="first", max_tokens=4, n=2)
             deadline = time.monotonic() + 10
-            while server.engine.stats()["waiting"] < 1 and time.monotonic() < deadline:
+            while server.engine.stats()["waiting"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            status, body = post(server.url + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2})
-            waiting = post(server.url + "/v1/completions", {"model": model, "prompt": "y", "max_tokens": 2})
-            gate.set()
-            assert len(first.result(timeout=30)) == 4
-        # One is waiting (the engine is held) and the batch holds one: the queue cap is 1.
-        statuses = sorted([status, waiting[0]])
-        assert statuses[-1] == 429
-        error = json.loads(body if status == 429 else waiting[1])["error"]
-        assert error["type"] == "rate_limit_error"
-        with pytest.raises(openai.RateLimitError) as limited:
-            gate.clear()
-            with ThreadPoolExecutor(2) as pool:
-                pool.submit(greedy_tokens, client, model, "a", 2)
-                while server.engine.stats()["waiting"] < 1:
-                    time.sleep(0.01)
-                try:
+            try:
+                status, body = post(server.url + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2})
+                with pytest.raises(openai.RateLimitError) as limited:
                     greedy_tokens(client, model, "b", 2)
-                finally:
-                    gate.set()
+                assert server.engine.stats()["waiting"] == 2  # nothing of the refused requests was queued
+            finally:
+                gate.set()
+            assert len(first.result(timeout=30).choices) == 2
+        assert status == 429 and json.loads(body)["error"]["type"] == "rate_limit_error"
         assert limited.value.response.headers["retry-after"] == "1"
     finally:
         server.close()

@@ -209,7 +209,7 @@ def test_the_server_answers_after_the_fuzzing(fuzz_server):
 
 @ON_A_THREAD
 def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_open(fuzz_server, monkeypatch):
-    """A bug behind a handler (here: the engine's ``submit`` raising) answers OpenAI's 500 body,
+    """A bug behind a handler (here: the engine's ``submit_all`` raising) answers OpenAI's 500 body,
     and the same connection serves the next request (Starlette's own handler for ``Exception``
     re-raises, and uvicorn then closes the connection)."""
     server, connection = fuzz_server
@@ -220,7 +220,7 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_open(fuzz_se
     # Greedy: a sampled answer may end early on the end-of-sequence token (CI, 2026-12-06: 1 of 2).
     body = {"model": "qv4", "prompt": "abc", "max_tokens": 2, "temperature": 0}
     with monkeypatch.context() as patch:
-        patch.setattr(server.engine, "submit", broken_submit)
+        patch.setattr(server.engine, "submit_all", broken_submit)
         status, raw = connection.post("/v1/completions", body)
     assert status == 500 and json.loads(raw)["error"]["type"] == "internal_error"
     status, raw = connection.post("/v1/completions", body)
