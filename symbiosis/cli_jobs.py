@@ -241,7 +241,10 @@ def generate_command(
     ] = None,
     executor: ExecutorOpt = None,
     embedded: EmbeddedOpt = False,
-    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 64,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(help="Most tokens to generate per prompt; prompt and new tokens must fit the model's context."),
+    ] = 64,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 means greedy decoding.")] = 0.0,
     top_p: Annotated[
         float, typer.Option(help="Nucleus sampling: keep the smallest token set with this total probability (1: off).")

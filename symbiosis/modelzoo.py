@@ -360,9 +360,29 @@ def _is_complete(folder: pathlib.Path, recipe: dict[str, Any]) -> bool:
 
 
 def _check_replaceable(output: pathlib.Path) -> None:
-    """Only an empty folder or one made by `make_model` may be replaced."""
+    """Only a missing path, an empty folder or one made by `make_model` may be replaced.
+
+    Anything else that exists is the user's: a regular file, a symbolic link (replacing it would
+    drop the link, and with a folder behind it the folder would be left stale), a device.
+    """
+    if output.is_symlink():
+        raise OutputExistsError(f"{output} is a symbolic link; give the folder itself (refusing to replace the link)")
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"{output} exists and is not a folder; refusing to overwrite it")
     if output.is_dir() and _read_recipe(output) is None and any(output.iterdir()):
         raise OutputExistsError(f"{output} is not empty and was not made by make_model; refusing to overwrite")
+
+
+def _share_files(folder: pathlib.Path, like: pathlib.Path) -> None:
+    """Give every file in `folder` the permissions of `like` (a file written with plain `open`).
+
+    safetensors writes `model.safetensors` as 0600 whatever the umask, while every other file
+    gets 0666 minus the umask; a checkpoint is shared read-only data, so all files get the latter.
+    """
+    mode = like.stat().st_mode & 0o777
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def _replace_folder(built: pathlib.Path, output: pathlib.Path) -> None:
@@ -394,7 +414,8 @@ def make_model(
     (arch, preset, seed, tie_word_embeddings); `dtype` only changes how they are stored (init
     runs in float32). `tie_word_embeddings=None` keeps the architecture's choice. If `output`
     already holds this recipe it is returned as is. An existing folder with another recipe is
-    replaced; a non-empty folder not made here raises `FileExistsError`.
+    replaced; a non-empty folder not made here, a file or a symbolic link raises `OutputExistsError`
+    (a `FileExistsError`), and an output that cannot be written `ConfigurationError`.
     """
     _check_choice("arch", arch, ARCHS)
     _check_choice("preset", preset, PRESETS)
@@ -403,7 +424,25 @@ def make_model(
     if _is_complete(output, recipe):
         return output
     _check_replaceable(output)
+    try:
+        _write_checkpoint(arch, preset, output, recipe, seed, dtype, tie_word_embeddings)
+    except OutputExistsError:
+        raise
+    except OSError as exc:  # an unwritable or missing parent, a full disk: the user's to fix
+        raise ConfigurationError(f"cannot write a checkpoint to {output}: {exc.strerror or exc}") from None
+    return output
 
+
+def _write_checkpoint(
+    arch: str,
+    preset: str,
+    output: pathlib.Path,
+    recipe: dict[str, Any],
+    seed: int,
+    dtype: torch.dtype,
+    tie_word_embeddings: bool | None,
+) -> None:
+    """Build the checkpoint in a temporary sibling folder of `output`, then rename it into place."""
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary shared folder
@@ -415,6 +454,7 @@ def make_model(
         model.config.dtype = dtype
         model.save_pretrained(staging, safe_serialization=True)
         (staging / MARKER_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+        _share_files(staging, like=staging / MARKER_FILE)
         # A concurrent maker of the same recipe may have finished first: keep its folder, since
         # readers may already be using it.
         if not _is_complete(output, recipe):
@@ -425,4 +465,3 @@ def make_model(
                     raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return output

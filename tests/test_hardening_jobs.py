@@ -182,3 +182,27 @@ def test_cli_refuses_a_file_output_in_one_line(tiny_checkpoint, tmp_path, data, 
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "not a folder" in lines[0] and "Traceback" not in err
     assert output.read_text() == NOTES
+
+
+def test_what_a_run_leaves_records_what_ran(tiny_checkpoint, tmp_path, data, monkeypatch):
+    """The adapter names its base model by absolute path, training_options.json the real step count,
+    and every file gets the umask's mode (safetensors wrote its weights 0600)."""
+    checkpoint = tiny_checkpoint("llama")
+    monkeypatch.chdir(checkpoint.parent)  # a relative --model, as a user types it
+    options = job(Path(checkpoint.name), data, tmp_path / "adapter", steps=3, save_every=1)
+    old = os.umask(0o022)
+    try:
+        finetune(options)
+    finally:
+        os.umask(old)
+    output = tmp_path / "adapter"
+    adapter_config = json.loads((output / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(checkpoint.absolute())
+    assert f"base_model: {checkpoint.absolute()}" in (output / "README.md").read_text()
+    recorded = json.loads((output / "training_options.json").read_text())
+    assert recorded["method_options"]["total_steps"] == 3  # the run's, not MethodOptions' default 100
+    checkpoints = tmp_path / "adapter.run" / "checkpoints"
+    files = [*output.iterdir(), *(p for folder in checkpoints.iterdir() for p in folder.iterdir())]
+    assert any(p.name == "adapter_model.safetensors" for p in files)
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {"0o644"}, modes

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import stat
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from symbiosis import modelzoo
+from symbiosis.errors import OutputExistsError
 from symbiosis.modelzoo import (
     ARCHS,
     MARKER_FILE,
@@ -22,6 +25,7 @@ from symbiosis.modelzoo import (
     make_tokenizer,
     preset_config,
 )
+from tests.cli_helpers import assert_one_line_error, run_cli
 
 Checkpoint = Callable[[str], pathlib.Path]
 
@@ -190,3 +194,47 @@ def test_tokenizer_is_deterministic_and_learned_merges(tmp_path: pathlib.Path) -
     batch = first(["a", "a longer sentence"], padding=True, return_tensors="pt")
     assert batch["input_ids"].shape == batch["attention_mask"].shape
     assert batch["attention_mask"][0].sum() < batch["attention_mask"][1].sum()
+
+
+@pytest.mark.parametrize("kind", ["file", "link-to-file", "link-to-folder"])
+def test_make_model_refuses_what_is_not_a_folder(kind: str, tmp_path: pathlib.Path) -> None:
+    # A file (or a link) named as --output was deleted and replaced by a checkpoint folder.
+    (tmp_path / "target.txt").write_text("important\n")
+    (tmp_path / "folder").mkdir()
+    output = tmp_path / "out"
+    if kind == "file":
+        output.write_text("important\n")
+    else:
+        output.symlink_to(tmp_path / ("target.txt" if kind == "link-to-file" else "folder"))
+    with pytest.raises(OutputExistsError):
+        make_model("llama", "tiny", output)
+    assert (tmp_path / "target.txt").read_text() == "important\n"
+    assert output.is_symlink() == (kind != "file") and output.exists()
+    assert kind != "file" or output.read_text() == "important\n"
+    assert not list((tmp_path / "folder").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "out", "target.txt"]  # no staging left
+
+
+def test_make_model_cli_errors_are_one_line(tmp_path: pathlib.Path, capsys, monkeypatch) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("important\n")
+    code, _, err = run_cli(["make-model", "--output", str(precious)], capsys, monkeypatch)
+    assert code == 2
+    assert_one_line_error(code, err, str(precious), "not a folder")
+    assert precious.read_text() == "important\n"
+    # An output that cannot be written (under a file; /proc/foo for a user): the cause, not a traceback.
+    code, _, err = run_cli(["make-model", "--output", str(precious / "ckpt")], capsys, monkeypatch)
+    assert code == 2
+    assert_one_line_error(code, err, "cannot write a checkpoint", str(precious / "ckpt"))
+
+
+def test_checkpoint_files_get_the_umask_mode(tmp_path: pathlib.Path) -> None:
+    # safetensors wrote model.safetensors 0600 while config.json and the tokenizer got 0644.
+    old = os.umask(0o027)
+    try:
+        path = make_model("gpt2", "tiny", tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir()}
+    assert modes["model.safetensors"] == 0o640, modes
+    assert set(modes.values()) == {0o640}, modes

@@ -152,6 +152,7 @@ def write_atomically(final: Path, write: Callable[[Path], Any]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
+        _share_files(tmp)
         tmp.chmod(0o755)
         if final.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
@@ -165,6 +166,21 @@ def write_atomically(final: Path, write: Callable[[Path], Any]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _share_files(folder: Path) -> None:
+    """Give the files in ``folder`` the mode a plain ``open`` gives (0666 less the umask).
+
+    safetensors writes its files 0600 whatever the umask, so an adapter's weights were private
+    while its config beside them was not; the folder is ordinary shared output (0755).
+    """
+    probe = folder / ".mode-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def save_adapter(peft_model, output: Path, extra_files: tuple[Path, ...] = ()) -> Path:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from symbiosis.errors import CheckpointError
+from symbiosis.errors import CheckpointError, ExecutorUnavailableError
 from symbiosis.jobs.base import JobError, _help
 
 
@@ -41,7 +43,11 @@ class ClientOptions:
     )
     timeout_s: float = field(default=60.0, metadata=_help("Seconds one executor call may take before failing."))
     connect_timeout_s: float = field(
-        default=10.0, metadata=_help("Seconds to wait for the executor to answer when connecting.")
+        default=10.0,
+        metadata=_help(
+            "Seconds to wait for the executor to answer when connecting; also how long a running job waits for a "
+            "lost or restarting executor to come back before it fails (raise it to ride out longer restarts)."
+        ),
     )
     quantization: str | None = field(
         default=None,
@@ -62,6 +68,26 @@ class ClientOptions:
                 "--quantization applies to an --embedded executor; start a running one with `symbiosis serve "
                 "--quantization`"
             )
+
+
+@contextlib.contextmanager
+def executor_restart_hint(options: ClientOptions) -> Iterator[None]:
+    """Add to an ``ExecutorUnavailableError`` raised while a job runs what bounds the wait for the
+    executor, so that a user whose executor restarts slowly knows which flag to raise.
+
+    The transport retries a call whose executor went away (silent, disconnected, restarting) for
+    ``connect_timeout_s`` from the call's start, then raises the last cause, which names neither
+    the wait nor the flag. An embedded executor never goes away, so its errors pass unchanged.
+    """
+    try:
+        yield
+    except ExecutorUnavailableError as exc:
+        if options.embedded:
+            raise
+        raise ExecutorUnavailableError(
+            f"{exc}; the executor did not come back within --connect-timeout ({options.connect_timeout_s:g}s): "
+            "raise --connect-timeout to wait longer for a restarting executor"
+        ) from exc
 
 
 class ExecutorTarget:

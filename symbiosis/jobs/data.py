@@ -155,7 +155,8 @@ def token_ids(tokenizer, text: str, limit: int) -> list[int]:
     chars = 4 * (limit + _CUT_MARGIN_TOKENS)
     while True:
         whole = chars >= len(text)
-        ids = tokenizer(text if whole else text[:chars], add_special_tokens=False)["input_ids"]
+        # verbose=False: no "longer than the model's maximum" warning, the cut to ``limit`` handles it.
+        ids = tokenizer(text if whole else text[:chars], add_special_tokens=False, verbose=False)["input_ids"]
         if whole:
             return ids
         if len(ids) >= limit + _CUT_MARGIN_TOKENS:

@@ -42,7 +42,14 @@ from symbiosis.jobs.artifacts import (
     write_atomically,
 )
 from symbiosis.jobs.base import JobError
-from symbiosis.jobs.client import ClientOptions, SplitClient, load_tokenizer, require_model_dir
+from symbiosis.jobs.client import (
+    ClientOptions,
+    SplitClient,
+    executor_restart_hint,
+    load_tokenizer,
+    require_model_dir,
+)
+from symbiosis.jobs.context import cap_seq_len, note_cut_to_context, read_context_length
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
 from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
@@ -285,12 +292,8 @@ class FinetuneRun:
         changed = {k: (state["options"][k], mine[k]) for k in _RESUME_KEYS if state["options"].get(k) != mine[k]}
         if changed:
             raise JobError(f"--resume: options differ from the checkpoint's (was, now): {changed}")
+        _check_same_adapter(dict(self.params), state["trainable"])
         params = dict(self.params)
-        missing = set(params) ^ set(state["trainable"])
-        if missing:
-            raise JobError(
-                f"--resume: the checkpoint's adapter does not match this method/options ({sorted(missing)[:3]})"
-            )
         with torch.no_grad():
             for name, value in state["trainable"].items():
                 params[name].copy_(value)
@@ -305,6 +308,22 @@ class FinetuneRun:
         if self.run_dir is not None:  # the log restarts from the checkpoint: later lines are redone
             (self.run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.log))
         return self.step
+
+
+def _check_same_adapter(params: dict[str, torch.nn.Parameter], saved: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose adapter has other tensors or other shapes than this run's: it was
+    trained with another method, rank or target modules, or on another base model."""
+    missing = set(params) ^ set(saved)
+    if missing:
+        raise JobError(
+            f"--resume: the checkpoint's adapter does not match this model, method and options ({sorted(missing)[:3]})"
+        )
+    for name, value in saved.items():
+        if value.shape != params[name].shape:
+            raise JobError(
+                "--resume: the checkpoint's adapter does not match this model, method and options "
+                f"({name}: {list(value.shape)} in the checkpoint, {list(params[name].shape)} now)"
+            )
 
 
 # ---- saving -------------------------------------------------------------------------------------
@@ -372,28 +391,26 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         raise JobError(f"--publish-to needs --method lora (the api server serves LoRA adapters), not {options.method}")
     records = read_jsonl(options.data)  # bad data fails before any connection is made
     tokenizer = load_tokenizer(require_model_dir(options.model))
-    train_records, eval_records = split_eval(records, options.train.eval_fraction, options.train.seed)
-    train_set = tokenize_all(tokenizer, train_records, options.train.seq_len, str(options.data))
-    eval_set = tokenize_all(tokenizer, eval_records, options.train.seq_len, str(options.data)) if eval_records else []
+    train = cap_seq_len(options.train, read_context_length(options.model))
+    train_records, eval_records = split_eval(records, train.eval_fraction, train.seed)
+    train_set = tokenize_all(tokenizer, train_records, train.seq_len, str(options.data))
+    eval_set = tokenize_all(tokenizer, eval_records, train.seq_len, str(options.data)) if eval_records else []
+    if train.seq_len < options.train.seq_len:
+        note_cut_to_context(options.train.seq_len, train.seq_len, options.model, train_set + eval_set)
     overrides = read_peft_config_file(options.peft_config) if options.peft_config else None
 
-    with SplitClient(options.model, options.client) as client:
-        import peft
-
-        torch.manual_seed(options.train.seed)
-        order = BatchOrder(len(train_set), options.train.batch_size, options.train.seed)
-        total = options.train.steps or max(
-            1, math.ceil(options.train.epochs * order.steps_per_epoch(options.train.grad_accum))
-        )
+    # By its absolute path: peft records the path the model was loaded from as the adapter's
+    # base_model_name_or_path (and the model card's base_model), and a relative one would find the
+    # base model (AutoPeftModel, a mismatch message) only from the folder training ran in.
+    with SplitClient(Path(options.model).absolute(), options.client) as client:
+        torch.manual_seed(train.seed)
+        order = BatchOrder(len(train_set), train.batch_size, train.seed)
+        total = train.steps or max(1, math.ceil(train.epochs * order.steps_per_epoch(train.grad_accum)))
         method_options = dataclasses.replace(options.method_options, total_steps=total)
-        config = build_peft_config(options.method, client.model, method_options, overrides)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                peft_model = peft.get_peft_model(client.model, config)
-            except ValueError as exc:  # peft's word on the options, e.g. --target-modules naming no module
-                raise JobError(f"cannot apply {options.method} to {str(options.model)!r}: {exc}") from None
+        peft_model = _apply_method(options, client.model, method_options, overrides)
         run_dir = prepare_run_folder(options.run_dir, options.resume)
+        # options.train, not train: a checkpoint records the flags as given, so one written before
+        # --seq-len was capped to the context still resumes (the cut is the same either way).
         run = FinetuneRun(
             peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir
         )
@@ -416,7 +433,8 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
                 on_step(record)
 
         try:
-            result = run.train(report)
+            with executor_restart_hint(options.client):
+                result = run.train(report)
         finally:
             stop()
         points = [(r["step"], r["loss"]) for r in run.log]
@@ -426,16 +444,38 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
             run_dir / "loss.png",
             f"{options.method} on {options.data.name}",
         )
-        recorded = (
-            options
-            if options.publish is None
-            else dataclasses.replace(options, publish=dataclasses.replace(options.publish, api_key=None))
+        # What ran: the real step count (adalora's schedule) and the cut to the context; no API key.
+        recorded = dataclasses.replace(
+            options,
+            method_options=method_options,
+            train=train,
+            publish=dataclasses.replace(options.publish, api_key=None) if options.publish else None,
         )
         (run_dir / "training_options.json").write_text(json.dumps(_jsonable(recorded), indent=2) + "\n")
         extra = (run_dir / "log.jsonl", run_dir / "loss.png", run_dir / "training_options.json")
         result.output = save_adapter(peft_model, options.output, extra)
         result.losses = [r["loss"] for r in run.log]
         return result
+
+
+def _apply_method(options: FinetuneOptions, model, method_options: MethodOptions, overrides: dict[str, Any] | None):
+    """``model`` with the adapter of ``options.method`` (peft's errors on the options reworded)."""
+    import peft
+
+    source = f"--peft-config {str(options.peft_config)!r}" if options.peft_config else None
+    config = build_peft_config(options.method, model, method_options, overrides, source=source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            peft_model = peft.get_peft_model(model, config)
+        except ValueError as exc:  # peft's word on the options, e.g. --target-modules naming no module
+            where = f" with {source}" if source else ""
+            raise JobError(f"cannot apply {options.method} to {str(options.model)!r}{where}: {exc}") from None
+        except TypeError as exc:  # a value of the wrong kind that slipped past build_peft_config's check
+            if source is None:
+                raise  # our own options always have the right types: a bug
+            raise JobError(f"cannot apply {options.method} with {source}: a value has the wrong type ({exc})") from None
+    return peft_model
 
 
 def _jsonable(value: Any) -> Any:

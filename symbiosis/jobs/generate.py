@@ -1,19 +1,22 @@
 """Inference job: a split client model with zero or more PEFT adapters, streaming tokens as they come.
 
-Adapters are loaded with plain peft (``PeftModel.from_pretrained`` for the first, ``load_adapter``
-for the others, each named after its folder) and chosen per prompt with ``set_adapter``; the
-split model makes no difference to that code. peft cannot hold adapters of different types
-(LoRA and IA3) in one model, so each type gets its own client model: clients are cheap here,
-since they share the executor's base weights. Tokens are decoded incrementally and written as
-soon as they form complete characters, like ``transformers.TextStreamer`` but without waiting for
-a whole word (task outputs such as "CBA" have no spaces).
+Adapters are loaded with plain peft (``adapters.py``; each named after its folder) and chosen per
+prompt with ``set_adapter``; the split model makes no difference to that code. peft cannot hold
+adapters of different types (LoRA and IA3) in one model, so each type gets its own client model:
+clients are cheap here, since they share the executor's base weights. Tokens are decoded
+incrementally and written as soon as they form complete characters, like
+``transformers.TextStreamer`` but without waiting for a whole word (task outputs such as "CBA"
+have no spaces).
+
+Every prompt is checked against the model's context before anything connects: prompt, new tokens
+and an adapter's virtual tokens must fit its positions (``context.py``), as vLLM's OpenAI server
+and ``symbiosis api`` require. An empty prompt starts from BOS, as ``symbiosis api`` does.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +25,16 @@ from typing import TextIO
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from symbiosis.errors import CheckpointError
+from symbiosis.jobs.adapters import adapter_type, attach_adapters, virtual_tokens
 from symbiosis.jobs.base import JobError
-from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer, require_model_dir
+from symbiosis.jobs.client import (
+    ClientOptions,
+    ExecutorTarget,
+    executor_restart_hint,
+    load_tokenizer,
+    require_model_dir,
+)
+from symbiosis.jobs.context import read_context_length
 from symbiosis.jobs.data import DataError, read_lines
 
 
@@ -148,29 +158,34 @@ def adapter_names(folders: list[Path]) -> list[str]:
     return names
 
 
-def adapter_type(folder: Path) -> str:
-    config = Path(folder) / "adapter_config.json"
-    try:
-        return str(json.loads(config.read_text()).get("peft_type", "?"))
-    except OSError:
-        raise CheckpointError(f"adapter folder {str(folder)!r} has no adapter_config.json") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{config} is not valid JSON: {exc}") from None
+def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """The prompt's token ids, shape (1, n); an empty prompt is BOS (else EOS), as in ``symbiosis api``."""
+    # verbose=False: a prompt longer than the model's context is refused by ``check_context`` in
+    # one line, without the tokenizer's own warning about it.
+    input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt", verbose=False)["input_ids"]
+    if input_ids.shape[1] > 0:
+        return input_ids
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    return torch.tensor([[start if start is not None else 0]])
 
 
-def attach_adapters(model, folders: list[Path], names: list[str]):
-    """``model`` with the adapters in ``folders`` (all of one peft type) loaded as ``names``."""
-    if not folders:
-        return model
-    from peft import PeftModel
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peft_model = PeftModel.from_pretrained(model, str(folders[0]), adapter_name=names[0])
-        for folder, name in zip(folders[1:], names[1:]):
-            peft_model.load_adapter(str(folder), adapter_name=name)
-    peft_model.eval()
-    return peft_model
+def check_context(
+    jobs: list[PromptJob], tokenizer, context: int, sampling: SamplingOptions, reserved: dict[str | None, int]
+) -> None:
+    """Refuse a prompt whose tokens, new tokens and virtual tokens (``reserved``: per adapter name,
+    for each name the prompt runs with) exceed ``context`` positions, naming the first such prompt."""
+    for number, job in enumerate(jobs, 1):
+        names = [job.adapter] if job.adapter else list(reserved)
+        virtual = max(reserved.get(name, 0) for name in names)
+        length = prompt_ids(tokenizer, job.prompt).shape[1]
+        total = length + sampling.max_new_tokens + virtual
+        if total > context:
+            extra = f" + {virtual} virtual tokens of its adapter" if virtual else ""
+            raise JobError(
+                f"prompt {number}: this model's maximum context length is {context} tokens, but {length} prompt "
+                f"tokens + {sampling.max_new_tokens} new tokens (--max-new-tokens){extra} = {total} were requested; "
+                "shorten the prompt or lower --max-new-tokens"
+            )
 
 
 @torch.no_grad()
@@ -178,9 +193,7 @@ def generate_one(
     model, tokenizer, prompt: str, sampling: SamplingOptions, write: Callable[[str], None] | None = None
 ) -> Completion:
     """Generate a continuation of ``prompt``, streaming it to ``write`` token by token."""
-    input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    if input_ids.shape[1] == 0:
-        input_ids = torch.tensor([[tokenizer.bos_token_id or tokenizer.eos_token_id]])
+    input_ids = prompt_ids(tokenizer, prompt)
     device = next(model.parameters()).device
     streamer = TextWriterStreamer(tokenizer, write or (lambda s: None))
     torch.manual_seed(sampling.seed)
@@ -210,6 +223,10 @@ def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Comple
     for job in jobs:
         if job.adapter is not None and job.adapter not in names:
             raise JobError(f"prompt names adapter {job.adapter!r}, but the loaded adapters are {names}")
+    context = read_context_length(options.model)
+    if context is not None:  # so does a prompt the model has no positions for
+        reserved = {name: virtual_tokens(folder) for name, folder in zip(names, options.adapters)} or {None: 0}
+        check_context(jobs, tokenizer, context, options.sampling, reserved)
 
     def write(text: str) -> None:
         out.write(text)
@@ -222,20 +239,20 @@ def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Comple
         for i, folder in enumerate(options.adapters):
             groups.setdefault(adapter_type(folder), []).append(i)
         for indices in groups.values():
-            model = attach_adapters(
-                target.client(), [options.adapters[i] for i in indices], [names[i] for i in indices]
-            )
+            folders, group_names = [options.adapters[i] for i in indices], [names[i] for i in indices]
+            model = attach_adapters(target.client(), folders, group_names, options.model)
             model_of.update({names[i]: model for i in indices})
         if not names:
             model_of[None] = target.client()
-        for job in jobs:
-            for name in [job.adapter] if job.adapter else (names or [None]):
-                model = model_of[name]
-                if name is not None:
-                    model.set_adapter(name)
-                header = f"[{name}] " if len(names) > 1 else ""
-                write(f"{header}{job.prompt}")
-                completion = generate_one(model, tokenizer, job.prompt, options.sampling, write)
-                write("\n")
-                completions.append(Completion(job.prompt, name, completion.text, completion.new_tokens))
+        with executor_restart_hint(options.client):
+            for job in jobs:
+                for name in [job.adapter] if job.adapter else (names or [None]):
+                    model = model_of[name]
+                    if name is not None:
+                        model.set_adapter(name)
+                    header = f"[{name}] " if len(names) > 1 else ""
+                    write(f"{header}{job.prompt}")
+                    completion = generate_one(model, tokenizer, job.prompt, options.sampling, write)
+                    write("\n")
+                    completions.append(Completion(job.prompt, name, completion.text, completion.new_tokens))
     return completions

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,22 +167,92 @@ def build_peft_config(
     model: nn.Module,
     options: MethodOptions | None = None,
     overrides: dict[str, Any] | None = None,
+    *,
+    source: str | None = None,
 ) -> peft.PeftConfig:
-    """The peft config of method ``name`` for ``model`` (a causal LM), common options then overrides."""
+    """The peft config of method ``name`` for ``model`` (a causal LM), common options then overrides.
+
+    ``source`` names where the overrides came from (``--peft-config 'FILE'``) in error messages.
+    """
     method = get_method(name)
     options = options or MethodOptions()
+    where = f"{source}: " if source else ""
     kwargs = method.defaults(options, model)
     kwargs.update(overrides or {})
     known = {f.name for f in dataclasses.fields(method.config_class)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise UnsupportedPeftMethodError(
-            f"{method.config_class.__name__} ({method.name}) has no option(s) {unknown}; see peft's documentation"
+            f"{where}{method.config_class.__name__} ({method.name}) has no option(s) {unknown}; "
+            "see peft's documentation"
         )
+    check_override_types(method, overrides or {}, where)
     try:
         return method.config_class(task_type=TASK, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise UnsupportedPeftMethodError(f"invalid {method.name} options: {exc}") from None
+        raise UnsupportedPeftMethodError(f"{where}invalid {method.name} options: {exc}") from None
+
+
+def check_override_types(method: Method, overrides: dict[str, Any], where: str = "") -> None:
+    """Refuse an override whose JSON value is not of the kind its peft config field is annotated with.
+
+    peft checks few types when a config is made: ``{"r": "x"}`` is accepted, then fails inside
+    ``get_peft_model`` with a ``TypeError`` naming neither the key nor the file. Numbers are not
+    told apart (peft's own defaults put floats in fields annotated ``int``, e.g. ``lora_alpha``),
+    and a field whose annotation cannot be read is left to peft.
+    """
+    try:
+        hints = typing.get_type_hints(method.config_class)
+    except Exception:  # noqa: BLE001 - an annotation this Python cannot resolve: peft decides
+        return
+    for key, value in overrides.items():
+        hint = hints.get(key)
+        if hint is not None and not _json_matches(value, hint):
+            raise UnsupportedPeftMethodError(
+                f"{where}{key!r} must be {_describe(hint)} for {method.name}, got {json.dumps(value)}"
+            )
+
+
+_NUMBER_TYPES = (int, float)
+
+
+def _json_matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value can be what ``hint`` says (unknown kinds of hint: yes)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_json_matches(value, arm) for arm in args)
+    if origin is typing.Literal:  # any value of a listed kind: some are patterns ("pissa_niter_[number of iters]")
+        return any(_json_matches(value, type(arg)) for arg in args)
+    if origin in (list, tuple, set, frozenset) or hint in (list, tuple, set, frozenset):
+        return isinstance(value, list) and (not args or all(_json_matches(item, args[0]) for item in value))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in _NUMBER_TYPES:
+        return isinstance(value, _NUMBER_TYPES) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    """``hint`` in JSON words: "a list of strings or null"."""
+    names = {bool: "true or false", int: "a number", float: "a number", str: "a string", type(None): "null"}
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_describe(arm) for arm in args))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(json.dumps(arg) for arg in args)
+    if origin in (list, tuple, set, frozenset) or hint in (list, tuple, set, frozenset):
+        return f"a list of {_describe(args[0]).removeprefix('a ')}s" if args else "a list"
+    if origin is dict or hint is dict:
+        return "an object"
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 # ---------------------------------------------------------------------------- IA3 modules

@@ -26,7 +26,10 @@ class TrainOptions:
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
     batch_size: int = field(default=8, metadata=_help("Examples per micro-batch."))
     grad_accum: int = field(default=1, metadata=_help("Micro-batches accumulated per optimizer step."))
-    seq_len: int = field(default=512, metadata=_help("Longest example in tokens; longer ones are cut."))
+    seq_len: int = field(
+        default=512,
+        metadata=_help("Longest example in tokens; longer ones are cut. Capped to the model's context length."),
+    )
     max_grad_norm: float = field(
         default=1.0, metadata=_help("Clip the adapter gradient norm to this (0: no clipping).")
     )

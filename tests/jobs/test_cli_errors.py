@@ -159,3 +159,68 @@ def test_every_flag_has_help():
         assert command.help, f"{name} has no help"
         for param in command.params:
             assert getattr(param, "help", None), f"{name} {param.opts} has no help text"
+
+
+@pytest.mark.parametrize(
+    ("config", "needles"),
+    [
+        ({"r": "x"}, ["'r' must be a number", '"x"']),
+        ({"lora_dropout": "x"}, ["'lora_dropout' must be a number"]),
+        ({"target_modules": 5}, ["'target_modules' must be a list of strings or a string or null", "got 5"]),
+        ({"use_dora": "yes"}, ["'use_dora' must be true or false"]),
+        ({"r": 2.5}, ["wrong type"]),  # a number, but not one torch can size a layer with
+    ],
+)
+def test_bad_peft_config_values_name_the_file(tiny_checkpoint, tmp_path, data, config, needles, capsys, monkeypatch):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded", "--peft-config", str(path))
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 2
+    assert_one_line_error(code, err, f"--peft-config {str(path)!r}", *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_good_peft_config_values_pass_the_type_check(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    # Numbers are not told apart (lora_alpha is annotated int, peft's defaults put floats in it) and
+    # a Literal field takes any string of its kind ("pissa_niter_4" matches a pattern, not a value).
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"r": 2, "lora_alpha": 0.5, "target_modules": ["q_proj"], "bias": "none"}))
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded", "--peft-config", str(path))
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (2, 0.5, ["q_proj"])
+
+
+def test_connect_timeout_help_says_it_bounds_a_restart(capsys, monkeypatch):
+    code, out, _ = run_cli(["finetune", "--help"], capsys, monkeypatch)
+    assert code == 0
+    assert "restarting executor" in " ".join(out.split())
+
+
+def test_lost_executor_during_a_job_suggests_connect_timeout(tiny_checkpoint, tmp_path, data):
+    from symbiosis.errors import ExecutorUnavailableError
+    from symbiosis.jobs.client import ClientOptions
+    from symbiosis.jobs.finetune import FinetuneOptions, TrainOptions, finetune
+
+    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
+        server = executor.serve(f"ipc://{tmp_path}/executor.sock")
+        options = FinetuneOptions(
+            model=tiny_checkpoint("llama"),
+            data=data,
+            output=tmp_path / "out",
+            client=ClientOptions(executor=server.address, connect_timeout_s=1.0),
+            train=TrainOptions(steps=3, batch_size=2),
+            progress=False,
+        )
+
+        def stop_the_executor(record) -> None:
+            if record.step == 1:
+                server.close()  # and it never comes back
+
+        started = time.monotonic()
+        with pytest.raises(ExecutorUnavailableError, match=r"within --connect-timeout \(1s\): raise --connect-timeout"):
+            finetune(options, on_step=stop_the_executor)
+        assert time.monotonic() - started < 30
+    assert not (tmp_path / "out").exists()

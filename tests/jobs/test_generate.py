@@ -126,3 +126,31 @@ def test_adapter_names_are_unique(tmp_path):
 def test_generate_needs_a_prompt(tiny_checkpoint):
     with pytest.raises(JobError, match="--prompt"):
         generate(GenerateOptions(model=tiny_checkpoint("llama"), client=ClientOptions(embedded=True)))
+
+
+def test_an_empty_prompt_starts_from_bos(tiny_checkpoint, capsys, monkeypatch):
+    """As ``symbiosis api`` does; the tiny llama's first greedy token after BOS is EOS (an empty
+    line is its whole answer), so the check runs on gpt2, whose answer is not empty."""
+    from tests.cli_helpers import run_cli
+
+    path = tiny_checkpoint("gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[tokenizer.bos_token_id]])
+    expected = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    expected_text = tokenizer.decode(expected[0, 1:], skip_special_tokens=True)
+    assert expected_text.strip()
+    args = ["generate", "--embedded", "--model", str(path), "--prompt", "", "--max-new-tokens", "5"]
+    code, out, _ = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and out == f"{expected_text}\n"
+
+
+def test_prompt_ids_of_an_empty_prompt_is_bos_even_when_its_id_is_0(tiny_checkpoint):
+    from symbiosis.jobs.generate import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    tokenizer.eos_token = "A"  # BOS keeps id 0, which `bos or eos` took for missing
+    assert tokenizer.bos_token_id == 0 and tokenizer.eos_token_id != 0
+    assert prompt_ids(tokenizer, "").tolist() == [[0]]
+    tokenizer.bos_token = None
+    assert prompt_ids(tokenizer, "").tolist() == [[tokenizer.eos_token_id]]
