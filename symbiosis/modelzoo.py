@@ -43,6 +43,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
 from symbiosis.errors import ConfigurationError, OutputExistsError
+from symbiosis.jobs.artifacts import share_files
 
 __all__ = [
     "ARCHS",
@@ -373,18 +374,6 @@ def _check_replaceable(output: pathlib.Path) -> None:
         raise OutputExistsError(f"{output} is not empty and was not made by make_model; refusing to overwrite")
 
 
-def _share_files(folder: pathlib.Path, like: pathlib.Path) -> None:
-    """Give every file in `folder` the permissions of `like` (a file written with plain `open`).
-
-    safetensors writes `model.safetensors` as 0600 whatever the umask, while every other file
-    gets 0666 minus the umask; a checkpoint is shared read-only data, so all files get the latter.
-    """
-    mode = like.stat().st_mode & 0o777
-    for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink():
-            path.chmod(mode)
-
-
 def _replace_folder(built: pathlib.Path, output: pathlib.Path) -> None:
     """Move `built` to `output`, displacing an empty or symbiosis-made folder only."""
     if output.exists():
@@ -454,7 +443,7 @@ def _write_checkpoint(
         model.config.dtype = dtype
         model.save_pretrained(staging, safe_serialization=True)
         (staging / MARKER_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-        _share_files(staging, like=staging / MARKER_FILE)
+        share_files(staging)
         # A concurrent maker of the same recipe may have finished first: keep its folder, since
         # readers may already be using it.
         if not _is_complete(output, recipe):

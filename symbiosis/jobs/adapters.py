@@ -34,17 +34,18 @@ _SIZE_MISMATCH = re.compile(
 )
 
 
-def read_adapter_config(folder: Path) -> dict[str, Any]:
-    """The parsed ``adapter_config.json`` of an adapter folder."""
+def read_adapter_config(folder: Path, error: type[SymbiosisError] = CheckpointError) -> dict[str, Any]:
+    """The parsed ``adapter_config.json`` of an adapter folder; ``error`` (the caller's type: the
+    API server answers its own with a 400) when it is missing, not JSON or not an object."""
     config = Path(folder) / "adapter_config.json"
     try:
         value = json.loads(config.read_text())
     except OSError:
-        raise CheckpointError(f"adapter folder {str(folder)!r} has no adapter_config.json") from None
+        raise error(f"adapter folder {str(folder)!r} has no readable adapter_config.json") from None
     except ValueError as exc:
-        raise CheckpointError(f"{config} is not valid JSON: {exc}") from None
+        raise error(f"{config} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{config} must hold a JSON object")
+        raise error(f"{config} must hold a JSON object")
     return value
 
 
@@ -111,20 +112,24 @@ def _load(load: Callable[[], Any], folder: Path, model_dir: Path | None) -> Any:
         except SymbiosisError:
             raise
         except (ValueError, RuntimeError) as exc:  # see the module docstring: peft's two mismatch errors
-            raise CheckpointError(_does_not_fit(folder, model_dir, _mismatch_reason(exc))) from exc
+            reason = _mismatch_reason(exc)
+            if reason is None:
+                raise  # another failure: not ours to reword as a user's mistake
+            raise CheckpointError(_does_not_fit(folder, model_dir, reason)) from exc
 
 
-def _mismatch_reason(exc: Exception) -> str:
+def _mismatch_reason(exc: Exception) -> str | None:
+    """Why the adapter does not fit, when ``exc`` is one of peft's two mismatch errors; else None."""
     message = str(exc)
-    # peft's ValueError for "no target module found"; matched by name, not by where peft keeps it.
-    if type(exc).__name__ == "NoMatchingPeftModuleError":
+    # peft's ValueError for "no target module found" (older peft: a plain ValueError saying so);
+    # matched by name, not by where peft keeps it.
+    if type(exc).__name__ == "NoMatchingPeftModuleError" or "not found in the base model" in message:
         return "none of the modules it adapts exists in this model"
     found = _SIZE_MISMATCH.search(message)
     if found:
         name, saved, here = found.groups()
         return f"its tensor shapes differ from this model's ({name}: {saved} in the adapter, {here} here)"
-    first_line = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
-    return first_line[:300]
+    return None
 
 
 def _does_not_fit(folder: Path, model_dir: Path | None, reason: str) -> str:

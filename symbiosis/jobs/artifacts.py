@@ -152,7 +152,7 @@ def write_atomically(final: Path, write: Callable[[Path], Any]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
-        _share_files(tmp)
+        share_files(tmp)
         tmp.chmod(0o755)
         if final.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
@@ -168,11 +168,12 @@ def write_atomically(final: Path, write: Callable[[Path], Any]) -> Path:
     return final
 
 
-def _share_files(folder: Path) -> None:
+def share_files(folder: Path) -> None:
     """Give the files in ``folder`` the mode a plain ``open`` gives (0666 less the umask).
 
-    safetensors writes its files 0600 whatever the umask, so an adapter's weights were private
-    while its config beside them was not; the folder is ordinary shared output (0755).
+    safetensors writes its files 0600 whatever the umask, so an adapter's (or ``make-model``'s
+    checkpoint's) weights were private while the config beside them was not; the folder is
+    ordinary shared output (0755).
     """
     probe = folder / ".mode-probe"
     probe.touch()

@@ -20,7 +20,7 @@ from symbiosis.errors import CheckpointError
 from symbiosis.jobs.data import TokenizedExample
 from symbiosis.jobs.train_options import TrainOptions
 
-#: Where configs name their context, in the order ``symbiosis api`` reads them (serving/server.py).
+#: Where configs name their context, in the order they are read (``symbiosis api`` reads it here too).
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 

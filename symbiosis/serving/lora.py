@@ -26,7 +26,6 @@ monolithic ``transformers`` + ``peft`` model with that adapter (tests/serving).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
@@ -38,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from symbiosis.errors import SymbiosisError
+from symbiosis.jobs.adapters import read_adapter_config
 
 
 class AdapterFormatError(SymbiosisError):
@@ -82,15 +82,7 @@ _UNSUPPORTED_OPTIONS = {
 
 def read_lora_config(path: Path) -> dict:
     """``adapter_config.json`` of a LoRA adapter folder, checked for what this server can serve."""
-    config_file = Path(path) / "adapter_config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except OSError:
-        raise AdapterFormatError(f"adapter folder {str(path)!r} has no readable adapter_config.json") from None
-    except ValueError as exc:
-        raise AdapterFormatError(f"{config_file} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterFormatError(f"{config_file} is not a JSON object")
+    config = read_adapter_config(path, AdapterFormatError)
     if config.get("peft_type") != "LORA":
         raise AdapterFormatError(
             f"adapter {str(path)!r} is {config.get('peft_type')!r}; the api server serves LoRA adapters "

@@ -117,11 +117,13 @@ def read_api_keys(keys: list[str], keys_file: Path | None) -> dict[str, frozense
 
 
 def _max_context(model, tokenizer) -> int:
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    """The model's context (``jobs.context.context_length``, as ``symbiosis generate`` reads it),
+    else the tokenizer's, else 2048."""
+    from symbiosis.jobs.context import context_length
+
+    value = context_length(model.config.to_dict())
+    if value is not None:
+        return value
     value = getattr(tokenizer, "model_max_length", None)
     return value if isinstance(value, int) and 0 < value < 1 << 24 else 2048
 

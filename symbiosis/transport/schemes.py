@@ -61,15 +61,6 @@ def is_ipv6_tcp(address: str) -> bool:
     return "tcp://[" in address
 
 
-def check_executor_address(address: str) -> str:
-    """``address`` if a client can connect to it: a known scheme (``TRANSPORTS``) and, for tcp, a
-    host and a port; else a ConfigurationError saying what is wrong."""
-    transport_class_name(address)
-    if "tcp://" in address:
-        split_tcp_address(address)
-    return address
-
-
 def on_this_host(address: str) -> bool:
     """Whether an executor ``address`` is on this machine: any ipc scheme, or tcp to loopback."""
     scheme, _, rest = address.partition("://")
@@ -78,18 +69,17 @@ def on_this_host(address: str) -> bool:
     return is_loopback_host(rest.rpartition(":")[0])
 
 
-def transport_class_name(address: str) -> str:
-    """``"module:Class"`` of the client transport for ``address`` (``TRANSPORTS``)."""
+def transport_class(address: str) -> type:
+    """The client transport for ``address`` (``TRANSPORTS``); a ConfigurationError saying what is
+    wrong with an unknown scheme, or a tcp address without a host and a port."""
     for prefix, target in TRANSPORTS.items():
         if address.startswith(prefix):
-            return target
+            if "tcp://" in prefix:
+                split_tcp_address(address)
+            module_name, class_name = target.split(":")
+            return getattr(importlib.import_module(module_name), class_name)
     schemes = ", ".join(TRANSPORTS)
     raise ConfigurationError(f"unsupported executor address {address!r}: use one of the schemes {schemes}")
-
-
-def transport_class(address: str) -> type:
-    module_name, class_name = transport_class_name(check_executor_address(address)).split(":")
-    return getattr(importlib.import_module(module_name), class_name)
 
 
 def open_transport(address: str, *, curve: CurveClientKeys | None = None, **kwargs: Any):
