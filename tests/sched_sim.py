@@ -81,6 +81,9 @@ class Simulation:
     fixed_s: float = 50e-6
     per_row_s: float = 1e-6
     contention: float = 1.0  # how much slower a walker's own work is while a flood's host work runs
+    # What the engine tells the scheduler about its products (``Scheduler.products_share_client_cores``):
+    # False for an executor on an accelerator, this model's executor; True on a CPU.
+    products_share_client_cores: bool = False
     batches: list[tuple[float, float, Batch]] = field(default_factory=list)  # (start, end, batch)
     owners: dict[int, str] = field(default_factory=dict)  # request id -> client id
     scheduler: Scheduler | None = None
@@ -90,6 +93,7 @@ class Simulation:
 
     def run(self, until_s: float) -> Simulation:
         scheduler = self.scheduler = Scheduler(self.config)
+        scheduler.products_share_client_cores = self.products_share_client_cores
         ids = itertools.count()
         owner: dict[int, tuple[object, int, PendingRequest]] = {}  # request id -> (client, step index, request)
         rows_left: dict[int, int] = {}

@@ -75,6 +75,8 @@ def test_split_on_cuda_matches_monolithic_on_cuda(tiny_checkpoint, arch, method)
     executor = symbiosis.BaseExecutor.from_pretrained(path, device=CUDA)
     try:
         assert executor.device.type == "cuda"
+        # its products leave the clients' cores alone: the decoders' free time counts whole
+        assert not executor._engine.scheduler.products_share_client_cores
         _check(path, executor, method, arch)
     finally:
         executor.close()

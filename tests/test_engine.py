@@ -294,6 +294,14 @@ def test_a_request_no_rule_would_hold_is_served_at_once_beside_an_active_client_
     assert (paths["alone"], paths["caller"]) == ((3, 0) if at_once else (0, 3))
 
 
+def test_an_executor_on_a_cpu_tells_its_scheduler_that_its_products_take_the_clients_cores(path):
+    """On a CPU the decoders' free time is not free (their own work needs the cores a bulk
+    product takes), so with a target the scheduler counts it at the feedback's share; an executor
+    on an accelerator leaves it whole (``Scheduler.products_share_client_cores``; tests/test_cuda.py)."""
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        assert ex._engine.scheduler.products_share_client_cores
+
+
 def test_a_product_served_alone_wakes_only_a_caller_that_waits_for_it_to_end(path):
     """A product served alone (``try_alone``) leaves the queue as it was, so a caller waiting for a
     time its last plan gave has nothing new to plan for; only one that found the engine computing

@@ -141,7 +141,13 @@ def test_decode_goes_first_but_bulk_work_gets_its_fair_share_of_time():
 DECODER_ROWS = (1, 4, 16)
 
 
-def coserving(config: SchedulerConfig, decoders: bool = True, finetune: bool = True, decoder_gap_s: float = 0.0003):
+def coserving(
+    config: SchedulerConfig,
+    decoders: bool = True,
+    finetune: bool = True,
+    decoder_gap_s: float = 0.0003,
+    products_share_client_cores: bool = False,
+):
     clients = []
     if decoders:
         clients += [
@@ -150,7 +156,7 @@ def coserving(config: SchedulerConfig, decoders: bool = True, finetune: bool = T
         ]
     if finetune:
         clients += [Walker(f"ft{i}", rows=512, gap_s=0.001, latency_class=F, start_s=2e-4 * i) for i in range(2)]
-    sim = Simulation(config, clients).run(2.0)
+    sim = Simulation(config, clients, products_share_client_cores=products_share_client_cores).run(2.0)
     tokens = [t for c in clients if c.latency_class is D for t in c.token_times(skip=20)]
     steps = sum(len(c.pass_ends) for c in clients if c.latency_class is F)
     return tokens, steps, sim
@@ -168,7 +174,10 @@ def test_decode_slo_is_met_next_to_a_finetuning_backlog(policy):
 
     tokens, steps, sim = coserving(SchedulerConfig(policy=policy, decode_slo_ms=slo_ms))
     assert p95(tokens) * 1e3 <= slo_ms * 1.02  # met at p95 (2% for the sampling of a p95)
-    assert steps >= 0.25 * finetune_alone  # fine-tuning gets what the target leaves
+    # Fine-tuning gets what the target leaves: most of it in the decoders' free time, which an
+    # executor on an accelerator counts whole (79-82% kept here; 46-58% when it counted at the
+    # target's share, as it still does on a CPU: the next assertion).
+    assert steps >= 0.7 * finetune_alone
     # ... in row chunks, or whole in the decoders' free time: no decode request arrived while a
     # product of a whole 512-row fine-tuning request ran.
     arrivals = sorted(a for c in sim.clients if c.latency_class is D for a in c.arrivals if a > 0.5)
@@ -177,6 +186,14 @@ def test_decode_slo_is_met_next_to_a_finetuning_backlog(policy):
     stats = sim.scheduler.stats()
     assert stats["chunks_cut_for_decode"] > 0
     assert 0 < stats["bulk_batches_in_free_time"] <= stats["batches_led_by_lane"]["bulk"]
+
+    # An executor on a CPU (its products take the cores the clients' own work needs) counts the
+    # free time at the feedback's share: the target is met too, with less fine-tuning kept.
+    tokens, steps_on_cpu, _ = coserving(
+        SchedulerConfig(policy=policy, decode_slo_ms=slo_ms), products_share_client_cores=True
+    )
+    assert p95(tokens) * 1e3 <= slo_ms * 1.02
+    assert 0.25 * finetune_alone <= steps_on_cpu < 0.9 * steps
 
 
 @pytest.mark.slow

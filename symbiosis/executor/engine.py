@@ -201,6 +201,7 @@ class ExecutionEngine:
         cpu = self.device.type == "cpu" and clock is time.monotonic
         self._product_clock = time.thread_time if cpu else clock
         self._on_cpu = self.device.type == "cpu"
+        scheduler.products_share_client_cores = self._on_cpu  # (the decoders' free time: scheduler.py)
         # The lone-client path, whose every call is a few µs of Python on top of a tiny product
         # (a decode row), keeps what it can from one call to the next: which ``out`` suits which
         # rows (the lane slots of ``transport/lane_routes.py`` pass the same tensors every time).

@@ -80,19 +80,21 @@ may run until the first of their next calls is due (``ArrivalPredictor.next_call
 its own after a decoder's last request was handed out, or its turn after a pass; or the end of a
 hold of latency work already queued), where that is longer than the delay budget: its product
 delays none of them, so only what it runs past that time spends the allowance, and with the
-allowance spent it may still lead with a chunk that fits in that time. With a target, the free
-time counts at ``bulk_share``: where the clients' own work shares the executor's cores, free time
-is not free, and only the feedback sees that (client threads on this 2-core host, unscaled: the
-p95 x1.12-1.18 of the target against x1.04-1.07 before). A flood is never let into free time (its
-work slows decoders outside the queue). Measured in the simulator (a target of 1.2x the decoders'
-p95 alone; immediate / opportunistic): 6 streams stepping together every 30 ms beside 2
-fine-tuning walkers, fine-tuning kept 10% / 17% of its solo rate before, 62% / 80% now; the same
-streams 5 ms apart 12% / 3% (opportunistic's p95 then x5 of the target: its convoy waited for the
-streams, ``arrivals.py``), now 20% / 7%; 3 decoders back to back (``coserving`` in the tests) 28%
-/ 53%, now 46% / 58%. The p95 is within 2% of the target in each but opportunistic's: x1.05 of
-it beside the streams stepping together (x1.03 before), x1.16 beside those 5 ms apart (its
-convoy waited for streams behind in their passes; not since 2026-12-07, ``arrivals.py``: x1.04,
-fine-tuning kept 17%).
+allowance spent it may still lead with a chunk that fits in that time. With a target, on an
+executor whose products take the cores the clients' own work needs (a CPU, with its clients
+threads or processes on the same host: ``products_share_client_cores``, which the engine sets from
+its device), the free time counts at ``bulk_share``: there free time is not free, and only the
+feedback sees that (client threads on this 2-core host, unscaled: the p95 x1.12-1.18 of the
+target against x1.04-1.07 before). On an accelerator it counts whole. A flood is never let into
+free time (its work slows decoders outside the queue). Measured in the simulator, whose executor
+is the only shared resource (a target of 1.2x the decoders' p95 alone; immediate /
+opportunistic; fine-tuning's share of its solo rate): before free time counted at all, 6 streams
+stepping together every 30 ms beside 2 fine-tuning walkers kept 10% / 17%, the same streams 5 ms
+apart 12% / 3%, 3 decoders back to back (``coserving`` in the tests) 28% / 53%; with free time
+at ``bulk_share``, 62% / 77%, 20% / 17%, 46% / 58%; counted whole, 62% / 83%, 38% / 40%, 82% /
+79%. The p95 against the target, scaled -> whole: x1.00 / x1.03 -> x0.99 / x1.04, x1.02 / x1.04
+-> x1.03 / x1.07, x1.00 / x1.00 -> x1.01 / x1.01 (2026-12-07; the feedback aims the p95 at the
+target itself).
 
 Cost per call: O(groups + pending requests); opportunistic with predictions: O(groups x clients);
 a plan in which bulk work may lead while decoders are active adds O(decoders) (``_free_until_s``).
@@ -276,6 +278,12 @@ class Scheduler:
         # with a background bulk lane says how many; a target's allowance fills that many times
         # as fast, so that a share of 1 paces nothing there either.
         self.bulk_runners = 1
+        # Whether a product takes cores the clients' own work needs (an executor on a CPU, its
+        # clients threads or processes on the same host): then the decoders' free time is not
+        # free, and with a target it counts at ``bulk_share`` (``_bulk_may_lead``). The engine
+        # says so from its device; the default is an executor on an accelerator, whose products
+        # take only its own time (the simulator's model).
+        self.products_share_client_cores = False
         self._aging_s = config.aging_ms / 1000.0
         self._lockstep_timeout_s = config.lockstep_timeout_ms / 1000.0
         self._groups: dict[tuple[str, Op], _Group] = {}  # only groups with pending requests
@@ -681,9 +689,11 @@ class Scheduler:
         flood = self._is_flood(entry)
         if not flood:  # (a flood is not let into free time: its work slows decoders outside the queue)
             free_until_s = now_s if latency_waiting else self._free_until_s(now_s, entry.client, latency_hold_s)
-            # With a target, the share its feedback sets: where the clients' own work shares the
-            # executor's cores, free time is not free, and only the feedback sees that.
-            self._free_s = (free_until_s - now_s) * (self._guard.bulk_share if targeted else 1.0)
+            # With a target, where the clients' own work shares the executor's cores, free time
+            # is not free, and only the feedback sees that: it counts at the share the feedback
+            # sets. Elsewhere it is whole (module doc).
+            scaled = targeted and self.products_share_client_cores
+            self._free_s = (free_until_s - now_s) * (self._guard.bulk_share if scaled else 1.0)
         spent = self._allowance_spent(entry, now_s)  # (this also fills the allowance up to now)
         # Paced while decoders are active: all bulk work to a target's share; without a target, a
         # client with a backlog (a flood) to the share that keeps decoders near their own pace.
