@@ -149,6 +149,14 @@ class CostModel:
         fixed_s, per_row_s = line
         return max(0, int((budget_s - fixed_s) / per_row_s))
 
+    def break_even_rows(self, key: tuple[str, Op]) -> int:
+        """Rows whose share of a product of ``key`` takes as long as its fixed part (0 if unknown):
+        a chunk of fewer rows spends more of the executor's time on the fixed part than on rows."""
+        line = self.line(key)
+        if line is None or line[1] <= 0:
+            return 0
+        return int(line[0] / line[1])
+
     def duration_s(self, key: tuple[str, Op], rows: int) -> float | None:
         line = self.line(key)
         return None if line is None else line[0] + line[1] * rows
