@@ -74,17 +74,16 @@ the feedback's share) 17% -> 37%; on this host's products (hidden 512) the fixed
 ~20 rows, about ``min_chunk_rows``. The rest of a cut request is continued in a later batch.
 This is FlexLLM's token-level fine-tuning (a fine-tuning sequence cut into windows that ride along
 with inference) done at the executor, where it is free: base layers are row-independent, so any
-row chunking gives the same result. With a
-target, the share bulk work is owed, and the most of the wall clock it may use while decoders are
-active (a second credit), are ``bulk_share``: a share that feedback from the decoders' measured
-token times keeps as large as the target allows (never below ``MIN_BULK_SHARE``), so fine-tuning
-gets everything the target leaves. The target never shortens the decoders' holds for each other
-(see ``_hold_until_s``). Without a target, a client with a backlog (a flood: several requests
-queued, or one with more rows left than a batch holds) is paced the same way, on its own share
-(``backlog_share``) and against each decoder's own pace (``1 + decode_slowdown`` times its fastest
-token), since it slows decoders outside the queue too (the server's socket thread, the host's
-cores); its rows riding along in a batch led by a decoder spend the same allowance, and wait while
-it is spent.
+row chunking gives the same result. With a target, the share bulk work is owed, and the most of
+the wall clock it may use while decoders are active (a second credit), are ``bulk_share``: a
+share that feedback from the decoders' measured token times keeps as large as the target allows
+(never below ``MIN_BULK_SHARE``), so fine-tuning gets everything the target leaves. The target
+never shortens the decoders' holds for each other (see ``_hold_until_s``). Without a target, a
+client with a backlog (a flood: several requests queued, or one with more rows left than a batch
+holds) is paced the same way, on its own share (``backlog_share``) and against each decoder's own
+pace (``1 + decode_slowdown`` times its fastest token), since it slows decoders outside the queue
+too (the server's socket thread, the host's cores); its rows riding along in a batch led by a
+decoder spend the same allowance, and wait while it is spent.
 
 **The decoders' free time.** On the shared lane, a bulk batch that leads while decoders are active
 may run until the first of their next calls is due (``ArrivalPredictor.next_call_s``: one gap of
