@@ -60,9 +60,10 @@ allowance there fills ``bulk_runners`` times as fast (a share of 1 leaves every 
 **Chunks and a decode target.** A batch holds at most ``row_budget`` rows; while a client is
 decoding, the bulk rows of a batch are further cut to what the learned cost model says fits in
 the decoders' delay budget (``pacing.py``: ``decode_slowdown`` times their own time per call, or
-with ``decode_slo_ms`` the per-call slack of the target), never below ``min_chunk_rows``, and a
-batch that bulk work leads (not a flood's, nor one in the decoders' free time, below) not below
-the rows whose time equals its product's fixed part (``CostModel.break_even_rows``). The per-call
+with ``decode_slo_ms`` the per-call slack of the target), never below ``min_chunk_rows``, and
+with a target, a batch that bulk work leads (not a flood's, nor a chunk sized to the decoders'
+free time alone, below) not below the rows whose time equals its product's fixed part
+(``CostModel.break_even_rows``; at most twice the largest product measured). The per-call
 budget is a worst case -- only the calls that come while a chunk runs wait for it -- and a chunk
 cut below that spends more of the executor on the fixed part than on rows; with a target the
 feedback then holds the share down for products that mostly did nothing. Where each call's wait
@@ -71,7 +72,9 @@ the chunk that moves the most rows for the same delay. Measured in the simulator
 100 us + 2 us a row, a target of 1.2x; opportunistic): streams 5 ms apart beside fine-tuning,
 p95 x1.07 -> x1.02 of the target and fine-tuning kept 40% -> 47%; on a CPU's terms (free time at
 the feedback's share) 17% -> 37%; on this host's products (hidden 512) the fixed part is worth
-~20 rows, about ``min_chunk_rows``. The rest of a cut request is continued in a later batch.
+~20 rows, about ``min_chunk_rows``. Not without a target: there nothing would make up for the
+longer waits (2 decoders beside a fine-tuning walker in the simulator: chunks of 50 rows instead
+of 16, the decoders' p95 +28%). The rest of a cut request is continued in a later batch.
 This is FlexLLM's token-level fine-tuning (a fine-tuning sequence cut into windows that ride along
 with inference) done at the executor, where it is free: base layers are row-independent, so any
 row chunking gives the same result. With a target, the share bulk work is owed, and the most of
@@ -918,15 +921,17 @@ class Scheduler:
 
     def _bulk_limit(self, lead: _Entry, now_s: float) -> int:
         """The most bulk rows a batch led by ``lead`` may carry: the rows its product can run in the
-        decode guard's delay budget (not fewer than a minimal chunk), else the row budget. Only
-        asked for batches that carry bulk rows: the budget costs more than a decode row's product."""
+        decode guard's delay budget, else the row budget. Not fewer than a minimal chunk, and with a
+        target, in a batch that bulk work leads (not a flood's, nor a chunk sized to the decoders'
+        free time alone), not fewer than the rows that cost its product's fixed part (module doc).
+        Only asked for batches that carry bulk rows: the budget costs more than a decode row's product."""
         budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=self._is_flood(lead))
         if budget_s is None:
             return self._row_budget
         least = self._min_chunk_rows
         if lead.lane == BULK and self._free_s is not None:  # it leads: the decoders' free time is its own
             budget_s = self._free_s if self._free_only else max(budget_s, self._free_s)
-        if lead.lane == BULK and not self._free_only and not self._is_flood(lead):
+        if lead.lane == BULK and self._guard.slo_s is not None and not self._free_only and not self._is_flood(lead):
             least = max(least, self._cost.break_even_rows(lead.group.key))  # (module doc: chunks and a target)
         fits = self._cost.rows_within(lead.group.key, budget_s)
         return self._row_budget if fits is None else min(self._row_budget, max(least, fits))

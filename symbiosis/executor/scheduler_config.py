@@ -163,9 +163,9 @@ class SchedulerConfig:
         metadata=_help(
             "Smallest row chunk bulk work is cut to, however tight the decode latency target; it is how "
             "fine-tuning keeps progressing when the target leaves almost nothing (capped by --row-budget). "
-            "A chunk that bulk work leads (not a flood's) is also not cut below the rows whose time equals "
-            "its product's fixed part (learned from the products' times), unless it fits in the decoders' "
-            "free time."
+            "With --decode-slo-ms, a chunk that bulk work leads (not a flood's) is also not cut below the rows "
+            "whose time equals its product's fixed part (learned from the products' times), unless it is "
+            "sized to the decoders' free time alone."
         ),
     )
 
