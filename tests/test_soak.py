@@ -11,6 +11,7 @@ transport, and a closed server removes its ipc socket file (it did not: found by
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -165,36 +166,69 @@ def test_chaos_leaves_survivors_of_both_roles():
         assert all(3.0 <= at <= 27.0 for at, kind, _ in events if kind == "kill_client")
 
 
-def test_a_restart_waits_until_the_executor_it_replaces_has_served():
-    """A slow comeback (the first restart's executor ready after the second restart's time) must
-    not make the next restart fire at once: each restart is judged by what the new executor
-    serves before the next one. The run is stretched to let the last one serve as well."""
+def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_after_s: float | None = None):
+    """A SoakRun with no processes: two executor restarts (kill, then term) that take
+    ``downtime_s`` each; with ``across_after_s``, every fine-tuning client in ``specs`` records an
+    episode it had to reconnect during, finished that long after each restart's executor is ready.
+    Returns the run and [(how, time since go)] of the restarts."""
     import types
 
-    downtime_s, seconds = 0.6, 1.2  # restarts scheduled at 0.4 and 0.8 s; hold 0.2 s after ready
     run = object.__new__(soak.SoakRun)
     run.args = types.SimpleNamespace(seconds=seconds, restarts=2, sample_interval_s=10.0)
     run.events = soak.chaos_schedule(random.Random(0), [], seconds, kills=0, restarts=2)
     run.executors = [types.SimpleNamespace(pid=os.getpid())]
     run.workers, run.incarnations, restarted = {}, [], []
+    run.specs, run.killed, run.workdir = list(specs), {}, tmp_path
+    (tmp_path / "progress").mkdir(parents=True)
 
     def restart(how):
         at = time.time() - run.origin
         time.sleep(downtime_s)
         restarted.append((how, at))
         run.incarnations[-1]["end_s"] = at
-        run.incarnations.append({"ready_s": time.time() - run.origin})
+        ready = time.time()
+        run.incarnations.append({"ready_s": ready - run.origin})
+        for spec in run.specs if across_after_s is not None else ():
+            record = {"t0": at, "t1": ready + across_after_s, "sessions_before": 1, "sessions": 2, "ok": True}
+            with open(tmp_path / "progress" / f"{spec.name}.jsonl", "a") as progress:
+                progress.write(json.dumps(record) + "\n")
 
     run._restart_executor = restart
     try:
         run._soak()
     finally:
         run.sampler.stop()
+    return run, restarted
+
+
+def test_a_restart_waits_until_the_executor_it_replaces_has_served(tmp_path):
+    """A slow comeback (the first restart's executor ready after the second restart's time) must
+    not make the next restart fire at once: each restart is judged by what the new executor
+    serves before the next one. The run is stretched to let the last one serve as well."""
+    seconds = 1.2  # restarts scheduled at 0.4 and 0.8 s; hold 0.2 s after ready
+    run, restarted = _chaos_run(tmp_path, seconds, downtime_s=0.6)
     hold = seconds / 3 / 2
     assert [how for how, _ in restarted] == ["kill", "term"]
-    assert 0.4 <= restarted[0][1] < 0.4 + downtime_s  # on time (the first executor served from 0 s)
+    assert 0.4 <= restarted[0][1] < 0.4 + 0.6  # on time (the first executor served from 0 s)
     assert restarted[1][1] >= run.incarnations[1]["ready_s"] + hold - 0.01, (restarted, run.incarnations)
     assert run.soak_s >= run.incarnations[2]["ready_s"] + hold - 0.01, (run.soak_s, run.incarnations)
+
+
+def test_a_restart_waits_for_a_finetuning_episode_it_interrupted_to_finish(tmp_path):
+    """What a restart's report judges is a fine-tuning episode it interrupted and that finished on
+    the new executor; the next restart (or the run's end) waits for one, at most one spacing of
+    restarts more than the usual hold. Without that wait, a slow comeback on a loaded host left the
+    kill -9 restart nothing to judge (a CI run of 2026-12-07)."""
+    seconds, hold, spacing = 1.2, 0.2, 0.4
+    finetune = [soak.ClientSpec("ft0", "finetune", "lora", "ipc", seed=0)]
+    run, restarted = _chaos_run(tmp_path, seconds, downtime_s=0.1, specs=finetune, across_after_s=0.45)
+    waited = restarted[1][1] - run.incarnations[1]["ready_s"]
+    assert 0.45 - 0.01 <= waited < hold + spacing, (restarted, run.incarnations)  # until the episode finished
+    assert run.soak_s >= run.incarnations[2]["ready_s"] + 0.45 - 0.01
+    # No such episode (no fine-tuning client survived): the wait ends one spacing after the hold.
+    run, restarted = _chaos_run(tmp_path / "none", seconds, downtime_s=0.1, specs=finetune)
+    waited = restarted[1][1] - run.incarnations[1]["ready_s"]
+    assert hold + spacing - 0.01 <= waited < hold + spacing + 0.2, (restarted, run.incarnations)
 
 
 def test_a_closed_server_removes_its_socket_file_and_only_its_own(sock_dir):
