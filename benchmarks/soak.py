@@ -23,8 +23,9 @@ What it does, in order:
 5. With ``--chaos``: ``--kill-clients`` random clients get ``kill -9`` at random times (they are not
    compared, the survivors are), and the executor is restarted twice — first ``kill -9`` at 1/3,
    then ``SIGTERM`` (drain) at 2/3 of the run — at the same addresses (a restart waits until the
-   executor it replaces has served for half the time between two scheduled restarts, and the run
-   lasts until the last one has too). Clients reconnect on their own; the executor is stateless,
+   executor it replaces has served for half the time between two scheduled restarts, and until a
+   fine-tuning episode the last restart interrupted finished on the new executor, at most one
+   spacing more; the run lasts until the last one has too). Clients reconnect on their own; the executor is stateless,
    so a surviving job must end exactly as an undisturbed one.
 6. Every ``--sample-interval-s`` the executor's RSS, threads, descriptors and ``memfd`` mappings
    are sampled (psutil, /proc). Growth after warm-up: median RSS of the last tenth of the window
@@ -876,9 +877,10 @@ class SoakRun:
         """All clients go at once; chaos events as scheduled until ``--seconds`` have passed.
 
         A restart waits until the executor it replaces has served for half the schedule's spacing
-        of restarts, and the run lasts until the last one has too: each restart is judged by the
-        episodes that finish on the new executor before the next restart (``_restart_report``), so
-        an executor stopped as soon as it is ready leaves nothing to judge. Measured (2026-11-29,
+        of restarts (and more: ``_served_enough``), and the run lasts until the last one has too:
+        each restart is judged by the episodes that finish on the new executor before the next
+        restart (``_restart_report``), so an executor stopped as soon as it is ready leaves nothing
+        to judge. Measured (2026-11-29,
         the chaos test on a 2-core host beside two busy loops): the ``kill -9`` restart at 10 s took
         17 s to come back, the SIGTERM one scheduled at 20 s then fired at once, and no fine-tuning
         episode finished across the first restart.
