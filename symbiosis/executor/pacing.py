@@ -98,7 +98,7 @@ class _Fit:
 
     def __init__(self) -> None:
         self.w = self.x = self.y = self.xx = self.xy = 0.0
-        self.most_rows = 0.0  # the largest product measured: the line says nothing beyond it
+        self.most_rows = 0.0  # the largest product measured (``CostModel.break_even_rows``)
 
     def add(self, rows: float, duration_s: float) -> None:
         self.most_rows = max(self.most_rows, rows)

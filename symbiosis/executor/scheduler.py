@@ -925,13 +925,14 @@ class Scheduler:
         target, in a batch that bulk work leads (not a flood's, nor a chunk sized to the decoders'
         free time alone), not fewer than the rows that cost its product's fixed part (module doc).
         Only asked for batches that carry bulk rows: the budget costs more than a decode row's product."""
-        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=self._is_flood(lead))
+        flood = self._is_flood(lead)
+        budget_s = self._last_delay_budget_s = self._delay_budget_s(now_s, backlog=flood)
         if budget_s is None:
             return self._row_budget
         least = self._min_chunk_rows
         if lead.lane == BULK and self._free_s is not None:  # it leads: the decoders' free time is its own
             budget_s = self._free_s if self._free_only else max(budget_s, self._free_s)
-        if lead.lane == BULK and self._guard.slo_s is not None and not self._free_only and not self._is_flood(lead):
+        if lead.lane == BULK and self._guard.slo_s is not None and not self._free_only and not flood:
             least = max(least, self._cost.break_even_rows(lead.group.key))  # (module doc: chunks and a target)
         fits = self._cost.rows_within(lead.group.key, budget_s)
         return self._row_budget if fits is None else min(self._row_budget, max(least, fits))
