@@ -65,6 +65,6 @@ def note_cut_to_context(seq_len: int, context: int, model: Path, examples: Seque
     if cut:
         print(
             f"note: --seq-len {seq_len} is more than the {context}-token context of {str(model)!r}; "
-            f"{cut} example(s) were cut to {context} tokens",
+            f"{cut} example(s) reached it (longer ones were cut there)",
             file=sys.stderr,
         )

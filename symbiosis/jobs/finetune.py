@@ -409,11 +409,9 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         method_options = dataclasses.replace(options.method_options, total_steps=total)
         peft_model = _apply_method(options, client.model, method_options, overrides)
         run_dir = prepare_run_folder(options.run_dir, options.resume)
-        # options.train, not train: a checkpoint records the flags as given, so one written before
-        # --seq-len was capped to the context still resumes (the cut is the same either way).
-        run = FinetuneRun(
-            peft_model, train_set, eval_set, options.train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir
-        )
+        # The options as they ran (--seq-len cut to the context), as training_options.json records
+        # them: a resume with the recorded flags, or with the flags as first given, compares equal.
+        run = FinetuneRun(peft_model, train_set, eval_set, train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir)
         if options.resume:
             run.resume()
         publisher = AdapterPublisher(options.publish, peft_model, run_dir / "published") if options.publish else None

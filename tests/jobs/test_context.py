@@ -78,11 +78,30 @@ def test_finetune_cuts_text_to_the_context(tiny_checkpoint, arch, tmp_path, caps
     code, out, err = run_cli([*args, "--output", str(output), "--steps", "1", "--no-progress"], capsys, monkeypatch)
     assert code == 0, err
     assert "saved lora adapter" in out
-    assert "note: --seq-len 512 is more than the 256-token context" in err and "2 example(s) were cut" in err
+    assert "note: --seq-len 512 is more than the 256-token context" in err and "2 example(s) reached it" in err
     log = json.loads((output / "log.jsonl").read_text().splitlines()[0])
     assert log["tokens"] == 2 * 256
     recorded = json.loads((output / "training_options.json").read_text())
     assert recorded["train"]["seq_len"] == 256
+
+
+def test_a_run_cut_to_the_context_resumes_with_the_flags_it_recorded(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """training_options.json records --seq-len cut to the context, and so does a checkpoint: a
+    resume with the recorded value and one with the value first given both continue. (Before, the
+    checkpoint kept the value as given, and a resume with the recorded one was refused as options
+    that differ.)"""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"text": "cat dog " * 300}) + "\n" for _ in range(2)))
+    output = tmp_path / "out"
+    args = ["finetune", "--embedded", "--model", str(tiny_checkpoint("llama")), "--data", str(data)]
+    args += ["--output", str(output), "--steps", "3", "--save-every", "1", "--no-progress"]
+    code, _, err = run_cli([*args, "--seq-len", "512"], capsys, monkeypatch)
+    assert code == 0, err
+    recorded = json.loads((output / "training_options.json").read_text())["train"]["seq_len"]
+    for seq_len in (str(recorded), "512"):
+        code, out, err = run_cli([*args, "--seq-len", seq_len, "--resume"], capsys, monkeypatch)
+        assert code == 0, err
+        assert "options differ" not in err
 
 
 def test_finetune_within_the_context_says_nothing(tiny_checkpoint, tmp_path, capsys, monkeypatch):
