@@ -93,8 +93,8 @@ def check_prompt_learning_fits(model, folder: Path, model_dir: Path | None = Non
     needed.__dict__.update(dict.fromkeys(_PROMPT_LEARNING_SIZES))
     try:
         _prepare_prompt_learning_config(needed, model.config)
-    except (ValueError, KeyError):
-        return  # peft cannot size one for this model either; loading will say why
+    except Exception:  # noqa: BLE001 - a private function: whatever it does now, loading still runs
+        return  # peft cannot size one for this model (or has changed): loading will say why
     wrong = [
         f"{name} {config[name]} (this model: {getattr(needed, name)})"
         for name in _SIZES_THAT_MATTER.get(str(config.get("peft_type")), _EMBEDDING_WIDTH)
@@ -110,7 +110,7 @@ def _load(load: Callable[[], Any], folder: Path, model_dir: Path | None) -> Any:
         try:
             return load()
         except SymbiosisError:
-            raise
+            raise  # ours (some are ValueError or RuntimeError too): already says what is wrong
         except (ValueError, RuntimeError) as exc:  # see the module docstring: peft's two mismatch errors
             reason = _mismatch_reason(exc)
             if reason is None:
@@ -120,10 +120,12 @@ def _load(load: Callable[[], Any], folder: Path, model_dir: Path | None) -> Any:
 
 def _mismatch_reason(exc: Exception) -> str | None:
     """Why the adapter does not fit, when ``exc`` is one of peft's two mismatch errors; else None."""
+    import peft
+
     message = str(exc)
-    # peft's ValueError for "no target module found" (older peft: a plain ValueError saying so);
-    # matched by name, not by where peft keeps it.
-    if type(exc).__name__ == "NoMatchingPeftModuleError" or "not found in the base model" in message:
+    # peft's ValueError for "no target module found" (older peft: a plain ValueError saying so).
+    no_match = getattr(peft, "NoMatchingPeftModuleError", ())
+    if isinstance(exc, no_match) or "not found in the base model" in message:
         return "none of the modules it adapts exists in this model"
     found = _SIZE_MISMATCH.search(message)
     if found:

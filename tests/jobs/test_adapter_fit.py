@@ -83,6 +83,26 @@ def test_adapter_of_another_size(deeper_llama, llama_adapters, method, needle):
     assert needle in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("change", ["missing", "raises"])
+def test_the_size_check_steps_aside_when_peft_changes_its_private_sizing(
+    tiny_checkpoint, llama_adapters, monkeypatch, change
+):
+    """The prefix check borrows peft's private ``_prepare_prompt_learning_config``. Without it, or
+    when it fails in a way this code does not know (a peft that reads another field), a fitting
+    adapter still loads and generates."""
+    import peft.utils
+
+    def reads_another_field(*_):
+        raise AttributeError("'namespace' object has no attribute 'a_new_field'")
+
+    if change == "missing":
+        monkeypatch.delattr(peft.utils, "_prepare_prompt_learning_config")
+    else:
+        monkeypatch.setattr(peft.utils, "_prepare_prompt_learning_config", reads_another_field)
+    [completion] = generate(generate_with(tiny_checkpoint("llama"), llama_adapters["prefix"]), io.StringIO())
+    assert completion.new_tokens >= 1
+
+
 def test_prompt_tuning_needs_only_the_embedding_width(tiny_checkpoint, tmp_path):
     # A soft prompt is a row of input embeddings: another depth or head count still runs it, so the
     # check must not refuse what peft would run (gpt2 tiny: 4 heads like llama, other modules).
