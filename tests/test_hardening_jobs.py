@@ -184,6 +184,21 @@ def test_cli_refuses_a_file_output_in_one_line(tiny_checkpoint, tmp_path, data, 
     assert output.read_text() == NOTES
 
 
+def test_any_saved_adapter_names_its_base_model_by_absolute_path(tiny_checkpoint, tmp_path, monkeypatch):
+    """save_adapter, which every job writes through (finetune, the demo), not only finetune: a base
+    loaded by a relative path is recorded absolute, so the adapter finds it from anywhere."""
+    checkpoint = tiny_checkpoint("llama")
+    monkeypatch.chdir(checkpoint.parent)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = peft.get_peft_model(model, build_peft_config("lora", model, MethodOptions(rank=2)))
+    assert peft_model.peft_config["default"].base_model_name_or_path == checkpoint.name  # as loaded
+    folder = save_adapter(peft_model, tmp_path / "adapter")
+    recorded = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(checkpoint.absolute())
+
+
 def test_what_a_run_leaves_records_what_ran(tiny_checkpoint, tmp_path, data, monkeypatch):
     """The adapter names its base model by absolute path, training_options.json the real step count,
     and every file gets the umask's mode (safetensors wrote its weights 0600)."""

@@ -184,6 +184,11 @@ def share_files(folder: Path) -> None:
             path.chmod(mode)
 
 
+def _absolute_folder(path: str | None) -> str | None:
+    """``path`` made absolute when it is a relative path to a folder here (else as it is: a hub id)."""
+    return str(Path(path).absolute()) if path and not Path(path).is_absolute() and Path(path).is_dir() else path
+
+
 def save_adapter(peft_model, output: Path, extra_files: tuple[Path, ...] = ()) -> Path:
     """Write ``peft_model``'s adapter as a standard PEFT folder at ``output``, atomically.
 
@@ -192,6 +197,13 @@ def save_adapter(peft_model, output: Path, extra_files: tuple[Path, ...] = ()) -
     """
     output = Path(output)
     check_output_folder(output)
+    # peft records the path the base model was loaded from (adapter_config.json's
+    # base_model_name_or_path, the model card's base_model from the model's config): a relative one
+    # finds the base (AutoPeftModel, a mismatch message) only from the folder the job ran in.
+    for config in peft_model.peft_config.values():
+        config.base_model_name_or_path = _absolute_folder(config.base_model_name_or_path)
+    model_config = peft_model.get_base_model().config
+    model_config._name_or_path = _absolute_folder(model_config._name_or_path)
 
     def write(tmp: Path) -> None:
         with warnings.catch_warnings():

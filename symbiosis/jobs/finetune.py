@@ -399,10 +399,7 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         note_cut_to_context(options.train.seq_len, train.seq_len, options.model, train_set + eval_set)
     overrides = read_peft_config_file(options.peft_config) if options.peft_config else None
 
-    # By its absolute path: peft records the path the model was loaded from as the adapter's
-    # base_model_name_or_path (and the model card's base_model), and a relative one would find the
-    # base model (AutoPeftModel, a mismatch message) only from the folder training ran in.
-    with SplitClient(Path(options.model).absolute(), options.client) as client:
+    with SplitClient(options.model, options.client) as client:
         torch.manual_seed(train.seed)
         order = BatchOrder(len(train_set), train.batch_size, train.seed)
         total = train.steps or max(1, math.ceil(train.epochs * order.steps_per_epoch(train.grad_accum)))
