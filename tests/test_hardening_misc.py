@@ -180,9 +180,13 @@ def test_serve_refuses_abstract_ipc_without_curve(tiny_checkpoint, capsys, monke
     "address, message",
     [
         ("tcp://127.0.0.1", "names no port"),  # was: libzmq's "Invalid argument", or "not a loopback address"
-        ("tcp://127.0.0.1:99999", "from 0 to 65535"),  # was: served on port 34463
+        ("tcp://[::1]", "names no port"),
+        ("tcp://:7000", "names no host"),
+        ("tcp://127.0.0.1:99999", "must be a number from {lowest} to 65535"),  # was: served on port 34463
         ("tcp://127.0.0.1:x", "must be a number"),
+        ("tcp://127.0.0.1:\u0665\u0665", "must be a number"),  # digits, but not ASCII ones
         ("tcp://::1:7000", "IPv6 address goes in brackets"),
+        ("tcp://[::1:7000", "bracket is not closed"),
     ],
 )
 def test_a_bad_tcp_address_is_a_clear_error_on_both_sides(address, message):
@@ -190,12 +194,23 @@ def test_a_bad_tcp_address_is_a_clear_error_on_both_sides(address, message):
     from symbiosis.transport.schemes import open_transport
     from symbiosis.transport.zmq_server import check_bind_address
 
-    with pytest.raises(ConfigurationError, match=message.replace("0 to", "[01] to")):
+    with pytest.raises(ConfigurationError, match=re.escape(message.format(lowest=0))):
         check_bind_address(address, allow_non_loopback=False)
-    with pytest.raises(ConfigurationError, match=message.replace("0 to", "1 to")):
-        open_transport(address)
+    for scheme in ("", "dist+"):  # every scheme over tcp reads its address the same way
+        with pytest.raises(ConfigurationError, match=re.escape(message.format(lowest=1))):
+            open_transport(scheme + address)
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
 def test_ipv6_loopback_serves(tiny_checkpoint):
     import torch
 
@@ -210,6 +225,22 @@ def test_ipv6_loopback_serves(tiny_checkpoint):
             model.symbiosis_transport.close()
         finally:
             server.close()
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_shard_links_bind_an_ipv6_host():
+    """``serve --shards`` ranks link to each other on ``--shard-host``: an IPv6 one went unbracketed
+    into ``tcp://::1:0`` without ``zmq.IPV6`` (bind failed)."""
+    from symbiosis.sharding.endpoints import rank_address
+    from symbiosis.sharding.links import PeerLinks
+
+    links = PeerLinks(0, 1, host="::1")
+    try:
+        assert links.address.startswith("tcp://[::1]:")
+    finally:
+        links.close()
+    assert rank_address("tcp://[::1]:7000", 1) == "tcp://[::1]:0"
+    assert rank_address("tcp://[::]:7000", 1) is None  # a wildcard: relayed through rank 0
 
 
 def test_an_ipc_path_in_use_or_not_a_socket_is_refused(tiny_checkpoint, tmp_path):

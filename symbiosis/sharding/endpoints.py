@@ -17,6 +17,7 @@ import time
 from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.sharding.placement import Layout
+from symbiosis.transport.schemes import tcp_address, tcp_host
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
 
@@ -27,8 +28,8 @@ def rank_address(address: str, rank: int) -> str | None:
     if address.startswith("ipc://"):
         return f"{address}.rank{rank}"
     if address.startswith("tcp://"):
-        host = address[len("tcp://") :].rpartition(":")[0]
-        return None if host.strip("[]") in _WILDCARD_HOSTS else f"tcp://{host}:0"
+        host = tcp_host(address)
+        return None if host in _WILDCARD_HOSTS else tcp_address(host, 0)
     return None
 
 

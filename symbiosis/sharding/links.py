@@ -44,6 +44,7 @@ from symbiosis import protocol as P
 from symbiosis.errors import ExecutorUnavailableError
 from symbiosis.sharding import messages as M
 from symbiosis.threads import with_torch_threads
+from symbiosis.transport.schemes import is_ipv6_tcp, tcp_address
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
 
@@ -107,7 +108,10 @@ class PeerLinks:
         self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(f"tcp://{host}:0")
+        bind_address = tcp_address(host, 0)
+        if is_ipv6_tcp(bind_address):
+            self._router.setsockopt(zmq.IPV6, 1)
+        self._router.bind(bind_address)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._router_lock = threading.Lock()
         self._peers: dict[int, _Peer] = {}
@@ -133,6 +137,8 @@ class PeerLinks:
             dealer.setsockopt(zmq.RCVHWM, 0)
             dealer.setsockopt(zmq.LINGER, 0)
             monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            if is_ipv6_tcp(address):
+                dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(address)
             self._peers[peer] = _Peer(peer, dealer, monitor)
         self._thread = threading.Thread(

@@ -60,7 +60,7 @@ from symbiosis.transport.dist_channel import (
     pair_group,
     wait_work,
 )
-from symbiosis.transport.schemes import is_loopback_host
+from symbiosis.transport.schemes import is_loopback_host, tcp_host
 from symbiosis.transport.zmq_client import ZmqTransport, _Connection
 from symbiosis.vocabulary import Op, spec_of
 
@@ -117,9 +117,7 @@ class DistTransport(ZmqTransport):
         self.inline_threshold = INLINE_THRESHOLD[self.backend] if inline_threshold is None else inline_threshold
         self._hostname = hostname
         self._allow_unencrypted_payloads = allow_unencrypted_payloads
-        server_host = (
-            address[len("dist+tcp://") :].rpartition(":")[0].strip("[]") if address.startswith("dist+tcp://") else ""
-        )
+        server_host = tcp_host(address) if address.startswith("dist+tcp://") else ""
         if (
             kwargs.get("curve") is not None
             and not allow_unencrypted_payloads

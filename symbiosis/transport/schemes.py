@@ -37,22 +37,44 @@ MAX_PORT = 65535
 
 def split_tcp_address(address: str, *, bind: bool = False) -> tuple[str, str]:
     """``(host, port)`` of a ``[scheme+]tcp://HOST:PORT`` address, the host without IPv6's brackets.
-    A ConfigurationError says what is wrong where the port is missing or out of range (before, a
-    missing port got libzmq's "Invalid argument" at connect, and at bind a refusal as "not a
-    loopback address"; a port over 65535 bound that port less 65536). ``bind``: port 0 or ``*``
-    (any free port) is allowed."""
+    A ConfigurationError says what is wrong where the host or port is missing or the port out of
+    range (before, a missing port got libzmq's "Invalid argument" at connect, and at bind a refusal
+    as "not a loopback address"; a port over 65535 bound that port less 65536). ``bind``: port 0
+    or ``*`` (any free port) is allowed."""
     rest = address.partition("://")[2]
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
+    if rest.startswith("["):  # [IPv6]:PORT
+        host, bracket, after = rest[1:].partition("]")
+        colon, port = after[:1], after[1:]
+        if not bracket:
+            raise ConfigurationError(f"{address!r}: an IPv6 address's bracket is not closed")
+    else:
+        host, colon, port = rest.rpartition(":")
+        if ":" in host:
+            raise ConfigurationError(f"{address!r}: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT")
+    if colon != ":" or not port:
         raise ConfigurationError(f"{address!r} names no port: use tcp://HOST:PORT (IPv6: tcp://[ADDRESS]:PORT)")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise ConfigurationError(f"{address!r}: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT")
+    if not host:
+        raise ConfigurationError(f"{address!r} names no host: use tcp://HOST:PORT (any interface: tcp://*:PORT)")
     if bind and port == "*":
-        return host.strip("[]"), port
+        return host, port
     lowest = 0 if bind else 1
-    if not port.isdigit() or not lowest <= int(port) <= MAX_PORT:
+    if not (port.isascii() and port.isdigit()) or not lowest <= int(port) <= MAX_PORT:
         raise ConfigurationError(f"{address!r}: the port must be a number from {lowest} to {MAX_PORT}, got {port!r}")
-    return host.strip("[]"), port
+    return host, port
+
+
+def tcp_host(address: str) -> str:
+    """The host of a ``[scheme+]tcp://`` address, without IPv6's brackets; "" when it names none
+    (an address ``split_tcp_address`` would refuse)."""
+    try:
+        return split_tcp_address(address, bind=True)[0]
+    except ConfigurationError:
+        return ""
+
+
+def tcp_address(host: str, port: int | str) -> str:
+    """``tcp://HOST:PORT``, an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def is_ipv6_tcp(address: str) -> bool:
@@ -63,10 +85,9 @@ def is_ipv6_tcp(address: str) -> bool:
 
 def on_this_host(address: str) -> bool:
     """Whether an executor ``address`` is on this machine: any ipc scheme, or tcp to loopback."""
-    scheme, _, rest = address.partition("://")
-    if scheme.endswith("ipc"):
+    if address.partition("://")[0].endswith("ipc"):
         return True
-    return is_loopback_host(rest.rpartition(":")[0])
+    return is_loopback_host(tcp_host(address))
 
 
 def transport_class(address: str) -> type:

@@ -51,7 +51,7 @@ from symbiosis.errors import (
     error_from_code,
 )
 from symbiosis.transport.lane import ClientLane, connect_tcp
-from symbiosis.transport.schemes import is_ipv6_tcp
+from symbiosis.transport.schemes import is_ipv6_tcp, tcp_host
 from symbiosis.transport.security import HANDSHAKE_EVENTS, CurveClientKeys, configure_client_socket, handshake_failure
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
@@ -607,8 +607,7 @@ class ZmqTransport:
                 fd, max_message_bytes = ask_lane(welcome.shm_socket, welcome.session_token, timeout_s)
                 return ClientLane(socket.socket(fileno=fd), max_message_bytes)
             if self._endpoint.startswith("tcp://"):
-                host = self._endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-                return connect_tcp(host, welcome.lane_port, welcome.session_token, timeout_s)
+                return connect_tcp(tcp_host(self._endpoint), welcome.lane_port, welcome.session_token, timeout_s)
         except (SymbiosisError, OSError) as exc:
             log.info("no lane from the executor at %s (%s); calls go over ZeroMQ", self.address, exc)
         return None

@@ -85,7 +85,7 @@ from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestK
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed, RefusedMessage
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
-from symbiosis.transport.schemes import is_ipv6_tcp, is_loopback_host, split_tcp_address
+from symbiosis.transport.schemes import is_ipv6_tcp, is_loopback_host, split_tcp_address, tcp_host
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
 from symbiosis.transport.waker import Waker
@@ -410,9 +410,8 @@ class ZmqServer:
         """tcp lanes next to a tcp bind, unless CURVE encrypts the calls (a lane would not)."""
         if not self._address.startswith("tcp://") or self._curve is not None:
             return None
-        host = self._address[len("tcp://") :].rpartition(":")[0].strip("[]")
         try:
-            return LaneListener(host, self._sessions_by_token.get)
+            return LaneListener(tcp_host(self._address), self._sessions_by_token.get)
         except OSError as exc:
             log.warning("not offering tcp lanes at %s: %s", self._address, exc)
             return None
@@ -1273,7 +1272,7 @@ def _remove_socket_file(socket_file: tuple[str, int] | None) -> None:
 def _dist_host_for(bind_address: str) -> str:
     """The address the dist channel listens on: the tcp bind host when concrete, else loopback."""
     if bind_address.startswith("tcp://"):
-        host = bind_address[len("tcp://") :].rpartition(":")[0].strip("[]")
+        host = tcp_host(bind_address)
         try:
             if not ipaddress.ip_address(host).is_unspecified:
                 return host
