@@ -897,16 +897,20 @@ class SoakRun:
         self.incarnations.append({"pid": executor.pid, "start_s": 0.0, "ready_s": 0.0})
         pending = list(self.events)
         end = self.origin + self.args.seconds
-        while time.time() < end or any(kind == "restart" for _, kind, _ in pending) or not self._served_enough():
+        while True:
+            served_enough = self._served_enough()  # (it may read the progress files: once a pass)
+            if time.time() >= end and served_enough and not any(kind == "restart" for _, kind, _ in pending):
+                break
             while pending and time.time() >= self.origin + pending[0][0]:
                 _, kind, target = pending[0]
-                if kind == "restart" and not self._served_enough():
+                if kind == "restart" and not served_enough:
                     break
                 pending.pop(0)
                 if kind == "kill_client":
                     self._kill_client(target)
                 else:
                     self._restart_executor(target)
+                    served_enough = False  # the new executor has served nothing yet
             time.sleep(0.1)
         self.soak_s = time.time() - self.origin
 
@@ -930,11 +934,12 @@ class SoakRun:
     def _finetune_episode_across(self, ready_s: float, now_s: float) -> bool:
         """Whether a surviving fine-tuning client finished, on the executor ready at ``ready_s``
         and by ``now_s`` (wall clock), an episode during which it had to reconnect (its progress
-        file)."""
-        for spec in self.specs:
-            if spec.role != "finetune" or spec.name in self.killed:
-                continue
-            for record in _read_progress(self.workdir / "progress" / f"{spec.name}.jsonl"):
+        file); True when no fine-tuning client survives (there is nothing to wait for)."""
+        survivors = [s.name for s in self.specs if s.role == "finetune" and s.name not in self.killed]
+        if not survivors:
+            return True  # none to wait for
+        for name in survivors:
+            for record in _read_progress(self.workdir / "progress" / f"{name}.jsonl"):
                 reconnected = "ok" in record and record["sessions"] > record["sessions_before"]
                 if reconnected and ready_s <= record["t1"] <= now_s:
                     return True

@@ -166,7 +166,7 @@ def test_chaos_leaves_survivors_of_both_roles():
         assert all(3.0 <= at <= 27.0 for at, kind, _ in events if kind == "kill_client")
 
 
-def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_after_s: float | None = None):
+def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_after_s: float | None = None, killed=()):
     """A SoakRun with no processes: two executor restarts (kill, then term) that take
     ``downtime_s`` each; with ``across_after_s``, every fine-tuning client in ``specs`` records an
     episode it had to reconnect during, finished that long after each restart's executor is ready.
@@ -178,7 +178,7 @@ def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_aft
     run.events = soak.chaos_schedule(random.Random(0), [], seconds, kills=0, restarts=2)
     run.executors = [types.SimpleNamespace(pid=os.getpid())]
     run.workers, run.incarnations, restarted = {}, [], []
-    run.specs, run.killed, run.workdir = list(specs), {}, tmp_path
+    run.specs, run.killed, run.workdir = list(specs), dict.fromkeys(killed, 0.0), tmp_path
     (tmp_path / "progress").mkdir(parents=True)
 
     def restart(how):
@@ -225,10 +225,14 @@ def test_a_restart_waits_for_a_finetuning_episode_it_interrupted_to_finish(tmp_p
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
     assert 0.45 - 0.01 <= waited < hold + spacing, (restarted, run.incarnations)  # until the episode finished
     assert run.soak_s >= run.incarnations[2]["ready_s"] + 0.45 - 0.01
-    # No such episode (no fine-tuning client survived): the wait ends one spacing after the hold.
+    # No such episode finishes: the wait ends one spacing after the hold.
     run, restarted = _chaos_run(tmp_path / "none", seconds, downtime_s=0.1, specs=finetune)
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
     assert hold + spacing - 0.01 <= waited < hold + spacing + 0.2, (restarted, run.incarnations)
+    # No fine-tuning client survives (killed): nothing to wait for beyond the hold.
+    run, restarted = _chaos_run(tmp_path / "killed", seconds, downtime_s=0.1, specs=finetune, killed=["ft0"])
+    waited = restarted[1][1] - run.incarnations[1]["ready_s"]
+    assert hold - 0.01 <= waited < hold + 0.15, (restarted, run.incarnations)
 
 
 def test_a_closed_server_removes_its_socket_file_and_only_its_own(sock_dir):
