@@ -434,8 +434,7 @@ def create_app(state: ApiState) -> FastAPI:
         while True:
             wait_s = choices.connection_checked_at + DISCONNECT_CHECK_S - loop.time()
             if wait_s <= 0:
-                if await request.is_disconnected():
-                    choices.cancel()
+                if await request.is_disconnected():  # (the caller cancels the choices on any raise)
                     raise ApiError(499, "client closed the request")
                 choices.connection_checked_at = loop.time()
                 continue

@@ -294,7 +294,7 @@ class GenerationEngine:
                 raise ServerOverloadedError("the server is shutting down")
             if not self.executor_ok and self.executor_probe is not None:  # the loop probes until it is back
                 raise ExecutorUnavailableError(f"the base executor is unavailable: {self.last_error}")
-            in_flight = len(self._running) + len(self._admitting) + len(self._waiting)
+            in_flight = self._running_count() + len(self._waiting)
             if in_flight + len(sequences) > limit:
                 raise ServerOverloadedError(
                     f"{in_flight} sequences are running or waiting and this request adds {len(sequences)}; "
@@ -333,10 +333,14 @@ class GenerationEngine:
         """Sequences being prefilled (admitted, not yet in the running batch)."""
         return [sequence for prefill in self._prefills for sequence in prefill.joiners]
 
+    def _running_count(self) -> int:
+        """Sequences running, those being prefilled included (vLLM's way); under ``_cond``."""
+        return len(self._running) + sum(len(prefill.joiners) for prefill in self._prefills)
+
     def stats(self) -> dict:
         with self._cond:
             return {
-                "running": len(self._running) + len(self._admitting),  # prefilling counts as running (vLLM's way)
+                "running": self._running_count(),
                 "waiting": len(self._waiting),
                 "kv_cache_bytes": self._batch.cache_bytes() if self._batch is not None else 0,
                 "steps": self.steps,
