@@ -183,6 +183,13 @@ class SplitClient:
         self.close()
 
 
+def start_token_id(tokenizer) -> int:
+    """What an empty prompt starts from: BOS, else EOS, else 0 (``symbiosis generate`` and the API
+    server alike)."""
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    return start if start is not None else 0
+
+
 def load_tokenizer(model_dir: Path):
     """The tokenizer in the local folder ``model_dir``; never a download.
 

@@ -33,6 +33,7 @@ from symbiosis.jobs.client import (
     executor_restart_hint,
     load_tokenizer,
     require_model_dir,
+    start_token_id,
 )
 from symbiosis.jobs.context import read_context_length
 from symbiosis.jobs.data import DataError, read_lines
@@ -163,10 +164,7 @@ def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
     # verbose=False: a prompt longer than the model's context is refused by ``check_context`` in
     # one line, without the tokenizer's own warning about it.
     input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt", verbose=False)["input_ids"]
-    if input_ids.shape[1] > 0:
-        return input_ids
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    return torch.tensor([[start if start is not None else 0]])
+    return input_ids if input_ids.shape[1] > 0 else torch.tensor([[start_token_id(tokenizer)]])
 
 
 def check_context(

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, SymbiosisError
+from symbiosis.jobs.client import start_token_id
 from symbiosis.serving.adapters import UnknownAdapterError
 from symbiosis.serving.engine import (
     Delta,
@@ -769,10 +770,7 @@ def _usage(usages: list[tuple[int, Usage]], n: int) -> dict:
 
 def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-    if not ids:  # an empty prompt: start from BOS (or EOS), as generate() would
-        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        ids = [start if start is not None else 0]
-    return list(ids)
+    return list(ids) if ids else [start_token_id(tokenizer)]  # an empty prompt, as generate's
 
 
 def _sse(payload: dict) -> bytes:
