@@ -267,6 +267,82 @@ def test_an_ipc_path_in_use_or_not_a_socket_is_refused(tiny_checkpoint, tmp_path
         executor.serve(f"ipc://{tmp_path}/stale.sock").close()
 
 
+def test_a_live_shared_memory_broker_is_not_replaced(tiny_checkpoint, tmp_path):
+    """The broker (``<ipc path>.shm``) unlinked whatever socket lay at its path: an executor bound
+    at a path whose socket file had gone took a live executor's broker. Now it serves without
+    shared memory and the other broker keeps its file."""
+    import symbiosis
+
+    other_broker = socket.socket(socket.AF_UNIX)
+    other_broker.bind(str(tmp_path / "x.sock.shm"))
+    other_broker.listen(1)
+    inode = (tmp_path / "x.sock.shm").lstat().st_ino
+    try:
+        with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
+            server = executor.serve(f"ipc://{tmp_path}/x.sock")
+            try:
+                assert (tmp_path / "x.sock.shm").lstat().st_ino == inode
+            finally:
+                server.close()
+        assert (tmp_path / "x.sock.shm").lstat().st_ino == inode  # close removes only its own file
+        probe = socket.socket(socket.AF_UNIX)
+        probe.connect(str(tmp_path / "x.sock.shm"))  # still listening
+        probe.close()
+    finally:
+        other_broker.close()
+
+
+def test_servers_starting_at_once_at_one_ipc_path_do_not_take_each_others_socket(tiny_checkpoint, tmp_path):
+    """The path check and the bind were two steps: servers starting together could both find the
+    path free, and libzmq's bind deleted the first one's socket. One wins; the others are refused."""
+    import symbiosis
+    from symbiosis.errors import BindError
+
+    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama")) as executor:
+        for attempt in range(5):
+            address = f"ipc://{tmp_path}/race{attempt}.sock"
+            barrier = threading.Barrier(4)
+            servers, refusals = [], []
+
+            def start(address=address, barrier=barrier, servers=servers, refusals=refusals):
+                barrier.wait()
+                try:
+                    servers.append(executor.serve(address))
+                except BindError as exc:
+                    refusals.append(exc)
+
+            threads = [threading.Thread(target=start) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            try:
+                assert len(servers) == 1 and len(refusals) == 3
+            finally:
+                for server in servers:
+                    server.close()
+
+
+def test_listen_unix_replaces_only_a_stale_socket(tmp_path):
+    from symbiosis.errors import BindError
+    from symbiosis.transport.socket_paths import listen_unix
+
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "stale"))
+    stale.close()
+    listen_unix(str(tmp_path / "stale")).close()
+    live = listen_unix(str(tmp_path / "live"))
+    try:
+        with pytest.raises(BindError, match="another server is listening there"):
+            listen_unix(str(tmp_path / "live"))
+    finally:
+        live.close()
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(BindError, match="is not a socket"):
+        listen_unix(str(tmp_path / "file"))
+    assert (tmp_path / "file").read_text() == "keep"
+
+
 # ---- JSONL size ---------------------------------------------------------------------------------
 
 

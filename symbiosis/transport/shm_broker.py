@@ -39,7 +39,6 @@ import mmap
 import os
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
@@ -50,12 +49,12 @@ import msgspec
 
 from symbiosis.errors import (
     ExecutorUnavailableError,
-    OutputExistsError,
     ProtocolError,
     SymbiosisError,
     error_from_code,
 )
 from symbiosis.transport.lane import LaneAsk, LaneGiven  # lanes are handed out here too (lane.py)
+from symbiosis.transport.socket_paths import listen_unix
 from symbiosis.transport.waker import Waker
 
 log = logging.getLogger(__name__)
@@ -241,7 +240,7 @@ class SegmentBroker:
         self.path = path
         self._allocate = allocate
         self._open_lane = open_lane
-        self._listener = _listen(path)
+        self._listener = listen_unix(path)
         self._inode = os.lstat(path).st_ino
         self._pending: dict[socket.socket, _Pending] = {}
         self._waker = Waker()
@@ -360,25 +359,3 @@ class SegmentBroker:
 def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket, from the kernel."""
     return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-
-
-def _listen(path: str) -> socket.socket:
-    """A non-blocking listening Unix socket at ``path``. A stale socket file there (an executor
-    that died) is replaced, as ZeroMQ does for ipc; anything else there is left alone (``OutputExistsError``)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(mode):
-            raise OutputExistsError(f"{path} exists and is not a socket; bind another ipc:// path")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        sock.listen(64)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock

@@ -47,6 +47,7 @@ Bounds on what one client can make the server hold (issue 10, finding 2), all co
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import inspect
@@ -55,8 +56,6 @@ import logging
 import os
 import queue
 import secrets
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +86,7 @@ from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.schemes import is_ipv6_tcp, is_loopback_host, split_tcp_address, tcp_host
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
+from symbiosis.transport.socket_paths import check_path_free, claiming
 from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
@@ -332,11 +332,13 @@ class ZmqServer:
             self._router.setsockopt(zmq.LINGER, 500)
             if is_ipv6_tcp(self._bind_address):
                 self._router.setsockopt(zmq.IPV6, 1)
-            check_ipc_path_free(self._bind_address)
-            try:
-                self._router.bind(self._bind_address)
-            except zmq.ZMQError as exc:
-                raise BindError(f"cannot listen at {self._bind_address}: {exc.strerror}") from None
+            ipc_path = _ipc_path(self._bind_address)
+            with claiming(ipc_path) if ipc_path is not None else contextlib.nullcontext():
+                check_ipc_path_free(self._bind_address)
+                try:
+                    self._router.bind(self._bind_address)
+                except zmq.ZMQError as exc:
+                    raise BindError(f"cannot listen at {self._bind_address}: {exc.strerror}") from None
             self._address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._socket_file = _socket_file(self._address)
             self._channels = self._make_channels()  # after bind: shared memory lives next to the ipc socket
@@ -1223,32 +1225,24 @@ def check_ipc_path_free(address: str) -> None:
     a socket lies: libzmq unlinks whatever is at the path and binds anew, so a second executor
     took a live one's address without a word (the first kept running, unreachable there, and lost
     its socket file when the second exited), and a file given by mistake was deleted. A socket
-    file nobody listens at (a crashed server's) is replaced, as before."""
+    file nobody listens at (a crashed server's) is replaced, as before (``socket_paths``)."""
+    path = _ipc_path(address)
+    if path is not None:
+        check_path_free(path, shown_as=address)
+
+
+def _ipc_path(address: str) -> str | None:
+    """The file of an ``ipc://`` address; None for tcp and abstract names."""
     if not address.startswith("ipc://") or address.startswith("ipc://@"):
-        return
-    path = address[len("ipc://") :]
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return  # nothing there (or unreadable: bind says why)
-    if not stat.S_ISSOCK(mode):
-        raise BindError(f"cannot listen at {address}: {path!r} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        return  # refused: a stale socket file
-    finally:
-        probe.close()
-    raise BindError(f"cannot listen at {address}: another server is listening there")
+        return None
+    return address[len("ipc://") :]
 
 
 def _socket_file(address: str) -> tuple[str, int] | None:
     """(path, inode) of the socket file a bind at ``address`` made; None for tcp and abstract names."""
-    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+    path = _ipc_path(address)
+    if path is None:
         return None
-    path = address[len("ipc://") :]
     try:
         return path, os.lstat(path).st_ino
     except OSError:
