@@ -645,6 +645,34 @@ def test_tuner_keeps_the_rule_that_serves_most_and_follows_a_change():
     assert used[-12:].count("none") >= 10
 
 
+def test_decoders_are_compared_on_their_tokens_time_where_their_rate_is_their_own():
+    """Open-loop decoders (streams read at a set rate) complete the same requests per second under
+    every rule, so rated on that the tuner kept its start rule, the convoy, whatever the convoy
+    cost them: it saw no difference. Their tokens' time shows it: here the convoy's tokens take
+    x1.4 of not waiting's, and the tuner chooses not waiting. A client with too few tokens in an
+    epoch is still compared on its requests per second."""
+    tuner = WaitTuner(epoch_s=0.2)
+    token_s = {"none": 0.010, "predicted": 0.012, "convoy": 0.014}
+    now, chosen = 0.0, []
+    tuner.tick(now)
+    for _ in range(60):
+        rule, end = tuner.rule, now + tuner.epoch_s
+        events = sorted(
+            [(now + (k + 0.5) / 2000.0, "request", client) for k in range(400) for client in "ab"]
+            + [(now + (k + 1) * 0.02, "token", client) for k in range(10) for client in "ab"]
+        )
+        for at, kind, client in events:
+            if kind == "request":
+                tuner.handed_out(client, 1, 1, at)
+            else:
+                tuner.token(client, token_s[rule], at)
+        now = end
+        tuner.tick(now)
+        chosen.append(tuner.chosen)
+    assert chosen[-1] == "none" and chosen[-20:].count("none") == 20, chosen
+    assert tuner.ratings["none"] - tuner.ratings["convoy"] > math.log(1.2)
+
+
 def test_a_rule_whose_trial_lost_badly_is_tried_only_at_the_rare_pace_until_one_does_not():
     """'predicted' serves x0.45 of the convoy, 'none' x0.95 (within noise). After its first trial,
     'predicted' is tried only every EXPLORE_EVERY * RARE_FACTOR epochs (before: again five epochs

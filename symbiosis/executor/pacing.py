@@ -258,22 +258,24 @@ class DecodeGuard:
 
     def arrived(
         self, client_id: str, op: Op, is_decode: bool, position: int, arrival_s: float, is_latency: bool | None = None
-    ) -> None:
+    ) -> float | None:
         """A forward or backward request arrived. ``is_decode``: decode-sized decode work (it makes
         its client a decoder); ``is_latency`` (default: ``is_decode``): latency work of any class. A
         decoder's prefill-sized prefill pass keeps it decoding: a serving client admits new sequences
-        between its decode passes, and its running sequences wait for that pass too."""
+        between its decode passes, and its running sequences wait for that pass too. Returns the
+        time of the decoder's token this arrival ended (``_token_time_s``), if it ended one that counts."""
         if is_latency is None:
             is_latency = is_decode
         decoder = self._decoders.get(client_id)
         if op is not Op.FORWARD:
             if decoder is not None:
                 decoder.decoding = False  # in backward: a fine-tuning client, not a decoder
-            return
+            return None
         if decoder is None:
             if not is_decode:
-                return
+                return None
             decoder = self._decoders[client_id] = _Decoder()
+        token_s = None
         if not decoder.pending and arrival_s - decoder.last_event_s > decoder.pause_s():
             decoder.paused = True  # it stopped: waiting for its own next job, not for us
         decoder.last_event_s = arrival_s
@@ -281,12 +283,14 @@ class DecodeGuard:
             if is_latency and decoder.decoding and decoder.pass_start_s is not None and not decoder.paused:
                 clean = self._bulk_ran_s < decoder.pass_start_s  # no bulk batch started during this token
                 period_s = arrival_s - decoder.pass_start_s
-                self._token(decoder, self._token_time_s(decoder, period_s, arrival_s), period_s, clean)
+                token_s = self._token_time_s(decoder, period_s, arrival_s)
+                self._token(decoder, token_s, period_s, clean)
             decoder.pass_start_s = arrival_s
             decoder.paused = False
         decoder.pass_position = position
         decoder.decoding = is_latency
         decoder.pending = True
+        return token_s
 
     def handed_out(self, client_id: str, now_s: float) -> None:
         decoder = self._decoders.get(client_id)

@@ -433,7 +433,11 @@ class Scheduler:
         # A decoder is a client decoding decode-sized requests: one that labels bulk work "decode"
         # gets no decoder's protection for it (nor does its pace count as a decoder's).
         is_decode = latency and request.latency_class is LatencyClass.DECODE
-        self._guard.arrived(request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=latency)
+        token_s = self._guard.arrived(
+            request.client_id, request.op, is_decode, position, request.arrival_s, is_latency=latency
+        )
+        if token_s is not None and self._tuner is not None:  # what the tuner compares decoders on
+            self._tuner.token(request.client_id, token_s, request.arrival_s)
 
     def _note_hand_out(self, request: PendingRequest, lane: Lane, now_s: float) -> None:
         """``request``'s last rows were handed out at ``now_s`` (queued or served at once): its

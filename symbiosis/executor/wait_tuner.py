@@ -48,6 +48,20 @@ still left it on the noise of the first decoding epochs (20.0). An epoch counts 
 clients or more were served in it (alone, nothing can be batched) and the look that ended it came
 on time (an idle executor says nothing about a rule).
 
+A decoder with ``MIN_CLIENT_TOKENS`` tokens or more in both epochs is compared on its tokens'
+time instead (``token``: from the decode guard, a token's time from its first call to the next
+token's, or its pass alone for a decoder that idles between tokens longer than its pass takes):
+for a decoder stepping back to back the same measure as its requests per second, inverted; for a
+stream read at a set rate (an open loop) the only one that moves -- its requests per second are
+the reader's rate whatever the rule, so the tuner saw no difference between rules there and kept
+its start rule whatever it cost the streams. Measured (2026-12-07, this 2-core host, 8 client
+threads of batch 1-16 each reading a token every 150 ms, near the host's saturation, 6 s windows,
+three alternated pairs of runs): one run of three chose "none" (15 ms a token, immediate 13.5 in
+that round), where before all three kept the convoy (142-162 ms against immediate's 14-72); in the
+other two the streams fell in step (75 and 278 ms, immediate 69 and 107 in those rounds: near
+saturation no rule gets them out within a window). Every 200 ms (12 s windows) and closed loops
+(8 client threads of batch 1-16): the same rules chosen as before, figures within the noise.
+
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average
 over time says more about when it ran than about the rule. Each counted epoch that follows an
@@ -243,6 +257,7 @@ IDLE_HOST_SPARE_CORES = 1.0  # idle cores, on average over the same seconds
 SETTLE_FRACTION = 0.25
 MIN_REQUESTS = 8
 MIN_CLIENT_REQUESTS = 3
+MIN_CLIENT_TOKENS = 2  # a decoder's tokens in each of two epochs for its token time to compare them
 SAME_PHASE = math.log(1.5)
 MAX_SPEEDUP = math.log(1.5)
 STALL_SPEEDUP = math.log(3.0)
@@ -252,10 +267,11 @@ HISTORY = 40
 
 
 # Per client, what an epoch measured: its requests, the log of its rows per request, the log of its
-# requests per second, and its sequences (latency rows per request, at least 1: its weight in what
-# a trial cost, ``_speedup_per_sequence``). During a prefill those rows are prompt tokens, but an
-# epoch of prefill is not compared with one of decoding (``_same_phase``).
-_Epoch = tuple[int, float, float, float]
+# requests per second, its sequences (latency rows per request, at least 1: its weight in what
+# a trial cost, ``_speedup_per_sequence``), its decoded tokens and minus the log of their mean time
+# (0.0 when none: ``_log_speedup``). During a prefill those rows are prompt tokens, but an epoch of
+# prefill is not compared with one of decoding (``_same_phase``).
+_Epoch = tuple[int, float, float, float, int, float]
 
 
 class WaitTuner:
@@ -295,6 +311,7 @@ class WaitTuner:
         self._shown: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         self._settled: set[str] = set()  # clients seen in a counted epoch before the last one
         self._per_client: dict[str, list[int]] = {}  # client -> [requests, rows, latency rows] this epoch
+        self._tokens: dict[str, list[float]] = {}  # decoder -> [tokens, their time] this epoch (``token``)
         # The epoch: its start (None: not started), the most it may last (five tokens at the pace
         # before it), when the clients' requests start to count, and when tick next reads the pace.
         self._start_s: float | None = None
@@ -318,6 +335,19 @@ class WaitTuner:
                 counts[0] += requests
                 counts[1] += rows
                 counts[2] += latency_rows
+
+    def token(self, client_id: str, token_s: float, now_s: float) -> None:
+        """A token of decoder ``client_id`` ended at ``now_s``, having taken ``token_s`` (its pass, or
+        from its start to the next token's: ``pacing.DecodeGuard``). Counted like its requests,
+        after the epoch's settling; the rules are compared on it where a decoder has tokens in
+        both epochs (``_log_speedup``)."""
+        if self._start_s is not None and now_s >= self._start_s + self._settle_s:
+            counts = self._tokens.get(client_id)
+            if counts is None:
+                self._tokens[client_id] = [1, token_s]
+            else:
+                counts[0] += 1
+                counts[1] += token_s
 
     def due(self, now_s: float) -> bool:
         """Whether ``tick`` may end the epoch now: the scheduler asks this on every plan, and
@@ -357,7 +387,7 @@ class WaitTuner:
             self._population.update(self._per_client)
             self._rate(
                 {
-                    c: (n, math.log(max(r, 1) / n), math.log(n / scored_s), max(1.0, lr / n))
+                    c: (n, math.log(max(r, 1) / n), math.log(n / scored_s), max(1.0, lr / n), *self._token_speed(c))
                     for c, (n, r, lr) in self._per_client.items()
                 }
             )
@@ -381,11 +411,16 @@ class WaitTuner:
             self._previous = None  # what follows an epoch that said nothing is not compared with it
         self._begin(now_s, min_epoch_s, elapsed_s)
 
+    def _token_speed(self, client_id: str) -> tuple[int, float]:
+        """(tokens, minus the log of their mean time) of ``client_id`` this epoch; (0, 0.0) if none."""
+        tokens, total_s = self._tokens.get(client_id, (0, 0.0))
+        return (int(tokens), -math.log(total_s / tokens)) if tokens and total_s > 0 else (0, 0.0)
+
     def _begin(self, now_s: float, min_epoch_s: float, last_s: float | None) -> None:
         """Start an epoch at ``now_s``; ``last_s``: how long the one before lasted. Requests count
         after the settling of the previous rule's convoys: a quarter of the length expected (the
         last epoch's, as it is the pace now; at most the cap)."""
-        self._start_s, self._per_client = now_s, {}
+        self._start_s, self._per_client, self._tokens = now_s, {}, {}
         self._cap_s = max(self.epoch_s, min_epoch_s)
         expected_s = self._cap_s if last_s is None else min(self._cap_s, max(self.epoch_s, last_s))
         self._settle_s = SETTLE_FRACTION * expected_s
@@ -425,7 +460,7 @@ class WaitTuner:
                 if min(before[c][0], clients[c][0]) >= MIN_CLIENT_REQUESTS
             ]
             if compared and _same_clients(before, clients) and _same_phase(before, clients, compared):
-                speedup = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
+                speedup = sum(_log_speedup(before[c], clients[c]) for c in compared) / len(compared)
                 # One swing of a stall per epoch at most (module doc): a stalled epoch is compared
                 # with the epochs on both sides of it, and it moves the ratings once.
                 swing_of_a_stall = abs(speedup) >= STALL_SPEEDUP
@@ -568,4 +603,12 @@ def _speedup_per_sequence(before: dict[str, _Epoch], now: dict[str, _Epoch], cli
     client's log speed-up, weighted by its sequences -- its latency rows per request, the mean of
     the two epochs' -- what a trial costs (see module doc)."""
     weights = {c: (before[c][3] + now[c][3]) / 2 for c in clients}
-    return sum(weights[c] * (now[c][2] - before[c][2]) for c in clients) / sum(weights.values())
+    return sum(weights[c] * _log_speedup(before[c], now[c]) for c in clients) / sum(weights.values())
+
+
+def _log_speedup(before: _Epoch, now: _Epoch) -> float:
+    """How much faster one client went now than before (a log): by its tokens' time where it decoded
+    ``MIN_CLIENT_TOKENS`` or more in both epochs, else by its requests per second (module doc)."""
+    if min(before[4], now[4]) >= MIN_CLIENT_TOKENS:
+        return now[5] - before[5]
+    return now[2] - before[2]
