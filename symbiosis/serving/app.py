@@ -111,10 +111,6 @@ def _internal_error() -> ApiError:
     return ApiError(500, "internal server error; see the server log", "internal_error")
 
 
-#: How often a request waiting for its events looks whether its client went away (``next_while_connected``):
-#: an abandoned request runs on for at most this and one engine step.
-DISCONNECT_CHECK_S = 0.25
-
 #: ``top_k`` beyond this is sent as this: the same (no cut, larger than any vocabulary), and it
 #: fits the engine process's wire, whose integers are 64-bit.
 TOP_K_CAP = 2**31 - 1
@@ -189,7 +185,7 @@ class _Choices:
         self.queue: asyncio.Queue[tuple[int, Delta | Failure]] = asyncio.Queue()
         self.handles: list = []
         self.open = 0
-        self.connection_checked_at = mailbox.loop.time()  # when the client was last seen connected
+        self.client_gone: asyncio.Future | None = None  # ``watch``: done when the client went away
 
     def sink_for(self, index: int):
         def sink(event: Delta | Failure) -> None:
@@ -216,6 +212,28 @@ class _Choices:
     def cancel(self) -> None:
         for handle in self.handles:
             handle.cancel()
+
+    def watch(self, request: Request) -> asyncio.Future:
+        """A task that ends when the request's client goes away (its ``http.disconnect``), started
+        on the first call: Starlette's own ``listen_for_disconnect`` pattern, one task a request."""
+        if self.client_gone is None:
+            self.client_gone = asyncio.ensure_future(_client_goes_away(request))
+        return self.client_gone
+
+    def stop_watching(self) -> bool:
+        """Stop the watch (a streamed answer's response listens itself, and two readers of one
+        connection's messages would race); whether the client had gone away meanwhile."""
+        gone = self.client_gone is not None and self.client_gone.done() and not self.client_gone.cancelled()
+        if self.client_gone is not None and not self.client_gone.done():
+            self.client_gone.cancel()
+        return gone
+
+
+async def _client_goes_away(request: Request) -> None:
+    """Returns once the ASGI server says the client disconnected (the body was read before: the
+    next message is that one)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _failure_error(failure: Failure) -> ApiError:
@@ -424,27 +442,29 @@ def create_app(state: ApiState) -> FastAPI:
         return choices
 
     async def next_while_connected(choices: _Choices, request: Request) -> tuple[int, Delta | Failure]:
-        """The next event; a client that went away meanwhile cancels the choices.
+        """The next event, or ``ApiError`` 499 once the client went away (the caller cancels the
+        choices on any raise).
 
-        Checked every ``DISCONNECT_CHECK_S`` of wall clock, whether events flow or not: a prompt
-        may wait in the queue or prefill for long before its first token, and a non-streamed
-        request's events may flow for its whole generation (before, the check ran only after half
-        a second without one, so an abandoned request ran to its end). A check is one
-        non-blocking look at the connection's messages."""
-        loop = asyncio.get_running_loop()
-        while True:
-            wait_s = choices.connection_checked_at + DISCONNECT_CHECK_S - loop.time()
-            if wait_s <= 0:
-                if await request.is_disconnected():  # (the caller cancels the choices on any raise)
-                    raise ApiError(499, "client closed the request")
-                choices.connection_checked_at = loop.time()
-                continue
-            if not choices.queue.empty():  # a burst of a step's events: no timer per event
-                return await choices.next()
-            try:
-                return await asyncio.wait_for(choices.next(), timeout=wait_s)
-            except TimeoutError:
-                continue
+        Whether events flow or not: a prompt may wait in the queue or prefill for long before its
+        first token, and a non-streamed request's events may flow for its whole generation
+        (before, the check ran only after half a second without one, so an abandoned request ran
+        to its end). Event-driven (``_Choices.watch``): it was a look every 0.25 s, so an
+        abandoned request ran on for up to that long, and every wait for an event while none was
+        queued cost a timer."""
+        gone = choices.watch(request)
+        if gone.done():
+            raise ApiError(499, "client closed the request")
+        if not choices.queue.empty():  # a burst of a step's events: no task per event
+            return await choices.next()
+        event = asyncio.ensure_future(choices.next())
+        try:
+            await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not event.done():
+                event.cancel()  # (a queue's get gives up its place without losing an item)
+        if event.done() and not event.cancelled():
+            return event.result()
+        raise ApiError(499, "client closed the request")
 
     async def collect(choices: _Choices, request: Request) -> list[dict]:
         """Every choice's full text, or the first failure as an ApiError; cancels on disconnect."""
@@ -468,6 +488,8 @@ def create_app(state: ApiState) -> FastAPI:
         except BaseException:
             choices.cancel()
             raise
+        finally:
+            choices.stop_watching()
         return [
             {
                 "index": i,
@@ -494,8 +516,11 @@ def create_app(state: ApiState) -> FastAPI:
         """
         try:
             first = await next_while_connected(choices, request)
+            if choices.stop_watching():  # the response listens from here: it would not hear this one
+                raise ApiError(499, "client closed the request")
         except BaseException:
             choices.cancel()
+            choices.stop_watching()
             raise
         if isinstance(first[1], Failure):
             choices.cancel()

@@ -85,6 +85,31 @@ def test_a_non_streamed_request_is_cancelled_soon_after_its_client_goes_away(ser
     assert metric(server, GENERATED) - generated < 2 * BATCH * 240 / 2
 
 
+def test_a_waiting_request_leaves_the_queue_as_its_client_goes_away(api_model, monkeypatch):
+    """A request waiting for the batch has no events flowing; its client times out and the server
+    drops it as the disconnect comes. (Before, it looked every 0.25 s from the request's start, so
+    a client that left at 0.3 s was heard at 0.5 s.)"""
+    server = start_server(api_model, max_batch_size=1)
+    try:
+        _slow_steps(server, monkeypatch, 0.02)
+        busy = openai_client(server).completions.create(
+            model=server.served_model_name, prompt="go on", max_tokens=240, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(busy))
+        impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model=server.served_model_name, prompt="wait", max_tokens=2)
+        gone_at = time.monotonic()
+        while server.engine.stats()["waiting"] and time.monotonic() < gone_at + 5:
+            time.sleep(0.005)
+        heard_s = time.monotonic() - gone_at
+        assert server.engine.stats()["waiting"] == 0 and server.engine.stats()["running"] == 1
+        assert heard_s < 0.15, f"the waiting request left the queue {heard_s:.3f} s after its client"
+        busy.close()
+    finally:
+        server.close()
+
+
 # ---- usage ------------------------------------------------------------------------------------------
 
 
