@@ -217,7 +217,7 @@ class RemoteEngine:
                 }
             )
         try:
-            self._call("submit", sequences=sequences)
+            reply = self._ask("submit", sequences=sequences)
         except BaseException:
             for sequence_id in sequence_ids:
                 self._sinks.pop(sequence_id, None)
@@ -226,6 +226,10 @@ class RemoteEngine:
                 except SymbiosisError:
                     pass
             raise
+        if reply.get("error") is not None:  # refused whole there (429, 400): nothing of it queued to cancel
+            for sequence_id in sequence_ids:
+                self._sinks.pop(sequence_id, None)
+            _raise(reply["error"])
         return [_RemoteHandle(self, sequence_id) for sequence_id in sequence_ids]
 
     def stats(self) -> dict:
@@ -271,6 +275,14 @@ class RemoteEngine:
             raise ExecutorUnavailableError(f"the engine process does not take commands: {exc}") from None
 
     def _call(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **fields) -> Any:
+        """``op``'s value from the engine process, or its error raised here."""
+        reply = self._ask(op, timeout_s, **fields)
+        if reply.get("error") is not None:
+            _raise(reply["error"])
+        return reply.get("value")
+
+    def _ask(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **fields) -> dict:
+        """The engine process's reply to ``op`` (its value or its error); raises when none comes."""
         call_id = next(self._ids)
         done = threading.Event()
         self._pending[call_id] = [done, None]
@@ -283,9 +295,7 @@ class RemoteEngine:
             self._pending.pop(call_id, None)
         if reply is None:
             raise ExecutorUnavailableError(f"the engine process is gone: {self._dead}")
-        if reply.get("error") is not None:
-            _raise(reply["error"])
-        return reply.get("value")
+        return reply
 
     def _wait_connected(self) -> None:
         import zmq

@@ -189,6 +189,21 @@ def test_admission_counts_the_sequences_running_and_waiting_against_max_concurre
     assert wait_idle(server)["running"] == 0
 
 
+def test_a_request_refused_whole_in_the_engine_process_sends_it_no_cancels(server, monkeypatch):
+    """A request the engine process refuses (400 on ``n`` here) queued nothing there: the parent
+    sent it a cancel for every one of the request's sequences all the same."""
+    if not server.in_engine_process:
+        pytest.skip("the engine runs in the server's process")
+    sent = []
+    send = server.engine._send
+    monkeypatch.setattr(server.engine, "_send", lambda message: (sent.append(message.get("op")), send(message))[1])
+    with pytest.raises(openai.BadRequestError):
+        openai_client(server).completions.create(
+            model=server.served_model_name, prompt=["x", "y", "z"], max_tokens=2, n=16
+        )  # 48 sequences where 32 fit: refused there, whole (``TooManySequencesError``)
+    assert sent == ["submit"], sent
+
+
 # ---- refused and accepted fields ---------------------------------------------------------------------
 
 
