@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import socket
@@ -341,6 +342,38 @@ def test_listen_unix_replaces_only_a_stale_socket(tmp_path):
     with pytest.raises(BindError, match="is not a socket"):
         listen_unix(str(tmp_path / "file"))
     assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_a_socket_whose_backlog_is_full_is_not_taken_for_a_stale_one(tmp_path):
+    """A server that stopped accepting (frozen, its clients reconnecting) has a full backlog: a
+    connect fails at once with EAGAIN, not "refused". That was taken for a stale file and replaced."""
+    from symbiosis.errors import BindError
+    from symbiosis.transport.socket_paths import listen_unix
+
+    path = str(tmp_path / "frozen")
+    frozen = socket.socket(socket.AF_UNIX)
+    frozen.bind(path)
+    frozen.listen(0)
+    waiting = []
+    try:
+        for _ in range(64):  # fill the backlog: connects then fail with EAGAIN
+            client = socket.socket(socket.AF_UNIX)
+            client.setblocking(False)
+            waiting.append(client)
+            try:
+                client.connect(path)
+            except BlockingIOError:
+                break
+        else:
+            pytest.skip("this kernel took 64 connections into a backlog of 0")
+        inode = os.lstat(path).st_ino
+        with pytest.raises(BindError, match="may be in use"):
+            listen_unix(path)
+        assert os.lstat(path).st_ino == inode
+    finally:
+        for client in waiting:
+            client.close()
+        frozen.close()
 
 
 # ---- JSONL size ---------------------------------------------------------------------------------

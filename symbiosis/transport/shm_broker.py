@@ -54,7 +54,7 @@ from symbiosis.errors import (
     error_from_code,
 )
 from symbiosis.transport.lane import LaneAsk, LaneGiven  # lanes are handed out here too (lane.py)
-from symbiosis.transport.socket_paths import listen_unix
+from symbiosis.transport.socket_paths import listen_unix, remove_own_socket
 from symbiosis.transport.waker import Waker
 
 log = logging.getLogger(__name__)
@@ -260,11 +260,7 @@ class SegmentBroker:
         self._selector.close()
         self._listener.close()
         self._waker.close()
-        try:  # only our own socket file: another executor may have bound the path since
-            if os.lstat(self.path).st_ino == self._inode:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        remove_own_socket(self.path, self._inode)  # only ours: another executor may have bound the path since
 
     def _run(self) -> None:
         while not self._stopping:

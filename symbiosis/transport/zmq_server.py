@@ -86,7 +86,7 @@ from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
 from symbiosis.transport.schemes import is_ipv6_tcp, is_loopback_host, split_tcp_address, tcp_host
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
-from symbiosis.transport.socket_paths import check_path_free, claiming
+from symbiosis.transport.socket_paths import check_path_free, claiming, remove_own_socket
 from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
 from symbiosis.transport.waker import Waker
 from symbiosis.transport.zmq_context import new_context
@@ -1232,8 +1232,8 @@ def check_ipc_path_free(address: str) -> None:
 
 
 def _ipc_path(address: str) -> str | None:
-    """The file of an ``ipc://`` address; None for tcp and abstract names."""
-    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+    """The file of an ``ipc://`` address; None for tcp, abstract names and ``ipc://*`` (libzmq picks a new path)."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@") or address == "ipc://*":
         return None
     return address[len("ipc://") :]
 
@@ -1253,14 +1253,8 @@ def _remove_socket_file(socket_file: tuple[str, int] | None) -> None:
     """Remove the ipc socket file a closed server bound: libzmq 4.3 leaves it behind (it removes
     only the files of wildcard binds), so every clean shutdown left a dead socket file (the soak
     test, issue 10). Only our own file: another executor may have bound the path since."""
-    if socket_file is None:
-        return
-    path, inode = socket_file
-    try:
-        if os.lstat(path).st_ino == inode:
-            os.unlink(path)
-    except OSError:
-        pass
+    if socket_file is not None:
+        remove_own_socket(*socket_file)
 
 
 def _dist_host_for(bind_address: str) -> str:
