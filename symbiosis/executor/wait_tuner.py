@@ -54,7 +54,9 @@ token's, or its pass alone for a decoder that idles between tokens longer than i
 for a decoder stepping back to back the same measure as its requests per second, inverted; for a
 stream read at a set rate (an open loop) the only one that moves -- its requests per second are
 the reader's rate whatever the rule, so the tuner saw no difference between rules there and kept
-its start rule whatever it cost the streams. Measured (2026-12-07, this 2-core host, 8 client
+its start rule whatever it cost the streams. A stall (below) is still told by the requests per
+second: a rule can change a stream's tokens several-fold -- 15 ms not waiting, 142-162 ms held
+in a convoy, below -- and taken for stalls, such comparisons never counted towards a switch. Measured (2026-12-07, this 2-core host, 8 client
 threads of batch 1-16 each reading a token every 150 ms, near the host's saturation, 6 s windows,
 three alternated pairs of runs): one run of three chose "none" (15 ms a token, immediate 13.5 in
 that round), where before all three kept the convoy (142-162 ms against immediate's 14-72); in the
@@ -461,9 +463,12 @@ class WaitTuner:
             ]
             if compared and _same_clients(before, clients) and _same_phase(before, clients, compared):
                 speedup = sum(_log_speedup(before[c], clients[c]) for c in compared) / len(compared)
+                # A stall is told by the clients' requests per second, not their tokens' time: a rule
+                # can change an open loop's tokens several-fold (module doc), not its rate.
+                rate_swing = sum(clients[c][2] - before[c][2] for c in compared) / len(compared)
                 # One swing of a stall per epoch at most (module doc): a stalled epoch is compared
                 # with the epochs on both sides of it, and it moves the ratings once.
-                swing_of_a_stall = abs(speedup) >= STALL_SPEEDUP
+                swing_of_a_stall = abs(rate_swing) >= STALL_SPEEDUP
                 if not (swing_of_a_stall and self._previous_stalled):
                     stalled = swing_of_a_stall
                     if not swing_of_a_stall:  # a stall says nothing about the rule (module doc)
