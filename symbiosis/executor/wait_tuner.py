@@ -60,8 +60,8 @@ held in a convoy), and taken for stalls, such comparisons never counted towards 
 What it does on this host is within the noise. Measured (2026-12-07, 8 client threads of batch
 1-16 each reading a token every 150 ms, near the host's saturation, alternated runs of this code
 and the code before): with 6 s windows the tuner has ~11 epochs, too few to switch (ratings
-0.02-0.09 towards "none", under the margin): it kept the convoy in 5 runs of 6 (the code before
-in 6 of 6, 142-187 ms a token), and one run chose "none" early (15 ms a token); with 20 s windows one run of two switched to "none"
+0.02-0.09 towards "none", under the margin): it kept the convoy in 5 runs of 6 (75-278 ms a
+token; the code before in 6 of 6, 64-162 ms), and one run chose "none" early (15 ms); with 20 s windows one run of two switched to "none"
 mid-window (130 ms a token, immediate 118), none before (150-204 ms). In most of these runs the
 streams were in step, immediate's too (56-188 ms a token against ~14 out of step): once there,
 no rule gets them out within a window. Every 200 ms (12 s windows) and closed loops (8 client
