@@ -220,10 +220,20 @@ class _Choices:
             self.client_gone = asyncio.ensure_future(_client_goes_away(request))
         return self.client_gone
 
+    def gone(self) -> bool:
+        """Whether the watch saw the client go away (a watch that failed counts: its connection
+        cannot be read, so nobody reads the answer either)."""
+        watch = self.client_gone
+        if watch is None or not watch.done() or watch.cancelled():
+            return False
+        if watch.exception() is not None:  # retrieved, or asyncio logs it as never retrieved
+            log.debug("the disconnect watch failed: %r", watch.exception())
+        return True
+
     def stop_watching(self) -> bool:
         """Stop the watch (a streamed answer's response listens itself, and two readers of one
         connection's messages would race); whether the client had gone away meanwhile."""
-        gone = self.client_gone is not None and self.client_gone.done() and not self.client_gone.cancelled()
+        gone = self.gone()
         if self.client_gone is not None and not self.client_gone.done():
             self.client_gone.cancel()
         return gone
@@ -452,7 +462,7 @@ def create_app(state: ApiState) -> FastAPI:
         abandoned request ran on for up to that long, and every wait for an event while none was
         queued cost a timer."""
         gone = choices.watch(request)
-        if gone.done():
+        if choices.gone():
             raise ApiError(499, "client closed the request")
         if not choices.queue.empty():  # a burst of a step's events: no task per event
             return await choices.next()
@@ -464,6 +474,7 @@ def create_app(state: ApiState) -> FastAPI:
                 event.cancel()  # (a queue's get gives up its place without losing an item)
         if event.done() and not event.cancelled():
             return event.result()
+        choices.gone()  # (reads a failed watch's exception)
         raise ApiError(499, "client closed the request")
 
     async def collect(choices: _Choices, request: Request) -> list[dict]:
