@@ -55,17 +55,17 @@ for a decoder stepping back to back the same measure as its requests per second,
 stream read at a set rate (an open loop) the only one that moves -- its requests per second are
 the reader's rate whatever the rule, so the tuner saw no difference between rules there and kept
 its start rule whatever it cost the streams. A stall (below) is still told by the requests per
-second: a rule can change a stream's tokens several-fold (below: 15 ms not waiting, 142-162 ms
-held in a convoy), and taken for stalls, such comparisons never counted towards a switch.
-What it does on this host is within the noise. Measured (2026-12-07, 8 client threads of batch
-1-16 each reading a token every 150 ms, near the host's saturation, alternated runs of this code
-and the code before): with 6 s windows the tuner has ~11 epochs, too few to switch (ratings
-0.02-0.09 towards "none", under the margin): it kept the convoy in 5 runs of 6 (75-278 ms a
-token; the code before in 6 of 6, 64-162 ms), and one run chose "none" early (15 ms); with 20 s windows one run of two switched to "none"
-mid-window (130 ms a token, immediate 118), none before (150-204 ms). In most of these runs the
-streams were in step, immediate's too (56-188 ms a token against ~14 out of step): once there,
-no rule gets them out within a window. Every 200 ms (12 s windows) and closed loops (8 client
-threads of batch 1-16): the same rules chosen as before, figures within the noise.
+second: a rule can change a stream's tokens several-fold (below: 15 ms a token not waiting,
+64-278 ms held in a convoy), and taken for stalls, such comparisons never counted towards a switch.
+What it does on this host is within the noise. Measured (2026-12-07, 8 client threads of batch 1-16
+each reading a token every 150 ms, near the host's saturation, alternated runs of this code and the
+code before): with 6 s windows the tuner has ~11 epochs, too few to switch (ratings 0.02-0.09
+towards "none", under the margin): it kept the convoy in 5 runs of 6 (75-278 ms a token; the code
+before in 6 of 6, 64-162 ms), and one run chose "none" early (15 ms); with 20 s windows one run of
+two switched to "none" mid-window (130 ms a token, immediate 118), none before (150-204 ms). In
+most of these runs the streams were in step, immediate's too (56-188 ms a token against ~14 out of
+step): once there, no rule gets them out within a window. Every 200 ms (12 s windows) and closed
+loops (8 client threads of batch 1-16): the same rules chosen as before, figures within the noise.
 
 Scores are compared in pairs of *adjacent* epochs only: on a shared machine the load moves
 throughput by tens of percent within seconds, more than the rules differ, so a rule's average
