@@ -68,6 +68,11 @@ def refuse_unless_off(data: Any, refused: dict[str, Any]) -> Any:
     return data
 
 
+def _unsupported(param: str, detail: str) -> PydanticCustomError:
+    """The error of a field this server does not implement, naming it (``ctx["param"]``, as ``refuse_unless_off``)."""
+    return PydanticCustomError("unsupported_parameter", "{detail}", {"param": param, "detail": detail})
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     #: Fields refused unless off (``refuse_unless_off``); each request kind adds its own.
@@ -128,12 +133,16 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingFields:
+        """OpenAI's output-shaping fields, refused unless off like ``REFUSED``'s, and named the same
+        way (the error body's ``param``; before, these errors named none)."""
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported (no JSON or schema mode)")
-        if self.tools or self.functions:
-            raise ValueError("tools: tool and function calling are not supported")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise ValueError("tool_choice: tool and function calling are not supported")
+            raise _unsupported("response_format", "only {'type': 'text'} is supported (no JSON or schema mode)")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise _unsupported(name, "tool and function calling are not supported")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise _unsupported(name, 'tool and function calling are not supported; leave it out or send "none"')
         return self
 
     def wanted_logprobs(self) -> int | None:

@@ -569,6 +569,15 @@ def test_errors_use_openai_bodies_and_status_codes(server):
     with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model="qv4", prompt="x", logprobs=21)
     assert too_many.value.body["param"] == "logprobs"
+    for fields, param in [  # named in the body's param too (before, these named none)
+        ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"extra_body": {"tool_choice": "auto"}}, "tool_choice"),
+        ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="qv4", prompt="x", **fields)
+        assert refused.value.body["param"] == param and "supported" in refused.value.body["message"], fields
     for fields, named in [
         ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
         ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
