@@ -205,19 +205,23 @@ class RemoteEngine:
         """One request's sequences, queued together or refused together there (``GenerationEngine.submit_all``),
         in one round trip."""
         sequence_ids = [next(self._ids) for _ in requests]
-        sequences = []
+        sequences, prompts, prompt_index = [], [], {}
         for sequence_id, request in zip(sequence_ids, requests):
             self._sinks[sequence_id] = request.sink
+            # The n choices of a prompt share its ids (``app.submit_all``): sent once, not n times.
+            index = prompt_index.setdefault(id(request.prompt_ids), len(prompts))
+            if index == len(prompts):
+                prompts.append(list(request.prompt_ids))
             sequences.append(
                 {
                     "id": sequence_id,
-                    "prompt": list(request.prompt_ids),
+                    "prompt": index,
                     "adapter": request.adapter,
                     "params": msgspec.to_builtins(request.params),
                 }
             )
         try:
-            reply = self._ask("submit", sequences=sequences)
+            reply = self._ask("submit", prompts=prompts, sequences=sequences)
         except BaseException:
             for sequence_id in sequence_ids:
                 self._sinks.pop(sequence_id, None)
@@ -541,9 +545,10 @@ def serve(commands_address: str, events_address: str, parent: int) -> None:
             pass  # closing
 
     def submit(message: dict) -> None:
+        prompts = message["prompts"]  # each sequence names its prompt by index (``RemoteEngine.submit_all``)
         requests = [
             GenerationRequest(
-                list(sequence["prompt"]),
+                list(prompts[sequence["prompt"]]),
                 sequence["adapter"],
                 msgspec.convert(sequence["params"], SamplingParams),
                 outbox.sink_for(sequence["id"]),

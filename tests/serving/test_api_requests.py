@@ -204,6 +204,27 @@ def test_a_request_refused_whole_in_the_engine_process_sends_it_no_cancels(serve
     assert sent == ["submit"], sent
 
 
+def test_the_engine_process_gets_each_prompt_once_whatever_n(server, monkeypatch):
+    """The ``n`` choices of a prompt share its tokens: the submit carried them once a choice."""
+    if not server.in_engine_process:
+        pytest.skip("the engine runs in the server's process")
+    submits = []
+    send = server.engine._send
+    monkeypatch.setattr(
+        server.engine,
+        "_send",
+        lambda message: (submits.append(message) if message.get("op") == "submit" else None, send(message))[1],
+    )
+    texts = ["Once upon a time", "hi"]
+    whole = openai_client(server).completions.create(
+        model=server.served_model_name, prompt=texts, max_tokens=2, n=3, temperature=0
+    )
+    assert len(whole.choices) == 6
+    (submit,) = submits
+    assert len(submit["prompts"]) == 2 and [s["prompt"] for s in submit["sequences"]] == [0, 0, 0, 1, 1, 1]
+    assert [len(p) for p in submit["prompts"]] == [len(server.tokenizer(t).input_ids) for t in texts]
+
+
 # ---- refused and accepted fields ---------------------------------------------------------------------
 
 
