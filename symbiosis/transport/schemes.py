@@ -77,6 +77,14 @@ def tcp_address(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def ipc_path(address: str) -> str | None:
+    """The socket file of an ``ipc://PATH`` address; None for tcp, abstract names (``ipc://@NAME``)
+    and ``ipc://*`` (libzmq picks a path)."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@") or address == "ipc://*":
+        return None
+    return address[len("ipc://") :]
+
+
 def is_ipv6_tcp(address: str) -> bool:
     """Whether a tcp address names an IPv6 host (``tcp://[::1]:PORT``): ZeroMQ sockets need
     ``zmq.IPV6`` set for those, or bind fails with "No such device" and connect never connects."""

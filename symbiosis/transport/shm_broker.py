@@ -54,6 +54,7 @@ from symbiosis.errors import (
     error_from_code,
 )
 from symbiosis.transport.lane import LaneAsk, LaneGiven  # lanes are handed out here too (lane.py)
+from symbiosis.transport.schemes import ipc_path
 from symbiosis.transport.socket_paths import listen_unix, remove_own_socket
 from symbiosis.transport.waker import Waker
 
@@ -106,9 +107,10 @@ OpenLane = Callable[[str, int], tuple[int, int]]
 def broker_path(ipc_address: str) -> str | None:
     """Where the broker of a server bound at ``ipc_address`` listens; None where shared memory is
     not offered (tcp, abstract names, paths too long for a Unix socket, no memfd here)."""
-    if not SUPPORTED or not ipc_address.startswith("ipc://") or ipc_address.startswith("ipc://@"):
+    socket_file = ipc_path(ipc_address)
+    if not SUPPORTED or socket_file is None:
         return None
-    path = os.path.abspath(ipc_address[len("ipc://") :]) + ".shm"
+    path = os.path.abspath(socket_file) + ".shm"
     return path if len(os.fsencode(path)) <= _UNIX_PATH_MAX else None
 
 

@@ -78,9 +78,12 @@ def check_path_free(path: str, shown_as: str | None = None) -> bool:
 
 
 @contextmanager
-def claiming(path: str) -> Iterator[None]:
+def claiming(path: str | None) -> Iterator[None]:
     """Hold the bind lock of ``path``'s folder while the body checks and binds, or removes its
-    own socket file (module doc)."""
+    own socket file (module doc); None: no file, nothing to lock."""
+    if path is None:
+        yield
+        return
     folder = os.path.dirname(os.path.abspath(path))
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -47,7 +47,6 @@ Bounds on what one client can make the server hold (issue 10, finding 2), all co
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import inspect
@@ -84,7 +83,7 @@ from symbiosis.transport.channels import InlineChannel, PayloadChannel, RequestK
 from symbiosis.transport.lane import HEADER_ROOM_BYTES, ExecutorLane, LaneClosed, RefusedMessage
 from symbiosis.transport.lane_listener import LaneListener
 from symbiosis.transport.lane_routes import LaneRoutes, Route
-from symbiosis.transport.schemes import is_ipv6_tcp, is_loopback_host, split_tcp_address, tcp_host
+from symbiosis.transport.schemes import ipc_path, is_ipv6_tcp, is_loopback_host, split_tcp_address, tcp_host
 from symbiosis.transport.security import CurveServerKeys, configure_server_socket, start_authenticator
 from symbiosis.transport.socket_paths import check_path_free, claiming, remove_own_socket
 from symbiosis.transport.spin import SERVER_SPIN_IF_GAPS_UNDER_S, RecentWaits, spin_window_s, try_for
@@ -332,8 +331,7 @@ class ZmqServer:
             self._router.setsockopt(zmq.LINGER, 500)
             if is_ipv6_tcp(self._bind_address):
                 self._router.setsockopt(zmq.IPV6, 1)
-            ipc_path = _ipc_path(self._bind_address)
-            with claiming(ipc_path) if ipc_path is not None else contextlib.nullcontext():
+            with claiming(ipc_path(self._bind_address)):  # (no file, no lock: tcp, abstract names)
                 check_ipc_path_free(self._bind_address)
                 try:
                     self._router.bind(self._bind_address)
@@ -1226,21 +1224,14 @@ def check_ipc_path_free(address: str) -> None:
     took a live one's address without a word (the first kept running, unreachable there, and lost
     its socket file when the second exited), and a file given by mistake was deleted. A socket
     file nobody listens at (a crashed server's) is replaced, as before (``socket_paths``)."""
-    path = _ipc_path(address)
+    path = ipc_path(address)
     if path is not None:
         check_path_free(path, shown_as=address)
 
 
-def _ipc_path(address: str) -> str | None:
-    """The file of an ``ipc://`` address; None for tcp, abstract names and ``ipc://*`` (libzmq picks a new path)."""
-    if not address.startswith("ipc://") or address.startswith("ipc://@") or address == "ipc://*":
-        return None
-    return address[len("ipc://") :]
-
-
 def _socket_file(address: str) -> tuple[str, int] | None:
     """(path, inode) of the socket file a bind at ``address`` made; None for tcp and abstract names."""
-    path = _ipc_path(address)
+    path = ipc_path(address)
     if path is None:
         return None
     try:
