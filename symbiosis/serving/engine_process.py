@@ -220,20 +220,22 @@ class RemoteEngine:
                     "params": msgspec.to_builtins(request.params),
                 }
             )
+        answered = False
         try:
             reply = self._ask("submit", prompts=prompts, sequences=sequences)
+            answered = True
+            if reply.get("error") is not None:
+                _raise(reply["error"])
         except BaseException:
             for sequence_id in sequence_ids:
                 self._sinks.pop(sequence_id, None)
-                try:  # a submit that timed out may still run there: commands arrive in order
+                if answered:
+                    continue  # refused whole there (429, 400): nothing of it queued to cancel
+                try:  # a submit that got no answer may still run there: commands arrive in order
                     self._send({"op": "cancel", "id": sequence_id})
                 except SymbiosisError:
                     pass
             raise
-        if reply.get("error") is not None:  # refused whole there (429, 400): nothing of it queued to cancel
-            for sequence_id in sequence_ids:
-                self._sinks.pop(sequence_id, None)
-            _raise(reply["error"])
         return [_RemoteHandle(self, sequence_id) for sequence_id in sequence_ids]
 
     def stats(self) -> dict:

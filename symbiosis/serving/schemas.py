@@ -62,9 +62,7 @@ def refuse_unless_off(data: Any, refused: dict[str, Any]) -> Any:
             value = data.get(name)
             if value is not None and value != off and value not in ([], {}):
                 hint = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
-                raise PydanticCustomError(
-                    "unsupported_parameter", "not supported by this server; {hint}", {"param": name, "hint": hint}
-                )
+                raise _unsupported(name, f"not supported by this server; {hint}")
     return data
 
 
