@@ -205,9 +205,17 @@ def test_a_request_refused_whole_in_the_engine_process_sends_it_no_cancels(serve
 
 
 def test_the_engine_process_gets_each_prompt_once_whatever_n(server, monkeypatch):
-    """The ``n`` choices of a prompt share its tokens: the submit carried them once a choice."""
+    """The ``n`` choices of a prompt share its tokens: the submit carried them once a choice. Each
+    choice still answers its own prompt: greedy, as the prompt asked alone does."""
     if not server.in_engine_process:
         pytest.skip("the engine runs in the server's process")
+    client, texts = openai_client(server), ["Once upon a time", "hi"]
+    alone = [
+        client.completions.create(model=server.served_model_name, prompt=text, max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+        for text in texts
+    ]
     submits = []
     send = server.engine._send
     monkeypatch.setattr(
@@ -215,11 +223,8 @@ def test_the_engine_process_gets_each_prompt_once_whatever_n(server, monkeypatch
         "_send",
         lambda message: (submits.append(message) if message.get("op") == "submit" else None, send(message))[1],
     )
-    texts = ["Once upon a time", "hi"]
-    whole = openai_client(server).completions.create(
-        model=server.served_model_name, prompt=texts, max_tokens=2, n=3, temperature=0
-    )
-    assert len(whole.choices) == 6
+    whole = client.completions.create(model=server.served_model_name, prompt=texts, max_tokens=4, n=3, temperature=0)
+    assert [choice.text for choice in sorted(whole.choices, key=lambda c: c.index)] == [alone[0]] * 3 + [alone[1]] * 3
     (submit,) = submits
     assert len(submit["prompts"]) == 2 and [s["prompt"] for s in submit["sequences"]] == [0, 0, 0, 1, 1, 1]
     assert [len(p) for p in submit["prompts"]] == [len(server.tokenizer(t).input_ids) for t in texts]
