@@ -221,18 +221,18 @@ def test_a_restart_waits_for_a_finetuning_episode_it_interrupted_to_finish(tmp_p
     kill -9 restart nothing to judge (a CI run of 2026-12-07)."""
     seconds, hold, spacing = 1.2, 0.2, 0.4
     finetune = [soak.ClientSpec("ft0", "finetune", "lora", "ipc", seed=0)]
-    run, restarted = _chaos_run(tmp_path, seconds, downtime_s=0.1, specs=finetune, across_after_s=0.45)
+    run, restarted = _chaos_run(tmp_path, seconds, downtime_s=0.1, specs=finetune, across_after_s=0.35)
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
-    assert 0.45 - 0.01 <= waited < hold + spacing, (restarted, run.incarnations)  # until the episode finished
-    assert run.soak_s >= run.incarnations[2]["ready_s"] + 0.45 - 0.01
+    assert 0.35 - 0.01 <= waited < hold + spacing, (restarted, run.incarnations)  # until the episode finished
+    assert run.soak_s >= run.incarnations[2]["ready_s"] + 0.35 - 0.01
     # No such episode finishes: the wait ends one spacing after the hold.
     run, restarted = _chaos_run(tmp_path / "none", seconds, downtime_s=0.1, specs=finetune)
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
-    assert hold + spacing - 0.01 <= waited < hold + spacing + 0.2, (restarted, run.incarnations)
+    assert hold + spacing - 0.01 <= waited < hold + spacing + 0.35, (restarted, run.incarnations)
     # No fine-tuning client survives (killed): nothing to wait for beyond the hold.
     run, restarted = _chaos_run(tmp_path / "killed", seconds, downtime_s=0.1, specs=finetune, killed=["ft0"])
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
-    assert hold - 0.01 <= waited < hold + 0.15, (restarted, run.incarnations)
+    assert hold - 0.01 <= waited < hold + spacing - 0.05, (restarted, run.incarnations)  # not the spacing more
 
 
 def test_a_closed_server_removes_its_socket_file_and_only_its_own(sock_dir):
