@@ -37,7 +37,10 @@ def test_close_without_drain_does_not_wait_for_held_requests(tiny_checkpoint, wh
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 15
+    while not ex.stats()["inflight_requests"]:  # the call is held: only a drain would wait for it
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     started = time.monotonic()
     ex.close(drain=False)
     assert time.monotonic() - started < 2.0

@@ -288,10 +288,13 @@ def test_calls_wait_out_a_graceful_restart_with_a_slow_drain(sock_dir):
     try:
         in_flight = threading.Thread(target=busy.call, args=("q", Op.FORWARD, torch.randn(2, 16), LatencyClass.PREFILL))
         in_flight.start()
-        time.sleep(0.3)
+        assert slow.wait_for(lambda events: any(e[:2] == ("submit", "busy") for e in events), 10)
         restarter = threading.Thread(target=restart)
         restarter.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while old._close_request is None:  # draining: it refuses every Hello now
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         rows = torch.randn(3, 16)
         assert_same_product(
             other.call("q", Op.FORWARD, rows, LatencyClass.PREFILL), fresh.compute("q", Op.FORWARD, rows)
