@@ -16,7 +16,6 @@ import os
 import random
 import shutil
 import tempfile
-import time
 
 import pytest
 
@@ -166,13 +165,32 @@ def test_chaos_leaves_survivors_of_both_roles():
         assert all(3.0 <= at <= 27.0 for at, kind, _ in events if kind == "kill_client")
 
 
-def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_after_s: float | None = None, killed=()):
-    """A SoakRun with no processes: two executor restarts (kill, then term) that take
-    ``downtime_s`` each; with ``across_after_s``, every fine-tuning client in ``specs`` records an
-    episode it had to reconnect during, finished that long after each restart's executor is ready.
-    Returns the run and [(how, time since go)] of the restarts."""
-    import types
+POLL_S = 0.1  # how long ``SoakRun._soak``'s loop sleeps between its looks
 
+
+class _VirtualClock:
+    """``time.time`` and ``time.sleep`` for ``soak``'s run loop: a sleep advances the clock at
+    once, so the loop's timing is exact whatever the host's pace (and takes no wall time)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_after_s: float | None = None, killed=()):
+    """A SoakRun with no processes, on a virtual clock: two executor restarts (kill, then term)
+    that take ``downtime_s`` each; with ``across_after_s``, every fine-tuning client in ``specs``
+    records an episode it had to reconnect during, finished that long after each restart's
+    executor is ready. Returns the run and [(how, time since go)] of the restarts."""
+    import types
+    from unittest import mock
+
+    clock = _VirtualClock()
     run = object.__new__(soak.SoakRun)
     run.args = types.SimpleNamespace(seconds=seconds, restarts=2, sample_interval_s=10.0)
     run.events = soak.chaos_schedule(random.Random(0), [], seconds, kills=0, restarts=2)
@@ -182,11 +200,11 @@ def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_aft
     (tmp_path / "progress").mkdir(parents=True)
 
     def restart(how):
-        at = time.time() - run.origin
-        time.sleep(downtime_s)
+        at = clock.time() - run.origin
+        clock.sleep(downtime_s)
         restarted.append((how, at))
         run.incarnations[-1]["end_s"] = at
-        ready = time.time()
+        ready = clock.time()
         run.incarnations.append({"ready_s": ready - run.origin})
         for spec in run.specs if across_after_s is not None else ():
             record = {"t0": at, "t1": ready + across_after_s, "sessions_before": 1, "sessions": 2, "ok": True}
@@ -195,7 +213,8 @@ def _chaos_run(tmp_path, seconds: float, downtime_s: float, specs=(), across_aft
 
     run._restart_executor = restart
     try:
-        run._soak()
+        with mock.patch.object(soak, "time", clock):
+            run._soak()
     finally:
         run.sampler.stop()
     return run, restarted
@@ -208,10 +227,12 @@ def test_a_restart_waits_until_the_executor_it_replaces_has_served(tmp_path):
     seconds = 1.2  # restarts scheduled at 0.4 and 0.8 s; hold 0.2 s after ready
     run, restarted = _chaos_run(tmp_path, seconds, downtime_s=0.6)
     hold = seconds / 3 / 2
+    late = POLL_S + 1e-6
     assert [how for how, _ in restarted] == ["kill", "term"]
-    assert 0.4 <= restarted[0][1] < 0.4 + 0.6  # on time (the first executor served from 0 s)
-    assert restarted[1][1] >= run.incarnations[1]["ready_s"] + hold - 0.01, (restarted, run.incarnations)
-    assert run.soak_s >= run.incarnations[2]["ready_s"] + hold - 0.01, (run.soak_s, run.incarnations)
+    assert 0.4 - 1e-6 <= restarted[0][1] <= 0.4 + late  # on time (the first executor served from 0 s)
+    ready = [incarnation["ready_s"] for incarnation in run.incarnations]
+    assert ready[1] + hold - 1e-6 <= restarted[1][1] <= ready[1] + hold + late, (restarted, run.incarnations)
+    assert ready[2] + hold - 1e-6 <= run.soak_s <= ready[2] + hold + late, (run.soak_s, run.incarnations)
 
 
 def test_a_restart_waits_for_a_finetuning_episode_it_interrupted_to_finish(tmp_path):
@@ -220,19 +241,20 @@ def test_a_restart_waits_for_a_finetuning_episode_it_interrupted_to_finish(tmp_p
     restarts more than the usual hold. Without that wait, a slow comeback on a loaded host left the
     kill -9 restart nothing to judge (a CI run of 2026-12-07)."""
     seconds, hold, spacing = 1.2, 0.2, 0.4
+    late = POLL_S + 1e-6  # the run's loop looks every POLL_S (virtual clock: exactly)
     finetune = [soak.ClientSpec("ft0", "finetune", "lora", "ipc", seed=0)]
     run, restarted = _chaos_run(tmp_path, seconds, downtime_s=0.1, specs=finetune, across_after_s=0.35)
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
-    assert 0.35 - 0.01 <= waited < hold + spacing, (restarted, run.incarnations)  # until the episode finished
-    assert run.soak_s >= run.incarnations[2]["ready_s"] + 0.35 - 0.01
+    assert 0.35 <= waited <= 0.35 + late, (restarted, run.incarnations)  # until the episode finished
+    assert run.incarnations[2]["ready_s"] + 0.35 <= run.soak_s <= run.incarnations[2]["ready_s"] + 0.35 + late
     # No such episode finishes: the wait ends one spacing after the hold.
     run, restarted = _chaos_run(tmp_path / "none", seconds, downtime_s=0.1, specs=finetune)
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
-    assert hold + spacing - 0.01 <= waited < hold + spacing + 0.35, (restarted, run.incarnations)
+    assert hold + spacing - 1e-6 <= waited <= hold + spacing + late, (restarted, run.incarnations)
     # No fine-tuning client survives (killed): nothing to wait for beyond the hold.
     run, restarted = _chaos_run(tmp_path / "killed", seconds, downtime_s=0.1, specs=finetune, killed=["ft0"])
     waited = restarted[1][1] - run.incarnations[1]["ready_s"]
-    assert hold - 0.01 <= waited < hold + spacing - 0.05, (restarted, run.incarnations)  # not the spacing more
+    assert hold - 1e-6 <= waited <= hold + late, (restarted, run.incarnations)  # not the spacing more
 
 
 def test_a_closed_server_removes_its_socket_file_and_only_its_own(sock_dir):
