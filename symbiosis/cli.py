@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from symbiosis.errors import SymbiosisError
+from symbiosis.jobs.interrupts import JobInterrupted
 
 app = typer.Typer(
     name="symbiosis",
@@ -89,6 +90,18 @@ def run() -> None:
         heap.skip_exit_collection()
 
 
+def _keyboard_interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that ``exc`` was raised from or while handling, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main() -> None:
     """Run the CLI. Errors the user can fix (``SymbiosisError``: a bad flag value, a missing file,
     an unreachable executor) print one line and exit 2; click's usage errors print their usage
@@ -103,14 +116,29 @@ def main() -> None:
         sys.argv.remove("--debug")
     try:
         app()
+    except JobInterrupted as exc:  # Ctrl-C that a job took at a step boundary: it says what it kept
+        if debug:
+            raise
+        typer.echo(f"interrupted: {exc}", err=True)
+        raise SystemExit(130) from None
     except SymbiosisError as exc:
         if debug:
             raise
         typer.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:  # click turns one inside a command into "Aborted!"; this is one outside it
+    except KeyboardInterrupt:  # one outside a command (typer takes those inside: below)
         if debug:
             raise
+        typer.echo("interrupted", err=True)
+        raise SystemExit(130) from None
+    except SystemExit as exc:
+        # typer turns a KeyboardInterrupt inside a command into a silent exit 130 (typer/core.py);
+        # a user who pressed Ctrl-C should still read that the command stopped, and --debug where.
+        interrupt = _keyboard_interrupt_behind(exc)
+        if interrupt is None:
+            raise
+        if debug:
+            raise interrupt from None
         typer.echo("interrupted", err=True)
         raise SystemExit(130) from None
     except Exception:  # with or without --debug: the traceback is what a bug report needs

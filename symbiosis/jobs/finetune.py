@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -51,6 +51,7 @@ from symbiosis.jobs.client import (
 )
 from symbiosis.jobs.context import cap_seq_len, note_cut_to_context, read_context_length
 from symbiosis.jobs.data import BatchOrder, TokenizedExample, collate, read_jsonl, split_eval, tokenize_all
+from symbiosis.jobs.interrupts import JobInterrupted, StopAtStepBoundary
 from symbiosis.jobs.methods import MethodOptions, build_peft_config, read_peft_config_file
 from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
 from symbiosis.jobs.train_options import TrainOptions
@@ -160,8 +161,12 @@ class FinetuneRun:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    def train(self, on_step: Callable[[StepRecord], None] | None = None) -> FinetuneResult:
-        """Run from ``self.step`` to ``total_steps``; ``on_step`` sees every step (may raise to stop)."""
+    def train(
+        self, on_step: Callable[[StepRecord], None] | None = None, stop: Callable[[], bool] | None = None
+    ) -> FinetuneResult:
+        """Run from ``self.step`` to ``total_steps``; ``on_step`` sees every step (may raise to stop).
+        ``stop`` is asked after each step: when it says so (Ctrl-C, ``interrupts.py``), the run
+        saves a checkpoint there and raises ``JobInterrupted``, which says how to go on."""
         self.model.train()
         started = time.perf_counter()
         tokens_at_start = self.tokens
@@ -183,10 +188,13 @@ class FinetuneRun:
             )
             self.log.append(record.as_dict())
             self._append_log(record)
+            saved = None
             if self.options.save_every and self.step % self.options.save_every == 0 and self.step < self.total_steps:
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
             if on_step is not None:
                 on_step(record)
+            if stop is not None and self.step < self.total_steps and stop():
+                self._stop_here(saved)
         self.model.eval()
         elapsed = time.perf_counter() - started
         return FinetuneResult(
@@ -197,6 +205,14 @@ class FinetuneRun:
             trainable_parameters=sum(p.numel() for _, p in self.params),
             output=None,
         )
+
+    def _stop_here(self, saved: Path | None) -> NoReturn:
+        """Stopped at a step boundary: keep what ran (a checkpoint, unless this step's is saved)."""
+        where = f"stopped after step {self.step} of {self.total_steps}"
+        if self.run_dir is None:
+            raise JobInterrupted(f"{where}; nothing was saved (no run folder)")
+        saved = saved or self.save_checkpoint()
+        raise JobInterrupted(f"{where}; checkpoint saved in {saved}; the same command with --resume goes on from there")
 
     def _one_step(self) -> tuple[float, int]:
         accum = self.options.grad_accum
@@ -428,8 +444,8 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
                 on_step(record)
 
         try:
-            with executor_restart_hint(options.client):
-                result = run.train(report)
+            with StopAtStepBoundary() as interrupt, executor_restart_hint(options.client):
+                result = run.train(report, stop=lambda: interrupt.requested)
         finally:
             stop()
         points = [(r["step"], r["loss"]) for r in run.log]

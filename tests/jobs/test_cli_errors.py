@@ -224,3 +224,93 @@ def test_lost_executor_during_a_job_suggests_connect_timeout(tiny_checkpoint, tm
             finetune(options, on_step=stop_the_executor)
         assert time.monotonic() - started < 30
     assert not (tmp_path / "out").exists()
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_in_a_command_says_it_was_interrupted(capsys, monkeypatch, tmp_path):
+    """typer turns a KeyboardInterrupt inside a command into a silent exit 130; the user reads
+    that the command stopped (before: nothing at all)."""
+    import symbiosis.jobs.generate as generate_module
+
+    def interrupted(options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_module, "generate", interrupted)
+    code, _, err = run_cli(["generate", "--embedded", "--model", str(tmp_path), "--prompt", "hi"], capsys, monkeypatch)
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+
+
+def test_ctrl_c_in_finetune_saves_the_step_it_finished_and_says_how_to_resume(
+    tiny_checkpoint, tmp_path, data, capsys, monkeypatch
+):
+    """The first Ctrl-C lets the step in progress finish, saves a checkpoint there and names it;
+    ``--resume`` goes on from it (test_finetune.py checks that a resumed run is exact)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's Ctrl-C, whatever the runner set
+    try:
+        _interrupt_and_resume(tiny_checkpoint, tmp_path, data, capsys, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_and_resume(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    import os
+    import signal
+
+    from symbiosis.jobs.finetune import FinetuneRun
+
+    one_step = FinetuneRun._one_step
+
+    def ctrl_c_in_step_2(run):
+        if run.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # lands in the step, before its products
+        return one_step(run)
+
+    monkeypatch.setattr(FinetuneRun, "_one_step", ctrl_c_in_step_2)
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded")
+    args[args.index("--steps") + 1] = "5"
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert code == 130, err
+    checkpoint = tmp_path / "out.run" / "checkpoints" / "step-0000002"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted: stopped after step 2 of 5;") and str(checkpoint) in last and "--resume" in last
+    assert "Traceback" not in err and checkpoint.is_dir() and not (tmp_path / "out").exists()
+
+    monkeypatch.setattr(FinetuneRun, "_one_step", one_step)
+    code, _, err = run_cli([*args, "--resume"], capsys, monkeypatch)
+    assert code == 0, err
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    logged = [json.loads(line)["step"] for line in (tmp_path / "out.run" / "log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5]
+
+
+def test_a_second_ctrl_c_stops_finetune_at_once(tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    """A step that does not end (an executor gone quiet) must not hold the user: the second
+    Ctrl-C is Python's own again."""
+    import os
+    import signal
+
+    from symbiosis.jobs.finetune import FinetuneRun
+
+    one_step = FinetuneRun._one_step
+
+    def ctrl_c_twice_in_step_2(run):
+        if run.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return one_step(run)
+
+    monkeypatch.setattr(FinetuneRun, "_one_step", ctrl_c_twice_in_step_2)
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded")
+    args[args.index("--steps") + 1] = "5"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, _, err = run_cli(args, capsys, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert not (tmp_path / "out.run" / "checkpoints").exists()  # stopped inside step 2: nothing whole to save
+    assert signal.getsignal(signal.SIGINT) is previous
