@@ -39,7 +39,7 @@ def api_command(
     host: Annotated[
         str, typer.Option(help="Address to listen on. Loopback unless --allow-non-loopback.")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port (0: any free port).")] = 8000,
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port).", min=0, max=65535)] = 8000,
     served_model_name: Annotated[
         str | None,
         typer.Option(help="The base model's name in `model` and /v1/models (default: the model folder's name)."),

@@ -45,7 +45,8 @@ def serve(
         str, typer.Option(help=QUANTIZATION_HELP + f" One of {', '.join(QUANTIZATION_CHOICES)}.")
     ] = "none",
     metrics_port: Annotated[
-        int | None, typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).")
+        int | None,
+        typer.Option(help="Serve Prometheus /metrics and /health on this port (loopback).", min=0, max=65535),
     ] = None,
     allow_non_loopback: Annotated[
         bool,

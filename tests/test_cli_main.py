@@ -73,6 +73,31 @@ def test_usage_error_is_clicks_message_not_a_bug_report(capsys, monkeypatch):
     assert code == 2 and "No such option" in err and "Traceback" not in err and cli.BUG_REPORT_LINE not in err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["api", "--embedded", "--model", "{model}", "--port", "70000"],
+        ["api", "--embedded", "--model", "{model}", "--port", "-1"],
+        ["serve", "{model}", "--metrics-port", "70000"],
+    ],
+)
+def test_a_port_out_of_range_is_a_usage_error_not_a_bug_report(args, tiny_checkpoint, capsys, monkeypatch):
+    """Before: socket's OverflowError after the model had loaded, reported as a bug in symbiosis."""
+    args = [arg.replace("{model}", str(tiny_checkpoint("llama"))) for arg in args]
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    flag = next(arg for arg in args if arg.endswith("port"))
+    assert code == 2 and f"Invalid value for '{flag}'" in err, err
+    assert "Traceback" not in err and cli.BUG_REPORT_LINE not in err
+
+
+def test_a_port_out_of_range_from_python_is_a_typed_error(tiny_checkpoint):
+    from symbiosis.errors import SymbiosisError
+    from symbiosis.executor.metrics import MetricsServer
+
+    with pytest.raises(SymbiosisError, match="70000"):
+        MetricsServer(None, 70000)
+
+
 # ---- user errors that used to surface as bare ValueError/FileExistsError/RuntimeError -------------
 
 

@@ -248,8 +248,8 @@ class MetricsServer:
 
         try:
             self._server = _BoundedHTTPServer((host, port), Handler, max_handlers)
-        except OSError as exc:  # the port is taken, or not ours to take
-            raise BindError(f"cannot serve metrics at {host}:{port}: {exc.strerror or exc}") from None
+        except (OSError, OverflowError) as exc:  # the port is taken, not ours to take, or no port (socket's Overflow)
+            raise BindError(f"cannot serve metrics at {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="symbiosis-metrics", daemon=True)
         self._thread.start()

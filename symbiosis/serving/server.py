@@ -387,8 +387,8 @@ class ApiServer:
             sock = socket.create_server(
                 (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048
             )
-        except OSError as exc:
-            raise ApiConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        except (OSError, OverflowError) as exc:  # taken, not ours, or no port at all (socket's OverflowError)
+            raise ApiConfigError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
         sock.set_inheritable(True)
         return sock
 
