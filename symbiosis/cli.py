@@ -19,14 +19,36 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"symbiosis {version('symbiosis')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("symbiosis (not installed: no version recorded)")
+        raise typer.Exit()
+
+
 @app.callback()
-def root() -> None:
+def root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", help="Print the installed version and exit.", callback=_print_version, is_eager=True),
+    ] = False,
+    # ``main`` takes --debug out of the arguments wherever it stands (after a verb too); declared
+    # here so that --help lists it.
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback of any error instead of a one-line message.")
+    ] = False,
+) -> None:
     """Share one frozen base LLM among many fine-tuning and inference jobs (split execution).
 
-    Add --debug anywhere to see a traceback instead of a one-line error.
+    Add --debug anywhere (before or after the verb) to see a traceback instead of a one-line error.
     """
 
 

@@ -68,6 +68,17 @@ def test_typed_error_is_one_line_and_debug_shows_its_traceback(tiny_checkpoint, 
         cli.main()
 
 
+def test_version_and_short_help(capsys, monkeypatch):
+    from importlib.metadata import version
+
+    code, out, _ = run_cli(["--version"], capsys, monkeypatch)
+    assert code == 0 and out.strip() == f"symbiosis {version('symbiosis')}"
+    code, out, _ = run_cli(["-h"], capsys, monkeypatch)
+    assert code == 0 and "--debug" in out and "--version" in out and "finetune" in out
+    code, out, _ = run_cli(["generate", "-h"], capsys, monkeypatch)
+    assert code == 0 and "--max-new-tokens" in out
+
+
 def test_usage_error_is_clicks_message_not_a_bug_report(capsys, monkeypatch):
     code, _, err = run_cli(["generate", "--no-such-flag"], capsys, monkeypatch)
     assert code == 2 and "No such option" in err and "Traceback" not in err and cli.BUG_REPORT_LINE not in err
