@@ -14,3 +14,9 @@ class JobError(SymbiosisError):
 def _help(text: str) -> dict[str, str]:
     """Dataclass field metadata whose ``help`` the CLI shows for the matching flag."""
     return {"help": text}
+
+
+def flag(field_name: str) -> str:
+    """The command-line flag of an options field (typer's rule): ``batch_size`` -> ``--batch-size``.
+    Errors name the flag, which a Python caller still maps to its field at a glance."""
+    return "--" + field_name.replace("_", "-")

@@ -26,7 +26,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from symbiosis.jobs.adapters import adapter_type, attach_adapters, virtual_tokens
-from symbiosis.jobs.base import JobError
+from symbiosis.jobs.base import JobError, flag
 from symbiosis.jobs.client import (
     ClientOptions,
     ExecutorTarget,
@@ -50,8 +50,18 @@ class SamplingOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise JobError("need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        problems = [
+            f"{flag(name)} must be {rule}, got {getattr(self, name)}"
+            for name, rule, ok in (
+                ("max_new_tokens", ">= 1", self.max_new_tokens >= 1),
+                ("temperature", ">= 0", self.temperature >= 0),
+                ("top_p", "in (0, 1]", 0 < self.top_p <= 1),
+                ("top_k", ">= 0", self.top_k >= 0),
+            )
+            if not ok
+        ]
+        if problems:
+            raise JobError("; ".join(problems))
 
     def generate_kwargs(self) -> dict:
         if self.temperature == 0:

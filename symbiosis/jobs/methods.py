@@ -49,11 +49,11 @@ class MethodOptions:
 
     def __post_init__(self) -> None:
         if self.rank < 1:
-            raise UnsupportedPeftMethodError(f"rank must be >= 1, got {self.rank}")
+            raise UnsupportedPeftMethodError(f"--rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
-            raise UnsupportedPeftMethodError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise UnsupportedPeftMethodError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.num_virtual_tokens < 1:
-            raise UnsupportedPeftMethodError(f"num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
+            raise UnsupportedPeftMethodError(f"--num-virtual-tokens must be >= 1, got {self.num_virtual_tokens}")
 
 
 Builder = Callable[[MethodOptions, "nn.Module"], dict[str, Any]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from symbiosis.jobs.base import JobError, _help
+from symbiosis.jobs.base import JobError, _help, flag
 
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 
@@ -45,13 +45,13 @@ class TrainOptions:
     def __post_init__(self) -> None:
         problems = []
         if self.lr_schedule not in SCHEDULES:
-            problems.append(f"lr schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+            problems.append(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         for name in ("batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
+                problems.append(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0")
+                problems.append(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.steps == 0 and self.epochs <= 0:
             problems.append("give --steps N or a positive --epochs")
         if problems:

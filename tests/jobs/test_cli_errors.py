@@ -226,6 +226,28 @@ def test_lost_executor_during_a_job_suggests_connect_timeout(tiny_checkpoint, tm
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--lr-schedule", "steep"], "--lr-schedule must be one of"),
+        (["--rank", "0"], "--rank must be >= 1, got 0"),
+    ],
+)
+def test_bad_training_values_name_their_flag(extra, needle, tiny_checkpoint, tmp_path, data, capsys, monkeypatch):
+    """Before: the Python field (``batch_size must be >= 1``), which a command-line user never typed."""
+    args = finetune_args(tiny_checkpoint("llama"), data, tmp_path / "out", "--embedded")
+    code, _, err = run_cli([*args, *extra], capsys, monkeypatch)  # a flag given twice: the last one counts
+    assert_one_line_error(code, err, needle)
+
+
+def test_bad_sampling_values_are_each_named(tiny_checkpoint, capsys, monkeypatch):
+    args = ["generate", "--embedded", "--model", str(tiny_checkpoint("llama")), "--prompt", "hi"]
+    code, _, err = run_cli([*args, "--top-p", "2", "--top-k", "-1"], capsys, monkeypatch)
+    assert_one_line_error(code, err, "--top-p must be in (0, 1], got 2.0", "--top-k must be >= 0, got -1")
+    assert "--temperature" not in err
+
+
 # ---- Ctrl-C ------------------------------------------------------------------------------------------
 
 
