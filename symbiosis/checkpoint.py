@@ -52,6 +52,19 @@ class TensorSource:
 PATH_DEPENDENT_CONFIG_KEYS = frozenset({"_name_or_path"})
 
 
+def adapter_hint(folder: Path) -> str:
+    """For a folder given as a base model that holds a PEFT adapter instead: what to pass."""
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        return ""
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    made_for = f" (it was made for {base!r})" if isinstance(base, str) and base else ""
+    return f"; it holds a PEFT adapter (adapter_config.json): pass the base model's checkpoint{made_for}"
+
+
 class Checkpoint:
     """A local Hugging Face checkpoint folder: ``config.json`` plus ``*.safetensors``."""
 
@@ -60,7 +73,7 @@ class Checkpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {str(self.path)!r} does not exist or is not a folder")
         if not (self.path / "config.json").is_file():
-            raise CheckpointError(f"checkpoint folder {str(self.path)!r} has no config.json")
+            raise CheckpointError(f"checkpoint folder {str(self.path)!r} has no config.json{adapter_hint(self.path)}")
         self.files = self._find_weight_files()
 
     def _find_weight_files(self) -> list[Path]:

@@ -54,6 +54,14 @@ def test_missing_config(tiny_checkpoint, tmp_path):
         symbiosis.BaseExecutor.from_pretrained(broken)
 
 
+def test_an_adapter_folder_given_as_the_base_model_says_what_to_pass(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "ckpt/llama"}')
+    with pytest.raises(symbiosis.CheckpointError, match="PEFT adapter.*base model's checkpoint.*'ckpt/llama'"):
+        symbiosis.BaseExecutor.from_pretrained(adapter)
+
+
 def test_missing_weights(tiny_checkpoint, tmp_path):
     broken = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "w")
     (broken / "model.safetensors").unlink()
