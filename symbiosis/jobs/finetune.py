@@ -24,6 +24,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -426,7 +427,11 @@ def finetune(options: FinetuneOptions, on_step: Callable[[StepRecord], None] | N
         # them: a resume with the recorded flags, or with the flags as first given, compares equal.
         run = FinetuneRun(peft_model, train_set, eval_set, train, pad_token_id=tokenizer.pad_token_id, run_dir=run_dir)
         if options.resume:
-            run.resume()
+            step = run.resume()
+            print(
+                f"resuming at step {step} of {run.total_steps} (checkpoint in {run_dir / 'checkpoints'})",
+                file=sys.stderr,
+            )
         publisher = AdapterPublisher(options.publish, peft_model, run_dir / "published") if options.publish else None
         update, stop = (
             _progress_printer(run.total_steps, f"{options.method}") if options.progress else (None, lambda: None)
