@@ -186,7 +186,8 @@ def api_command(
 
     def ready(url: str) -> None:
         typer.echo(
-            f"serving {server.served_model_name} and {len(adapters)} adapters with OpenAI's API at {url}/v1 "
+            f"serving {server.served_model_name} and {len(adapters)} adapter{'' if len(adapters) == 1 else 's'} "
+            f"with OpenAI's API at {url}/v1 "
             f"(executor: {executor or 'embedded'}"
             + (f", shared at {', '.join(executor_bind)}" if executor_bind else "")
             + f"); GET {url}/health, {url}/metrics",

@@ -206,7 +206,7 @@ def serve(
         + ") "
         f"at {' and '.join(s.address for s in servers)} with policy {scheduler_config.policy}"
         + (f", decode target {scheduler_config.decode_slo_ms:g} ms per token" if scheduler_config.decode_slo_ms else "")
-        + (f"; CURVE on, {len(curve.authorized_public_keys())} authorized client keys" if curve else "")
+        + (f"; CURVE on, {_count(len(curve.authorized_public_keys()), 'authorized client key')}" if curve else "")
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
         err=False,
     )
@@ -226,6 +226,11 @@ def serve(
         metrics.close()
     executor.close(drain=True)
     typer.echo("stopped", err=True)
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 key``, ``2 keys``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def register(app: typer.Typer) -> None:

@@ -792,7 +792,18 @@ def _invalid_request(error: dict) -> ApiError:
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = ".".join(location) or context.get("param")  # a request-level check names its field in ctx
     message = error.get("msg", "invalid request")
-    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+    # Our validators' ValueError/AssertionError come wrapped ("Value error, max_tokens: ..."): a
+    # client reads the message alone, as OpenAI words it.
+    for prefix in _PYDANTIC_PREFIXES:
+        if message.startswith(prefix):
+            message = message[len(prefix) :]
+            break
+    named = not param or message.startswith(f"{param}:")  # "stop: up to 8 ...", not "stop: stop: up to 8 ..."
+    return ApiError(400, message if named else f"{param}: {message}", param=param)
+
+
+#: What pydantic puts before the message of a ValueError or AssertionError a validator raised.
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
 def _usage(usages: list[tuple[int, Usage]], n: int) -> dict:

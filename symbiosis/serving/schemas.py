@@ -169,7 +169,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _non_empty(cls, value):
         if isinstance(value, list) and (not value or any(isinstance(v, list) and not v for v in value)):
-            raise ValueError("prompt must not be an empty list")
+            raise ValueError("must not be an empty list or hold one")
         return value
 
     @model_validator(mode="after")

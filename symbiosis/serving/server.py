@@ -31,7 +31,7 @@ from symbiosis.jobs.client import ClientOptions, ExecutorTarget, load_tokenizer
 from symbiosis.serving.adapters import AdapterPool, check_adapter_name
 from symbiosis.serving.app import ApiConfig, ApiState, create_app
 from symbiosis.serving.engine import EngineOptions, GenerationEngine
-from symbiosis.serving.lora import AdapterContext, install_multi_lora, load_lora_adapter
+from symbiosis.serving.lora import AdapterContext, check_lora_adapter, install_multi_lora, load_lora_adapter
 from symbiosis.serving.metrics import ServingMetrics
 from symbiosis.transport.schemes import is_loopback_host
 from symbiosis.vocabulary import LatencyClass, Op
@@ -186,16 +186,24 @@ def build_engine(options: ApiOptions, target, executor, tokenizer, hooks) -> Eng
     output = model.get_output_embeddings()
     output_names = {name for name, module in model.named_modules() if module is output}
     context = AdapterContext()
+    modules = frozenset(name for name, _ in model.named_modules() if name)
     shapes = install_multi_lora(model, context, output_names)
+    # The model's modules an adapter may not target (embeddings, the output layer, norms...): an
+    # adapter of a module in neither set was made for another model, and says so.
+    others = modules - shapes.keys()
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     served_name = served_name_of(options)
 
     def load(name: str, path: Path):
-        return load_lora_adapter(name, path, shapes, dtype=dtype, device=device)
+        return load_lora_adapter(name, path, shapes, dtype=dtype, device=device, other_modules=others)
+
+    def check(name: str, path: Path) -> None:
+        check_lora_adapter(name, path, shapes, others)
 
     pool = AdapterPool(
         load,
+        check=check,
         adapters=options.adapters,
         adapter_dir=options.adapter_dir,
         max_loaded=options.max_loaded_adapters,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from symbiosis.errors import ExecutorUnavailableError
+from symbiosis.errors import ExecutorUnavailableError, SymbiosisError
 from symbiosis.jobs.client import ClientOptions
 from symbiosis.serving import lora as lora_module
 from symbiosis.serving.logprobs import LogprobFormatter
@@ -1124,6 +1124,34 @@ def test_adapter_dir_serves_folders_added_later(api_model, tmp_path, reference):
         server.close()
 
 
+def test_adapters_of_another_model_are_refused_at_startup_and_not_listed(api_model, tiny_checkpoint, tmp_path):
+    """An ``--adapter`` made for another model stops the server at startup with one error naming
+    it and the model it was made for (before: "serving ... and 1 adapters", then a 400 saying
+    its modules were "not a base layer the server can adapt" on the first request naming it).
+    Under ``--adapter-dir``, /v1/models lists only the folders that fit (before: every LoRA
+    config, weights or not), and a request naming another gets a 400 that names the adapter,
+    not the server's folder."""
+    gpt2 = make_lora_adapter(tiny_checkpoint("gpt2"), tmp_path / "dir" / "gpt2", 4, 8, ["c_attn"], seed=41)
+    make_lora_adapter(api_model, tmp_path / "dir" / "fits", 4, 8, ["q_proj"], seed=42)
+    (tmp_path / "dir" / "no-weights").mkdir()
+    (tmp_path / "dir" / "no-weights" / "adapter_config.json").write_text((gpt2 / "adapter_config.json").read_text())
+    with pytest.raises(SymbiosisError) as refused:
+        start_server(api_model, adapters={"foreign": gpt2})
+    message = str(refused.value)
+    assert "adapter 'foreign' does not fit this model (it was made for 'gpt2-tiny-seed0')" in message, message
+    assert "which this model does not have" in message and str(gpt2) in message  # the operator sees the folder
+    server = start_server(api_model, adapter_dir=tmp_path / "dir")
+    try:
+        assert {m.id for m in openai_client(server).models.list().data} == {server.served_model_name, "fits"}
+        for name, reason in [("gpt2", "does not fit this model"), ("no-weights", "has no adapter_model.safetensors")]:
+            status, body = post(server.url + "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 1})
+            error = json.loads(body)["error"]
+            assert status == 400 and error["message"].startswith(f"adapter {name!r} ") and reason in error["message"]
+            assert str(tmp_path) not in error["message"]
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="module")
 def remote_executor(api_model, tmp_path_factory):
     from tests.service_helpers import start_executor, stop
@@ -1364,6 +1392,7 @@ def test_the_command_line_serves_until_sigterm_and_ends_streams_in_flight(api_mo
         assert "timeout graceful shutdown exceeded" not in err
         assert process.returncode == 0, err[-2000:]
         assert f"{url}/v1" in out and "Traceback" not in err and "16 sequence(s) in flight end now with 503" in err
+        assert " and 1 adapter with OpenAI's API" in out, out  # before: "and 1 adapters"
     finally:
         if process.poll() is None:
             process.kill()

@@ -319,6 +319,29 @@ def test_a_body_that_is_not_json_is_a_400_naming_no_field(server):
     assert "not valid JSON" in error["message"] and "at character 25" in error["message"]
 
 
+def test_error_messages_carry_no_pydantic_prefix(server):
+    """A validator's message reaches the client as it is written, in OpenAI's body with its
+    ``param`` (before: "Value error, max_tokens: 0 needs echo ..." and "prompt: Value error, ...")."""
+    from symbiosis.serving.app import _invalid_request
+
+    model = server.served_model_name
+    no_echo = "max_tokens: 0 needs echo (a completion of no tokens echoes its prompt)"
+    for fields, message, param in [
+        ({"prompt": "x", "max_tokens": 0}, no_echo, None),
+        ({"prompt": [], "max_tokens": 1}, "prompt: must not be an empty list or hold one", "prompt"),
+        ({"prompt": "x", "stop": [""]}, "stop: up to 8 non-empty strings of at most 256 characters", "stop"),
+    ]:
+        status, body = post(server.url + "/v1/completions", {"model": model, **fields})
+        assert status == 400 and json.loads(body)["error"] == {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": None,
+        }, body
+    assertion = {"type": "assertion_error", "loc": ("body", "n"), "msg": "Assertion failed, n is too large"}
+    assert _invalid_request(assertion).message == "n: n is too large"
+
+
 def test_only_an_assistant_message_may_come_without_content(server):
     model = server.served_model_name
     for first in ({"role": "user", "content": None}, {"role": "system", "content": None}, {"role": "user"}):

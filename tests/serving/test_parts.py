@@ -322,26 +322,132 @@ def test_decode_steps_append_in_place_and_the_cache_grows_when_its_room_runs_out
     assert batch.cache.get_seq_length() == 5
 
 
+def _age(file: Path, seconds: float = 10.0) -> None:
+    """Date ``file`` back (the pool checks a file written within 2 s again on every listing)."""
+    stamp = file.stat().st_mtime_ns - int(seconds * 1e9)
+    os.utime(file, ns=(stamp, stamp))
+
+
 def test_models_lists_only_adapter_folders_the_server_can_serve(tmp_path):
-    """``/v1/models`` reads the pool's names: a folder of another PEFT method, a broken config
-    or DoRA is not listed (requesting it still gets the reason), and a config fixed later is."""
+    """``/v1/models`` reads the pool's names: a folder of another PEFT method, a broken config,
+    DoRA or no weights file is not listed (requesting it still gets the reason), and a config
+    fixed later, or weights written later, are."""
     configs = {
         "lora": {"peft_type": "LORA"},
         "ia3": {"peft_type": "IA3"},
         "dora": {"peft_type": "LORA", "use_dora": True},
         "broken": None,
+        "no-weights": {"peft_type": "LORA"},
     }
     for name, config in configs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_config.json").write_text("{" if config is None else json.dumps(config))
+        if name != "no-weights":
+            (tmp_path / name / "adapter_model.safetensors").write_bytes(b"")
     (tmp_path / "no-config").mkdir()
     pool = AdapterPool(lambda name, path: _adapter(name), adapter_dir=tmp_path)
     assert pool.names() == ["lora"]
     assert pool.path_of("ia3") == tmp_path / "ia3"  # servable by name: acquiring it gives the reason
+    assert pool.path_of("no-weights") == tmp_path / "no-weights"
     broken = tmp_path / "broken" / "adapter_config.json"
     broken.write_text(json.dumps({"peft_type": "LORA"}))
     os.utime(broken, ns=(broken.stat().st_atime_ns, broken.stat().st_mtime_ns + 10**9))  # a later write
     assert pool.names() == ["broken", "lora"]
+    (tmp_path / "no-weights" / "adapter_model.safetensors").write_bytes(b"")  # a job finished writing it
+    assert pool.names() == ["broken", "lora", "no-weights"]
+
+
+_SHAPES = {"layers.0.q": (3, 4), "layers.0.v": (3, 4)}  # a model's adaptable layers: module -> (in, out)
+_OTHERS = frozenset({"layers", "layers.0", "embed", "lm_head"})  # its other modules
+
+
+def _write_adapter(folder: Path, modules: dict[str, tuple[int, int]], rank: int = 2, **config) -> Path:
+    """A peft-named LoRA safetensors file of ``modules`` (module -> (in, out)), ones everywhere."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for module, (in_features, out_features) in modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.ones(rank, in_features)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.ones(out_features, rank)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 4, **config}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("how", ["header", "load"])
+def test_an_adapter_of_another_model_is_refused_by_name_saying_which_model_it_was_made_for(tmp_path, how, monkeypatch):
+    """An adapter of another architecture (modules this model lacks) or size (shapes that do not
+    fit) says it does not fit, and which model it was made for, as ``symbiosis generate`` does;
+    before, another architecture's was "not a base layer the server can adapt (embeddings and
+    the output layer are not)". The error names the adapter, never its folder (it reaches HTTP
+    clients), and the header check reads no tensor."""
+    if how == "header":
+        monkeypatch.setattr(lora_module, "load_file", lambda *a: pytest.fail("the header check read tensors"))
+
+    def check(folder: Path) -> None:
+        if how == "header":
+            lora_module.check_lora_adapter("served", folder, _SHAPES, _OTHERS)
+        else:
+            load_lora_adapter("served", folder, _SHAPES, dtype=torch.float32, device="cpu", other_modules=_OTHERS)
+
+    gpt2 = {"transformer.h.0.attn.c_attn": (3, 12), "transformer.h.1.attn.c_attn": (3, 12)}
+    foreign = _write_adapter(tmp_path / "gpt2", gpt2, base_model_name_or_path="/home/someone/models/gpt2-tiny")
+    with pytest.raises(AdapterFormatError) as refused:
+        check(foreign)
+    message = str(refused.value)
+    assert message.startswith("adapter 'served' does not fit this model (it was made for 'gpt2-tiny'): ")
+    assert "'transformer.h.0.attn.c_attn' (and 1 other module), which this model does not have" in message
+    assert str(tmp_path) not in message and "/home/someone" not in message
+    wider = _write_adapter(tmp_path / "wider", {"layers.0.q": (5, 6)}, base_model_name_or_path="org/llama-wide")
+    with pytest.raises(AdapterFormatError, match=r"^adapter 'served' does not fit this model \(it was made for "):
+        check(wider)
+    with pytest.raises(AdapterFormatError, match=r"org/llama-wide'\): layers.0.q has A \(2, 5\) and B \(6, 2\)"):
+        check(wider)
+    with pytest.raises(AdapterFormatError, match="not a base layer the server can adapt"):
+        check(_write_adapter(tmp_path / "head", {"lm_head": (3, 4)}))  # the model has it, but it is not served
+    with pytest.raises(AdapterFormatError, match="rank 2 weights but its adapter_config.json says r=8"):
+        check(_write_adapter(tmp_path / "rank", {"layers.0.v": (3, 4)}, r=8))
+    check(_write_adapter(tmp_path / "fits", _SHAPES))
+
+
+def test_adapters_are_checked_when_registered_and_listed_and_errors_name_them_not_their_folders(tmp_path, caplog):
+    """``--adapter`` runs the pool's check at startup (before, only the config was read: an
+    adapter of another model was accepted, and failed on its first request); ``--adapter-dir``
+    lists only folders that pass it; a refused load names the adapter to the client and logs
+    its folder."""
+    folders = {
+        "fits": _write_adapter(tmp_path / "dir" / "fits", _SHAPES),
+        "gpt2": _write_adapter(tmp_path / "dir" / "gpt2", {"transformer.h.0.attn.c_attn": (3, 12)}),
+        "wider": _write_adapter(tmp_path / "dir" / "wider", {"layers.0.q": (5, 4)}),
+    }
+    for folder in folders.values():
+        for file in folder.iterdir():
+            _age(file)
+
+    def check(name, path):
+        lora_module.check_lora_adapter(name, path, _SHAPES, _OTHERS)
+
+    def load(name, path):
+        return load_lora_adapter(name, path, _SHAPES, dtype=torch.float32, device="cpu", other_modules=_OTHERS)
+
+    with pytest.raises(AdapterFormatError, match=r"^--adapter mine=.*gpt2: adapter 'mine' does not fit this model"):
+        AdapterPool(load, check=check, adapters={"mine": folders["gpt2"]})
+    checked = []
+    pool = AdapterPool(
+        load,
+        check=lambda name, path: checked.append(name) or check(name, path),
+        adapters={"mine": folders["fits"]},
+        adapter_dir=tmp_path / "dir",
+    )
+    assert pool.names() == ["fits", "mine"]
+    assert pool.names() == ["fits", "mine"] and sorted(checked) == ["fits", "gpt2", "mine", "wider"]  # once each
+    with caplog.at_level("WARNING", logger="symbiosis.api"), pytest.raises(AdapterFormatError) as refused:
+        pool.acquire("wider")
+    assert "adapter 'wider' does not fit this model" in str(refused.value) and str(tmp_path) not in str(refused.value)
+    assert str(folders["wider"]) in caplog.text
+    assert pool.acquire("fits").modules.keys() == _SHAPES.keys()
 
 
 def test_weights_of_another_rank_than_the_config_says_are_refused(tmp_path):
