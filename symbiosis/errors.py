@@ -63,6 +63,26 @@ class ExecutorUnavailableError(SymbiosisError, ConnectionError):
     code = "unavailable"
 
 
+class ExecutorLostError(ExecutorUnavailableError):
+    """Raised client-side only (never on the wire, where it is an ``ExecutorUnavailableError``):
+    an established session with the executor ended (``cause``: it said Goodbye, went silent,
+    dropped the connection, refused the call) and the executor did not come back within
+    ``waited_s`` (``connect_timeout_s``); ``last``: why the last reconnection attempt failed, where
+    that says more than "no executor answered"."""
+
+    def __init__(self, cause: str, waited_s: float, last: str | None = None) -> None:
+        self.cause, self.waited_s, self.last = cause, waited_s, last
+        super().__init__(f"{cause}, and the executor did not come back within {waited_s:g}s{self.detail}")
+
+    @property
+    def detail(self) -> str:
+        """`` (last try: …)``, or nothing."""
+        return f" (last try: {self.last})" if self.last else ""
+
+    def __reduce__(self) -> tuple[type[ExecutorLostError], tuple[str, float, str | None]]:
+        return type(self), (self.cause, self.waited_s, self.last)
+
+
 class ExecutorTimeoutError(SymbiosisError, TimeoutError):
     """A call to the executor did not complete within its timeout."""
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from symbiosis.errors import CheckpointError, ExecutorUnavailableError
+from symbiosis.errors import CheckpointError, ExecutorLostError, ExecutorUnavailableError
 from symbiosis.jobs.base import JobError, _help
 
 
@@ -75,19 +75,23 @@ def executor_restart_hint(options: ClientOptions) -> Iterator[None]:
     """Add to an ``ExecutorUnavailableError`` raised while a job runs what bounds the wait for the
     executor, so that a user whose executor restarts slowly knows which flag to raise.
 
-    The transport retries a call whose executor went away (silent, disconnected, restarting) for
-    ``connect_timeout_s`` from the call's start, then raises the last cause, which names neither
-    the wait nor the flag. An embedded executor never goes away, so its errors pass unchanged.
+    The transport retries a call whose executor went away (said goodbye, went silent, dropped the
+    connection) for ``connect_timeout_s`` from the call's start, then raises ``ExecutorLostError``
+    naming the executor's address and why its session ended; this says which flag set that wait.
+    An embedded executor never goes away, so its errors pass unchanged.
     """
     try:
         yield
     except ExecutorUnavailableError as exc:
         if options.embedded:
             raise
-        raise ExecutorUnavailableError(
-            f"{exc}; the executor did not come back within --connect-timeout ({options.connect_timeout_s:g}s): "
-            "raise --connect-timeout to wait longer for a restarting executor"
-        ) from exc
+        wait = f"within --connect-timeout ({options.connect_timeout_s:g}s)"
+        advice = "raise --connect-timeout to wait longer for a restarting executor"
+        if isinstance(exc, ExecutorLostError):
+            message = f"{exc.cause}, and the executor did not come back {wait}: {advice}{exc.detail}"
+        else:
+            message = f"{exc}; the executor at {options.executor} did not come back {wait}: {advice}"
+        raise ExecutorUnavailableError(message) from exc
 
 
 class ExecutorTarget:

@@ -247,9 +247,12 @@ def handshake_failure(address: str, event: int, value: int, curve_on: bool) -> s
     """A one-line reason for a failed ZMTP handshake, as the client's socket monitor reports it.
 
     A security-mechanism mismatch is not always reported as one: the side that detects it first
-    closes the connection, and the other side may see only a reset (``NO_DETAIL``) — so both
-    read as "the two sides disagree about CURVE" here. ``AUTH`` means the server's ZAP handler
-    refused this client's key.
+    closes the connection, and the other side may see only a reset (``NO_DETAIL``; a client
+    without CURVE sees that from a CURVE executor almost every time). A peer that is not a ZeroMQ
+    socket at all (an HTTP server, say) is reported the same way -- it answers the greeting with
+    bytes that are not ZMTP, or closes -- so only ``PROTOCOL`` with a mechanism mismatch proves
+    the peer is a ZeroMQ endpoint that wants another mechanism; anything else names both
+    possibilities. ``AUTH`` means the server's ZAP handler refused this client's key.
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
@@ -262,10 +265,20 @@ def handshake_failure(address: str, event: int, value: int, curve_on: bool) -> s
             return f"the executor at {address} does not use CURVE, but this client was given CURVE keys"
         return (
             f"the CURVE handshake with the executor at {address} failed: either it does not use CURVE, or the "
-            f"server public key ({SERVER_KEY_ENV}) is not the executor's"
+            f"server public key ({SERVER_KEY_ENV}) is not the executor's, or {address} is not a Symbiosis "
+            "executor at all"
         )
-    detail = "security mechanism mismatch" if mismatch else "connection closed during the ZMTP handshake"
+    how = (
+        "pass curve=CurveClientKeys(server_public_key_file, client_secret_key_file) or set "
+        f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV}"
+    )
+    if mismatch:
+        return f"the executor at {address} requires CURVE authentication; {how} (security mechanism mismatch)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        what = f"broke the ZeroMQ handshake (ZMTP protocol error {value:#x})"
+    else:
+        what = "closed the connection during the ZeroMQ handshake"
     return (
-        "the executor requires CURVE authentication; pass curve=CurveClientKeys(server_public_key_file, "
-        f"client_secret_key_file) or set {SERVER_KEY_ENV} and {CLIENT_KEY_ENV} (executor at {address}: {detail})"
+        f"the peer at {address} {what}: either it is an executor that requires CURVE authentication ({how}), "
+        "or it is not a Symbiosis executor at all (e.g. an HTTP server such as `symbiosis api`); check the address"
     )

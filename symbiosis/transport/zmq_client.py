@@ -20,6 +20,13 @@ Security: ``curve=CurveClientKeys(...)`` (or the ``SYMBIOSIS_CURVE_SERVER_KEY`` 
 CURVE client (``security.py``). A failed handshake (no CURVE against a CURVE server, a key the
 server does not authorize, a wrong server key) is reported by the socket monitor and fails the
 connection at once with ``ExecutorUnavailableError`` naming the cause, instead of a silent wait.
+
+Failures name the executor's address and what is known: while connecting (no ``Welcome`` yet) the
+handshake waits out ``connect_timeout_s`` and says "no executor answered at ADDR within Ns"; once a
+session is established, the executor saying Goodbye, falling silent (no reply or heartbeat for
+``max(5, 5 * heartbeat_s)`` seconds while a call waits) or dropping the connection ends it, and a
+call that then cannot reconnect within ``connect_timeout_s`` raises ``ExecutorLostError`` naming
+that cause.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from zmq.utils.monitor import recv_monitor_message
 from symbiosis import protocol as P
 from symbiosis.errors import (
     ConfigurationError,
+    ExecutorLostError,
     ExecutorTimeoutError,
     ExecutorUnavailableError,
     ModelMismatchError,
@@ -58,6 +66,10 @@ from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import OPS_BY_VALUE, LatencyClass, LayerSpec, Op, spec_of
 
 log = logging.getLogger(__name__)
+
+_NO_ANSWER = "no executor answered at"  # how a handshake that timed out starts its message
+_LANE_CAUSE_WAIT_S = 0.25  # how long a failed lane call waits for the ZeroMQ socket to say why
+_SILENT_MIN_S = 5.0  # a session is silent after max(this, 5 heartbeats) without a word while a call waits
 
 
 _EVENTS = int(zmq.EVENTS)  # plain ints: pyzmq's IntFlag arithmetic costs microseconds per call
@@ -108,10 +120,24 @@ class _Connection:
     """
 
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, heartbeat_s: float, curve: CurveClientKeys | None = None
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        heartbeat_s: float,
+        curve: CurveClientKeys | None = None,
+        address: str | None = None,
     ) -> None:
+        """``address``: the executor's address as errors name it (default: ``endpoint``)."""
         self.heartbeat_s = heartbeat_s
         self._endpoint = endpoint
+        self._address = address or endpoint
+        # False until the handshake got a Welcome: the "silent" watchdog applies to a session only;
+        # a handshake waits for as long as its caller allows (``connect_timeout_s``).
+        self.established = False
+        # What the monitor saw, for a handshake that times out: a peer accepted the connection
+        # (``accepted``), and completed the ZeroMQ handshake (``zmtp_ok``).
+        self.accepted = False
+        self.zmtp_ok = False
         self._curve_on = curve is not None
         self.dead: str | None = None
         self._pending: dict[int, _Reply] = {}
@@ -132,7 +158,9 @@ class _Connection:
         # does not reconnect, so an event sent before the monitor's PAIR is attached is lost for
         # good and the call would wait the executor out as "silent" (a client thread that loses
         # the core right after connecting, on a loaded host).
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
+        )
         try:
             if curve is not None:
                 configure_client_socket(self._sock, curve)
@@ -223,6 +251,20 @@ class _Connection:
                 future.error = ExecutorUnavailableError(reason)
         self._wake_waiters()
 
+    def lane_failed(self, exc: ExecutorUnavailableError) -> ExecutorUnavailableError:
+        """The executor closed this session's lane: fail the connection, with the cause its ZeroMQ
+        socket gives a moment later (a Goodbye, a disconnect) when it gives one; the error to raise."""
+        deadline = time.monotonic() + _LANE_CAUSE_WAIT_S
+        while self.dead is None and time.monotonic() < deadline:
+            with self._sock_lock:
+                completed = self._drain()  # a Goodbye fails the connection with its own reason
+            if completed:
+                self._wake_waiters()
+            if self.dead is None:
+                time.sleep(0.005)  # the heartbeat thread reads a disconnect from the monitor meanwhile
+        self.fail(f"the connection to the executor at {self._address} was lost ({exc})")
+        return ExecutorUnavailableError(self.dead)
+
     def close(self, goodbye: bytes | None) -> None:
         self._goodbye = goodbye
         self._stop = True
@@ -259,7 +301,7 @@ class _Connection:
                 deadline = time.monotonic() + 0.25
                 while self.dead is None and time.monotonic() < deadline:
                     time.sleep(0.005)
-            self.fail("connection to the executor was lost")
+            self.fail(self._lost())
 
     def _drain(self) -> int:
         """Read and dispatch every message queued on the socket; how many futures it completed."""
@@ -289,8 +331,11 @@ class _Connection:
                 future.message = msg  # last: a thread polling ``done()`` sees frames already set
                 return 1
         elif isinstance(msg, P.Goodbye):
-            self.fail("the executor shut down")
+            self.fail(f"the executor at {self._address} shut down (it said goodbye)")
         return 0
+
+    def _lost(self) -> str:
+        return f"the connection to the executor at {self._address} was lost"
 
     # ---- the heartbeat thread ----------------------------------------------------------------
 
@@ -335,15 +380,20 @@ class _Connection:
             with self._lock:
                 waiting = bool(self._pending)
             waiting = waiting or (self.lane is not None and self.lane.lock.locked())  # a call on the lane waits too
-            if waiting and now - self._last_heard > max(5.0, 5 * self.heartbeat_s):
-                self.fail(f"executor silent for {now - self._last_heard:.1f}s")
+            if waiting and self.established and now - self._last_heard > max(_SILENT_MIN_S, 5 * self.heartbeat_s):
+                silent_s = now - self._last_heard
+                self.fail(f"the executor at {self._address} went silent (no reply or heartbeat for {silent_s:.1f}s)")
             elif not waiting:
                 self._last_heard = max(self._last_heard, now - self.heartbeat_s)
 
     def _read_monitor(self, holding_sock_lock: bool = False) -> None:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.accepted = True
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.zmtp_ok = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
                 # Replies that arrived before the disconnect are already in the socket: hand them
                 # out first (a draining executor answers, says Goodbye, then closes).
                 if holding_sock_lock:
@@ -353,9 +403,9 @@ class _Connection:
                         completed = self._drain()
                 if completed:
                     self._wake_waiters()
-                self.fail("connection to the executor was lost")
+                self.fail(self._lost())
             elif event["event"] & HANDSHAKE_EVENTS:  # comes before its DISCONNECTED: the cause wins
-                self.fail(handshake_failure(self._endpoint, event["event"], event["value"], self._curve_on))
+                self.fail(handshake_failure(self._address, event["event"], event["value"], self._curve_on))
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,6 +464,7 @@ class ZmqTransport:
         self._welcome: P.Welcome | None = None
         self._specs: dict[str, LayerSpec] = {}
         self._conn: _Connection | None = None
+        self._lost: str | None = None  # why the last session ended (its connection's ``dead``)
         try:
             self._conn = self._handshake(time.monotonic() + connect_timeout_s)
         except BaseException:
@@ -461,18 +512,25 @@ class ZmqTransport:
                 return result
             staged = self._stage(rows)
             result = self._call_once(layer_id, op, staged, latency_class, deadline)
-        except ExecutorUnavailableError:
+        except ExecutorUnavailableError as exc:
             if self._closed:
                 raise
             if staged is None:
                 staged = self._stage(rows)
-            result = self._call_retrying(layer_id, op, staged, latency_class, started, deadline)
+            result = self._call_retrying(layer_id, op, staged, latency_class, started, deadline, exc)
         if result.dtype is rows.dtype and rows.is_cpu:  # the usual case: skip a no-op ``to`` (~1 µs)
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
     def _call_retrying(
-        self, layer_id: str, op: Op, staged: torch.Tensor, latency_class: LatencyClass, started: float, deadline: float
+        self,
+        layer_id: str,
+        op: Op,
+        staged: torch.Tensor,
+        latency_class: LatencyClass,
+        started: float,
+        deadline: float,
+        first: ExecutorUnavailableError,
     ) -> torch.Tensor:
         """The further attempts of a call whose first attempt found the executor unavailable (lost
         connection, restart): re-handshake and retry with exponential backoff (at most a second
@@ -482,18 +540,37 @@ class ZmqTransport:
         Bounded by time only, not by a number of attempts: an executor that drains before it
         restarts (SIGTERM) refuses every Hello at once ("shutting down") until it exits, and five
         attempts used to be spent in 1.6 s, so a drain longer than that failed the calls of every
-        other client (found building the chaos tests, issue 10)."""
+        other client (found building the chaos tests, issue 10).
+
+        Each reconnection waits only until then, so the call gives up about ``connect_timeout_s``
+        after it started; it then raises ``ExecutorLostError``, naming why the session ended
+        (``first``: the first attempt's error, unless the connection said more) and the wait."""
         first_wait_s = 0.05
         time.sleep(min(first_wait_s, max(0.0, deadline - time.monotonic())))
+        connect_by = min(deadline, started + self.connect_timeout_s)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, ExecutorUnavailableError) and not self._closed),
             stop=lambda state: time.monotonic() - started >= self.connect_timeout_s or time.monotonic() >= deadline,
             wait=tenacity.wait_exponential(multiplier=2 * first_wait_s, max=1.0),
             reraise=True,
         )
-        for attempt in retrying:
-            with attempt:
-                result = self._call_once(layer_id, op, staged, latency_class, deadline)
+        try:
+            for attempt in retrying:
+                with attempt:
+                    # A handshake ends by ``connect_by`` (a tenth of a second at least: the last
+                    # attempt may start just before it), not ``connect_timeout_s`` from now.
+                    self._live_connection(max(connect_by, min(deadline, time.monotonic() + 0.1)))
+                    result = self._call_once(layer_id, op, staged, latency_class, deadline)
+        except ExecutorUnavailableError as exc:
+            if self._closed:
+                raise
+            cause = self._lost or str(first)
+            if self._endpoint not in cause:  # (a shm+ or dist+ transport's first session names its endpoint)
+                cause = f"{cause} (executor at {self.address})"
+            last = str(exc)
+            useful = last != cause and last != str(first) and not last.startswith(_NO_ANSWER)
+            waited_s = round(min(self.connect_timeout_s, deadline - started), 1)
+            raise ExecutorLostError(cause, waited_s, last if useful else None) from exc
         return result
 
     def close(self) -> None:
@@ -565,7 +642,9 @@ class ZmqTransport:
     # ---- internals -----------------------------------------------------------------------
 
     def _handshake(self, deadline: float) -> _Connection:
-        conn = _Connection(self._ctx, self._endpoint, heartbeat_s=1.0, curve=self.curve)
+        """A new session: Hello, and its Welcome before ``deadline`` (the connect timeout)."""
+        budget_s = max(0.0, deadline - time.monotonic())
+        conn = _Connection(self._ctx, self._endpoint, heartbeat_s=1.0, curve=self.curve, address=self.address)
         rid = next(self._request_ids)
         hello = P.Hello(P.PROTOCOL_VERSION, self.client_id, rid, self.expected_fingerprint, **self._hello_options())
         try:
@@ -573,7 +652,7 @@ class ZmqTransport:
             try:
                 msg, _ = conn.wait(future, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise ExecutorUnavailableError(f"no executor answered at {self.address}") from None
+                raise ExecutorUnavailableError(self._no_answer(conn, budget_s)) from None
             if isinstance(msg, P.Reply):
                 raise error_from_code(msg.error_code, msg.error_message)
             assert isinstance(msg, P.Welcome)
@@ -583,6 +662,7 @@ class ZmqTransport:
                     f"executor at {self.address} serves {msg.fingerprint!r}, expected {expected!r}"
                 )
             conn.heartbeat_s = msg.heartbeat_s
+            conn.established = True  # from now on a silent executor fails the calls waiting on it
             self._welcome = msg
             self._specs = {w.layer_id: w.to_spec() for w in msg.layers}
             self._spec_cache = {}
@@ -594,6 +674,21 @@ class ZmqTransport:
             conn.close(goodbye=None)
             raise
         return conn
+
+    def _no_answer(self, conn: _Connection, budget_s: float) -> str:
+        """Why a handshake got no Welcome in ``budget_s``, from what its socket monitor saw."""
+        message = f"{_NO_ANSWER} {self.address} within {round(budget_s, 1):g}s"
+        if conn.zmtp_ok:
+            return (
+                f"{message}: a ZeroMQ peer accepted the connection but did not answer the Hello (an executor that "
+                "is hung or overloaded, or a ZeroMQ program that is not a Symbiosis executor)"
+            )
+        if conn.accepted:
+            return (
+                f"{message}: something accepted the connection but did not complete the ZeroMQ handshake -- it is "
+                "probably not a Symbiosis executor (an HTTP server, say; check the address), or a hung one"
+            )
+        return message
 
     def _open_lane(self, welcome: P.Welcome, deadline: float) -> ClientLane | None:
         """A lane for this session (``lane.py``): from the executor's broker on the same host, or
@@ -627,9 +722,11 @@ class ZmqTransport:
             if self._conn is not None and self._conn.dead is None:
                 return self._conn
             if self._conn is not None:
+                self._lost = self._conn.dead  # named when a reconnection does not come in time
                 self._conn.close(goodbye=None)
                 self._conn = None
             self._conn = self._handshake(min(deadline, time.monotonic() + self.connect_timeout_s))
+            self._lost = None
             return self._conn
 
     def _call_once(
@@ -735,8 +832,7 @@ class ZmqTransport:
         except ExecutorTimeoutError:
             raise ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {self.timeout_s}s") from None
         except ExecutorUnavailableError as exc:
-            conn.fail(str(exc))  # the executor closed the lane: its session ended or it is gone
-            raise
+            raise conn.lane_failed(exc) from exc  # the executor closed the lane: its session ended or it is gone
         if not reply.ok:
             return self._finish(conn, reply, [] if payload is None else [payload], None)  # raises its typed error
         nbytes = n * shape.out_row_bytes if payload is None else payload.nbytes
@@ -794,8 +890,7 @@ class ZmqTransport:
             ) from None
         except ExecutorUnavailableError as exc:
             self._release(lease, reusable=False)
-            conn.fail(str(exc))  # the executor closed the lane: its session ended or it is gone
-            raise
+            raise conn.lane_failed(exc) from exc  # the executor closed the lane: its session ended or it is gone
         except BaseException:
             self._release(lease, reusable=False)
             raise
@@ -808,7 +903,8 @@ class ZmqTransport:
             self._release(lease, reusable=True)
             error = error_from_code(reply.error_code, reply.error_message)
             if isinstance(error, ExecutorUnavailableError):
-                conn.fail(reply.error_message)  # the session is gone or going: re-handshake
+                conn.fail(f'the executor at {self.address} answered "{reply.error_message}"')  # gone or going
+                raise ExecutorUnavailableError(conn.dead) from error  # re-handshake (``call``)
             raise error
         try:
             return self._decode(reply, payload, lease)
