@@ -460,7 +460,11 @@ class ZmqTransport:
         self._ctx = new_context()
         self._request_ids = itertools.count(1)
         self._conn_lock = threading.Lock()
-        self._closed = False
+        self._closed = False  # set first thing by ``close`` (a handshake in progress reads it)
+        self._close_done = False
+        # The session a handshake is opening, outside ``_conn_lock``'s guard: ``close`` fails it
+        # rather than wait out its connect timeout (a server stopping while its executor is gone).
+        self._opening: _Connection | None = None
         self._welcome: P.Welcome | None = None
         self._specs: dict[str, LayerSpec] = {}
         self._conn: _Connection | None = None
@@ -574,10 +578,14 @@ class ZmqTransport:
         return result
 
     def close(self) -> None:
+        self._closed = True  # before reading ``_opening``, which a handshake sets before reading this
+        opening = self._opening
+        if opening is not None:  # a call reconnecting holds ``_conn_lock`` until its handshake ends
+            opening.fail("the transport is closed")
         with self._conn_lock:
-            if self._closed:
+            if self._close_done:
                 return
-            self._closed = True
+            self._close_done = True
             conn, self._conn = self._conn, None
         if conn is not None:
             conn.close(goodbye=P.encode(P.Goodbye(self.client_id)))
@@ -647,7 +655,10 @@ class ZmqTransport:
         conn = _Connection(self._ctx, self._endpoint, heartbeat_s=1.0, curve=self.curve, address=self.address)
         rid = next(self._request_ids)
         hello = P.Hello(P.PROTOCOL_VERSION, self.client_id, rid, self.expected_fingerprint, **self._hello_options())
+        self._opening = conn
         try:
+            if self._closed:  # ``close`` came before ``_opening`` was set: it did not fail this one
+                raise ExecutorUnavailableError("transport is closed")
             future = conn.submit(rid, [P.encode(hello)], True)
             try:
                 msg, _ = conn.wait(future, max(0.0, deadline - time.monotonic()))
@@ -673,6 +684,8 @@ class ZmqTransport:
         except BaseException:
             conn.close(goodbye=None)
             raise
+        finally:
+            self._opening = None
         return conn
 
     def _no_answer(self, conn: _Connection, budget_s: float) -> str:

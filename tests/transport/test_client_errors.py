@@ -65,6 +65,38 @@ def test_a_connect_timeout_over_five_seconds_is_waited_out(sock_dir: str) -> Non
     assert 5.9 < time.monotonic() - started < 12
 
 
+def test_closing_a_client_does_not_wait_out_a_reconnection_in_progress(sock_dir: str) -> None:
+    """A call reconnecting to an executor that is gone holds the session lock for its handshake:
+    ``close`` (a server stopping after its executor died) waited out the whole connect timeout
+    behind it. Now it fails that handshake and returns at once."""
+    service = FakeExecutorService()
+    server = ZmqServer(service, f"ipc://{sock_dir}/executor.sock").start()
+    client = open_transport(server.address, connect_timeout_s=30)
+    call_q(client)
+    server.close()
+    outcome: list[BaseException] = []
+
+    def call_again() -> None:
+        try:
+            call_q(client)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call_again)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while client._opening is None:  # the call is reconnecting: its handshake waits for an answer
+        assert time.monotonic() < deadline and caller.is_alive()
+        time.sleep(0.005)
+    started = time.monotonic()
+    client.close()
+    closed_s = time.monotonic() - started
+    caller.join(5)
+    assert closed_s < 2.0, f"close waited {closed_s:.1f} s for the reconnection"
+    assert not caller.is_alive() and len(outcome) == 1 and isinstance(outcome[0], ExecutorUnavailableError)
+    service.close()
+
+
 # ---- a peer that is not a Symbiosis executor --------------------------------------------------
 
 
