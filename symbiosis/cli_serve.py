@@ -126,7 +126,7 @@ def serve(
     from symbiosis.executor.executor import BaseExecutor, parse_device
     from symbiosis.executor.scheduler_config import resolve_bulk_lane
     from symbiosis.heap import freeze_startup_heap
-    from symbiosis.transport.zmq_server import check_bind_address, check_ipc_path_free
+    from symbiosis.transport.zmq_server import check_bind_address, check_ipc_path_free, check_tcp_port_free
 
     freeze_startup_heap(collect=False)  # the modules just imported (see heap.py)
 
@@ -137,6 +137,9 @@ def serve(
         check_abstract_ipc(address, curve)
         check_bind_address(address, allow_non_loopback, authenticated=curve is not None)
         check_ipc_path_free(address)
+        check_tcp_port_free(address)
+    if metrics_port:
+        check_tcp_port_free(f"tcp://127.0.0.1:{metrics_port}", shown_as=f"--metrics-port {metrics_port}")
     if ready_file is not None and not ready_file.parent.is_dir():
         raise MissingFileError(f"--ready-file {str(ready_file)!r}: folder {str(ready_file.parent)!r} does not exist")
     from symbiosis.executor.quantized import parse_quantization

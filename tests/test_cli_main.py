@@ -178,6 +178,37 @@ def test_configuration_errors_keep_their_builtin_types():
     assert all(issubclass(cls, SymbiosisError) for cls in (ConfigurationError, MissingFileError, OutputExistsError))
 
 
+@pytest.mark.parametrize("verb", ["serve", "serve-metrics", "api"])
+def test_a_taken_port_is_refused_before_the_model_loads(verb, tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """Before, the bind came after the model was read and its products timed: minutes for a large one."""
+    import socket
+
+    import symbiosis.executor.executor as executor_module
+    import symbiosis.serving.server as server_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(executor_module.BaseExecutor, "from_pretrained", no_loading)
+    monkeypatch.setattr(server_module, "executor_target", no_loading)
+    model = str(tiny_checkpoint("llama"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        args, needles = {
+            "serve": (["serve", model, "--bind", f"tcp://127.0.0.1:{port}"], (f"tcp://127.0.0.1:{port}", "in use")),
+            "serve-metrics": (
+                ["serve", model, "--bind", f"ipc://{tmp_path}/ok.sock", "--metrics-port", str(port)],
+                (f"--metrics-port {port}", "in use"),
+            ),
+            "api": (
+                ["api", "--embedded", "--model", model, "--port", str(port), "--no-engine-process"],
+                (f"127.0.0.1:{port}", "in use"),
+            ),
+        }[verb]
+        code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_line_error(code, err, *needles)
+
+
 @pytest.mark.slow
 def test_serve_on_a_taken_port_is_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     import socket

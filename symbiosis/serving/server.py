@@ -319,15 +319,20 @@ class ApiServer:
         self.in_engine_process = options.engine_process and executor is None
         if spawned_engine is not None and not self.in_engine_process:
             raise ApiConfigError("spawned_engine is for an engine process (engine_process=True, no executor)")
-        # In engine-process mode the child makes the executor connection (or embedded executor).
-        self.target = executor_target(options) if executor is None and not self.in_engine_process else None
+        # Listening before anything loads (as vLLM does): a taken port fails now, not after the
+        # model is read, and the port is ours while it loads. Connections wait in the backlog.
+        self._socket: socket.socket | None = self._listen()
+        self.target = None
         self.engine = None
         try:
+            # In engine-process mode the child makes the executor connection (or embedded executor).
+            self.target = executor_target(options) if executor is None and not self.in_engine_process else None
             self._build(options)
         except BaseException:
             if self.engine is not None:
                 self.engine.close()
             self._close_client()
+            self._close_socket()
             raise
         self._uvicorn = None
         self._thread: threading.Thread | None = None
@@ -400,12 +405,22 @@ class ApiServer:
         sock.set_inheritable(True)
         return sock
 
+    def _take_socket(self) -> socket.socket:
+        """The listening socket for uvicorn, which closes it when it stops (a new one if taken before)."""
+        sock, self._socket = self._socket, None
+        return sock if sock is not None else self._listen()
+
+    def _close_socket(self) -> None:
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            sock.close()
+
     def start(self, timeout_s: float = 30.0) -> str:
         """Serve on a background thread; returns the base URL once it accepts connections."""
         import uvicorn
 
         self._uvicorn = uvicorn.Server(self._config())
-        sockets = [self._listen()]
+        sockets = [self._take_socket()]
         self._thread = threading.Thread(
             target=self._uvicorn.run, kwargs={"sockets": sockets}, name="symbiosis-api-http", daemon=True
         )
@@ -448,7 +463,7 @@ class ApiServer:
             await task
 
         try:
-            sockets = [self._listen()]
+            sockets = [self._take_socket()]
             # uvloop when installed, as uvicorn's own ``run`` picks it (see ``_config``).
             with asyncio.Runner(loop_factory=self._uvicorn.config.get_loop_factory()) as runner:
                 runner.run(serve())
@@ -486,6 +501,7 @@ class ApiServer:
         assert self._stopper is not None
         self._stopper.join()  # the one engine.close(), there
         self._close_client()
+        self._close_socket()  # never served
 
     def _close_client(self) -> None:
         if self.target is not None:

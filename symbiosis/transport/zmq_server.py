@@ -49,12 +49,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import inspect
 import ipaddress
 import logging
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -1227,6 +1229,27 @@ def check_ipc_path_free(address: str) -> None:
     path = ipc_path(address)
     if path is not None:
         check_path_free(path, shown_as=address)
+
+
+def check_tcp_port_free(address: str, shown_as: str | None = None) -> None:
+    """Refuse a ``tcp://HOST:PORT`` whose port another program listens on, before anything loads:
+    the bind itself comes after the model is read and its products timed (minutes for a large
+    model). Only a port in use is refused here; any other trouble (a host that is not this
+    machine's) is left to the bind, which says it. A port taken between the two still fails at the
+    bind, as before. Port 0 and ``*`` (any free port) and other schemes pass. ``shown_as``: how
+    the error names it (a flag), if not by the address."""
+    if not address.startswith("tcp://"):
+        return
+    host, port = split_tcp_address(address, bind=True)
+    if port in ("0", "*"):
+        return
+    host = "" if host == "*" else "127.0.0.1" if host == "localhost" else host
+    try:  # SO_REUSEADDR (create_server's default), as libzmq binds: a port in TIME_WAIT is free
+        socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            where = shown_as or address
+            raise BindError(f"cannot listen at {where}: {exc.strerror} (another program listens there)") from None
 
 
 def _socket_file(address: str) -> tuple[str, int] | None:
