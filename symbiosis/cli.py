@@ -68,10 +68,22 @@ def make_model_command(
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
 ) -> None:
     """Write a random-weight checkpoint of a real architecture, with a trained byte-level BPE tokenizer."""
-    from symbiosis.modelzoo import make_model
+    import json
 
+    from symbiosis.modelzoo import MARKER_FILE, make_model
+
+    try:  # what make_model would replace: the user reads that it went
+        before = json.loads((output / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        before = None
+    marker_before = (output / MARKER_FILE).stat().st_mtime_ns if before is not None else None
     path = make_model(arch, preset, output, seed=seed)
-    typer.echo(f"wrote {arch}/{preset} checkpoint to {path}")
+    if before is not None and (path / MARKER_FILE).stat().st_mtime_ns == marker_before:
+        typer.echo(f"{path} already holds the {arch}/{preset} checkpoint of seed {seed}; left as it was")
+        return
+    replaced = "" if before is None else f" (replacing the {before.get('arch')}/{before.get('preset')} one"
+    replaced += "" if before is None else f" of seed {before.get('seed')})"
+    typer.echo(f"wrote {arch}/{preset} checkpoint to {path}{replaced}")
 
 
 def _register_optional_commands() -> None:

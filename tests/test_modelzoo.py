@@ -228,6 +228,19 @@ def test_make_model_cli_errors_are_one_line(tmp_path: pathlib.Path, capsys, monk
     assert_one_line_error(code, err, "cannot write a checkpoint", str(precious / "ckpt"))
 
 
+def test_make_model_cli_says_what_it_kept_or_replaced(tmp_path: pathlib.Path, capsys, monkeypatch) -> None:
+    """Before, a folder holding another recipe was replaced without a word."""
+    output = tmp_path / "ckpt"
+    said = [
+        run_cli(["make-model", "--output", str(output), *extra], capsys, monkeypatch)
+        for extra in ([], [], ["--seed", "3"])
+    ]
+    assert [code for code, _, _ in said] == [0, 0, 0]
+    assert said[0][1].strip() == f"wrote llama/tiny checkpoint to {output}"
+    assert said[1][1].strip() == f"{output} already holds the llama/tiny checkpoint of seed 0; left as it was"
+    assert said[2][1].strip() == f"wrote llama/tiny checkpoint to {output} (replacing the llama/tiny one of seed 0)"
+
+
 def test_checkpoint_files_get_the_umask_mode(tmp_path: pathlib.Path) -> None:
     # safetensors wrote model.safetensors 0600 while config.json and the tokenizer got 0644.
     old = os.umask(0o027)
