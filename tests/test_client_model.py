@@ -105,6 +105,57 @@ def test_merge_and_unload_fails_loudly(llama, executor):
         model.symbiosis_transport.close()
 
 
+@pytest.mark.parametrize("target", ["lm_head", "o_proj"])
+def test_modules_to_save_on_a_base_layer_fails_loudly(llama, executor, target):
+    """peft's modules_to_save trains a copy of the layer: a base layer's copy had no weight, so it
+    trained and saved nothing while the config said it did (split loss 6.907 -> 6.906 over 3 steps
+    where the monolithic model's went to 0.196). On a client-side module it is exact (below)."""
+    model = symbiosis.load_client_model(llama, executor=executor)
+    try:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=[target])
+        with pytest.raises(symbiosis.BaseWeightAccessError, match="modules_to_save"):
+            peft.get_peft_model(model, config)
+    finally:
+        model.symbiosis_transport.close()
+
+
+def test_modules_to_save_on_a_client_module_and_copies_of_a_whole_model_still_work(llama, executor):
+    import copy
+
+    model = symbiosis.load_client_model(llama, executor=executor)
+    reference = AutoModelForCausalLM.from_pretrained(llama)
+    try:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["norm"], init_lora_weights=False)
+        torch.manual_seed(0)
+        split = peft.get_peft_model(model, config)
+        torch.manual_seed(0)
+        mono = peft.get_peft_model(reference, copy.deepcopy(config))
+        ids = torch.tensor([[5, 6, 7, 8]])
+        trainable = [name for name, p in split.named_parameters() if p.requires_grad]
+        assert trainable == [name for name, p in mono.named_parameters() if p.requires_grad]
+        assert any("modules_to_save" in name for name in trainable)
+        frozen_copy = copy.deepcopy(split)  # a reference model (DPO's, say): proxies of the same base layers
+        with torch.no_grad():
+            torch.testing.assert_close(split(ids).logits, mono(ids).logits, **TOL)
+            torch.testing.assert_close(frozen_copy(ids).logits, mono(ids).logits, **TOL)
+    finally:
+        model.symbiosis_transport.close()
+
+
+def test_save_pretrained_of_a_split_model_is_refused_and_its_adapter_saves(llama, executor, tmp_path):
+    """Before, it wrote the client's tensors alone: a checkpoint that loads with random base layers."""
+    model = symbiosis.load_client_model(llama, executor=executor)
+    try:
+        with pytest.raises(symbiosis.BaseWeightAccessError, match="without its base layers"):
+            model.save_pretrained(tmp_path / "whole")
+        assert not (tmp_path / "whole").exists()
+        peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        peft_model.save_pretrained(tmp_path / "adapter")
+        assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    finally:
+        model.symbiosis_transport.close()
+
+
 def test_client_layers_stay_in_client(llama, executor):
     model = symbiosis.load_client_model(llama, executor=executor, client_layers=["lm_head"])
     try:

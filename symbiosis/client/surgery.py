@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from symbiosis.checkpoint import (
 )
 from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import make_virt_layer
-from symbiosis.errors import CheckpointError, ModelMismatchError
+from symbiosis.errors import BaseWeightAccessError, CheckpointError, ModelMismatchError
 from symbiosis.executor.executor import parse_device, parse_dtype
 from symbiosis.threads import one_thread_for_small_forwards, small_forward_tokens, warn_if_client_spins
 from symbiosis.transport.base import ExecutorService, Transport
@@ -150,11 +150,29 @@ def load_client_model(
     model.to(device=device, dtype=client_dtype)
     model.eval()
     model.symbiosis_transport = transport
+    model.save_pretrained = _refuse_to_save_without_the_base(model)  # PeftModel's saves the adapter alone
     _load_generation_config(model, checkpoint.path)
     if not isinstance(transport, InProcTransport):  # the executor computes in another process
         one_thread_for_small_forwards(model, small_forward_tokens())
         warn_if_client_spins(getattr(transport, "address", None))
     return model
+
+
+def _refuse_to_save_without_the_base(model) -> Callable[..., None]:
+    """``save_pretrained`` of a split client: it would write the client's tensors alone, a
+    checkpoint that ``from_pretrained`` loads with random base layers after a warning (and so
+    would ``Trainer.save_model`` and ``push_to_hub``, which call it). A ``PeftModel`` of the client
+    has its own ``save_pretrained``, which writes the adapter alone, as peft does everywhere."""
+    name = type(model).__name__
+
+    def save_pretrained(*args, **kwargs) -> None:
+        raise BaseWeightAccessError(
+            f"save_pretrained on a split {name} would write a checkpoint without its base layers, which live only "
+            "in the base executor; save the adapter instead (PeftModel.save_pretrained writes the adapter alone, "
+            "and it loads on the monolithic model), or save the monolithic model"
+        )
+
+    return save_pretrained
 
 
 def _checkpoint_dtype(config) -> torch.dtype:

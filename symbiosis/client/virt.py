@@ -11,6 +11,8 @@ silently computing on a placeholder.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
@@ -117,6 +119,24 @@ class _VirtLayerMixin:
         if name in ("weight", "bias"):
             raise BaseWeightAccessError(f"cannot assign the {name} of base layer {self.layer_id!r}: {_WHY}")
         super().__setattr__(name, value)
+
+    def __deepcopy__(self, memo: dict):
+        """A copy of a whole model copies its VirtLayers (proxies of the same base layers, sharing
+        the link: a frozen reference model, say). A base layer copied on its own is peft's
+        ``modules_to_save`` making a trainable copy of it: with no weight to train, the copy would
+        train nothing and save nothing, and the run would silently diverge from the monolithic
+        one. ``memo`` is empty only when this layer is what ``copy.deepcopy`` was called on."""
+        if not memo:
+            raise BaseWeightAccessError(
+                f"a trainable copy of base layer {self.layer_id!r} (peft's modules_to_save) is not possible: {_WHY}; "
+                "adapt it with a method that keeps the base frozen (LoRA, IA3, ...), or keep the module on the client "
+                "(client_layers=[...])"
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():  # nn.Module's state, as copy.deepcopy's default would copy it
+            object.__setattr__(copied, name, copy.deepcopy(value, memo))
+        return copied
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
