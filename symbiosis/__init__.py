@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from symbiosis.errors import (
     BaseWeightAccessError,
+    BindError,
     CheckpointError,
+    ConfigurationError,
+    ExecutorBusyError,
+    ExecutorLostError,
     ExecutorTimeoutError,
     ExecutorUnavailableError,
     ModelMismatchError,
@@ -25,6 +29,7 @@ from symbiosis.errors import (
     SymbiosisError,
     UnsupportedModuleError,
     UnsupportedPeftMethodError,
+    UnsupportedQuantizationError,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +68,11 @@ __all__ = [
     "ProtocolError",
     "ModelMismatchError",
     "ExecutorUnavailableError",
+    "ExecutorLostError",
+    "ExecutorBusyError",
     "ExecutorTimeoutError",
+    "ConfigurationError",
+    "BindError",
+    "UnsupportedQuantizationError",
 ]
 __version__ = "0.1.0"

@@ -156,6 +156,19 @@ def test_save_pretrained_of_a_split_model_is_refused_and_its_adapter_saves(llama
         model.symbiosis_transport.close()
 
 
+def test_a_dtype_rows_cannot_travel_in_is_refused_when_the_model_is_built(llama, executor):
+    """Before: float64 was taken, and the first forward failed with a ProtocolError."""
+    with pytest.raises(symbiosis.SymbiosisError, match="unsupported dtype torch.float64"):
+        symbiosis.load_client_model(llama, executor=executor, dtype=torch.float64)
+    with pytest.raises(symbiosis.SymbiosisError, match="unsupported dtype torch.float64"):
+        symbiosis.BaseExecutor.from_pretrained(llama, dtype=torch.float64)
+    model = symbiosis.load_client_model(llama, executor=executor, dtype="bf16")  # vLLM's short names too
+    try:
+        assert model.lm_head.weight.dtype == torch.bfloat16
+    finally:
+        model.symbiosis_transport.close()
+
+
 def test_client_layers_stay_in_client(llama, executor):
     model = symbiosis.load_client_model(llama, executor=executor, client_layers=["lm_head"])
     try:

@@ -26,7 +26,7 @@ from symbiosis.checkpoint import (
 from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import make_virt_layer
 from symbiosis.errors import BaseWeightAccessError, CheckpointError, ModelMismatchError
-from symbiosis.executor.executor import parse_device, parse_dtype
+from symbiosis.executor.executor import DTYPES_BY_NAME, parse_device, parse_dtype
 from symbiosis.threads import one_thread_for_small_forwards, small_forward_tokens, warn_if_client_spins
 from symbiosis.transport.base import ExecutorService, Transport
 from symbiosis.transport.inproc import InProcTransport
@@ -179,7 +179,8 @@ def _checkpoint_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    # A checkpoint stored in a dtype rows do not travel in (float64) gets the default.
+    return dtype if isinstance(dtype, torch.dtype) and dtype in DTYPES_BY_NAME.values() else torch.float32
 
 
 def _load_generation_config(model, path: Path) -> None:

@@ -23,15 +23,22 @@ from symbiosis.executor.weights import BaseModelWeights
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Short names users bring from other tools (vLLM's --dtype, PyTorch Lightning's precision).
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 #: ``warm_up`` times forwards of 1 to this many rows: the decode batches of a few clients. Larger
 #: ones are timed on first use (packed layers, the default on a CPU, time only 1-2 rows anyway).
 WARM_UP_ROWS = 8
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """One of the dtypes rows travel in (``protocol.ALLOWED_DTYPES``), by dtype or name. Another
+    (float64, say) used to be taken here and fail at the first product, as a ProtocolError."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES_BY_NAME.values():
+            raise ConfigurationError(f"unsupported dtype {dtype}; use one of {list(DTYPES_BY_NAME)}")
         return dtype
     name = dtype.removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPES_BY_NAME:
         raise ConfigurationError(f"unsupported dtype {dtype!r}; use one of {list(DTYPES_BY_NAME)}")
     return DTYPES_BY_NAME[name]
