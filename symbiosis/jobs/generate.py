@@ -260,7 +260,9 @@ def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Comple
                         model.set_adapter(name)
                     header = f"[{name}] " if len(names) > 1 else ""
                     write(f"{header}{job.prompt}")
-                    completion = generate_one(model, tokenizer, job.prompt, options.sampling, write)
-                    write("\n")
+                    try:
+                        completion = generate_one(model, tokenizer, job.prompt, options.sampling, write)
+                    finally:
+                        write("\n")  # a failure's message (stderr) starts on a line of its own
                     completions.append(Completion(job.prompt, name, completion.text, completion.new_tokens))
     return completions

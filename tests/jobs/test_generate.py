@@ -154,3 +154,23 @@ def test_prompt_ids_of_an_empty_prompt_is_bos_even_when_its_id_is_0(tiny_checkpo
     assert prompt_ids(tokenizer, "").tolist() == [[0]]
     tokenizer.bos_token = None
     assert prompt_ids(tokenizer, "").tolist() == [[tokenizer.eos_token_id]]
+
+
+def test_a_failure_mid_stream_leaves_the_output_on_a_line_of_its_own(tiny_checkpoint, monkeypatch):
+    """The error goes to stderr after what was streamed; before, it followed the partial tokens on
+    the same terminal line."""
+    import symbiosis.jobs.generate as generate_module
+    from symbiosis.errors import ExecutorUnavailableError
+
+    def fails_after_two_tokens(model, tokenizer, prompt, sampling, write):
+        write(" two tokens")
+        raise ExecutorUnavailableError("the executor went away")
+
+    monkeypatch.setattr(generate_module, "generate_one", fails_after_two_tokens)
+    out = io.StringIO()
+    options = GenerateOptions(
+        model=tiny_checkpoint("llama"), client=ClientOptions(embedded=True), prompts=["hi", "there"]
+    )
+    with pytest.raises(ExecutorUnavailableError):
+        generate(options, out)
+    assert out.getvalue() == "hi two tokens\n"
