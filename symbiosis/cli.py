@@ -70,17 +70,19 @@ def make_model_command(
     """Write a random-weight checkpoint of a real architecture, with a trained byte-level BPE tokenizer."""
     import json
 
-    from symbiosis.modelzoo import MARKER_FILE, make_model
+    from symbiosis.modelzoo import MARKER_FILE, holds, make_model
 
-    try:  # what make_model would replace: the user reads that it went
+    if holds(output, arch, preset, seed=seed):
+        typer.echo(
+            f"{make_model(arch, preset, output, seed=seed)} already holds the {arch}/{preset} checkpoint "
+            f"of seed {seed}; left as it was"
+        )
+        return
+    try:  # what make_model will replace: the user reads that it went
         before = json.loads((output / MARKER_FILE).read_text())
     except (OSError, ValueError):
         before = None
-    marker_before = (output / MARKER_FILE).stat().st_mtime_ns if before is not None else None
     path = make_model(arch, preset, output, seed=seed)
-    if before is not None and (path / MARKER_FILE).stat().st_mtime_ns == marker_before:
-        typer.echo(f"{path} already holds the {arch}/{preset} checkpoint of seed {seed}; left as it was")
-        return
     replaced = "" if before is None else f" (replacing the {before.get('arch')}/{before.get('preset')} one"
     replaced += "" if before is None else f" of seed {before.get('seed')})"
     typer.echo(f"wrote {arch}/{preset} checkpoint to {path}{replaced}")

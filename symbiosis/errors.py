@@ -70,17 +70,21 @@ class ExecutorLostError(ExecutorUnavailableError):
     ``waited_s`` (``connect_timeout_s``); ``last``: why the last reconnection attempt failed, where
     that says more than "no executor answered"."""
 
-    def __init__(self, cause: str, waited_s: float, last: str | None = None) -> None:
-        self.cause, self.waited_s, self.last = cause, waited_s, last
-        super().__init__(f"{cause}, and the executor did not come back within {waited_s:g}s{self.detail}")
+    def __init__(self, cause: str, waited_s: float, last: str | None = None, flag: str | None = None) -> None:
+        """``flag``: the option that set the wait, named with advice (a job's ``--connect-timeout``)."""
+        self.cause, self.waited_s, self.last, self.flag = cause, waited_s, last, flag
+        wait = f"{waited_s:g}s"
+        if flag is not None:
+            wait = f"{flag} ({wait}): raise {flag} to wait longer for a restarting executor"
+        super().__init__(f"{cause}, and the executor did not come back within {wait}{self.detail}")
 
     @property
     def detail(self) -> str:
         """`` (last try: …)``, or nothing."""
         return f" (last try: {self.last})" if self.last else ""
 
-    def __reduce__(self) -> tuple[type[ExecutorLostError], tuple[str, float, str | None]]:
-        return type(self), (self.cause, self.waited_s, self.last)
+    def __reduce__(self) -> tuple[type[ExecutorLostError], tuple[str, float, str | None, str | None]]:
+        return type(self), (self.cause, self.waited_s, self.last, self.flag)
 
 
 class ExecutorTimeoutError(SymbiosisError, TimeoutError):

@@ -355,6 +355,12 @@ def _read_recipe(folder: pathlib.Path) -> dict[str, Any] | None:
         return None
 
 
+def holds(output: str | os.PathLike[str], arch: str, preset: str, *, seed: int = 0) -> bool:
+    """Whether ``output`` already holds the checkpoint ``make_model`` would write for these
+    (default dtype and tying): it would then return it untouched."""
+    return _is_complete(pathlib.Path(output).absolute(), _recipe(arch, preset, seed, torch.float32, None))
+
+
 def _is_complete(folder: pathlib.Path, recipe: dict[str, Any]) -> bool:
     needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
     return _read_recipe(folder) == recipe and all((folder / name).is_file() for name in needed)

@@ -25,7 +25,7 @@ from symbiosis.checkpoint import (
 )
 from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import make_virt_layer
-from symbiosis.errors import BaseWeightAccessError, CheckpointError, ModelMismatchError
+from symbiosis.errors import BaseWeightAccessError, CheckpointError, ConfigurationError, ModelMismatchError
 from symbiosis.executor.executor import DTYPES_BY_NAME, parse_device, parse_dtype
 from symbiosis.threads import one_thread_for_small_forwards, small_forward_tokens, warn_if_client_spins
 from symbiosis.transport.base import ExecutorService, Transport
@@ -98,6 +98,8 @@ def load_client_model(
     checkpoint = Checkpoint(path)
     config = checkpoint.config
     client_dtype = parse_dtype(dtype) if dtype is not None else _checkpoint_dtype(config)
+    if client_dtype not in DTYPES_BY_NAME.values():  # rows travel in it: it failed at the first product
+        raise ConfigurationError(f"unsupported client dtype {client_dtype}; use one of {list(DTYPES_BY_NAME)}")
     device = parse_device(device)
 
     model = build_skeleton(config)

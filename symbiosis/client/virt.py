@@ -121,21 +121,23 @@ class _VirtLayerMixin:
         super().__setattr__(name, value)
 
     def __deepcopy__(self, memo: dict):
-        """A copy of a whole model copies its VirtLayers (proxies of the same base layers, sharing
-        the link: a frozen reference model, say). A base layer copied on its own is peft's
-        ``modules_to_save`` making a trainable copy of it: with no weight to train, the copy would
-        train nothing and save nothing, and the run would silently diverge from the monolithic
-        one. ``memo`` is empty only when this layer is what ``copy.deepcopy`` was called on."""
-        if not memo:
+        """A copy of a whole model copies its VirtLayers: proxies of the same base layers, sharing
+        the link (a frozen reference model, say). A base layer copied as part of anything less --
+        peft's ``modules_to_save`` of the layer or of a block holding it, LN tuning -- is a copy
+        made to be trained: with no weight to train, it would train and save nothing, and the run
+        would silently drift from the monolithic one. ``memo`` holds what this deepcopy copied
+        before: a whole model's copy went through its ``PreTrainedModel`` first."""
+        from transformers import PreTrainedModel  # (loaded already: this layer replaced one of its modules)
+
+        if not any(isinstance(copied, PreTrainedModel) for copied in memo.values()):
             raise BaseWeightAccessError(
-                f"a trainable copy of base layer {self.layer_id!r} (peft's modules_to_save) is not possible: {_WHY}; "
-                "adapt it with a method that keeps the base frozen (LoRA, IA3, ...), or keep the module on the client "
-                "(client_layers=[...])"
+                f"a copy of base layer {self.layer_id!r} outside a copy of the whole model (peft's modules_to_save "
+                f"or LN tuning make such copies to train them) is not possible: {_WHY}; adapt it with a method that "
+                "keeps the base frozen (LoRA, IA3, ...), or keep the module on the client (client_layers=[...])"
             )
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
-        for name, value in self.__dict__.items():  # nn.Module's state, as copy.deepcopy's default would copy it
-            object.__setattr__(copied, name, copy.deepcopy(value, memo))
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # as the default deepcopy of a Module
         return copied
 
     def _apply(self, fn, recurse: bool = True):

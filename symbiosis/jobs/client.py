@@ -85,12 +85,11 @@ def executor_restart_hint(options: ClientOptions) -> Iterator[None]:
     except ExecutorUnavailableError as exc:
         if options.embedded:
             raise
+        if isinstance(exc, ExecutorLostError):  # the same type, so a Python caller can catch it
+            raise ExecutorLostError(exc.cause, options.connect_timeout_s, exc.last, flag="--connect-timeout") from exc
         wait = f"within --connect-timeout ({options.connect_timeout_s:g}s)"
         advice = "raise --connect-timeout to wait longer for a restarting executor"
-        if isinstance(exc, ExecutorLostError):
-            message = f"{exc.cause}, and the executor did not come back {wait}: {advice}{exc.detail}"
-        else:
-            message = f"{exc}; the executor at {options.executor} did not come back {wait}: {advice}"
+        message = f"{exc}; the executor at {options.executor} did not come back {wait}: {advice}"
         raise ExecutorUnavailableError(message) from exc
 
 

@@ -319,9 +319,10 @@ class ApiServer:
         self.in_engine_process = options.engine_process and executor is None
         if spawned_engine is not None and not self.in_engine_process:
             raise ApiConfigError("spawned_engine is for an engine process (engine_process=True, no executor)")
-        # Listening before anything loads (as vLLM does): a taken port fails now, not after the
-        # model is read, and the port is ours while it loads. Connections wait in the backlog.
-        self._socket: socket.socket | None = self._listen()
+        # Bound before anything loads (as vLLM does): a taken port fails now, not after the model
+        # is read, and the port is ours while it loads. It listens once serving starts: until
+        # then a connection is refused, not left hanging (a TCP probe must not read "ready").
+        self._socket: socket.socket | None = self._bind()
         self.target = None
         self.engine = None
         try:
@@ -393,22 +394,30 @@ class ApiServer:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
-    def _listen(self) -> socket.socket:
-        """The listening socket, bound here so a taken port is a clear error, not uvicorn's exit."""
+    def _bind(self) -> socket.socket:
+        """The server's socket, bound here so a taken port is a clear error, not uvicorn's exit."""
         host, port = self.options.host, self.options.port
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock = socket.create_server(
-                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048
-            )
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server: TIME_WAIT is free
+            sock.bind((host, port))
         except (OSError, OverflowError) as exc:  # taken, not ours, or no port at all (socket's OverflowError)
+            sock.close()
             raise ApiConfigError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
         sock.set_inheritable(True)
         return sock
 
     def _take_socket(self) -> socket.socket:
-        """The listening socket for uvicorn, which closes it when it stops (a new one if taken before)."""
+        """The socket for uvicorn, listening; uvicorn closes it when it stops (a new one if taken before)."""
         sock, self._socket = self._socket, None
-        return sock if sock is not None else self._listen()
+        sock = sock if sock is not None else self._bind()
+        try:
+            sock.listen(2048)
+        except OSError as exc:  # another program bound it too meanwhile (SO_REUSEADDR), and listened first
+            sock.close()
+            host, port = self.options.host, self.options.port
+            raise ApiConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        return sock
 
     def _close_socket(self) -> None:
         sock, self._socket = self._socket, None

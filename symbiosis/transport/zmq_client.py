@@ -572,7 +572,10 @@ class ZmqTransport:
             if self._endpoint not in cause:  # (a shm+ or dist+ transport's first session names its endpoint)
                 cause = f"{cause} (executor at {self.address})"
             last = str(exc)
-            useful = last != cause and last != str(first) and not last.startswith(_NO_ANSWER)
+            # The bare "no executor answered at ADDR within Ns" says nothing the cause does not;
+            # what the monitor saw after it (not an executor, a hung one) does.
+            bare = last.startswith(_NO_ANSWER) and ": " not in last
+            useful = last != cause and last != str(first) and not bare
             waited_s = round(min(self.connect_timeout_s, deadline - started), 1)
             raise ExecutorLostError(cause, waited_s, last if useful else None) from exc
         return result

@@ -1244,12 +1244,18 @@ def check_tcp_port_free(address: str, shown_as: str | None = None) -> None:
     if port in ("0", "*"):
         return
     host = "" if host == "*" else "127.0.0.1" if host == "localhost" else host
-    try:  # SO_REUSEADDR (create_server's default), as libzmq binds: a port in TIME_WAIT is free
-        socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    # Bound, never listening: two such probes at once (the ranks of a sharded executor, each
+    # checking --bind) do not refuse each other; a listener there still refuses the bind.
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds: a port in TIME_WAIT is free
+        probe.bind((host, int(port)))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             where = shown_as or address
             raise BindError(f"cannot listen at {where}: {exc.strerror} (another program listens there)") from None
+    finally:
+        probe.close()
 
 
 def _socket_file(address: str) -> tuple[str, int] | None:

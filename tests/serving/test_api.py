@@ -1310,6 +1310,22 @@ def test_an_embedded_executor_shared_with_a_fine_tuning_job(
         open_transport(address, connect_timeout_s=1.0)
 
 
+def test_the_port_is_bound_while_the_model_loads_and_refuses_connections_until_serving(api_model):
+    """Bound first (a taken port fails before the load), listening only once serving: a TCP probe
+    or a client connecting meanwhile is refused, not left hanging as if the server were ready."""
+    server = ApiServer(ApiOptions(model=api_model, client=ClientOptions(embedded=True), port=0))
+    try:
+        port = server._socket.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(ApiConfigError, match="in use"):
+            ApiServer(ApiOptions(model=api_model, client=ClientOptions(embedded=True), port=taken.getsockname()[1]))
+        server.start()
+        assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+    finally:
+        server.close()
+
+
 def test_executor_bind_needs_an_embedded_executor_and_a_local_address(api_model):
     with pytest.raises(ApiConfigError, match="--executor-bind shares an --embedded executor"):
         ApiServer(
