@@ -318,7 +318,11 @@ def _start_api(model_dir: Path, executor: ExecutorHandle):
         model=model_dir, client=client, port=0, served_model_name=BASE_NAME, allow_adapter_updates=True
     )
     server = ApiServer(options, executor=None if isinstance(executor.target, str) else executor.target)
-    server.start()
+    try:
+        server.start()
+    except BaseException:
+        server.close()  # its socket and engine: the demo goes on without it, or stops
+        raise
     return server
 
 
