@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
+import urllib.error
 import urllib.request
 
+import pytest
 import torch
 
 import symbiosis
@@ -100,3 +103,52 @@ def test_scheduler_metrics_count_what_was_served():
         assert samples[("symbiosis_pending_requests", (("latency_class", cls),))] == count
         assert samples[("symbiosis_pending_rows", (("latency_class", cls),))] == stats["pending_rows"][cls]
     assert samples[("symbiosis_wait_rule", (("rule", "none"),))] == 1.0
+
+
+def test_health_says_when_the_executor_stops_serving(tiny_checkpoint, monkeypatch):
+    """Before, a single executor's /health said "ok" whatever happened: a product that never
+    ended, a server whose socket thread stopped, a closing executor. Each now answers 503 with
+    its status and reason, so a monitor restarts it as it would a dead one."""
+    import threading
+
+    import symbiosis.executor.executor as executor_module
+
+    monkeypatch.setattr(executor_module, "HEALTH_STALL_S", 0.3)
+    layer = "model.layers.0.self_attn.q_proj"
+    release = threading.Event()
+    with symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("llama"), policy="immediate") as ex:
+        compute = ex._engine._compute
+
+        def never_ending_until_released(*args, **kwargs):
+            release.wait(30)
+            return compute(*args, **kwargs)
+
+        monkeypatch.setattr(ex._engine, "_compute", never_ending_until_released)
+        metrics = MetricsServer(ex, port=0)
+        url = f"http://127.0.0.1:{metrics.port}/health"
+        try:
+            assert ex.health()["status"] == "ok"
+            ex.register_client("a")
+            ex.register_client("b")  # two clients: the request is queued, not served alone in this thread
+            stuck = ex.submit("a", layer, Op.FORWARD, torch.randn(2, 64), LatencyClass.DECODE)
+            deadline = time.monotonic() + 10
+            while ex.health()["status"] == "ok":
+                assert time.monotonic() < deadline, ex.health()
+                time.sleep(0.02)
+            with pytest.raises(urllib.error.HTTPError) as answered:
+                urllib.request.urlopen(url, timeout=5)
+            health = json.loads(answered.value.read())
+            assert answered.value.code == 503 and health["status"] == "stalled" and "waited" in health["reason"]
+            release.set()
+            stuck.result(timeout=10)
+            assert ex.health()["status"] == "ok"
+
+            server = ex.serve("tcp://127.0.0.1:0")
+            assert ex.health()["status"] == "ok"
+            server.close()  # its socket thread stops; the executor still lists it
+            health = ex.health()
+            assert health["status"] == "unavailable" and server.address in health["reason"]
+        finally:
+            release.set()
+            metrics.close()
+    assert ex.health()["status"] == "stopping"

@@ -586,6 +586,17 @@ class ExecutionEngine:
         for wake in self._drivers:
             wake()
 
+    def oldest_wait_s(self) -> float:
+        """How long the oldest request in flight has waited (0 when none): what ``/health`` reads.
+        O(requests in flight), for a monitor's occasional look."""
+        with self._cond:
+            oldest = min((inflight.submitted_s for inflight in self._inflight.values()), default=None)
+            return 0.0 if oldest is None else max(0.0, self._clock() - oldest)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
     def stats(self) -> dict:
         with self._cond:
             return {

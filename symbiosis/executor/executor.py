@@ -28,6 +28,8 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 #: ``warm_up`` times forwards of 1 to this many rows: the decode batches of a few clients. Larger
 #: ones are timed on first use (packed layers, the default on a CPU, time only 1-2 rows anyway).
 WARM_UP_ROWS = 8
+#: ``/health`` says "stalled" once a request has waited this long (``BaseExecutor.health``).
+HEALTH_STALL_S = 30.0
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -258,9 +260,30 @@ class BaseExecutor:
         return stats
 
     def health(self) -> dict:
-        """What ``/health`` reports (``status`` "ok": answering)."""
+        """What ``/health`` reports; any ``status`` but "ok" answers 503, so that a monitor
+        restarts an executor that stopped serving as it would a dead one: "stopping" once closed
+        (draining), "unavailable" when a server's socket thread stopped (its clients get nothing),
+        "stalled" when a request has waited ``HEALTH_STALL_S`` (or twice the lockstep timeout, if
+        longer) -- no product or hold of ours lasts that long (a product that never ends, say)."""
         stats = self._engine.stats()
-        return {"status": "ok", "inflight_requests": stats["inflight_requests"], "device": str(self.device)}
+        stalled_after_s = max(HEALTH_STALL_S, 2e-3 * self.scheduler_config.lockstep_timeout_ms)
+        oldest_wait_s = self._engine.oldest_wait_s()
+        stopped = [server.address for server in self._servers if not getattr(server, "serving", True)]
+        if not self._engine.accepting:
+            status, reason = "stopping", "the executor is closing"
+        elif stopped:
+            status, reason = "unavailable", f"not serving at {', '.join(stopped)} (its socket thread stopped)"
+        elif oldest_wait_s >= stalled_after_s:
+            status, reason = "stalled", f"a request has waited {oldest_wait_s:.0f} s"
+        else:
+            status, reason = "ok", None
+        return {
+            "status": status,
+            **({"reason": reason} if reason else {}),
+            "inflight_requests": stats["inflight_requests"],
+            "oldest_wait_s": round(oldest_wait_s, 3),
+            "device": str(self.device),
+        }
 
     def close(self, drain: bool = True) -> None:
         """Stop serving. ``drain``: finish the requests in flight first (up to each server's

@@ -311,6 +311,11 @@ class ZmqServer:
         """The bound address, with a tcp port 0 resolved to the real port."""
         return self._address
 
+    @property
+    def serving(self) -> bool:
+        """Whether its socket thread runs (started, not closed, not died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> ZmqServer:
         """Bind (errors raise here, in the caller's thread) and serve from a background thread."""
         self._specs = self._service.layer_specs()  # not a copy: it resolves sibling group ids
