@@ -34,18 +34,21 @@ _SIZE_MISMATCH = re.compile(
 )
 
 
-def read_adapter_config(folder: Path, error: type[SymbiosisError] = CheckpointError) -> dict[str, Any]:
+def read_adapter_config(
+    folder: Path, error: type[SymbiosisError] = CheckpointError, label: str | None = None
+) -> dict[str, Any]:
     """The parsed ``adapter_config.json`` of an adapter folder; ``error`` (the caller's type: the
-    API server answers its own with a 400) when it is missing, not JSON or not an object."""
-    config = Path(folder) / "adapter_config.json"
+    API server answers its own with a 400) when it is missing, not JSON or not an object, naming
+    the adapter ``label`` (default: its folder; the API server's names it as it is served)."""
+    label = label or repr(str(folder))
     try:
-        value = json.loads(config.read_text())
+        value = json.loads((Path(folder) / "adapter_config.json").read_text())
     except OSError:
-        raise error(f"adapter folder {str(folder)!r} has no readable adapter_config.json") from None
+        raise error(f"adapter {label} has no readable adapter_config.json") from None
     except ValueError as exc:
-        raise error(f"{config} is not valid JSON: {exc}") from None
+        raise error(f"adapter {label}: adapter_config.json is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise error(f"{config} must hold a JSON object")
+        raise error(f"adapter {label}: adapter_config.json must hold a JSON object")
     return value
 
 

@@ -26,7 +26,6 @@ monolithic ``transformers`` + ``peft`` model with that adapter (tests/serving).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
@@ -39,6 +38,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from symbiosis.errors import SymbiosisError
+from symbiosis.jobs.adapters import read_adapter_config
 
 
 class AdapterFormatError(SymbiosisError):
@@ -93,14 +93,7 @@ def read_lora_config(path: Path, name: str | None = None) -> dict:
     """``adapter_config.json`` of a LoRA adapter folder, checked for what this server can serve;
     errors name the adapter ``name`` (else the folder)."""
     label = _label(name, path)
-    try:
-        config = json.loads((Path(path) / CONFIG_FILE).read_text())
-    except OSError:
-        raise AdapterFormatError(f"adapter {label} has no readable {CONFIG_FILE}") from None
-    except ValueError as exc:
-        raise AdapterFormatError(f"adapter {label}: {CONFIG_FILE} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterFormatError(f"adapter {label}: {CONFIG_FILE} must hold a JSON object")
+    config = read_adapter_config(path, AdapterFormatError, label)
     if config.get("peft_type") != "LORA":
         raise AdapterFormatError(
             f"adapter {label} is {config.get('peft_type')!r}; the api server serves LoRA adapters "

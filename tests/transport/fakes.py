@@ -7,9 +7,11 @@ weights, so a test can compute the reference locally for a server running elsewh
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -223,3 +225,35 @@ def declare_dist_payload_and_hang(address: str, client_id: str) -> None:
     transport = open_transport(address, client_id=client_id, timeout_s=120)
     declare_dist_payload(transport)
     time.sleep(120)
+
+
+@contextlib.contextmanager
+def raw_tcp_peer(answer: Callable[[socket.socket], None] = lambda conn: None) -> Iterator[str]:
+    """A loopback TCP listener that is not a Symbiosis executor: ``answer(conn)`` runs on each
+    connection it accepts (default: nothing, the connection stays open). Yields ``tcp://`` its
+    address; on exit stops accepting and closes every connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed: the test is over
+            accepted.append(conn)
+            try:
+                answer(conn)
+            except OSError:
+                pass  # the client hung up first
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
+        listener.close()
+        thread.join(timeout=5)
+        for conn in accepted:
+            conn.close()

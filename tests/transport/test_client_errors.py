@@ -29,7 +29,7 @@ from symbiosis.transport.security import handshake_failure
 from symbiosis.transport.zmq import ZmqServer
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
-from .fakes import DEFAULT_SPECS, FakeExecutorService
+from .fakes import DEFAULT_SPECS, FakeExecutorService, raw_tcp_peer
 
 
 def call_q(transport) -> torch.Tensor:
@@ -100,33 +100,17 @@ def test_closing_a_client_does_not_wait_out_a_reconnection_in_progress(sock_dir:
 # ---- a peer that is not a Symbiosis executor --------------------------------------------------
 
 
+def _answer_http_400(conn: socket.socket) -> None:
+    """What an HTTP server (the OpenAI API server of ``symbiosis api``) does with a ZeroMQ greeting."""
+    conn.recv(1024)
+    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    conn.close()
+
+
 @pytest.fixture
 def http_like_server() -> Iterator[str]:
-    """A TCP listener that answers whatever comes with an HTTP 400 and closes, like an HTTP server
-    (the OpenAI API server of ``symbiosis api``) does with a ZeroMQ greeting."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed: the test is over
-            accepted.append(conn)
-            try:
-                conn.recv(1024)
-                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-            except OSError:
-                pass
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-    listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
-    listener.close()
-    thread.join(timeout=5)
+    with raw_tcp_peer(_answer_http_400) as address:
+        yield address
 
 
 def test_an_http_server_is_not_taken_for_a_curve_executor(http_like_server: str) -> None:
@@ -146,20 +130,12 @@ def test_a_peer_that_never_completes_the_handshake_is_named(sock_dir: str) -> No
     """Python's ``http.server`` reads the ZeroMQ greeting as the start of a request line and waits
     for the rest: no handshake failure to report, so the connect timeout runs out -- and says that
     something accepted the connection without speaking ZeroMQ."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
-    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-    try:
+    with raw_tcp_peer() as address:  # accepts, then says nothing
         with pytest.raises(ExecutorUnavailableError) as caught:
             open_transport(address, connect_timeout_s=0.5)
-        message = str(caught.value)
-        assert message.startswith(f"no executor answered at {address} within 0.5s: something accepted the connection")
-        assert "not a Symbiosis executor" in message
-    finally:
-        listener.close()
-        for conn in accepted:
-            conn.close()
+    message = str(caught.value)
+    assert message.startswith(f"no executor answered at {address} within 0.5s: something accepted the connection")
+    assert "not a Symbiosis executor" in message
 
 
 # ---- an established session ends: the error says how, and where -------------------------------

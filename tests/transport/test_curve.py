@@ -39,7 +39,7 @@ from symbiosis.transport.zmq_context import new_context
 from symbiosis.vocabulary import LatencyClass, Op
 from tests.cli_helpers import run_cli
 
-from .fakes import FakeExecutorService, assert_same_product
+from .fakes import FakeExecutorService, assert_same_product, raw_tcp_peer
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -165,34 +165,16 @@ def test_curve_client_refuses_a_plain_server(fake: FakeExecutorService, keys: Pa
         server.close(drain=False)
 
 
-def _null_greeting_peer() -> tuple[socket.socket, list[socket.socket]]:
-    """A listener that answers every connection with a ZMTP 3.0 greeting naming the NULL
-    mechanism and then keeps it open: a CURVE client sees the mismatch itself, every time, on its
-    first try (a real NULL socket sometimes closes first, and the client then retries)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    accepted: list[socket.socket] = []
-    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(1) + bytes(31)
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed: the test is over
-            accepted.append(conn)
-            conn.sendall(greeting)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return listener, accepted
+#: A ZMTP 3.0 greeting naming the NULL mechanism: a peer that sends it and then keeps the connection
+#: open makes a CURVE client see the mismatch itself, every time, on its first try (a real NULL
+#: socket sometimes closes first, and the client then retries).
+NULL_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(1) + bytes(31)
 
 
 def test_a_handshake_that_fails_at_once_is_still_reported(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """libzmq reports a mechanism mismatch once and does not reconnect: the client's monitor must
     be listening before ``connect``, or a client thread that loses the core right after connecting
     (a loaded host) misses the only event and waits the executor out as "silent" (seen in CI)."""
-    listener, accepted = _null_greeting_peer()
     connect = zmq.Socket.connect
 
     def connect_then_lose_the_core(self: zmq.Socket, addr: str) -> object:
@@ -201,17 +183,11 @@ def test_a_handshake_that_fails_at_once_is_still_reported(keys: Path, monkeypatc
         return result
 
     monkeypatch.setattr(zmq.Socket, "connect", connect_then_lose_the_core)
-    try:
+    with raw_tcp_peer(lambda conn: conn.sendall(NULL_GREETING)) as address:
         start = time.monotonic()
         with pytest.raises(ExecutorUnavailableError, match="does not use CURVE"):
-            open_transport(
-                f"tcp://127.0.0.1:{listener.getsockname()[1]}", curve=client_keys(keys), connect_timeout_s=10
-            )
+            open_transport(address, curve=client_keys(keys), connect_timeout_s=10)
         assert time.monotonic() - start < 3.0
-    finally:
-        listener.close()
-        for conn in accepted:
-            conn.close()
 
 
 def test_raw_plain_peer_gets_nothing(curve_server: ZmqServer, fake: FakeExecutorService) -> None:
