@@ -73,18 +73,14 @@ def make_model_command(
     from symbiosis.modelzoo import MARKER_FILE, holds, make_model
 
     if holds(output, arch, preset, seed=seed):
-        typer.echo(
-            f"{make_model(arch, preset, output, seed=seed)} already holds the {arch}/{preset} checkpoint "
-            f"of seed {seed}; left as it was"
-        )
+        typer.echo(f"{output.absolute()} already holds the {arch}/{preset} checkpoint of seed {seed}; left as it was")
         return
     try:  # what make_model will replace: the user reads that it went
         before = json.loads((output / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        before = None
+        replaced = f" (replacing the {before.get('arch')}/{before.get('preset')} one of seed {before.get('seed')})"
+    except (OSError, ValueError, AttributeError):  # none there (or not a recipe)
+        replaced = ""
     path = make_model(arch, preset, output, seed=seed)
-    replaced = "" if before is None else f" (replacing the {before.get('arch')}/{before.get('preset')} one"
-    replaced += "" if before is None else f" of seed {before.get('seed')})"
     typer.echo(f"wrote {arch}/{preset} checkpoint to {path}{replaced}")
 
 

@@ -16,6 +16,7 @@ from symbiosis.cli_jobs import (
     ModelOpt,
     QuantizationOpt,
     TimeoutOpt,
+    count_of,
 )
 from symbiosis.jobs.client import ClientOptions
 
@@ -186,7 +187,7 @@ def api_command(
 
     def ready(url: str) -> None:
         typer.echo(
-            f"serving {server.served_model_name} and {len(adapters)} adapter{'' if len(adapters) == 1 else 's'} "
+            f"serving {server.served_model_name} and {count_of(len(adapters), 'adapter')} "
             f"with OpenAI's API at {url}/v1 "
             f"(executor: {executor or 'embedded'}"
             + (f", shared at {', '.join(executor_bind)}" if executor_bind else "")

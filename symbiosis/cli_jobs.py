@@ -20,6 +20,11 @@ from symbiosis.jobs.train_options import TrainOptions
 from symbiosis.threads import CpuPriority
 
 
+def count_of(number: int, noun: str) -> str:
+    """``1 adapter``, ``2 adapters``: counts in what the commands print."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _help_of(options: type, name: str) -> str:
     """The ``--help`` text of an options dataclass field (its ``metadata["help"]``)."""
     return {f.name: f for f in dataclasses.fields(options)}[name].metadata["help"]

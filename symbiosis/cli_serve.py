@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from symbiosis.cli_jobs import count_of
 from symbiosis.cli_scheduler import with_scheduler_options
 from symbiosis.errors import MissingFileError
 from symbiosis.executor.quantization_options import QUANTIZATION_CHOICES, QUANTIZATION_HELP
@@ -209,7 +210,7 @@ def serve(
         + ") "
         f"at {' and '.join(s.address for s in servers)} with policy {scheduler_config.policy}"
         + (f", decode target {scheduler_config.decode_slo_ms:g} ms per token" if scheduler_config.decode_slo_ms else "")
-        + (f"; CURVE on, {_count(len(curve.authorized_public_keys()), 'authorized client key')}" if curve else "")
+        + (f"; CURVE on, {count_of(len(curve.authorized_public_keys()), 'authorized client key')}" if curve else "")
         + (f"; metrics at http://127.0.0.1:{metrics.port}/metrics" if metrics else ""),
         err=False,
     )
@@ -229,11 +230,6 @@ def serve(
         metrics.close()
     executor.close(drain=True)
     typer.echo("stopped", err=True)
-
-
-def _count(number: int, noun: str) -> str:
-    """``1 key``, ``2 keys``."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def register(app: typer.Typer) -> None:

@@ -268,7 +268,7 @@ class BaseExecutor:
         stats = self._engine.stats()
         stalled_after_s = max(HEALTH_STALL_S, 2e-3 * self.scheduler_config.lockstep_timeout_ms)
         oldest_wait_s = self._engine.oldest_wait_s()
-        stopped = [server.address for server in self._servers if not getattr(server, "serving", True)]
+        stopped = [server.address for server in self._servers if not server.serving]
         if not self._engine.accepting:
             status, reason = "stopping", "the executor is closing"
         elif stopped:
