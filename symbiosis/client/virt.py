@@ -74,6 +74,13 @@ class ExecutorLink:
         return self
 
 
+#: Kept alive so that its id, a key of ``copy.deepcopy``'s memo (ids are its keys), is no object's
+#: being copied: under it, whether this deepcopy copies a whole model (``_VirtLayerMixin.__deepcopy__``),
+#: found by the first VirtLayer copied, not by every one.
+_WHOLE_MODEL_COPY_SENTINEL = object()
+_WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
+
+
 class _VirtLayerMixin:
     """What both VirtLayer types share; the concrete classes only fix the base class and layout."""
 
@@ -129,7 +136,10 @@ class _VirtLayerMixin:
         before: a whole model's copy went through its ``PreTrainedModel`` first."""
         from transformers import PreTrainedModel  # (loaded already: this layer replaced one of its modules)
 
-        if not any(isinstance(copied, PreTrainedModel) for copied in memo.values()):
+        whole = memo.get(_WHOLE_MODEL_COPY)  # the first VirtLayer of this deepcopy looked; the others read it
+        if whole is None:
+            whole = memo[_WHOLE_MODEL_COPY] = any(isinstance(copied, PreTrainedModel) for copied in memo.values())
+        if not whole:
             raise BaseWeightAccessError(
                 f"a copy of base layer {self.layer_id!r} outside a copy of the whole model (peft's modules_to_save "
                 f"or LN tuning make such copies to train them) is not possible: {_WHY}; adapt it with a method that "
