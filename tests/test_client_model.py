@@ -252,3 +252,62 @@ def test_to_moves_placeholders(llama, executor):
     with torch.no_grad():
         assert model(torch.tensor([[1, 2]])).logits.dtype == torch.bfloat16
     model.symbiosis_transport.close()
+
+
+def test_a_bias_is_read_from_the_executor_and_writes_to_it_stay_refused(tiny_checkpoint):
+    """A zero row's forward product is the bias, so its values are no secret from a client: the
+    bias placeholder reads them (BOFT computes ``result - bias``). Weights stay unreadable, and a
+    write into the bias -- which the executor would never see -- is refused."""
+    path = tiny_checkpoint("opt")
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        model = symbiosis.load_client_model(path, executor=ex)
+        try:
+            layer, expected = model.model.decoder.layers[0].fc1, reference.model.decoder.layers[0].fc1.bias
+            assert torch.equal(layer.bias * 1, expected)
+            assert torch.equal(torch.ones(3, 1) - layer.bias, torch.ones(3, 1) - expected)
+            assert not isinstance(layer.bias + 0, BaseWeightPlaceholder)
+            for write_or_alias in (
+                lambda: layer.bias.add_(1),
+                lambda: layer.bias.data,
+                lambda: layer.bias.detach(),
+                lambda: layer.bias.view(-1),
+                lambda: layer.weight * 1,
+            ):
+                with pytest.raises(symbiosis.BaseWeightAccessError, match="base executor"):
+                    write_or_alias()
+            assert torch.equal(layer.bias * 1, expected)
+            with symbiosis.enable_activation_noise(model, scale=1.0):  # read past the noise, exactly
+                layer._set_placeholders(layer.weight.device, layer.weight.dtype)
+                assert torch.equal(layer.bias * 1, expected)
+            model.to(torch.bfloat16)  # new placeholders, read again in the new dtype
+            assert torch.equal(layer.bias * 1, expected.to(torch.bfloat16))
+        finally:
+            model.symbiosis_transport.close()
+
+
+def test_boft_on_layers_with_a_bias_matches_the_monolithic_model(tiny_checkpoint):
+    """BOFT's forward scales ``base_layer(x) - bias`` and adds the bias back."""
+    path = tiny_checkpoint("opt")
+    config = dict(boft_block_size=4, target_modules=["q_proj", "v_proj", "fc1"])
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.BOFTConfig(**config))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            if parameter.requires_grad:  # away from BOFT's identity start
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=ex), peft.BOFTConfig(**config))
+        try:
+            split.load_state_dict(reference.state_dict(), strict=False)
+            ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+            expected, got = reference(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
+            expected.loss.backward()
+            got.loss.backward()
+            torch.testing.assert_close(got.logits, expected.logits, **TOL)
+            grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
+            for name, parameter in reference.named_parameters():
+                if parameter.requires_grad:
+                    torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+        finally:
+            close_client(split)

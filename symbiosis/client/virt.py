@@ -7,11 +7,17 @@ a :class:`BaseWeightPlaceholder`: a tensor with the real shape, device and dtype
 whose every operation raises ``BaseWeightAccessError``. So code that would read or write real
 base weights (merging an adapter, DoRA's weight norm, ``weight.data``) fails loudly instead of
 silently computing on a placeholder.
+
+The bias is the exception for reading: a forward product of a zero row is the bias, exactly, so
+any client can read it anyway, and methods that compute with it (BOFT scales ``result - bias``)
+need it. Its placeholder fetches it from the executor at the first operation that reads it (one
+zero row) and computes on those values; writes, views and ``.data`` are refused as for weights.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,18 +41,42 @@ class BaseWeightPlaceholder(torch.Tensor):
     """Shape, dtype and device of a base-layer tensor, without its data."""
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device, name: str):
+    def __new__(
+        cls,
+        shape: tuple[int, ...],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        name: str,
+        read: Callable[[], torch.Tensor] | None = None,
+    ):
+        """``read``: where the values come from when an operation reads them (the bias); None: nowhere."""
         placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         placeholder.base_tensor_name = name
+        placeholder._read = read
+        placeholder._values = None  # what ``read`` returned, on this placeholder's device and dtype
         return placeholder
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        names = []
-        tree_map_only(cls, lambda t: names.append(t.base_tensor_name), (args, kwargs or {}))
-        raise BaseWeightAccessError(f"{func.__name__} on base-layer tensor {names[0]!r} is not possible: {_WHY}")
+        placeholders: list[BaseWeightPlaceholder] = []
+        tree_map_only(cls, placeholders.append, (args, kwargs or {}))
+        unreadable = [p for p in placeholders if p._read is None]
+        if unreadable or _writes_or_aliases(func):
+            name = (unreadable or placeholders)[0].base_tensor_name
+            raise BaseWeightAccessError(f"{func.__name__} on base-layer tensor {name!r} is not possible: {_WHY}")
+        # A functional op on readable tensors: computed on their values (its result is a new tensor,
+        # so nothing can write into the values kept here).
+        args, kwargs = tree_map_only(cls, cls.values, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def values(self) -> torch.Tensor:
+        """The tensor's values (fetched once); only for a placeholder given ``read``."""
+        if self._values is None:
+            self._values = self._read().to(device=self.device, dtype=self.dtype)
+        return self._values
 
     def __repr__(self) -> str:
         return f"BaseWeightPlaceholder({self.base_tensor_name}, shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -56,6 +86,13 @@ class BaseWeightPlaceholder(torch.Tensor):
 
     def __deepcopy__(self, memo):
         return self  # no data to copy; a copied model shares the same placeholder
+
+
+def _writes_or_aliases(func) -> bool:
+    """Whether ``func`` writes into an argument or returns a view of one (``detach``, ``view``,
+    ``.data``): on a base tensor, a write the executor would never see."""
+    schema = func._schema
+    return schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns)
 
 
 class ExecutorLink:
@@ -106,11 +143,23 @@ class _VirtLayerMixin:
             self, "_weight", BaseWeightPlaceholder(shape, dtype=dtype, device=device, name=f"{self.layer_id}.weight")
         )
         bias = (
-            BaseWeightPlaceholder((spec.out_features,), dtype=dtype, device=device, name=f"{self.layer_id}.bias")
+            BaseWeightPlaceholder(
+                (spec.out_features,), dtype=dtype, device=device, name=f"{self.layer_id}.bias", read=self._read_bias
+            )
             if self._has_bias
             else None
         )
         object.__setattr__(self, "_bias", bias)
+
+    def _read_bias(self) -> torch.Tensor:
+        """The bias: the forward product of a zero row (0·Wᵀ + b), asked of the executor itself --
+        past any link wrapper, whose noise would blur it (the row carries nothing of the client's)."""
+        link = self.link
+        while not isinstance(link, ExecutorLink):
+            link = link.inner  # privacy.NoisyLink
+        zero_row = torch.zeros(1, link.in_features, dtype=self._weight.dtype, device=self._weight.device)
+        with torch.no_grad():
+            return link.call(Op.FORWARD, zero_row, LatencyClass.PREFILL)[0]
 
     @property
     def weight(self) -> BaseWeightPlaceholder:
