@@ -69,6 +69,8 @@ def test_metrics_say_what_the_scheduler_decides(tiny_checkpoint):
             assert rule == "lockstep" and not any(line.startswith("symbiosis_wait_rule_chosen") for line in lines)
         for reason, count in scheduler["ready_reasons"].items():
             assert f'symbiosis_batches_ready_total{{reason="{reason}"}} {float(count)}' in lines
+        # The lone caller's products ran at once, past the scheduler's queue: counted all the same.
+        assert sum(scheduler["ready_reasons"].values()) == scheduler["batches"] == 3
         assert 'symbiosis_pending_requests{latency_class="decode"} 0.0' in lines
         assert 'symbiosis_pending_rows{latency_class="finetune"} 0.0' in lines
         assert "symbiosis_chunks_cut_for_decode_total 0.0" in lines

@@ -322,6 +322,7 @@ class Scheduler:
             "none_coming": 0,
             "overdue": 0,
             "not_waiting": 0,
+            "alone": 0,  # served at once by the engine: no other client's request could join it
         }
         opportunistic = config.policy == "opportunistic"
         self._tuner = (
@@ -1098,6 +1099,7 @@ class Scheduler:
         self._batches += 1
         self._rows_served += rows
         self._completed[latency_class] += 1
+        self._ready_reasons["alone"] += 1
         if layer_id is not None and op is not None and duration_s is not None:
             self._cost.observe((layer_id, op), rows, duration_s)
 
