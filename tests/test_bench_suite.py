@@ -53,6 +53,7 @@ def test_suite_smallest_run_writes_every_scenario(tmp_path, monkeypatch):
     )
 
     assert set(returned) == set(suite.SCENARIOS) == set(RESULT_KEYS)
+    assert lines[0] == suite.QUICK_CAVEAT  # a quick run's PASS/MISS lines are not the system's verdicts
     for name, keys in RESULT_KEYS.items():
         folder = output / name
         written = json.loads((folder / f"{name}.json").read_text())
