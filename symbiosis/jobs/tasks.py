@@ -113,8 +113,8 @@ def exact_match_accuracy(model, tokenizer, records: Sequence[Record], *, batch_s
     model.eval()
     by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
     for record in records:
-        prompt = tokenizer(record.prompt, add_special_tokens=False)["input_ids"]
-        answer = tokenizer(record.completion, add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(record.prompt, add_special_tokens=False, verbose=False)["input_ids"]
+        answer = tokenizer(record.completion, add_special_tokens=False, verbose=False)["input_ids"]
         by_length.setdefault(len(prompt), []).append((prompt, answer))
     correct = 0
     for items in by_length.values():

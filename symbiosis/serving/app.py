@@ -816,7 +816,9 @@ def _usage(usages: list[tuple[int, Usage]], n: int) -> dict:
 
 
 def _encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    # verbose=False: a prompt over the context length is refused with a 400 naming both lengths, not
+    # logged by the tokenizer as well
+    ids = tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
     return list(ids) if ids else [start_token_id(tokenizer)]  # an empty prompt, as generate's
 
 

@@ -490,3 +490,26 @@ def test_the_server_starts_without_importing_peft():
     code = "import sys, symbiosis.serving.server, symbiosis.serving.engine_process; print('peft' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_prompt_over_the_context_length_is_tokenized_without_the_tokenizers_warning(tiny_checkpoint):
+    """The server refuses such a prompt with a 400 naming both lengths; transformers' own "Token
+    indices sequence length is longer than..." reached the server's log as well."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from symbiosis.serving.app import _encode
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))  # its own: the warning is once per tokenizer
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        ids = _encode(tokenizer, "word " * (tokenizer.model_max_length + 10), add_special_tokens=True)
+    finally:
+        library.removeHandler(handler)
+    assert len(ids) > tokenizer.model_max_length
+    assert not [r for r in records if "sequence length" in r.getMessage()]
