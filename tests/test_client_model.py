@@ -351,3 +351,28 @@ def test_autocast_on_an_executor_in_its_dtype_matches_the_monolithic_model(arch,
         finally:
             if server is not None:
                 server.close()
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_split_model_breaks_its_graph_at_each_base_layer(llama, executor):
+    """``torch.compile`` traced into the base layers' calls: into an in-process executor's
+    packed-weight product, which inductor failed to lower (InductorError). Each base layer is now a
+    graph break; the rest compiles, and loss and gradients are the monolithic model's."""
+    config = dict(r=4, target_modules="all-linear", init_lora_weights=False)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(llama), peft.LoraConfig(**config))
+    torch.manual_seed(0)
+    split = peft.get_peft_model(symbiosis.load_client_model(llama, executor=executor), peft.LoraConfig(**config))
+    try:
+        expected = reference(input_ids=ids, labels=ids).loss
+        expected.backward()
+        got = torch.compile(split)(input_ids=ids, labels=ids).loss
+        got.backward()
+        torch.testing.assert_close(got, expected, **TOL)
+        grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
+        for name, parameter in reference.named_parameters():
+            if parameter.requires_grad:
+                torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+    finally:
+        close_client(split)

@@ -210,6 +210,11 @@ class _VirtLayerMixin:
         return nn.Module._apply(self, fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # (a constant to the tracer, ~0.1 us a call otherwise)
+            return _forward_untraced(self, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if _any_autocast() and torch.is_autocast_enabled(x.device.type):
             # As nn.Linear's product under autocast: rows in its dtype, the result in it too (so the
             # ops after the layer run in it, as in the monolithic model). The executor multiplies
@@ -229,6 +234,12 @@ class _VirtLayerMixin:
             f"{self.layer_id!r}, in_features={self.link.in_features}, out_features={self.link.out_features}, "
             f"bias={self._has_bias}, served by the base executor"
         )
+
+
+#: What ``torch.compile`` sees of a base layer: a graph break. Traced, the call to the executor
+#: would be compiled into the client's graph -- an in-process executor's packed-weight product (which
+#: inductor cannot lower), a transport's sockets -- and run once at trace time.
+_forward_untraced = torch.compiler.disable(_VirtLayerMixin._forward)
 
 
 class VirtLinear(_VirtLayerMixin, nn.Linear):
