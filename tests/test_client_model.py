@@ -376,3 +376,59 @@ def test_torch_compile_of_a_split_model_breaks_its_graph_at_each_base_layer(llam
                 torch.testing.assert_close(grads[name], parameter.grad, **TOL)
     finally:
         close_client(split)
+
+
+TIED_EMBEDDING_METHODS = {
+    "trainable_tokens": lambda arch: peft.TrainableTokensConfig(token_indices=[1, 2, 3]),
+    "lora_with_trainable_tokens": lambda arch: peft.LoraConfig(
+        r=4, target_modules="all-linear", trainable_token_indices=[1, 2, 3]
+    ),
+    "lora_on_the_embeddings": lambda arch: peft.LoraConfig(
+        r=4,
+        target_modules=[{"opt": "embed_tokens", "gpt2": "wte"}[arch], "out_proj", "c_proj"],
+        ensure_weight_tying=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("method", TIED_EMBEDDING_METHODS)
+@pytest.mark.parametrize("arch", ["opt", "gpt2"])
+def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_model(arch, method, tiny_checkpoint):
+    """peft finds the layers tied to the embeddings by the model's tie declaration, which the split
+    model had cleared: trainable tokens (alone or with LoRA) and LoRA on the embeddings then left
+    the lm_head as it was, silently (logits 11-12 off). Trainable tokens on the served lm_head
+    compute ``F.linear(x, W with some rows replaced)`` without W: the layer's product, the
+    replaced rows' columns computed on the client."""
+    path = tiny_checkpoint(arch)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), TIED_EMBEDDING_METHODS[method](arch))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            if parameter.requires_grad:  # away from the identity start
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        client = symbiosis.load_client_model(path, executor=ex)
+        split = peft.get_peft_model(client, TIED_EMBEDDING_METHODS[method](arch))
+        try:
+            state = {k: v for k, v in reference.state_dict().items() if k in split.state_dict()}
+            # The lm_head is wrapped as the monolithic one is (peft leaves gpt2's wte untied for LoRA).
+            wrapper = type(reference.get_base_model().lm_head)
+            wrapped = type(split.get_base_model().lm_head)
+            assert wrapped is wrapper or (wrapper is torch.nn.Linear and wrapped is VirtLinear), wrapped
+            split.load_state_dict(state)
+            got = split(input_ids=ids, labels=ids)
+            got.loss.backward()
+            torch.testing.assert_close(got.logits, expected.logits, **TOL)
+            grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
+            for name, parameter in reference.named_parameters():
+                if parameter.requires_grad:
+                    torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+            with torch.no_grad():
+                generated = split.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+                assert torch.equal(generated, reference.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+            client.tie_weights()  # leaves the served lm_head alone: tied by the executor already
+        finally:
+            close_client(split)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -142,9 +142,11 @@ def load_client_model(
         setattr(parent, child, virt)
     for name, tensor in tensors.items():
         _set_tensor(model, name, tensor)
-    # The Virt lm_head can no longer share the embedding's Parameter; tying is moot (the
-    # executor serves lm_head from the same stored tensor), so stop transformers from trying.
-    model._tied_weights_keys = {}
+    # A tied lm_head is tied still: the executor serves it from the embedding's stored tensor. The
+    # declaration stays, for peft finds by it the layers tied to the embeddings (trainable tokens
+    # and LoRA on the embeddings adapt them too; without it they silently did not), but
+    # transformers' tie_weights must leave the VirtLayers alone (they take no Parameter).
+    model.tie_weights = _tie_weights_of_client_tensors(model, served_names)
 
     still_meta = [name for name, p in model.named_parameters() if p.is_meta]
     if still_meta:
@@ -158,6 +160,26 @@ def load_client_model(
         one_thread_for_small_forwards(model, small_forward_tokens())
         warn_if_client_spins(getattr(transport, "address", None))
     return model
+
+
+def _tie_weights_of_client_tensors(model, served_names: Mapping[str, str]) -> Callable[..., None]:
+    """``model.tie_weights`` without the ties whose target or source is a served base layer's
+    tensor (the executor keeps those tied), for the rare callers (Trainer on TPU, a checkpoint
+    reload) that tie again."""
+    tie_weights = model.tie_weights  # the class's, bound
+
+    def client_side(ties: dict[str, str]) -> dict[str, str]:
+        return {target: source for target, source in ties.items() if not served_names.keys() & {target, source}}
+
+    def tie_client_weights(*args, **kwargs) -> None:
+        declared, expanded = model._tied_weights_keys, model.all_tied_weights_keys
+        model._tied_weights_keys, model.all_tied_weights_keys = client_side(declared or {}), client_side(expanded)
+        try:
+            tie_weights(*args, **kwargs)
+        finally:
+            model._tied_weights_keys, model.all_tied_weights_keys = declared, expanded
+
+    return tie_client_weights
 
 
 def _refuse_to_save_without_the_base(model) -> Callable[..., None]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._pytree import tree_map_only
 
 from symbiosis.checkpoint import Conv1D
@@ -49,15 +50,38 @@ class BaseWeightPlaceholder(torch.Tensor):
         device: torch.device,
         name: str,
         read: Callable[[], torch.Tensor] | None = None,
+        layer: _VirtLayerMixin | None = None,
+        replaced: tuple[tuple[torch.Tensor, torch.Tensor], ...] = (),
     ):
-        """``read``: where the values come from when an operation reads them (the bias); None: nowhere."""
+        """``read``: where the values come from when an operation reads them (the bias); None: nowhere.
+        ``layer``: the VirtLayer whose weight this is; ``replaced``: (index, rows) pairs of an
+        ``index_copy`` of its rows (see ``__torch_function__``)."""
         placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         placeholder.base_tensor_name = name
         placeholder._read = read
         placeholder._values = None  # what ``read`` returned, on this placeholder's device and dtype
+        placeholder._layer = layer
+        placeholder._replaced = replaced
         return placeholder
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Two operations on a weight are computed without it: ``W.index_copy(0, index, rows)``
+        (some rows replaced) and ``F.linear(x, W)``, as the layer's product with those output
+        columns replaced by ``x · rowsᵀ``. That is peft's trainable tokens on an lm_head tied to
+        the embeddings (``get_merged_weights``, then ``F.linear``). Anything else goes on to
+        ``__torch_dispatch__``, which refuses it."""
+        kwargs = kwargs or {}
+        if func is torch.Tensor.index_copy:
+            replaced = _rows_replaced(*args, **kwargs)
+            if replaced is not None:
+                return replaced
+        elif func is F.linear:
+            product = _linear_of_replaced_rows(*args, **kwargs)
+            if product is not None:
+                return product
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -86,6 +110,36 @@ class BaseWeightPlaceholder(torch.Tensor):
 
     def __deepcopy__(self, memo):
         return self  # no data to copy; a copied model shares the same placeholder
+
+
+def _rows_replaced(weight, dim, index, source) -> BaseWeightPlaceholder | None:
+    """``weight.index_copy(dim, index, source)`` of a VirtLayer's weight (or of such a copy) as a
+    placeholder that remembers the replaced rows; None for anything else (refused later)."""
+    if not isinstance(weight, BaseWeightPlaceholder) or weight._layer is None or dim not in (0, -weight.dim()):
+        return None
+    return BaseWeightPlaceholder(
+        tuple(weight.shape),
+        dtype=weight.dtype,
+        device=weight.device,
+        name=weight.base_tensor_name,
+        layer=weight._layer,
+        replaced=(*weight._replaced, (index, source)),
+    )
+
+
+def _linear_of_replaced_rows(input, weight, bias=None) -> torch.Tensor | None:  # noqa: A002 (F.linear's names)
+    """``F.linear(input, weight)`` for a weight with replaced rows and a layer without a bias: the
+    layer's product, the replaced rows' output columns computed here. Exact: the other columns
+    never read a replaced row, and autograd sends each column's gradient where it came from."""
+    if not isinstance(weight, BaseWeightPlaceholder) or not weight._replaced or bias is not None:
+        return None
+    layer = weight._layer
+    if layer._has_bias or layer._weight_layout != "out_in":
+        return None
+    out = layer(input)
+    for index, rows in weight._replaced:
+        out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
+    return out
 
 
 #: One C call (~0.15 us) that is False unless some autocast is on: a base layer's every forward asks.
@@ -143,9 +197,8 @@ class _VirtLayerMixin:
             else (spec.in_features, spec.out_features)
         )
         # object.__setattr__: nn.Module would otherwise try to register these as parameters.
-        object.__setattr__(
-            self, "_weight", BaseWeightPlaceholder(shape, dtype=dtype, device=device, name=f"{self.layer_id}.weight")
-        )
+        weight = BaseWeightPlaceholder(shape, dtype=dtype, device=device, name=f"{self.layer_id}.weight", layer=self)
+        object.__setattr__(self, "_weight", weight)
         bias = (
             BaseWeightPlaceholder(
                 (spec.out_features,), dtype=dtype, device=device, name=f"{self.layer_id}.bias", read=self._read_bias
