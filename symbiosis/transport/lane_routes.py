@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from symbiosis import protocol as P
-from symbiosis.transport.lane import MAX_MESSAGE_BYTES, ExecutorLane, aligned_buffer, payload_start
+from symbiosis.transport import lane as lanes
+from symbiosis.transport.lane import ExecutorLane, aligned_buffer, payload_start
 from symbiosis.vocabulary import LATENCY_CLASSES_BY_VALUE, LatencyClass, LayerSpec
 
 #: Routes kept per server: one per (layer, op, dtype, latency class) a client used. Bounded so
@@ -88,7 +89,9 @@ class LaneRoutes:
         """Where the server reads every same-host lane message, at its start (made on first use:
         a server without lanes does not hold the MiB)."""
         if self._receive_buffer is None:
-            self._receive_buffer = aligned_buffer(MAX_MESSAGE_BYTES)
+            # (the size read now, as lanes read it when made: a test that shrinks it for its lanes
+            # made this buffer that small for every later server when it was an import-time copy)
+            self._receive_buffer = aligned_buffer(lanes.MAX_MESSAGE_BYTES)
         return self._receive_buffer
 
     def route(self, req: P.Request) -> Route | None:
@@ -144,7 +147,7 @@ class LaneRoutes:
 
     def _new_slot(self, route: Route, n: int, header_nbytes: int, buffer: memoryview) -> Slot:
         if self._reply_buffer is None:
-            self._reply_buffer = aligned_buffer(MAX_MESSAGE_BYTES)
+            self._reply_buffer = aligned_buffer(lanes.MAX_MESSAGE_BYTES)
         call = route.shape
         start = payload_start(header_nbytes)
         rows_view = buffer[start : start + n * call.in_width * call.itemsize]
