@@ -432,3 +432,35 @@ def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_mo
             client.tie_weights()  # leaves the served lm_head alone: tied by the executor already
         finally:
             close_client(split)
+
+
+def test_adaption_prompt_finds_the_device_of_an_attention_block_of_base_layers(llama, executor):
+    """peft's adaption prompt (LLaMA-Adapter) reads an attention block's device and dtype from
+    ``next(block.parameters())``: a block of VirtLayers alone had none (StopIteration). Each
+    VirtLayer holds an empty frozen Parameter for that, kept out of state dicts."""
+    config = dict(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(llama), peft.AdaptionPromptConfig(**config))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            if parameter.requires_grad:  # its gate starts at zero: the prompt would change nothing
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    expected = reference(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    client = symbiosis.load_client_model(llama, executor=executor)
+    assert not any(name.endswith("device_probe") for name in client.state_dict())
+    client.load_state_dict(client.state_dict())  # strict: the probes are not missing keys either
+    split = peft.get_peft_model(client, peft.AdaptionPromptConfig(**config))
+    try:
+        trained = {k: v for k, v in reference.state_dict().items() if "adaption" in k}
+        assert trained and not split.load_state_dict(trained, strict=False).unexpected_keys
+        got = split(input_ids=ids, labels=ids)
+        got.loss.backward()
+        torch.testing.assert_close(got.logits, expected.logits, **TOL)
+        grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
+        for name, parameter in reference.named_parameters():
+            if parameter.requires_grad:
+                torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+    finally:
+        close_client(split)

@@ -176,6 +176,16 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
+def _drop_device_probe(layer, state_dict, prefix, local_metadata) -> None:
+    state_dict.pop(prefix + "device_probe", None)
+
+
+def _forgive_device_probe(layer, incompatible_keys) -> None:
+    missing = incompatible_keys.missing_keys
+    if missing:
+        missing[:] = [name for name in missing if not name.endswith(".device_probe")]
+
+
 class _VirtLayerMixin:
     """What both VirtLayer types share; the concrete classes only fix the base class and layout."""
 
@@ -188,6 +198,13 @@ class _VirtLayerMixin:
         self.fusion = None  # a SiblingFusion shared with this layer's siblings (client/fusion.py)
         self._has_bias = spec.has_bias
         self._set_placeholders(device, dtype)
+        # No data, but a Parameter: code that finds a module's device and dtype from its first
+        # parameter (``next(attn.parameters())``, peft's adaption prompt) found none in a block of
+        # base layers alone (StopIteration). Frozen, empty, moved by ``model.to`` as weights are;
+        # not in state dicts, which keep the monolithic model's names.
+        self.device_probe = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        self.register_state_dict_post_hook(_drop_device_probe)
+        self.register_load_state_dict_post_hook(_forgive_device_probe)
 
     def _set_placeholders(self, device: torch.device, dtype: torch.dtype) -> None:
         spec = self.link
