@@ -195,3 +195,27 @@ def test_in_process_products_run_in_the_callers_thread(llama):
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
     assert executor.stats()["batches_run_by"]["compute_thread"] == before
     model.symbiosis_transport.close()
+
+
+def test_siblings_fuse_under_autocast(llama):
+    """Under autocast each base layer casts its input; a cast for each of q, k and v made three
+    inputs of one, so no group formed (15 requests a forward of the tiny llama instead of 9).
+    Siblings now share one cast of their input."""
+    path, executor = llama
+    model = symbiosis.load_client_model(path, executor=executor, fuse_siblings=True)
+    try:
+        ids = torch.tensor([[5, 6, 7, 8]])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(3):  # groups are learned from the first forwards
+                before = _requests(executor)
+                logits = model(ids).logits
+            fused = _requests(executor) - before
+        assert (f"{ATTN}.q_proj", f"{ATTN}.k_proj", f"{ATTN}.v_proj") in _fusion(model).groups()
+        assert fused == 9  # per block: q+k+v, o, gate+up, down; and the head
+        unfused = symbiosis.load_client_model(path, executor=executor)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            apart = unfused(ids).logits
+        unfused.symbiosis_transport.close()
+        torch.testing.assert_close(logits, apart, rtol=2e-2, atol=2e-2)  # bf16 products, grouped or not
+    finally:
+        model.symbiosis_transport.close()

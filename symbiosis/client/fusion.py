@@ -78,6 +78,7 @@ class _ThreadState(threading.local):
         self.run: list[str] = []  # layers called on ``run_source`` so far, in call order
         self.run_source: weakref.ref | None = None
         self.run_version = -1
+        self.cast: tuple[weakref.ref, int, torch.Tensor] | None = None  # (source, its version, source cast)
 
 
 class SiblingFusion:
@@ -99,6 +100,19 @@ class SiblingFusion:
 
     def __deepcopy__(self, memo) -> SiblingFusion:
         return self  # like the transport: a copied model shares its connection and what it learned
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x.to(dtype)`` (autocast's cast of a base layer's input), the same tensor again for the
+        same ``x``: siblings are recognized by their input's identity, and a cast for each of
+        them made three inputs of one (no group ever formed under autocast)."""
+        state = self._state
+        if state.cast is not None:
+            source, version, cast = state.cast
+            if source() is x and _version(x) == version and cast.dtype == dtype:
+                return cast
+        cast = x.to(dtype)
+        state.cast = (weakref.ref(x), _version(x), cast)
+        return cast
 
     def groups(self) -> list[tuple[str, ...]]:
         """The groups in use (members in block order)."""

@@ -9,8 +9,9 @@ edited, so any architecture made of supported modules works.
 from __future__ import annotations
 
 import logging
+import types
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -146,7 +147,10 @@ def load_client_model(
     # declaration stays, for peft finds by it the layers tied to the embeddings (trainable tokens
     # and LoRA on the embeddings adapt them too; without it they silently did not), but
     # transformers' tie_weights must leave the VirtLayers alone (they take no Parameter).
-    model.tie_weights = _tie_weights_of_client_tensors(model, served_names)
+    model._symbiosis_served_tensors = frozenset(served_names)
+    model.tie_weights = types.MethodType(_tie_weights_of_client_tensors, model)  # (a copy's binds the copy)
+    model.tie_weights()  # a tied lm_head kept on the client (client_layers) shares the embedding's Parameter
+    model.resize_token_embeddings = types.MethodType(_resize_token_embeddings_unless_served, model)
 
     still_meta = [name for name, p in model.named_parameters() if p.is_meta]
     if still_meta:
@@ -162,24 +166,35 @@ def load_client_model(
     return model
 
 
-def _tie_weights_of_client_tensors(model, served_names: Mapping[str, str]) -> Callable[..., None]:
+def _tie_weights_of_client_tensors(model, *args, **kwargs) -> None:
     """``model.tie_weights`` without the ties whose target or source is a served base layer's
-    tensor (the executor keeps those tied), for the rare callers (Trainer on TPU, a checkpoint
-    reload) that tie again."""
-    tie_weights = model.tie_weights  # the class's, bound
+    tensor (the executor keeps those tied): for the split model's own load, and for the rare
+    callers (Trainer on TPU, a checkpoint reload) that tie again."""
+    served = model._symbiosis_served_tensors
 
     def client_side(ties: dict[str, str]) -> dict[str, str]:
-        return {target: source for target, source in ties.items() if not served_names.keys() & {target, source}}
+        return {target: source for target, source in ties.items() if not served & {target, source}}
 
-    def tie_client_weights(*args, **kwargs) -> None:
-        declared, expanded = model._tied_weights_keys, model.all_tied_weights_keys
-        model._tied_weights_keys, model.all_tied_weights_keys = client_side(declared or {}), client_side(expanded)
-        try:
-            tie_weights(*args, **kwargs)
-        finally:
-            model._tied_weights_keys, model.all_tied_weights_keys = declared, expanded
+    declared, expanded = model._tied_weights_keys, model.all_tied_weights_keys
+    model._tied_weights_keys, model.all_tied_weights_keys = client_side(declared or {}), client_side(expanded)
+    try:
+        type(model).tie_weights(model, *args, **kwargs)
+    finally:
+        model._tied_weights_keys, model.all_tied_weights_keys = declared, expanded
 
-    return tie_client_weights
+
+def _resize_token_embeddings_unless_served(model, *args, **kwargs):
+    """``resize_token_embeddings``, refused before it changes anything when the executor serves the
+    output layer (transformers resized the embeddings first, then failed on the lm_head, leaving a
+    model whose vocabulary sizes disagree)."""
+    output = model.get_output_embeddings()
+    if getattr(output, "link", None) is not None:  # a VirtLayer
+        raise BaseWeightAccessError(
+            f"cannot resize the vocabulary of a split model: its output layer {output.layer_id!r} is served by the "
+            "base executor from the checkpoint's weights. Resize a monolithic copy and serve that checkpoint, or "
+            "keep the output layer on the client (client_layers=[...])"
+        )
+    return type(model).resize_token_embeddings(model, *args, **kwargs)
 
 
 def _refuse_to_save_without_the_base(model) -> Callable[..., None]:

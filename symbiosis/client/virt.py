@@ -70,7 +70,7 @@ class BaseWeightPlaceholder(torch.Tensor):
         (some rows replaced) and ``F.linear(x, W)``, as the layer's product with those output
         columns replaced by ``x · rowsᵀ``. That is peft's trainable tokens on an lm_head tied to
         the embeddings (``get_merged_weights``, then ``F.linear``). Anything else goes on to
-        ``__torch_dispatch__``, which refuses it."""
+        ``__torch_dispatch__``: computed on a bias's values, else refused."""
         kwargs = kwargs or {}
         if func is torch.Tensor.index_copy:
             replaced = _rows_replaced(*args, **kwargs)
@@ -88,7 +88,7 @@ class BaseWeightPlaceholder(torch.Tensor):
         placeholders: list[BaseWeightPlaceholder] = []
         tree_map_only(cls, placeholders.append, (args, kwargs or {}))
         unreadable = [p for p in placeholders if p._read is None]
-        if unreadable or _writes_or_aliases(func):
+        if unreadable or _writes_or_aliases(func, args, kwargs or {}):
             name = (unreadable or placeholders)[0].base_tensor_name
             raise BaseWeightAccessError(f"{func.__name__} on base-layer tensor {name!r} is not possible: {_WHY}")
         # A functional op on readable tensors: computed on their values (its result is a new tensor,
@@ -146,11 +146,18 @@ def _linear_of_replaced_rows(input, weight, bias=None) -> torch.Tensor | None:  
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
-def _writes_or_aliases(func) -> bool:
-    """Whether ``func`` writes into an argument or returns a view of one (``detach``, ``view``,
-    ``.data``): on a base tensor, a write the executor would never see."""
-    schema = func._schema
-    return schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns)
+def _writes_or_aliases(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` writes into a placeholder or returns a view of one (``add_``, ``out=``,
+    ``detach``, ``view``, ``.data``): on a base tensor, a write the executor would never see.
+    Writing a placeholder's values into another tensor (``y += bias``) only reads them."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None:  # neither written nor aliased by the result
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, BaseWeightPlaceholder) for v in values):
+            return True
+    return False
 
 
 class ExecutorLink:
@@ -183,7 +190,7 @@ def _drop_device_probe(layer, state_dict, prefix, local_metadata) -> None:
 def _forgive_device_probe(layer, incompatible_keys) -> None:
     missing = incompatible_keys.missing_keys
     if missing:
-        missing[:] = [name for name in missing if not name.endswith(".device_probe")]
+        missing[:] = [name for name in missing if name != "device_probe" and not name.endswith(".device_probe")]
 
 
 class _VirtLayerMixin:
@@ -225,6 +232,7 @@ class _VirtLayerMixin:
         )
         object.__setattr__(self, "_bias", bias)
 
+    @torch.compiler.disable  # a call to the executor, as a forward's is (see _forward_untraced)
     def _read_bias(self) -> torch.Tensor:
         """The bias: the forward product of a zero row (0·Wᵀ + b), asked of the executor itself --
         past any link wrapper, whose noise would blur it (the row carries nothing of the client's)."""
@@ -285,15 +293,17 @@ class _VirtLayerMixin:
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Fusion serves only plain links: a wrapped one (activation noise) must see its own calls.
+        fusion = self.fusion if type(self.link) is ExecutorLink else None
         if _any_autocast() and torch.is_autocast_enabled(x.device.type):
             # As nn.Linear's product under autocast: rows in its dtype, the result in it too (so the
             # ops after the layer run in it, as in the monolithic model). The executor multiplies
             # them by weights in its own dtype: bit for bit the monolithic product when it is the
-            # autocast dtype (serve --dtype bf16 for bf16 autocast).
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        # Fusion serves only plain links: a wrapped one (activation noise) must see its own calls.
-        if self.fusion is not None and type(self.link) is ExecutorLink:
-            return self.fusion.forward(self.layer_id, x, self.training, self._call_alone)
+            # autocast dtype (serve --dtype bf16 for bf16 autocast) and siblings are not fused.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x = fusion.cast(x, dtype) if fusion is not None else x.to(dtype)
+        if fusion is not None:
+            return fusion.forward(self.layer_id, x, self.training, self._call_alone)
         return frozen_linear(x, self.link, self.training)
 
     def _call_alone(self, x: torch.Tensor) -> torch.Tensor:
