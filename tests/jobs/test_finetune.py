@@ -251,7 +251,9 @@ def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
 
 
-def test_transformers_trainer_trains_a_split_model_like_the_monolithic_one(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_transformers_trainer_trains_a_split_model_like_the_monolithic_one(bf16, tiny_checkpoint, tmp_path):
+    """Trainer, unchanged; with ``bf16=True`` (autocast) against an executor in bf16."""
     from transformers import Trainer, TrainingArguments
 
     from tests.reference import make_pair
@@ -278,6 +280,7 @@ def test_transformers_trainer_trains_a_split_model_like_the_monolithic_one(tiny_
             use_cpu=True,
             seed=0,
             dataloader_num_workers=0,
+            bf16=bf16,
         )
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
@@ -286,7 +289,7 @@ def test_transformers_trainer_trains_a_split_model_like_the_monolithic_one(tiny_
         changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
         return losses, changed, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+    with symbiosis.BaseExecutor.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32) as executor:
         reference, split = make_pair(path, executor, "lora", "llama")
         ref_losses, ref_changed, ref_params = train(reference, "reference")
         losses, changed, params = train(split, "split")
