@@ -78,7 +78,9 @@ class _ThreadState(threading.local):
         self.run: list[str] = []  # layers called on ``run_source`` so far, in call order
         self.run_source: weakref.ref | None = None
         self.run_version = -1
-        self.cast: tuple[weakref.ref, int, torch.Tensor] | None = None  # (source, its version, source cast)
+        # (source, its version, source cast): the last autocast cast, kept until the next (one
+        # input's cast a thread, as ``kept`` keeps one group's outputs)
+        self.cast: tuple[weakref.ref, int, torch.Tensor] | None = None
 
 
 class SiblingFusion:

@@ -12,6 +12,8 @@ The bias is the exception for reading: a forward product of a zero row is the bi
 any client can read it anyway, and methods that compute with it (BOFT scales ``result - bias``)
 need it. Its placeholder fetches it from the executor at the first operation that reads it (one
 zero row) and computes on those values; writes, views and ``.data`` are refused as for weights.
+One use of a weight is computed without it: ``F.linear`` of a weight with some rows replaced
+(peft's trainable tokens on a tied lm_head; ``BaseWeightPlaceholder.__torch_function__``).
 """
 
 from __future__ import annotations
