@@ -128,6 +128,9 @@ def finetune_command(
     save_every: Annotated[int, typer.Option(help=_help_of(TrainOptions, "save_every"))] = _default_of(
         TrainOptions, "save_every"
     ),
+    bf16: Annotated[bool, typer.Option("--bf16", help=_help_of(TrainOptions, "bf16"))] = _default_of(
+        TrainOptions, "bf16"
+    ),
     keep_checkpoints: Annotated[int, typer.Option(help=_help_of(TrainOptions, "keep_checkpoints"))] = _default_of(
         TrainOptions, "keep_checkpoints"
     ),
@@ -207,6 +210,7 @@ def finetune_command(
             save_every,
             keep_checkpoints,
             seed,
+            bf16,
         ),
         resume=resume,
         progress=progress,

@@ -71,7 +71,10 @@ _RESUME_KEYS = (
     "grad_accum",
     "seq_len",
     "seed",
+    "bf16",
 )
+#: What a checkpoint written before an option existed ran with.
+_RESUME_DEFAULTS = {"bf16": False}
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ class FinetuneRun:
         tokens = 0
         for _ in range(accum):
             batch = collate([self.train_set[i] for i in self.order.next_indices()], self.pad_token_id)
-            loss = self.model(**batch).loss / accum
+            with self._autocast():
+                loss = self.model(**batch).loss / accum
             loss.backward()
             total_loss += loss.item()
             tokens += int(batch["attention_mask"].sum())
@@ -233,6 +237,10 @@ class FinetuneRun:
             self._update_and_allocate(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, tokens
+
+    def _autocast(self) -> torch.autocast:
+        """Where a forward pass runs: under bfloat16 autocast with ``--bf16`` (off otherwise)."""
+        return torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.options.bf16)
 
     def _maybe_eval(self) -> float | None:
         if not self.eval_set:
@@ -251,7 +259,8 @@ class FinetuneRun:
         for start in range(0, len(self.eval_set), self.options.batch_size):
             batch = collate(self.eval_set[start : start + self.options.batch_size], self.pad_token_id)
             n = int((batch["labels"][:, 1:] != -100).sum())
-            total += self.model(**batch).loss.item() * n
+            with self._autocast():
+                total += self.model(**batch).loss.item() * n
             count += n
         self.model.train(was_training)
         return total / max(count, 1)
@@ -306,7 +315,8 @@ class FinetuneRun:
             )
         state = torch.load(found[-1] / TRAINER_STATE, weights_only=True)  # plain containers and tensors only
         mine = {k: getattr(self.options, k) for k in _RESUME_KEYS}
-        changed = {k: (state["options"][k], mine[k]) for k in _RESUME_KEYS if state["options"].get(k) != mine[k]}
+        recorded = {k: state["options"].get(k, _RESUME_DEFAULTS.get(k)) for k in _RESUME_KEYS}
+        changed = {k: (recorded[k], mine[k]) for k in _RESUME_KEYS if recorded[k] != mine[k]}
         if changed:
             raise JobError(f"--resume: options differ from the checkpoint's (was, now): {changed}")
         _check_same_adapter(dict(self.params), state["trainable"])

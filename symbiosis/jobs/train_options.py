@@ -41,6 +41,14 @@ class TrainOptions:
     save_every: int = field(default=0, metadata=_help("Write a resumable checkpoint every N steps (0: never)."))
     keep_checkpoints: int = field(default=2, metadata=_help("How many of the newest checkpoints to keep."))
     seed: int = field(default=0, metadata=_help("Seed of adapter init, data order and dropout."))
+    bf16: bool = field(
+        default=False,
+        metadata=_help(
+            "Mixed precision, as transformers' Trainer(bf16=True): forward passes under torch.autocast in "
+            "bfloat16; adapters and optimizer stay in --dtype. The base products then travel in bfloat16; "
+            "an executor in bfloat16 (serve --dtype bfloat16) computes them as the monolithic run does."
+        ),
+    )
 
     def __post_init__(self) -> None:
         problems = []

@@ -301,3 +301,33 @@ def test_transformers_trainer_trains_a_split_model_like_the_monolithic_one(bf16,
     assert changed == ref_changed
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-3, atol=1e-5)
+
+
+def test_bf16_runs_forward_passes_under_autocast_and_is_part_of_what_a_resume_checks(tiny_checkpoint, tmp_path):
+    """``--bf16`` is transformers' ``Trainer(bf16=True)``: the forward under bfloat16 autocast (its
+    products travel in bf16: loss within bf16 rounding of the float32 run's, not equal to it), the
+    adapters in float32. A checkpoint records it: resumed without it, the run is refused; a
+    checkpoint written before the flag existed resumes as float32."""
+    from symbiosis.jobs.base import JobError
+
+    path = tiny_checkpoint("llama")
+    data = write_task_data(tmp_path / "reverse.jsonl", n=12)
+    full = finetune(options(path, data, tmp_path / "fp32", steps=2))
+    mixed = options(path, data, tmp_path / "bf16", steps=2, save_every=1, bf16=True)
+    result = finetune(mixed)
+    assert result.losses[0] != full.losses[0]
+    torch.testing.assert_close(torch.tensor(result.losses[0]), torch.tensor(full.losses[0]), rtol=2e-2, atol=0)
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "adapter_model.safetensors").values()} == {torch.float32}
+
+    state_file = next((tmp_path / "bf16.run" / "checkpoints").glob("step-*")) / "trainer_state.pt"
+    assert torch.load(state_file, weights_only=False)["options"]["bf16"] is True
+    again = options(path, data, tmp_path / "bf16", steps=2, save_every=1)
+    again.resume = True
+    with pytest.raises(JobError, match="bf16"):
+        finetune(again)
+    state = torch.load(state_file, weights_only=False)
+    del state["options"]["bf16"]  # as written before the flag
+    torch.save(state, state_file)
+    assert len(finetune(again).losses) == 2
