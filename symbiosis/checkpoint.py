@@ -184,7 +184,7 @@ def discover_base_layers(model: nn.Module, client_layers: Iterable[str] = ()) ->
     base layer nor an embedding: splitting would silently drop it, keeping it would load a large
     weight into every client; ``client_layers`` lets a user decide to keep it client-side.
     """
-    keep = set(client_layers)
+    keep = set(client_layers or ())  # (None: none, as the default)
     unknown = keep - {name for name, _ in model.named_modules()}
     if unknown:
         raise CheckpointError(f"client_layers names modules the model does not have: {sorted(unknown)}")

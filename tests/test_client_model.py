@@ -534,3 +534,30 @@ def test_reading_a_bias_into_another_tensor_in_place_is_a_read(tiny_checkpoint):
             layer.load_state_dict(layer.state_dict())  # a VirtLayer alone: strict, no device_probe key
         finally:
             model.symbiosis_transport.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "gpt2"])
+@pytest.mark.parametrize("client_layers", [None, ["lm_head"]], ids=["served_head", "client_head"])
+def test_parameter_counts_are_the_monolithic_models(arch, client_layers, tiny_checkpoint):
+    """``num_parameters()`` left the base layers out (the split tiny llama counted 65,856 of its
+    205,120). It counts what the executor holds now, a tied lm_head once; a copy of the model
+    and a peft model of it count the same."""
+    import copy
+
+    path = tiny_checkpoint(arch)
+    config = dict(r=4, target_modules="all-linear")
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        model = symbiosis.load_client_model(path, executor=ex, client_layers=client_layers)
+        try:
+            for exclude_embeddings in (False, True):
+                expected = reference.num_parameters(exclude_embeddings=exclude_embeddings)
+                assert model.num_parameters(exclude_embeddings=exclude_embeddings) == expected
+            # (the executor's parameters are frozen: only the client's can train)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            assert model.num_parameters(only_trainable=True) == trainable < reference.num_parameters()
+            split = peft.get_peft_model(model, peft.LoraConfig(**config))
+            expected = peft.get_peft_model(reference, peft.LoraConfig(**config)).num_parameters()
+            assert split.num_parameters() == copy.deepcopy(split).num_parameters() == expected
+        finally:
+            model.symbiosis_transport.close()

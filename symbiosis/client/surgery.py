@@ -150,6 +150,13 @@ def load_client_model(
     model._symbiosis_served_tensors = frozenset(served_names)
     model.tie_weights = types.MethodType(_tie_weights_of_client_tensors, model)  # (a copy's binds the copy)
     model.tie_weights()  # a tied lm_head kept on the client (client_layers) shares the embedding's Parameter
+    for target, source in model.all_tied_weights_keys.items():
+        for name in (target, source):  # a served weight tied to a client tensor: counted as that tensor
+            if name in served_names and name.endswith(".weight"):
+                layer = model.get_submodule(served_names[name])
+                spec = served_specs[layer.layer_id]
+                layer.count_base_parameters(layer.base_parameter_count - spec.in_features * spec.out_features)
+    model.num_parameters = types.MethodType(_num_parameters_with_served, model)
     model.resize_token_embeddings = types.MethodType(_resize_token_embeddings_unless_served, model)
 
     still_meta = [name for name, p in model.named_parameters() if p.is_meta]
@@ -181,6 +188,16 @@ def _tie_weights_of_client_tensors(model, *args, **kwargs) -> None:
         type(model).tie_weights(model, *args, **kwargs)
     finally:
         model._tied_weights_keys, model.all_tied_weights_keys = declared, expanded
+
+
+def _num_parameters_with_served(model, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """``num_parameters``, counting the frozen parameters the executor holds as the monolithic
+    model's count does (``VirtLayer.count_base_parameters``). peft's ``print_trainable_parameters``
+    counts the client's parameters alone (its own loop over them)."""
+    count = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    if only_trainable:
+        return count
+    return count + sum(getattr(m, "base_parameter_count", 0) for m in model.modules())
 
 
 def _resize_token_embeddings_unless_served(model, *args, **kwargs):

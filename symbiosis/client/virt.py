@@ -214,6 +214,14 @@ class _VirtLayerMixin:
         self.device_probe = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
         self.register_state_dict_post_hook(_drop_device_probe)
         self.register_load_state_dict_post_hook(_forgive_device_probe)
+        self.count_base_parameters(spec.in_features * spec.out_features + (spec.out_features if spec.has_bias else 0))
+
+    def count_base_parameters(self, count: int) -> None:
+        """The parameters the executor holds for this layer, for the model's ``num_parameters``
+        (``client.surgery``); less a tied weight, counted as the client tensor it is tied to. (Not
+        the probe's ``ds_numel``, which peft would count too: it marks a DeepSpeed ZeRO-3
+        parameter, and peft then gathers it with deepspeed.)"""
+        self.base_parameter_count = count
 
     def _set_placeholders(self, device: torch.device, dtype: torch.dtype) -> None:
         spec = self.link
