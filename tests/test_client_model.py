@@ -10,7 +10,14 @@ from transformers import AutoModelForCausalLM
 import symbiosis
 from symbiosis.client.virt import BaseWeightPlaceholder, VirtConv1D, VirtLinear
 from symbiosis.modelzoo import make_model
-from tests.reference import close_client, make_pair, randomize_adapters
+from tests.reference import (
+    adapter_grads,
+    assert_matches_reference,
+    close_client,
+    loss_and_grads,
+    make_pair,
+    randomize_adapters,
+)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -291,24 +298,13 @@ def test_boft_on_layers_with_a_bias_matches_the_monolithic_model(tiny_checkpoint
     path = tiny_checkpoint("opt")
     config = dict(boft_block_size=4, target_modules=["q_proj", "v_proj", "fc1"])
     reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.BOFTConfig(**config))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in reference.parameters():
-            if parameter.requires_grad:  # away from BOFT's identity start
-                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    randomize_adapters(reference)  # away from BOFT's identity start
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         split = peft.get_peft_model(symbiosis.load_client_model(path, executor=ex), peft.BOFTConfig(**config))
         try:
             split.load_state_dict(reference.state_dict(), strict=False)
             ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
-            expected, got = reference(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
-            expected.loss.backward()
-            got.loss.backward()
-            torch.testing.assert_close(got.logits, expected.logits, **TOL)
-            grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
-            for name, parameter in reference.named_parameters():
-                if parameter.requires_grad:
-                    torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
         finally:
             close_client(split)
 
@@ -376,15 +372,8 @@ def test_torch_compile_of_a_split_model_breaks_its_graph_at_each_base_layer(tiny
             split.load_state_dict({k: v for k, v in reference.state_dict().items() if k in split.state_dict()})
             reference.eval()
             split.eval()  # (no dropout to draw)
-            expected = reference(input_ids=ids, labels=ids).loss
-            expected.backward()
-            got = torch.compile(split)(input_ids=ids, labels=ids).loss
-            got.backward()
-            torch.testing.assert_close(got, expected, **TOL)
-            grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
-            for name, parameter in reference.named_parameters():
-                if parameter.requires_grad:
-                    torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+            compiled = loss_and_grads(torch.compile(split), ids)[:2]  # its gradients: on split's parameters
+            assert_matches_reference((*compiled, adapter_grads(split)), loss_and_grads(reference, ids))
         finally:
             close_client(split)
 
@@ -413,13 +402,7 @@ def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_mo
     path = tiny_checkpoint(arch)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), TIED_EMBEDDING_METHODS[method](arch))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in reference.parameters():
-            if parameter.requires_grad:  # away from the identity start
-                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
-    expected = reference(input_ids=ids, labels=ids)
-    expected.loss.backward()
+    randomize_adapters(reference)  # away from the identity start
     with symbiosis.BaseExecutor.from_pretrained(path) as ex:
         client = symbiosis.load_client_model(path, executor=ex)
         split = peft.get_peft_model(client, TIED_EMBEDDING_METHODS[method](arch))
@@ -430,13 +413,7 @@ def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_mo
             wrapped = type(split.get_base_model().lm_head)
             assert wrapped is wrapper or (wrapper is torch.nn.Linear and wrapped is VirtLinear), wrapped
             split.load_state_dict(state)
-            got = split(input_ids=ids, labels=ids)
-            got.loss.backward()
-            torch.testing.assert_close(got.logits, expected.logits, **TOL)
-            grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
-            for name, parameter in reference.named_parameters():
-                if parameter.requires_grad:
-                    torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
             with torch.no_grad():
                 generated = split.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
                 assert torch.equal(generated, reference.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
@@ -452,13 +429,7 @@ def test_adaption_prompt_finds_the_device_of_an_attention_block_of_base_layers(l
     config = dict(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM")
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(llama), peft.AdaptionPromptConfig(**config))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in reference.parameters():
-            if parameter.requires_grad:  # its gate starts at zero: the prompt would change nothing
-                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
-    expected = reference(input_ids=ids, labels=ids)
-    expected.loss.backward()
+    randomize_adapters(reference)  # its gate starts at zero: the prompt would change nothing
     client = symbiosis.load_client_model(llama, executor=executor)
     assert not any(name.endswith("device_probe") for name in client.state_dict())
     client.load_state_dict(client.state_dict())  # strict: the probes are not missing keys either
@@ -466,13 +437,7 @@ def test_adaption_prompt_finds_the_device_of_an_attention_block_of_base_layers(l
     try:
         trained = {k: v for k, v in reference.state_dict().items() if "adaption" in k}
         assert trained and not split.load_state_dict(trained, strict=False).unexpected_keys
-        got = split(input_ids=ids, labels=ids)
-        got.loss.backward()
-        torch.testing.assert_close(got.logits, expected.logits, **TOL)
-        grads = {n: p.grad for n, p in split.named_parameters() if p.requires_grad}
-        for name, parameter in reference.named_parameters():
-            if parameter.requires_grad:
-                torch.testing.assert_close(grads[name], parameter.grad, **TOL)
+        assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
     finally:
         close_client(split)
 
