@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import peft
 import pytest
 import torch
@@ -293,14 +295,29 @@ def test_a_bias_is_read_from_the_executor_and_writes_to_it_stay_refused(tiny_che
             model.symbiosis_transport.close()
 
 
-def test_boft_on_layers_with_a_bias_matches_the_monolithic_model(tiny_checkpoint):
-    """BOFT's forward scales ``base_layer(x) - bias`` and adds the bias back."""
+@contextlib.contextmanager
+def executor_at(path, remote: bool):
+    """An executor of ``path`` as a client reaches it: itself, or the address of its tcp server."""
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        if not remote:
+            yield ex
+            return
+        server = ex.serve("tcp://127.0.0.1:0")
+        try:
+            yield server.address
+        finally:
+            server.close()
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
+def test_boft_on_layers_with_a_bias_matches_the_monolithic_model(remote, tiny_checkpoint):
+    """BOFT's forward scales ``base_layer(x) - bias`` and adds the bias back (read over the wire too)."""
     path = tiny_checkpoint("opt")
     config = dict(boft_block_size=4, target_modules=["q_proj", "v_proj", "fc1"])
     reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.BOFTConfig(**config))
     randomize_adapters(reference)  # away from BOFT's identity start
-    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
-        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=ex), peft.BOFTConfig(**config))
+    with executor_at(path, remote) as executor:
+        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor), peft.BOFTConfig(**config))
         try:
             split.load_state_dict(reference.state_dict(), strict=False)
             ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
@@ -391,9 +408,14 @@ TIED_EMBEDDING_METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", TIED_EMBEDDING_METHODS)
-@pytest.mark.parametrize("arch", ["opt", "gpt2"])
-def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_model(arch, method, tiny_checkpoint):
+@pytest.mark.parametrize(
+    ("arch", "method", "remote"),
+    [(arch, method, False) for arch in ("opt", "gpt2") for method in TIED_EMBEDDING_METHODS]
+    + [("opt", "lora_with_trainable_tokens", True)],
+)
+def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_model(
+    arch, method, remote, tiny_checkpoint
+):
     """peft finds the layers tied to the embeddings by the model's tie declaration, which the split
     model had cleared: trainable tokens (alone or with LoRA) and LoRA on the embeddings then left
     the lm_head as it was, silently (logits 11-12 off). Trainable tokens on the served lm_head
@@ -403,8 +425,8 @@ def test_adapters_of_the_embeddings_adapt_a_tied_lm_head_as_in_the_monolithic_mo
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), TIED_EMBEDDING_METHODS[method](arch))
     randomize_adapters(reference)  # away from the identity start
-    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
-        client = symbiosis.load_client_model(path, executor=ex)
+    with executor_at(path, remote) as executor:
+        client = symbiosis.load_client_model(path, executor=executor)
         split = peft.get_peft_model(client, TIED_EMBEDDING_METHODS[method](arch))
         try:
             state = {k: v for k, v in reference.state_dict().items() if k in split.state_dict()}

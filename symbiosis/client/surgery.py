@@ -151,11 +151,12 @@ def load_client_model(
     model.tie_weights = types.MethodType(_tie_weights_of_client_tensors, model)  # (a copy's binds the copy)
     model.tie_weights()  # a tied lm_head kept on the client (client_layers) shares the embedding's Parameter
     for target, source in model.all_tied_weights_keys.items():
-        for name in (target, source):  # a served weight tied to a client tensor: counted as that tensor
-            if name in served_names and name.endswith(".weight"):
-                layer = model.get_submodule(served_names[name])
-                spec = served_specs[layer.layer_id]
-                layer.count_base_parameters(layer.base_parameter_count - spec.in_features * spec.out_features)
+        # A tied pair is one tensor, counted once: as the client's side, or as the target's if served.
+        served = target if target in served_names else source if source in served_names else None
+        if served is not None and served.endswith(".weight"):
+            layer = model.get_submodule(served_names[served])
+            spec = served_specs[layer.layer_id]
+            layer.count_base_parameters(layer.base_parameter_count - spec.in_features * spec.out_features)
     model.num_parameters = types.MethodType(_num_parameters_with_served, model)
     model.resize_token_embeddings = types.MethodType(_resize_token_embeddings_unless_served, model)
 
