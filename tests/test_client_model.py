@@ -128,6 +128,47 @@ def test_modules_to_save_on_a_base_layer_fails_loudly(llama, executor, target):
         model.symbiosis_transport.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt", "gpt2"])
+def test_training_base_weights_or_biases_is_refused_and_adapters_without_them_still_work(arch, tiny_checkpoint):
+    """peft's ``bias="all"`` and ``bias="lora_only"`` train the biases of the layers LoRA wraps;
+    on a split model those biases were placeholders, not parameters, so they silently stayed
+    frozen (opt: 12 tensors the monolithic model trains, left out). ``model.requires_grad_()``
+    (full fine-tuning) likewise trained the client's tensors alone. Both are refused now; on
+    llama, whose base layers have no bias, ``bias="all"`` trains what the monolithic model trains."""
+    path = tiny_checkpoint(arch)
+    biased = arch != "llama"
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        model = symbiosis.load_client_model(path, executor=ex)
+        try:
+            with pytest.raises(symbiosis.BaseWeightAccessError, match="cannot be trained"):
+                model.requires_grad_()
+            with pytest.raises(symbiosis.BaseWeightAccessError, match="cannot be trained"):
+                for parameter in model.parameters():
+                    parameter.requires_grad = True
+            model.requires_grad_(False)
+            # The probes that catch these stay out of state dicts, and a monolithic state dict's base
+            # tensors are unexpected keys (not size mismatches with a probe named ``bias``).
+            monolithic = AutoModelForCausalLM.from_pretrained(path).state_dict()
+            served = {name for name in monolithic if name not in model.state_dict()}
+            assert served and all(name.endswith((".weight", ".bias")) for name in served)
+            assert set(model.load_state_dict(monolithic, strict=False).unexpected_keys) == served
+            for bias in ("all", "lora_only"):
+                config = peft.LoraConfig(r=4, target_modules="all-linear", bias=bias)
+                if biased:
+                    with pytest.raises(symbiosis.BaseWeightAccessError, match="bias='none'"):
+                        peft.get_peft_model(symbiosis.load_client_model(path, executor=ex), config)
+                else:
+                    split = peft.get_peft_model(symbiosis.load_client_model(path, executor=ex), config)
+                    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
+                    trainable = {name for name, p in split.named_parameters() if p.requires_grad}
+                    assert trainable == {name for name, p in reference.named_parameters() if p.requires_grad}
+            config = peft.LoraConfig(r=4, target_modules="all-linear")
+            split = peft.get_peft_model(symbiosis.load_client_model(path, executor=ex), config)
+            split(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+        finally:
+            model.symbiosis_transport.close()
+
+
 def test_modules_to_save_on_a_client_module_and_copies_of_a_whole_model_still_work(llama, executor):
     import copy
 

@@ -18,6 +18,7 @@ One use of a weight is computed without it: ``F.linear`` of a weight with some r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -71,9 +72,12 @@ class BaseWeightPlaceholder(torch.Tensor):
         """Two operations on a weight are computed without it: ``W.index_copy(0, index, rows)``
         (some rows replaced) and ``F.linear(x, W)``, as the layer's product with those output
         columns replaced by ``x · rowsᵀ``. That is peft's trainable tokens on an lm_head tied to
-        the embeddings (``get_merged_weights``, then ``F.linear``). Anything else goes on to
-        ``__torch_dispatch__``: computed on a bias's values, else refused."""
+        the embeddings (``get_merged_weights``, then ``F.linear``). Making one trainable is
+        refused (peft's ``bias="lora_only"``). Anything else goes on to ``__torch_dispatch__``:
+        computed on a bias's values, else refused."""
         kwargs = kwargs or {}
+        if _makes_trainable(func, args, kwargs):
+            raise BaseWeightAccessError(_not_trainable(args[0].base_tensor_name))
         if func is torch.Tensor.index_copy:
             replaced = _rows_replaced(*args, **kwargs)
             if replaced is not None:
@@ -144,6 +148,44 @@ def _linear_of_replaced_rows(input, weight, bias=None) -> torch.Tensor | None:  
     return out
 
 
+_SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__  # (a fresh method-wrapper each time; they compare equal)
+
+
+def _makes_trainable(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` is ``t.requires_grad_()`` or ``t.requires_grad = True`` (with a true value)."""
+    if func is torch.Tensor.requires_grad_:
+        return bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+    return func == _SET_REQUIRES_GRAD and bool(args[1])
+
+
+def _not_trainable(name: str) -> str:
+    return (
+        f"base-layer tensor {name!r} cannot be trained: its weights live only in the base executor, which keeps "
+        "them frozen and shared by every client. Train an adapter instead (LoRA, IA3, ...; with peft's bias='none', "
+        "as biases of base layers are base weights too), or keep the layer on the client (client_layers=[...])"
+    )
+
+
+class _DeviceProbe(nn.Parameter):
+    """A VirtLayer's empty frozen Parameter (``_VirtLayerMixin._init_virt`` says why it exists).
+    It stands for the layer's weights wherever code walks a model's parameters, so making it
+    trainable -- ``model.requires_grad_()`` for full fine-tuning, peft's ``bias="all"`` (which
+    trains every parameter named ``*bias*``) -- is refused: it would train what the monolithic
+    model trains there, the base weights, but nothing would change on the executor, silently."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _makes_trainable(func, args, kwargs or {}):
+            raise BaseWeightAccessError(_not_trainable(args[0].base_tensor_name))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)
+        copied.base_tensor_name = self.base_tensor_name
+        return copied
+
+
 #: One C call (~0.15 us) that is False unless some autocast is on: a base layer's every forward asks.
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -185,14 +227,13 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
-def _drop_device_probe(layer, state_dict, prefix, local_metadata) -> None:
-    state_dict.pop(prefix + "device_probe", None)
+#: The name of a VirtLayer's probe Parameter (``_VirtLayerMixin._init_virt``): ``bias`` on a layer
+#: with a bias, so that code finding biases by name (peft's ``bias="all"``) finds it.
+_PROBE_NAMES = ("device_probe", "bias")
 
 
-def _forgive_device_probe(layer, incompatible_keys) -> None:
-    missing = incompatible_keys.missing_keys
-    if missing:
-        missing[:] = [name for name in missing if name != "device_probe" and not name.endswith(".device_probe")]
+def _probe_name(has_bias: bool) -> str:
+    return _PROBE_NAMES[has_bias]
 
 
 class _VirtLayerMixin:
@@ -210,10 +251,13 @@ class _VirtLayerMixin:
         # No data, but a Parameter: code that finds a module's device and dtype from its first
         # parameter (``next(attn.parameters())``, peft's adaption prompt) found none in a block of
         # base layers alone (StopIteration). Frozen, empty, moved by ``model.to`` as weights are;
-        # not in state dicts, which keep the monolithic model's names.
-        self.device_probe = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
-        self.register_state_dict_post_hook(_drop_device_probe)
-        self.register_load_state_dict_post_hook(_forgive_device_probe)
+        # not in state dicts, which keep the monolithic model's names. On a layer with a bias it is
+        # registered as ``bias`` (the attribute stays the placeholder, a property): peft's
+        # ``bias="all"`` trains every parameter named ``*.bias``, so it finds this one, as it finds
+        # the monolithic layer's bias, and is refused (_DeviceProbe) instead of training nothing.
+        probe = _DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        probe.base_tensor_name = f"{spec.layer_id}.{'bias' if spec.has_bias else 'weight'}"
+        self._parameters[_probe_name(spec.has_bias)] = probe  # (register_parameter: "bias" is taken)
         self.count_base_parameters(spec.in_features * spec.out_features + (spec.out_features if spec.has_bias else 0))
 
     def count_base_parameters(self, count: int) -> None:
@@ -290,6 +334,28 @@ class _VirtLayerMixin:
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # as the default deepcopy of a Module
         return copied
+
+    @contextlib.contextmanager
+    def _probe_hidden(self):
+        """The probe out of ``_parameters`` for a while (state dicts leave it out), then back in place."""
+        parameters = self._parameters
+        kept = dict(parameters)
+        del parameters[_probe_name(self._has_bias)]
+        try:
+            yield
+        finally:
+            parameters.clear()
+            parameters.update(kept)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        with self._probe_hidden():
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Not a missing key; and a monolithic state dict's ``bias`` stays an unexpected key, as its
+        # ``weight``, instead of a size mismatch with the probe.
+        with self._probe_hidden():
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
