@@ -7,6 +7,7 @@ import contextlib
 import peft
 import pytest
 import torch
+from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
 import symbiosis
@@ -367,6 +368,32 @@ def test_boft_on_layers_with_a_bias_matches_the_monolithic_model(remote, tiny_ch
             close_client(split)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: peft.HRAConfig(r=4, target_modules=["q_proj", "fc1"]),
+        lambda: peft.ShiraConfig(r=4, target_modules=["q_proj", "fc1"], random_seed=0),
+    ],
+    ids=["hra", "shira"],
+)
+def test_methods_computing_with_a_derived_weight_match_the_monolithic_model_over_tcp(config, tiny_checkpoint):
+    """HRA (``F.linear(x, W·H, b)``) and ShiRA (``F.linear(x, W + Δ, b)``): from the layer's product
+    over a remote transport too (in-process: tests/test_peft_methods.py)."""
+    path = tiny_checkpoint("opt")
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config())
+    randomize_adapters(reference)
+    with executor_at(path, remote=True) as address:
+        torch.manual_seed(0)
+        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=address), config())
+        try:
+            split.load_state_dict(reference.state_dict(), strict=False)
+            ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
+        finally:
+            close_client(split)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
 def test_autocast_on_an_executor_in_its_dtype_matches_the_monolithic_model(arch, remote, tiny_checkpoint):
@@ -560,6 +587,61 @@ def test_reading_a_bias_into_another_tensor_in_place_is_a_read(tiny_checkpoint):
             with pytest.raises(symbiosis.BaseWeightAccessError):
                 torch.add(y[1], 1, out=layer.bias)
             layer.load_state_dict(layer.state_dict())  # a VirtLayer alone: strict, no device_probe key
+        finally:
+            model.symbiosis_transport.close()
+
+
+def test_linear_of_a_weight_derived_from_a_base_weight_is_computed_from_the_layers_product(tiny_checkpoint):
+    """HRA's forward is ``F.linear(x, W.data @ H, b)`` and ShiRA's ``F.linear(x, W.data.clone() + Δ, b)``:
+    refused at ``.data`` before. Each is now the layer's product (of ``x·Hᵀ``; plus ``x·Δᵀ``), equal
+    to the monolithic product with its gradients; what cannot be computed so stays refused. And
+    assigning ``W.data`` was silently accepted (the layer went on serving the executor's weight)."""
+    path = tiny_checkpoint("opt")
+    monolithic = AutoModelForCausalLM.from_pretrained(path).model.decoder.layers[0].fc1
+    W, b = monolithic.weight.detach(), monolithic.bias.detach()
+    x = torch.randn(3, W.shape[1])
+    H = torch.randn(W.shape[1], W.shape[1], requires_grad=True)
+    delta = torch.randn(W.shape, requires_grad=True)
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        model = symbiosis.load_client_model(path, executor=ex)
+        try:
+            layer = model.model.decoder.layers[0].fc1
+            weight, bias = layer.weight, layer.bias
+            assert weight.data is weight
+            torch.testing.assert_close(F.linear(x, weight, bias), F.linear(x, W, b), **TOL)
+            expected = F.linear(x, W @ H, b)
+            got = F.linear(x, torch.mm(weight.data, H), bias)
+            torch.testing.assert_close(got, expected, **TOL)
+            (expected_grad,) = torch.autograd.grad(expected.square().sum(), H)
+            (got_grad,) = torch.autograd.grad(got.square().sum(), H)
+            torch.testing.assert_close(got_grad, expected_grad, **TOL)
+            shifted = weight.data.clone()
+            shifted += delta
+            sparse = torch.zeros(W.shape).index_put_((torch.tensor([0, 5]), torch.tensor([3, 1])), torch.ones(2))
+            shifted = shifted + sparse.to_sparse()
+            expected = F.linear(x, W + delta + sparse, b)
+            got = F.linear(x, shifted, bias)
+            torch.testing.assert_close(got, expected, **TOL)
+            torch.testing.assert_close(*(torch.autograd.grad(y.sum(), delta)[0] for y in (got, expected)), **TOL)
+
+            refused = {
+                "assigning .data": lambda: setattr(weight, "data", W.clone()),
+                "an in-place change of the layer's own weight": lambda: weight.data.add_(delta),
+                "F.linear without the layer's bias": lambda: F.linear(x, weight),
+                "W·H after W + Δ (not derived in that order)": lambda: (weight + delta) @ H,
+                "reading a derived weight": lambda: (weight @ H).sum(),
+                "a view of the weight": lambda: torch.mm(weight.t(), H),
+            }
+            for what, attempt in refused.items():
+                with pytest.raises(symbiosis.BaseWeightAccessError):
+                    attempt()
+                    pytest.fail(what)
+            kept = weight.clone()
+            alias = kept
+            kept += delta  # binds a new placeholder; the old one, still named by alias, is stale
+            F.linear(x, kept, bias)
+            with pytest.raises(symbiosis.BaseWeightAccessError, match="changed in place"):
+                F.linear(x, alias, bias)
         finally:
             model.symbiosis_transport.close()
 

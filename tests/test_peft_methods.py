@@ -3,9 +3,10 @@
 ``tests/test_split_reference.py`` covers the common methods on every family and transport. This
 file covers the rest of peft's registry in-process, on llama (no biases) and opt (biases, a tied
 lm_head): methods that adapt a base layer through its product match the monolithic model
-(logits, loss, adapter gradients); methods that must read a base weight (an SVD of it, ``W + Δ``
-in one product, its largest entries) raise ``BaseWeightAccessError`` instead of computing on a
-placeholder. Elsewhere: adaption prompt, trainable tokens and BOFT on biases in
+(logits, loss, adapter gradients), HRA and ShiRA too (their ``F.linear(x, W·H, b)`` and
+``F.linear(x, W + Δ, b)`` are computed from the layer's product); methods that must read a base
+weight (an SVD of it, its largest entries, ``W ⊙ Δ``) raise ``BaseWeightAccessError`` instead of
+computing on a placeholder. Elsewhere: adaption prompt, trainable tokens and BOFT on biases in
 ``test_client_model.py``; X-LoRA (it loads saved adapters) and AdaMSS (scikit-learn) untested.
 """
 
@@ -41,6 +42,7 @@ EXACT = {
     "cpt": dict(cpt_token_ids=[5, 6, 7, 9], cpt_mask=[1, 1, 1, 1], cpt_tokens_type_mask=[1, 2, 3, 4]),
     "fourierft": dict(n_frequency=100, target_modules=ALL),
     "gralora": dict(r=4, alpha=8, gralora_k=2, target_modules=ALL),
+    "hra": dict(r=4, target_modules=ALL),  # (its forward: F.linear(x, W·H, b), from the layer's product)
     "lily": dict(r=4, stride_A=1, num_B=2, target_modules=QV),
     "miss": dict(r=8, target_modules=ALL),
     "multitask_prompt_tuning": dict(num_virtual_tokens=4, num_tasks=1, num_ranks=1),
@@ -50,23 +52,22 @@ EXACT = {
     "randlora": dict(r=4, target_modules=ALL),
     "road": dict(variant="road_1", group_size=8, target_modules=ALL),
     "shadow": dict(r=4, shadow_num_hidden_layers=1),
+    "shira": dict(r=4, target_modules=ALL, random_seed=0),  # (F.linear(x, W + Δ, b), likewise)
     "unilora": dict(r=4, theta_d_length=64, target_modules=ALL),
     "vblora": dict(r=4, num_vectors=32, vector_length=16, topk=2, target_modules=ALL),
     "vera": dict(r=8, target_modules=ALL),
     "waveft": dict(n_frequency=100, target_modules=ALL),
 }
-#: Methods that read a base weight: at init (an SVD, a norm, the largest entries, ``rightᵀ·W``)
-#: or in every forward (``F.linear(x, W + Δ)``, ``W·H``).
+#: Methods that read a base weight: at init (an SVD, a norm, the largest entries, ``W`` itself)
+#: or in every forward (HiRA's ``W ⊙ Δ``, PEANuT's ``Wᵀ``).
 REFUSED = {
     "deft": dict(r=4, target_modules=ALL),
     "delora": dict(r=4, target_modules=ALL),
     "frod": dict(target_modules=ALL, progressbar=False),
     "hira": dict(r=4, target_modules=ALL),
-    "hra": dict(r=4, target_modules=ALL),
     "osf": dict(effective_rank=4, target_modules=ALL),
     "peanut": dict(r=4, target_modules=ALL),
     "psoft": dict(r=4, target_modules=ALL),
-    "shira": dict(r=4, target_modules=ALL, random_seed=0),
     "supertuning": dict(target_modules=ALL),
     "tinylora": dict(r=2, u=8, target_modules=ALL),
 }

@@ -1,0 +1,314 @@
+"""What a VirtLayer holds in place of its base tensors: placeholders that have no data.
+
+A :class:`BaseWeightPlaceholder` has the real shape, dtype and device of a base tensor and no
+storage. An operation that would read or write a base weight raises ``BaseWeightAccessError``
+(merging an adapter, DoRA's weight norm, assigning ``weight.data``) instead of computing on
+nothing. Two kinds of use are served anyway:
+
+- The bias may be read: the forward product of a zero row is the bias, exactly, so any client can
+  read it anyway, and methods that compute with it (BOFT scales ``result - bias``) need it. Its
+  placeholder fetches it from the executor at the first operation that reads it.
+- A weight derived from ``W`` and used only in ``F.linear`` is computed without ``W``, from the
+  layer's own product: ``W·H`` (HRA: ``F.linear(x, W·H, b)`` is the layer's product of ``x·Hᵀ``),
+  ``W + Δ`` (ShiRA: the layer's product plus ``x·Δᵀ``), ``W`` with some rows replaced (peft's
+  trainable tokens on a tied lm_head: those output columns computed here). The derived weight is a
+  placeholder too, remembering how it was derived (:class:`Derivation`); anything else done with it
+  is refused.
+
+And :class:`DeviceProbe`: the empty frozen Parameter a VirtLayer holds so that code walking a
+model's parameters finds one, refusing to be made trainable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._pytree import tree_map_only
+
+from symbiosis.errors import BaseWeightAccessError
+
+if TYPE_CHECKING:
+    from symbiosis.client.virt import _VirtLayerMixin
+
+WHY = (
+    "its weights live only in the base executor, which serves forward/backward products but never "
+    "ships weights to clients. Operations that read or write base weights (merge_and_unload, "
+    "merge_adapter, DoRA's weight norm, weight surgery) are not possible on a split model; keep "
+    "adapters unmerged, or merge on a monolithic copy of the model"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivation:
+    """A weight derived from a layer's ``W`` (its ``[out, in]`` form): ``W·right + Σ added``, then
+    the rows of ``replaced`` ((index, rows) pairs) written over it, in that order."""
+
+    right: torch.Tensor | None = None
+    added: tuple[torch.Tensor, ...] = ()
+    replaced: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+
+_NOT_DERIVED = Derivation()
+
+
+class BaseWeightPlaceholder(torch.Tensor):
+    """Shape, dtype and device of a base-layer tensor, without its data."""
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape: tuple[int, ...],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        name: str,
+        read: Callable[[], torch.Tensor] | None = None,
+        layer: _VirtLayerMixin | None = None,
+        derivation: Derivation | None = None,
+    ):
+        """``read``: where the values come from when an operation reads them (the bias); None: nowhere.
+        ``layer``: the VirtLayer whose weight this is; ``derivation``: how this weight was derived
+        from that layer's (None: it is the layer's own)."""
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        placeholder.base_tensor_name = name
+        placeholder._read = read
+        placeholder._values = None  # what ``read`` returned, on this placeholder's device and dtype
+        placeholder._layer = layer
+        placeholder._derivation = derivation
+        placeholder._stale = False  # changed in place (``add_``): its successor holds the change
+        return placeholder
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Derived weights (module docstring) are made and used here; making a placeholder trainable
+        (peft's ``bias="lora_only"``) or assigning its ``.data`` is refused. Anything else goes on
+        to ``__torch_dispatch__``: computed on a bias's values, else refused."""
+        kwargs = kwargs or {}
+        if _makes_trainable(func, args, kwargs):
+            raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
+        if func == _SET_DATA:
+            raise BaseWeightAccessError(
+                f"cannot assign the data of base-layer tensor {args[0].base_tensor_name!r}: {WHY}"
+            )
+        stale = next((a for a in args if isinstance(a, BaseWeightPlaceholder) and a._stale), None)
+        if stale is not None:
+            raise BaseWeightAccessError(
+                f"a weight derived from base-layer tensor {stale.base_tensor_name!r} was changed in place (add_): "
+                "only the result of that change can be used (``w += delta`` binds it), not the weight before it"
+            )
+        handler = _DERIVED_WEIGHT_OPS.get(func)
+        if handler is not None:
+            result = handler(*args, **kwargs)
+            if result is not None:
+                return result
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        placeholders: list[BaseWeightPlaceholder] = []
+        tree_map_only(cls, placeholders.append, (args, kwargs or {}))
+        unreadable = [p for p in placeholders if p._read is None]
+        if unreadable or _writes_or_aliases(func, args, kwargs or {}):
+            name = (unreadable or placeholders)[0].base_tensor_name
+            raise BaseWeightAccessError(f"{func.__name__} on base-layer tensor {name!r} is not possible: {WHY}")
+        # A functional op on readable tensors: computed on their values (its result is a new tensor,
+        # so nothing can write into the values kept here).
+        args, kwargs = tree_map_only(cls, cls.values, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def values(self) -> torch.Tensor:
+        """The tensor's values (fetched once); only for a placeholder given ``read``."""
+        if self._values is None:
+            self._values = self._read().to(device=self.device, dtype=self.dtype)
+        return self._values
+
+    def __repr__(self) -> str:
+        derived = ", derived" if self._derivation is not None else ""
+        return f"BaseWeightPlaceholder({self.base_tensor_name}, shape={tuple(self.shape)}, dtype={self.dtype}{derived})"
+
+    def __reduce_ex__(self, protocol):
+        raise BaseWeightAccessError(f"cannot serialize base-layer tensor {self.base_tensor_name!r}: {WHY}")
+
+    def __deepcopy__(self, memo):
+        return self  # no data to copy; a copied model shares the same placeholder
+
+
+_SET_DATA = torch.Tensor.data.__set__  # (a fresh method-wrapper each time; they compare equal)
+_GET_DATA = torch.Tensor.data.__get__
+_SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__
+
+
+def _derivable(weight) -> bool:
+    """A weight of a VirtLayer in ``[out, in]`` form (nn.Linear's), or one derived from it, still current."""
+    return (
+        isinstance(weight, BaseWeightPlaceholder)
+        and weight._layer is not None
+        and weight._layer._weight_layout == "out_in"
+        and not weight._stale
+    )
+
+
+def _derived(weight: BaseWeightPlaceholder, **changes) -> BaseWeightPlaceholder:
+    return BaseWeightPlaceholder(
+        tuple(weight.shape),
+        dtype=weight.dtype,
+        device=weight.device,
+        name=weight.base_tensor_name,
+        layer=weight._layer,
+        derivation=dataclasses.replace(_derivation_of(weight), **changes),
+    )
+
+
+def _derivation_of(weight: BaseWeightPlaceholder) -> Derivation:
+    return weight._derivation or _NOT_DERIVED
+
+
+def _plain(tensor, shape) -> bool:
+    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, BaseWeightPlaceholder) and tensor.shape == shape
+
+
+def _data(weight):
+    """``weight.data``: the weight itself (a placeholder has nothing to detach; any write into it is refused)."""
+    return weight if _derivable(weight) else None
+
+
+def _clone(weight, *, memory_format=None):
+    """``weight.clone()``: a new placeholder, derived as this one is (a later in-place change, refused
+    on the layer's own weight, is allowed on a clone)."""
+    return _derived(weight) if _derivable(weight) else None
+
+
+def _times(weight, right, **other):
+    """``W·H`` (``torch.mm``, ``@``) for an ``[in, in]`` matrix ``H``, on a weight not derived yet."""
+    if other or not _derivable(weight) or not _plain(right, torch.Size((weight.shape[1], weight.shape[1]))):
+        return None
+    derivation = _derivation_of(weight)
+    if derivation.right is not None or derivation.added or derivation.replaced:
+        return None
+    return _derived(weight, right=right)
+
+
+def _plus(weight, other, *, alpha=1, **unknown):
+    """``W + Δ`` for a tensor ``Δ`` of the weight's shape (dense or sparse), before any row is replaced
+    (not with ``out=``: that writes into a tensor)."""
+    if isinstance(other, BaseWeightPlaceholder) and not isinstance(weight, BaseWeightPlaceholder):
+        weight, other = other, weight  # Δ + W
+    if unknown or not _derivable(weight) or not _plain(other, weight.shape) or _derivation_of(weight).replaced:
+        return None
+    delta = other if alpha == 1 else other * alpha
+    return _derived(weight, added=(*_derivation_of(weight).added, delta))
+
+
+def _plus_in_place(weight, other, *, alpha=1, **unknown):
+    """``W += Δ`` (``add_``) on a derived weight, never the layer's own: the change goes into a new
+    placeholder (the result, which ``+=`` binds), and this one is stale from now on, refused by
+    every use, so code that kept a name for it cannot silently use it without the change."""
+    if not isinstance(weight, BaseWeightPlaceholder) or weight._derivation is None:
+        return None
+    result = _plus(weight, other, alpha=alpha, **unknown)
+    if result is not None:
+        weight._stale = True
+    return result
+
+
+def _rows_replaced(weight, dim, index, source):
+    """``weight.index_copy(dim, index, source)``: those rows replaced."""
+    if not _derivable(weight) or dim not in (0, -weight.dim()):
+        return None
+    return _derived(weight, replaced=(*_derivation_of(weight).replaced, (index, source)))
+
+
+def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
+    """``F.linear(x, W, b)`` of the layer's weight, or of one derived from it, from the layer's
+    product, ``b`` being the layer's own bias (or both None): ``layer(x·Hᵀ)`` (``= x·(W·H)ᵀ + b``),
+    plus ``x·Δᵀ`` for each ``Δ`` added, then the replaced rows' output columns computed here
+    (exact: the other columns never read a replaced row, and autograd sends each column's gradient
+    where it came from). As exact as the monolithic product up to the order of its sums."""
+    if not _derivable(weight):
+        return None
+    layer, derivation = weight._layer, _derivation_of(weight)
+    if bias is not (layer.bias if layer._has_bias else None):
+        return None
+    if derivation.replaced and layer._has_bias:  # (a replaced row's column would need its own bias entry)
+        return None
+    out = layer(input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype)))
+    for delta in derivation.added:
+        delta = delta.to_dense() if delta.is_sparse else delta
+        out = out + F.linear(input.to(out.dtype), delta.to(out.dtype))
+    for index, rows in derivation.replaced:
+        out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
+    return out
+
+
+_DERIVED_WEIGHT_OPS = {
+    _GET_DATA: _data,
+    torch.Tensor.clone: _clone,
+    torch.clone: _clone,
+    torch.mm: _times,
+    torch.Tensor.mm: _times,
+    torch.matmul: _times,
+    torch.Tensor.matmul: _times,
+    torch.add: _plus,
+    torch.Tensor.add: _plus,
+    torch.Tensor.__add__: _plus,
+    torch.Tensor.__radd__: _plus,
+    torch.Tensor.add_: _plus_in_place,
+    torch.Tensor.__iadd__: _plus_in_place,
+    torch.Tensor.index_copy: _rows_replaced,
+    F.linear: _linear,
+}
+
+
+def _writes_or_aliases(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` writes into a placeholder or returns a view of one (``add_``, ``out=``,
+    ``detach``, ``view``): on a base tensor, a write the executor would never see. Writing a
+    placeholder's values into another tensor (``y += bias``) only reads them."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None:  # neither written nor aliased by the result
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, BaseWeightPlaceholder) for v in values):
+            return True
+    return False
+
+
+def _makes_trainable(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` is ``t.requires_grad_()`` or ``t.requires_grad = True`` (with a true value)."""
+    if func is torch.Tensor.requires_grad_:
+        return bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+    return func == _SET_REQUIRES_GRAD and bool(args[1])
+
+
+def not_trainable(name: str) -> str:
+    return (
+        f"base-layer tensor {name!r} cannot be trained: its weights live only in the base executor, which keeps "
+        "them frozen and shared by every client. Train an adapter instead (LoRA, IA3, ...; with peft's bias='none', "
+        "as biases of base layers are base weights too), or keep the layer on the client (client_layers=[...])"
+    )
+
+
+class DeviceProbe(nn.Parameter):
+    """A VirtLayer's empty frozen Parameter (``_VirtLayerMixin._init_virt`` says why it exists).
+    It stands for the layer's weights wherever code walks a model's parameters, so making it
+    trainable -- ``model.requires_grad_()`` for full fine-tuning, peft's ``bias="all"`` (which
+    trains every parameter named ``*.bias``) -- is refused: it would train what the monolithic
+    model trains there, the base weights, but nothing would change on the executor, silently."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _makes_trainable(func, args, kwargs or {}):
+            raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)
+        copied.base_tensor_name = self.base_tensor_name
+        return copied
