@@ -394,6 +394,39 @@ def test_methods_computing_with_a_derived_weight_match_the_monolithic_model_over
             close_client(split)
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
+def test_deft_initializes_its_injection_from_the_executors_product(remote, tiny_checkpoint):
+    """DEFT starts from ``R = rightᵀ·W / scaling`` (so its update is zero at init): refused at
+    ``W.detach()`` before; ``A·W`` for rows without a gradient is now the executor's backward
+    product of ``A``, and DEFT's init equals the monolithic one (its forward reads only the bias)."""
+    path = tiny_checkpoint("opt")
+
+    def config():
+        return peft.DeftConfig(r=4, target_modules=["q_proj", "fc1"])
+
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config())
+    with executor_at(path, remote) as executor:
+        torch.manual_seed(0)
+        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor), config())
+        try:
+            initial = {k: v for k, v in reference.state_dict().items() if "deft_R" in k}
+            assert len(initial) == 4 and all(v.abs().max() > 0 for v in initial.values())
+            got = split.state_dict()
+            for name, value in initial.items():
+                torch.testing.assert_close(got[name], value, **TOL)
+            layer = split.get_base_model().model.decoder.layers[0].fc1.base_layer
+            rows = torch.randn(3, layer.out_features, requires_grad=True)
+            with pytest.raises(symbiosis.BaseWeightAccessError):
+                rows @ layer.weight  # (its gradient would need another product)
+            ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+            randomize_adapters(reference)
+            split.load_state_dict(reference.state_dict(), strict=False)
+            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
+        finally:
+            close_client(split)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
 def test_autocast_on_an_executor_in_its_dtype_matches_the_monolithic_model(arch, remote, tiny_checkpoint):

@@ -4,7 +4,8 @@
 file covers the rest of peft's registry in-process, on llama (no biases) and opt (biases, a tied
 lm_head): methods that adapt a base layer through its product match the monolithic model
 (logits, loss, adapter gradients), HRA and ShiRA too (their ``F.linear(x, W·H, b)`` and
-``F.linear(x, W + Δ, b)`` are computed from the layer's product); methods that must read a base
+``F.linear(x, W + Δ, b)`` are computed from the layer's product), and DEFT (its init's ``rightᵀ·W``
+is the executor's backward product); methods that must read a base
 weight (an SVD of it, its largest entries, ``W ⊙ Δ``) raise ``BaseWeightAccessError`` instead of
 computing on a placeholder. Elsewhere: adaption prompt, trainable tokens and BOFT on biases in
 ``test_client_model.py``; X-LoRA (it loads saved adapters) and AdaMSS (scikit-learn) untested.
@@ -37,6 +38,7 @@ EXACT = {
     "beft": dict(target_modules=ALL),
     "boft": dict(boft_block_size=4, boft_n_butterfly_factor=1, target_modules=ALL),
     "c3a": dict(block_size=16, target_modules=ALL),
+    "deft": dict(r=4, target_modules=ALL),  # (its init: rightᵀ·W, the executor's backward product)
     "cartridge": dict(num_virtual_tokens=4),
     # (token type 4: the "output" tokens CPT's loss counts)
     "cpt": dict(cpt_token_ids=[5, 6, 7, 9], cpt_mask=[1, 1, 1, 1], cpt_tokens_type_mask=[1, 2, 3, 4]),
@@ -59,9 +61,8 @@ EXACT = {
     "waveft": dict(n_frequency=100, target_modules=ALL),
 }
 #: Methods that read a base weight: at init (an SVD, a norm, the largest entries, ``W`` itself)
-#: or in every forward (HiRA's ``W ⊙ Δ``, PEANuT's ``Wᵀ``).
+#: or in every forward (HiRA's ``W ⊙ Δ``; PEANuT's activation of ``Wᵀ·A``, with a gradient for ``A``).
 REFUSED = {
-    "deft": dict(r=4, target_modules=ALL),
     "delora": dict(r=4, target_modules=ALL),
     "frod": dict(target_modules=ALL, progressbar=False),
     "hira": dict(r=4, target_modules=ALL),

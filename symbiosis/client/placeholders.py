@@ -174,7 +174,8 @@ def _plain(tensor, shape) -> bool:
 
 
 def _data(weight):
-    """``weight.data``: the weight itself (a placeholder has nothing to detach; any write into it is refused)."""
+    """``weight.data``, ``weight.detach()``: the weight itself (a placeholder has nothing to detach;
+    any write into it is refused)."""
     return weight if _derivable(weight) else None
 
 
@@ -185,13 +186,29 @@ def _clone(weight, *, memory_format=None):
 
 
 def _times(weight, right, **other):
-    """``W·H`` (``torch.mm``, ``@``) for an ``[in, in]`` matrix ``H``, on a weight not derived yet."""
+    """``W·H`` (``torch.mm``, ``@``) for an ``[in, in]`` matrix ``H``, on a weight not derived yet;
+    or ``A·W`` (``right`` the layer's own weight), computed at once (``_left_times``)."""
+    if not other and not isinstance(weight, BaseWeightPlaceholder) and _derivable(right):
+        return _left_times(weight, right)
     if other or not _derivable(weight) or not _plain(right, torch.Size((weight.shape[1], weight.shape[1]))):
         return None
     derivation = _derivation_of(weight)
     if derivation.right is not None or derivation.added or derivation.replaced:
         return None
     return _derived(weight, right=right)
+
+
+def _left_times(rows, weight):
+    """``A·W`` for ``[k, out]`` rows ``A`` without a gradient: the executor's backward product of
+    ``A`` (DEFT's init: ``R = rightᵀ·W``). Exact as any product of ``W``; the rows, the adapter's
+    own values, carry nothing of the client's data."""
+    if weight._derivation is not None or not _plain(rows, rows.shape) or rows.dim() != 2:
+        return None
+    if rows.shape[1] != weight.shape[0] or rows.dtype != weight.dtype:
+        return None
+    if rows.requires_grad and torch.is_grad_enabled():
+        return None  # (A's gradient, G·Wᵀ, is a forward product less the bias: not done here)
+    return weight._layer._rows_times_weight(rows.to(weight.device)).to(rows.device)
 
 
 def _plus(weight, other, *, alpha=1, **unknown):
@@ -248,6 +265,7 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
 
 _DERIVED_WEIGHT_OPS = {
     _GET_DATA: _data,
+    torch.Tensor.detach: _data,
     torch.Tensor.clone: _clone,
     torch.clone: _clone,
     torch.mm: _times,

@@ -111,16 +111,27 @@ class _VirtLayerMixin:
         )
         object.__setattr__(self, "_bias", bias)
 
-    @torch.compiler.disable  # a call to the executor, as a forward's is (see _forward_untraced)
-    def _read_bias(self) -> torch.Tensor:
-        """The bias: the forward product of a zero row (0·Wᵀ + b), asked of the executor itself --
-        past any link wrapper, whose noise would blur it (the row carries nothing of the client's)."""
+    def _executor_link(self) -> ExecutorLink:
+        """The link to the executor itself, past any wrapper (privacy.NoisyLink): for the products
+        below, whose rows carry nothing of the client's data, and which its noise would blur."""
         link = self.link
         while not isinstance(link, ExecutorLink):
-            link = link.inner  # privacy.NoisyLink
+            link = link.inner
+        return link
+
+    @torch.compiler.disable  # a call to the executor, as a forward's is (see _forward_untraced)
+    def _read_bias(self) -> torch.Tensor:
+        """The bias: the forward product of a zero row (0·Wᵀ + b), asked of the executor."""
+        link = self._executor_link()
         zero_row = torch.zeros(1, link.in_features, dtype=self._weight.dtype, device=self._weight.device)
         with torch.no_grad():
             return link.call(Op.FORWARD, zero_row, LatencyClass.PREFILL)[0]
+
+    @torch.compiler.disable
+    def _rows_times_weight(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows · W`` for ``[k, out]`` rows (no gradient): the executor's backward product of them."""
+        with torch.no_grad():
+            return self._executor_link().call(Op.BACKWARD, rows, LatencyClass.PREFILL)
 
     @property
     def weight(self) -> BaseWeightPlaceholder:
