@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import peft
 import pytest
@@ -674,7 +675,24 @@ def test_linear_of_a_weight_derived_from_a_base_weight_is_computed_from_the_laye
             kept += delta  # binds a new placeholder; the old one, still named by alias, is stale
             F.linear(x, kept, bias)
             with pytest.raises(symbiosis.BaseWeightAccessError, match="changed in place"):
-                F.linear(x, alias, bias)
+                F.linear(input=x, weight=alias, bias=bias)
+
+            # Found by a review: Δ + 2·W was computed as W + 2·Δ; a derived weight read H and Δ when
+            # used, not when derived; a copy's derived weights computed through the original's layer.
+            with pytest.raises(symbiosis.BaseWeightAccessError):
+                torch.add(delta, weight, alpha=2)
+            changing = H.detach().clone()
+            derived = weight @ changing
+            changing.mul_(2)
+            torch.testing.assert_close(F.linear(x, derived, bias), F.linear(x, W @ H, b), **TOL)
+            # A cast (HRA casts W to its adapter's dtype), and a bias passed as its values in that dtype.
+            narrow = F.linear(x.bfloat16(), weight.bfloat16() @ H.bfloat16(), bias.bfloat16())
+            assert narrow.dtype == torch.bfloat16
+            torch.testing.assert_close(narrow.float(), F.linear(x, W @ H, b), rtol=0.05, atol=0.05)  # (bf16)
+            copied = copy.deepcopy(model).model.decoder.layers[0].fc1
+            assert copied.weight._layer is copied and copied.bias is not bias
+            with pytest.raises(symbiosis.BaseWeightAccessError, match="cannot assign the bias"):
+                torch.func.functional_call(layer, {"bias": torch.zeros_like(b)}, (x,))
         finally:
             model.symbiosis_transport.close()
 

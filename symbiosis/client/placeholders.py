@@ -95,7 +95,7 @@ class BaseWeightPlaceholder(torch.Tensor):
             raise BaseWeightAccessError(
                 f"cannot assign the data of base-layer tensor {args[0].base_tensor_name!r}: {WHY}"
             )
-        stale = next((a for a in args if isinstance(a, BaseWeightPlaceholder) and a._stale), None)
+        stale = next((a for a in (*args, *kwargs.values()) if _is_stale(a)), None)
         if stale is not None:
             raise BaseWeightAccessError(
                 f"a weight derived from base-layer tensor {stale.base_tensor_name!r} was changed in place (add_): "
@@ -103,7 +103,10 @@ class BaseWeightPlaceholder(torch.Tensor):
             )
         handler = _DERIVED_WEIGHT_OPS.get(func)
         if handler is not None:
-            result = handler(*args, **kwargs)
+            try:
+                result = handler(*args, **kwargs)
+            except TypeError:  # called with arguments the handler does not take (a keyword for the first)
+                result = None
             if result is not None:
                 return result
         with torch._C.DisableTorchFunctionSubclass():
@@ -144,6 +147,10 @@ _GET_DATA = torch.Tensor.data.__get__
 _SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__
 
 
+def _is_stale(value) -> bool:
+    return isinstance(value, BaseWeightPlaceholder) and value._stale
+
+
 def _derivable(weight) -> bool:
     """A weight of a VirtLayer in ``[out, in]`` form (nn.Linear's), or one derived from it, still current."""
     return (
@@ -154,10 +161,11 @@ def _derivable(weight) -> bool:
     )
 
 
-def _derived(weight: BaseWeightPlaceholder, **changes) -> BaseWeightPlaceholder:
+def _derived(weight: BaseWeightPlaceholder, dtype: torch.dtype | None = None, **changes) -> BaseWeightPlaceholder:
+    """A new placeholder for ``weight`` derived further (``changes`` to its Derivation), or cast."""
     return BaseWeightPlaceholder(
         tuple(weight.shape),
-        dtype=weight.dtype,
+        dtype=dtype or weight.dtype,
         device=weight.device,
         name=weight.base_tensor_name,
         layer=weight._layer,
@@ -185,6 +193,21 @@ def _clone(weight, *, memory_format=None):
     return _derived(weight) if _derivable(weight) else None
 
 
+def _cast_with(func):
+    """``weight.to(dtype)`` (``.float()``, ...): the same weight in another dtype, as a derived one
+    (HRA casts ``W`` to its adapter's float32). The same device only."""
+
+    def cast(weight, *args, **kwargs):
+        if not _derivable(weight):
+            return None
+        target = func(torch.empty(0, dtype=weight.dtype, device=weight.device), *args, **kwargs)
+        if target.device != weight.device:
+            return None
+        return weight if target.dtype == weight.dtype else _derived(weight, dtype=target.dtype)
+
+    return cast
+
+
 def _times(weight, right, **other):
     """``W·H`` (``torch.mm``, ``@``) for an ``[in, in]`` matrix ``H``, on a weight not derived yet;
     or ``A·W`` (``right`` the layer's own weight), computed at once (``_left_times``)."""
@@ -195,7 +218,7 @@ def _times(weight, right, **other):
     derivation = _derivation_of(weight)
     if derivation.right is not None or derivation.added or derivation.replaced:
         return None
-    return _derived(weight, right=right)
+    return _derived(weight, right=right.clone())  # (as W·H would be: later changes to H do not reach it)
 
 
 def _left_times(rows, weight):
@@ -215,10 +238,12 @@ def _plus(weight, other, *, alpha=1, **unknown):
     """``W + Δ`` for a tensor ``Δ`` of the weight's shape (dense or sparse), before any row is replaced
     (not with ``out=``: that writes into a tensor)."""
     if isinstance(other, BaseWeightPlaceholder) and not isinstance(weight, BaseWeightPlaceholder):
+        if alpha != 1:
+            return None  # (Δ + α·W: not a weight derived from W as these are)
         weight, other = other, weight  # Δ + W
     if unknown or not _derivable(weight) or not _plain(other, weight.shape) or _derivation_of(weight).replaced:
         return None
-    delta = other if alpha == 1 else other * alpha
+    delta = other.clone() if alpha == 1 else other * alpha  # (a copy: later changes to Δ do not reach it)
     return _derived(weight, added=(*_derivation_of(weight).added, delta))
 
 
@@ -238,31 +263,44 @@ def _rows_replaced(weight, dim, index, source):
     """``weight.index_copy(dim, index, source)``: those rows replaced."""
     if not _derivable(weight) or dim not in (0, -weight.dim()):
         return None
-    return _derived(weight, replaced=(*_derivation_of(weight).replaced, (index, source)))
+    return _derived(weight, replaced=(*_derivation_of(weight).replaced, (index.clone(), source.clone())))
 
 
 def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
     """``F.linear(x, W, b)`` of the layer's weight, or of one derived from it, from the layer's
-    product, ``b`` being the layer's own bias (or both None): ``layer(x·Hᵀ)`` (``= x·(W·H)ᵀ + b``),
-    plus ``x·Δᵀ`` for each ``Δ`` added, then the replaced rows' output columns computed here
-    (exact: the other columns never read a replaced row, and autograd sends each column's gradient
-    where it came from). As exact as the monolithic product up to the order of its sums."""
-    if not _derivable(weight):
+    product, ``b`` being the layer's own bias (or a cast of it; or both None): ``layer(x·Hᵀ)``
+    (``= x·(W·H)ᵀ + b``), plus ``x·Δᵀ`` for each ``Δ`` added, then the replaced rows' output
+    columns computed here (exact: the other columns never read a replaced row, and autograd sends
+    each column's gradient where it came from). Equal to the monolithic product up to the order of
+    its sums (in float32; in bf16, the monolithic model rounds ``W·H`` or ``W + Δ`` first). The
+    layer's ``forward``, not its ``__call__``: ``F.linear`` runs no hook of the base layer."""
+    if not _derivable(weight) or not _is_the_layers_bias(bias, weight._layer):
         return None
     layer, derivation = weight._layer, _derivation_of(weight)
-    if bias is not (layer.bias if layer._has_bias else None):
-        return None
+    autocast = torch.is_autocast_enabled(input.device.type)
     if derivation.replaced and layer._has_bias:  # (a replaced row's column would need its own bias entry)
         return None
-    out = layer(input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype)))
+    if not autocast and input.dtype != weight.dtype:
+        return None  # (F.linear refuses mixed dtypes too)
+    out = layer.forward(input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype)))
     for delta in derivation.added:
         delta = delta.to_dense() if delta.is_sparse else delta
         out = out + F.linear(input.to(out.dtype), delta.to(out.dtype))
     for index, rows in derivation.replaced:
         out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
-    return out
+    return out if autocast else out.to(weight.dtype)
 
 
+def _is_the_layers_bias(bias, layer) -> bool:
+    """Whether ``bias`` is the layer's bias placeholder, or its values in some dtype; or both are None."""
+    if not layer._has_bias or bias is None or bias is layer.bias:
+        return bias is (layer.bias if layer._has_bias else None)
+    if isinstance(bias, BaseWeightPlaceholder) or bias.shape != layer.bias.shape:
+        return False
+    return torch.equal(bias, layer.bias.values().to(device=bias.device, dtype=bias.dtype))
+
+
+_CASTS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.bfloat16, torch.Tensor.half)
 _DERIVED_WEIGHT_OPS = {
     _GET_DATA: _data,
     torch.Tensor.detach: _data,
@@ -275,11 +313,11 @@ _DERIVED_WEIGHT_OPS = {
     torch.add: _plus,
     torch.Tensor.add: _plus,
     torch.Tensor.__add__: _plus,
-    torch.Tensor.__radd__: _plus,
     torch.Tensor.add_: _plus_in_place,
     torch.Tensor.__iadd__: _plus_in_place,
     torch.Tensor.index_copy: _rows_replaced,
     F.linear: _linear,
+    **{cast: _cast_with(cast) for cast in _CASTS},
 }
 
 
@@ -307,8 +345,9 @@ def _makes_trainable(func, args: tuple, kwargs: dict) -> bool:
 def not_trainable(name: str) -> str:
     return (
         f"base-layer tensor {name!r} cannot be trained: its weights live only in the base executor, which keeps "
-        "them frozen and shared by every client. Train an adapter instead (LoRA, IA3, ...; with peft's bias='none', "
-        "as biases of base layers are base weights too), or keep the layer on the client (client_layers=[...])"
+        "them frozen and shared by every client. Train an adapter instead (LoRA, IA3, ...; with peft's bias='none': "
+        "bias='all' or 'lora_only', when training or in an adapter being loaded, trains the biases of base layers), "
+        "or keep the layer on the client (client_layers=[...])"
     )
 
 

@@ -12,7 +12,6 @@ from ``W`` is computed from the layer's product (``client/placeholders.py`` says
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
@@ -52,13 +51,30 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
-#: The name of a VirtLayer's probe Parameter (``_VirtLayerMixin._init_virt``): ``bias`` on a layer
-#: with a bias, so that code finding biases by name (peft's ``bias="all"``) finds it.
-_PROBE_NAMES = ("device_probe", "bias")
+class _ServedTensors(nn.Module):
+    """A VirtLayer's child that holds its probe: an empty frozen Parameter (``DeviceProbe``) that
+    stands for the layer's weights where code walks a model's parameters. It finds one (peft's
+    adaption prompt reads a block's device and dtype from ``next(block.parameters())``: none in a
+    block of base layers alone, StopIteration), and making it trainable is refused. On a layer
+    with a bias it is named ``bias`` (``<layer>.served.bias``): peft's ``bias="all"`` trains
+    every parameter named ``*.bias``, so it finds this one, as it finds the monolithic layer's
+    bias, and is refused instead of silently training nothing. Out of state dicts, which keep the
+    monolithic model's names."""
 
+    def __init__(self, layer_id: str, has_bias: bool, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        probe = DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        probe.base_tensor_name = f"{layer_id}.{'bias' if has_bias else 'weight'}"
+        self.register_parameter("bias" if has_bias else "device_probe", probe)
 
-def _probe_name(has_bias: bool) -> str:
-    return _PROBE_NAMES[has_bias]
+    def extra_repr(self) -> str:
+        return "an empty frozen parameter standing for the weights the executor holds"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        pass  # (nothing to load; not a missing key either)
 
 
 class _VirtLayerMixin:
@@ -73,16 +89,7 @@ class _VirtLayerMixin:
         self.fusion = None  # a SiblingFusion shared with this layer's siblings (client/fusion.py)
         self._has_bias = spec.has_bias
         self._set_placeholders(device, dtype)
-        # No data, but a Parameter: code that finds a module's device and dtype from its first
-        # parameter (``next(attn.parameters())``, peft's adaption prompt) found none in a block of
-        # base layers alone (StopIteration). Frozen, empty, moved by ``model.to`` as weights are;
-        # not in state dicts, which keep the monolithic model's names. On a layer with a bias it is
-        # registered as ``bias`` (the attribute stays the placeholder, a property): peft's
-        # ``bias="all"`` trains every parameter named ``*.bias``, so it finds this one, as it finds
-        # the monolithic layer's bias, and is refused (DeviceProbe) instead of training nothing.
-        probe = DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
-        probe.base_tensor_name = f"{spec.layer_id}.{'bias' if spec.has_bias else 'weight'}"
-        self._parameters[_probe_name(spec.has_bias)] = probe  # (register_parameter: "bias" is taken)
+        self.served = _ServedTensors(spec.layer_id, spec.has_bias, device, dtype)
         self.count_base_parameters(spec.in_features * spec.out_features + (spec.out_features if spec.has_bias else 0))
 
     def count_base_parameters(self, count: int) -> None:
@@ -111,27 +118,24 @@ class _VirtLayerMixin:
         )
         object.__setattr__(self, "_bias", bias)
 
-    def _executor_link(self) -> ExecutorLink:
-        """The link to the executor itself, past any wrapper (privacy.NoisyLink): for the products
-        below, whose rows carry nothing of the client's data, and which its noise would blur."""
+    @torch.compiler.disable  # a call to the executor, as a forward's is (see _forward_untraced)
+    def _read_bias(self) -> torch.Tensor:
+        """The bias: the forward product of a zero row (0·Wᵀ + b), asked of the executor itself --
+        past any link wrapper (privacy.NoisyLink), whose noise would blur it (the row carries
+        nothing of the client's)."""
         link = self.link
         while not isinstance(link, ExecutorLink):
             link = link.inner
-        return link
-
-    @torch.compiler.disable  # a call to the executor, as a forward's is (see _forward_untraced)
-    def _read_bias(self) -> torch.Tensor:
-        """The bias: the forward product of a zero row (0·Wᵀ + b), asked of the executor."""
-        link = self._executor_link()
         zero_row = torch.zeros(1, link.in_features, dtype=self._weight.dtype, device=self._weight.device)
         with torch.no_grad():
             return link.call(Op.FORWARD, zero_row, LatencyClass.PREFILL)[0]
 
     @torch.compiler.disable
     def _rows_times_weight(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows · W`` for ``[k, out]`` rows (no gradient): the executor's backward product of them."""
+        """``rows · W`` for ``[k, out]`` rows (no gradient): the executor's backward product of them,
+        through the layer's link as any of its products (with activation noise where it has some)."""
         with torch.no_grad():
-            return self._executor_link().call(Op.BACKWARD, rows, LatencyClass.PREFILL)
+            return self.link.call(Op.BACKWARD, rows, LatencyClass.PREFILL)
 
     @property
     def weight(self) -> BaseWeightPlaceholder:
@@ -169,29 +173,9 @@ class _VirtLayerMixin:
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # as the default deepcopy of a Module
+        # Placeholders of its own: derived weights compute through their layer (the copy's link, hooks, mode).
+        copied._set_placeholders(self._weight.device, self._weight.dtype)
         return copied
-
-    @contextlib.contextmanager
-    def _probe_hidden(self):
-        """The probe out of ``_parameters`` for a while (state dicts leave it out), then back in place."""
-        parameters = self._parameters
-        kept = dict(parameters)
-        del parameters[_probe_name(self._has_bias)]
-        try:
-            yield
-        finally:
-            parameters.clear()
-            parameters.update(kept)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        with self._probe_hidden():
-            super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Not a missing key; and a monolithic state dict's ``bias`` stays an unexpected key, as its
-        # ``weight``, instead of a size mismatch with the probe.
-        with self._probe_hidden():
-            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
