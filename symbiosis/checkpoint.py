@@ -13,6 +13,7 @@ computed buffers such as rotary ``inv_freq`` are correct. From the skeleton we
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import threading
@@ -177,17 +178,25 @@ def build_skeleton(config) -> nn.Module:
         raise CheckpointError(f"transformers cannot build a causal LM from this config: {exc}") from exc
 
 
-def discover_base_layers(model: nn.Module, client_layers: Iterable[str] = ()) -> dict[str, LayerSpec]:
-    """Every base layer of ``model`` by qualified name, except those kept in the client.
-
-    Raises ``UnsupportedModuleError`` for a module that owns a weight matrix but is neither a
-    base layer nor an embedding: splitting would silently drop it, keeping it would load a large
-    weight into every client; ``client_layers`` lets a user decide to keep it client-side.
-    """
-    keep = set(client_layers or ())  # (None: none, as the default)
-    unknown = keep - {name for name, _ in model.named_modules()}
+def kept_modules(model: nn.Module, client_layers: Iterable[str] | None = ()) -> set[str]:
+    """The modules ``client_layers`` names: qualified names, or ``fnmatch`` patterns (``"*.mixer"``)."""
+    names = [name for name, _ in model.named_modules()]
+    kept: set[str] = set()
+    unknown = []
+    for entry in client_layers or ():  # (None: none, as the default)
+        matched = fnmatch.filter(names, entry) if any(c in entry for c in "*?[") else [n for n in names if n == entry]
+        if not matched:
+            unknown.append(entry)
+        kept.update(matched)
     if unknown:
         raise CheckpointError(f"client_layers names modules the model does not have: {sorted(unknown)}")
+    return kept
+
+
+def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | None = ()) -> dict[str, LayerSpec]:
+    """Every base layer of ``model`` (``nn.Linear``, ``Conv1D``) by qualified name, except those kept
+    in the client. Other modules are not the executor's concern (``check_client_modules``)."""
+    keep = kept_modules(model, client_layers)
     specs: dict[str, LayerSpec] = {}
     for name, module in model.named_modules():
         if name in keep:
@@ -197,15 +206,31 @@ def discover_base_layers(model: nn.Module, client_layers: Iterable[str] = ()) ->
         elif isinstance(module, Conv1D):
             in_features, out_features = module.weight.shape  # Conv1D stores W as [in, out]
             specs[name] = LayerSpec(name, in_features, out_features, module.bias is not None)
-        elif not isinstance(module, nn.Embedding):
-            matrices = [p for p_name, p in module.named_parameters(recurse=False) if p.dim() >= 2]
-            if matrices:
-                raise UnsupportedModuleError(
-                    f"module {name!r} of type {type(module).__name__} holds a weight matrix of shape "
-                    f"{tuple(matrices[0].shape)} and is not a base layer. {CLIENT_MODULE_NOTE}; "
-                    f"pass client_layers=[{name!r}] to keep it (and its weights) in the client."
-                )
     return specs
+
+
+def check_client_modules(model: nn.Module, client_layers: Iterable[str] | None = ()) -> None:
+    """Refuse a client model with modules that own a weight matrix but are neither base layers nor
+    embeddings, unless ``client_layers`` keeps them: a client loads every tensor the executor does
+    not serve, so each would silently load a large weight into every client (MoE experts held as
+    one 3-D tensor, Mamba's mixer and its conv1d). ``UnsupportedModuleError`` names them all and the
+    ``client_layers`` that keep them."""
+    keep = kept_modules(model, client_layers)
+    offending: dict[str, str] = {}  # name -> what it holds
+    for name, module in model.named_modules():
+        if name in keep or isinstance(module, (nn.Linear, Conv1D, nn.Embedding)):
+            continue
+        matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+        if matrices:
+            offending[name] = f"{name} ({type(module).__name__}, {tuple(matrices[0].shape)})"
+    if offending:
+        patterns = sorted({f"*.{name.rsplit('.', 1)[1]}" if "." in name else name for name in offending})
+        described = list(offending.values())
+        shown = ", ".join(described[:3]) + (f" and {len(described) - 3} more" if len(described) > 3 else "")
+        raise UnsupportedModuleError(
+            f"{len(offending)} module(s) hold a weight matrix and are not base layers: {shown}. "
+            f"{CLIENT_MODULE_NOTE}; pass client_layers={patterns} to keep them (and their weights) in the client."
+        )
 
 
 def locate_tensors(
@@ -250,8 +275,9 @@ def locate_tensors(
         elif name in converted or tied.get(name) in converted:
             raise CheckpointError(
                 f"tensor {name!r} is stored as {converted.get(name)!r} and needs transformers' weight "
-                "conversion (fusing/splitting) which Symbiosis's selective loader does not support; "
-                "re-save the model with save_pretrained from this transformers version"
+                "conversion (fusing/splitting) which Symbiosis's selective loader does not support: "
+                "mixture-of-experts models whose experts are one tensor in transformers and one per "
+                "expert in the checkpoint (as transformers 5 saves them) cannot be split yet"
             )
         elif name not in optional:
             missing.append(name)

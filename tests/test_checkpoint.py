@@ -88,20 +88,36 @@ def test_checkpoint_lacking_a_tensor(tiny_checkpoint, tmp_path):
 
 
 def test_architecture_with_unknown_layer_type(tmp_path):
-    """Mamba's mixer owns a 2-D parameter (A_log) that is not a linear layer."""
+    """Mamba's mixer owns a 2-D parameter (A_log) and its conv1d a 3-D one: not linear layers. The
+    executor serves the linear layers (the rest is the client's); a client is refused, naming
+    every such module and the ``client_layers`` patterns that keep them (tests/test_more_architectures.py
+    runs such models with them)."""
     config = AutoConfig.for_model(
-        "mamba", vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, intermediate_size=32
+        "mamba", vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, intermediate_size=32
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
-    with pytest.raises(symbiosis.UnsupportedModuleError, match=r"MambaMixer.*nn.Linear and transformers Conv1D"):
-        symbiosis.BaseExecutor.from_pretrained(tmp_path / "mamba")
+    with symbiosis.BaseExecutor.from_pretrained(tmp_path / "mamba") as executor:
+        assert "backbone.layers.1.mixer.in_proj" in executor.layer_specs()
+        with pytest.raises(symbiosis.UnsupportedModuleError) as refused:
+            symbiosis.load_client_model(tmp_path / "mamba", executor=executor)
+    message = str(refused.value)
+    assert message.startswith("4 module(s) hold a weight matrix") and "backbone.layers.0.mixer (MambaMixer" in message
+    assert "nn.Linear and transformers Conv1D" in message and "client_layers=['*.conv1d', '*.mixer']" in message
 
 
-def test_client_layers_must_exist(tiny_checkpoint):
+def test_client_layers_must_exist_and_may_be_patterns(tiny_checkpoint):
     skeleton = build_skeleton(Checkpoint(tiny_checkpoint("llama")).config)
     with pytest.raises(symbiosis.CheckpointError, match="no_such_layer"):
         discover_base_layers(skeleton, ["no_such_layer"])
+    with pytest.raises(symbiosis.CheckpointError, match=r"\*\.no_such_layer"):
+        discover_base_layers(skeleton, ["*.no_such_layer"])
+    served = discover_base_layers(skeleton, ["model.layers.*.mlp.down_proj", "lm_head"])
+    assert set(discover_base_layers(skeleton)) - set(served) == {
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+        "lm_head",
+    }
 
 
 def test_skeleton_holds_no_weights(tiny_checkpoint):

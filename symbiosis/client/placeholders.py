@@ -119,7 +119,10 @@ class BaseWeightPlaceholder(torch.Tensor):
         unreadable = [p for p in placeholders if p._read is None]
         if unreadable or _writes_or_aliases(func, args, kwargs or {}):
             name = (unreadable or placeholders)[0].base_tensor_name
-            raise BaseWeightAccessError(f"{func.__name__} on base-layer tensor {name!r} is not possible: {WHY}")
+            raise BaseWeightAccessError(
+                f"{func.__name__} on base-layer tensor {name!r} is not possible: {WHY}. (A model whose own "
+                f"code reads this weight can keep the layer in the client: client_layers=[{name.rsplit('.', 1)[0]!r}])"
+            )
         # A functional op on readable tensors: computed on their values (its result is a new tensor,
         # so nothing can write into the values kept here).
         args, kwargs = tree_map_only(cls, cls.values, (args, kwargs or {}))

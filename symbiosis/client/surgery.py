@@ -21,6 +21,7 @@ from symbiosis.checkpoint import (
     Checkpoint,
     base_layer_tensor_names,
     build_skeleton,
+    check_client_modules,
     discover_base_layers,
     locate_tensors,
 )
@@ -89,8 +90,10 @@ def load_client_model(
     Returns the class ``AutoModelForCausalLM.from_pretrained(path)`` would return, in eval mode,
     on ``device`` in ``dtype`` (default: the checkpoint's dtype, else float32). Base layers are
     VirtLayers; their weights are never read into this process. ``client_layers`` names base
-    layers to keep (with their weights) in the client instead. ``curve``: ``CurveClientKeys`` for
-    an executor address that requires CURVE (default: the ``SYMBIOSIS_CURVE_*`` environment).
+    layers to keep (with their weights) in the client instead, and modules holding a weight
+    matrix that are not linear layers (a Mamba mixer): names or ``fnmatch`` patterns
+    (``"*.mixer"``). ``curve``: ``CurveClientKeys`` for an executor address that requires CURVE
+    (default: the ``SYMBIOSIS_CURVE_*`` environment).
     ``fuse_siblings``: serve base layers that read the same input (q/k/v, gate/up) with one
     request each time (``client/fusion.py``); results are the same either way. Default (None):
     on for executors in another process, where it saves round trips (decode over ipc +10-14%),
@@ -104,6 +107,7 @@ def load_client_model(
     device = parse_device(device)
 
     model = build_skeleton(config)
+    check_client_modules(model, client_layers)
     all_specs = discover_base_layers(model)
     served_specs = discover_base_layers(model, client_layers)
     fingerprint = checkpoint.fingerprint(all_specs)

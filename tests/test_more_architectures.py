@@ -1,0 +1,140 @@
+"""Architectures beyond the modelzoo's ten families, from tiny ``transformers`` configs.
+
+``tests/test_split_reference.py`` covers the ten families of ``symbiosis make-model`` with every
+PEFT method and transport. This file checks that the split is not tied to them: a sample of the
+other dense causal LMs (a helper's sweep on 2026-12-07 found all 31 it tried exact; this keeps
+six, each with something of its own: ALiBi, a parallel block, a sliding window, tied embeddings),
+and the state-space and recurrent hybrids, whose mixers own weight matrices that are not linear
+layers: refused with the ``client_layers`` that keep them, then exact with those.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import peft
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import symbiosis
+from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair, randomize_adapters
+
+pytestmark = pytest.mark.slow
+
+BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+SLIDING = dict(sliding_window=128, layer_types=["sliding_attention", "full_attention"])
+DENSE = {
+    "qwen3": dict(head_dim=16),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window_pattern=2, **SLIDING),
+    "bloom": dict(n_head=4, n_layer=2),  # ALiBi, fused query_key_value
+    "mpt": dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=256),
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, rotary_dim=8),  # parallel block
+    "cohere2": dict(SLIDING),  # parallel block, tied embeddings
+}
+#: hybrid -> (its options, the client_layers its refusal suggests and its forward needs, LoRA targets)
+HYBRID = {
+    "mamba": (
+        dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, use_mambapy=False),
+        # (dt_proj too: Mamba's forward multiplies by dt_proj.weight itself)
+        ["*.conv1d", "*.mixer", "*.dt_proj"],
+        ["in_proj", "x_proj"],  # (peft refuses out_proj on Mamba)
+    ),
+    "falcon_h1": (
+        dict(
+            head_dim=16,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_chunk_size=32,
+        ),
+        ["*.conv1d"],
+        ["q_proj", "v_proj"],
+    ),
+    "recurrent_gemma": (
+        dict(lru_width=64, attention_window_size=128, head_dim=16, block_types=["recurrent", "attention"]),
+        ["*.conv_1d", "*.rg_lru"],
+        ["q_proj", "v_proj", "linear_x"],
+    ),
+}
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+def checkpoint(tmp_path, model_type: str, options: dict) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **{**BASE, **options})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():  # norms and biases away from their 1 and 0, so a dropped one shows
+            for parameter in model.parameters():
+                if parameter.dim() == 1:
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+        model.save_pretrained(tmp_path / model_type)
+    return str(tmp_path / model_type)
+
+
+def assert_same_greedy_tokens(split, reference) -> None:
+    expected = reference.generate(input_ids=IDS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(split.generate(input_ids=IDS, max_new_tokens=6, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_dense_architectures_match_the_monolithic_model(model_type, tmp_path):
+    path = checkpoint(tmp_path, model_type, DENSE[model_type])
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+        reference, split = make_pair(path, executor, "lora", model_type)
+        try:
+            assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
+            assert_same_greedy_tokens(split, reference)
+        finally:
+            close_client(split)
+
+
+@pytest.mark.parametrize("model_type", HYBRID)
+def test_hybrids_are_refused_with_the_client_layers_that_keep_their_mixers_then_match(model_type, tmp_path):
+    """The executor serves their linear layers; a client without ``client_layers`` was refused
+    at the executor already, with a hint it could not follow (neither side took client_layers
+    for a module that is not a linear layer). Now the client is refused naming every such module
+    and the patterns that keep them, and with those it matches the monolithic model."""
+    options, kept, targets = HYBRID[model_type]
+    path = checkpoint(tmp_path, model_type, options)
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+        with pytest.raises(symbiosis.UnsupportedModuleError) as refused:
+            symbiosis.load_client_model(path, executor=executor)
+        suggested = [pattern for pattern in kept if pattern != "*.dt_proj"]
+        assert f"client_layers={sorted(suggested)}" in str(refused.value)
+
+        def config():
+            return peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
+
+        torch.manual_seed(0)
+        reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config())
+        randomize_adapters(reference)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            client = symbiosis.load_client_model(path, executor=executor, client_layers=kept)
+        split = peft.get_peft_model(client, config())
+        try:
+            split.load_state_dict(reference.state_dict(), strict=False)
+            reference.eval()
+            split.eval()
+            assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
+            assert_same_greedy_tokens(split, reference)
+        finally:
+            close_client(split)
