@@ -106,15 +106,18 @@ def test_dense_architectures_match_the_monolithic_model(model_type, tmp_path):
             close_client(split)
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
 @pytest.mark.parametrize("model_type", HYBRID)
-def test_hybrids_are_refused_with_the_client_layers_that_keep_their_mixers_then_match(model_type, tmp_path):
+def test_hybrids_are_refused_with_the_client_layers_that_keep_their_mixers_then_match(model_type, remote, tmp_path):
     """The executor serves their linear layers; a client without ``client_layers`` was refused
     at the executor already, with a hint it could not follow (neither side took client_layers
     for a module that is not a linear layer). Now the client is refused naming every such module
     and the patterns that keep them, and with those it matches the monolithic model."""
     options, kept, targets = HYBRID[model_type]
     path = checkpoint(tmp_path, model_type, options)
-    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+    with symbiosis.BaseExecutor.from_pretrained(path) as served:
+        server = served.serve("tcp://127.0.0.1:0") if remote else None
+        executor = server.address if remote else served
         with pytest.raises(symbiosis.UnsupportedModuleError) as refused:
             symbiosis.load_client_model(path, executor=executor)
         suggested = [pattern for pattern in kept if pattern != "*.dt_proj"]
@@ -138,3 +141,5 @@ def test_hybrids_are_refused_with_the_client_layers_that_keep_their_mixers_then_
             assert_same_greedy_tokens(split, reference)
         finally:
             close_client(split)
+            if server is not None:
+                server.close()
