@@ -178,34 +178,70 @@ def build_skeleton(config) -> nn.Module:
         raise CheckpointError(f"transformers cannot build a causal LM from this config: {exc}") from exc
 
 
-def kept_modules(model: nn.Module, client_layers: Iterable[str] | None = ()) -> set[str]:
-    """The modules ``client_layers`` names: qualified names, or ``fnmatch`` patterns (``"*.mixer"``)."""
-    names = [name for name, _ in model.named_modules()]
+def kept_modules(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> set[str]:
+    """The modules ``client_layers`` names: qualified names, or ``fnmatch`` patterns (``"*.mixer"``).
+    Each entry must name a base layer or a module holding a weight matrix: keeping any other module
+    (``"*.self_attn"``) would keep nothing, its layers being modules of their own."""
+    if isinstance(client_layers, str):
+        client_layers = [client_layers]
+    modules = dict(model.named_modules())
+    keepable = [name for name, module in modules.items() if is_base_layer(module) or _holds_a_matrix(module)]
     kept: set[str] = set()
-    unknown = []
+    unknown, empty = [], []
     for entry in client_layers or ():  # (None: none, as the default)
-        matched = fnmatch.filter(names, entry) if any(c in entry for c in "*?[") else [n for n in names if n == entry]
-        if not matched:
+        named = _matching(modules, entry)
+        matched = _matching(keepable, entry)
+        if not named:
             unknown.append(entry)
+        elif not matched:
+            empty.append(entry)
         kept.update(matched)
     if unknown:
         raise CheckpointError(f"client_layers names modules the model does not have: {sorted(unknown)}")
+    if empty:
+        raise CheckpointError(
+            f"client_layers entries {sorted(empty)} name modules that hold no weights of their own: keeping a "
+            "module keeps its own tensors, not its layers'; name the layers (e.g. '*.self_attn.*_proj')"
+        )
     return kept
 
 
-def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | None = ()) -> dict[str, LayerSpec]:
-    """Every base layer of ``model`` (``nn.Linear``, ``Conv1D``) by qualified name, except those kept
-    in the client. Other modules are not the executor's concern (``check_client_modules``)."""
+def _matching(names: Iterable[str], entry: str) -> list[str]:
+    if any(c in entry for c in "*?["):
+        return [name for name in names if fnmatch.fnmatchcase(name, entry)]  # (fnmatch.filter would normcase)
+    return [name for name in names if name == entry]
+
+
+#: ``nn.Linear`` subclasses whose forward is another spelling of nn.Linear's.
+_LINEAR_EQUIVALENTS = {"FalconLinear"}
+
+
+def is_base_layer(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or ``Conv1D`` computing nothing but its product: its class keeps the
+    forward, or spells it otherwise (``_LINEAR_EQUIVALENTS``). A subclass with a forward of its own
+    (an MoE router returning its top-k) is not one: a VirtLayer would return the product alone."""
+    if isinstance(module, nn.Linear):
+        return type(module).forward is nn.Linear.forward or type(module).__name__ in _LINEAR_EQUIVALENTS
+    return isinstance(module, Conv1D) and type(module).forward is Conv1D.forward
+
+
+def _holds_a_matrix(module: nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
+def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, LayerSpec]:
+    """Every base layer of ``model`` (``is_base_layer``) by qualified name, except those kept in
+    the client. Other modules are not the executor's concern (``check_client_modules``)."""
     keep = kept_modules(model, client_layers)
     specs: dict[str, LayerSpec] = {}
     for name, module in model.named_modules():
-        if name in keep:
+        if name in keep or not is_base_layer(module):
             continue
-        if isinstance(module, nn.Linear):
-            specs[name] = LayerSpec(name, module.in_features, module.out_features, module.bias is not None)
-        elif isinstance(module, Conv1D):
+        if isinstance(module, Conv1D):
             in_features, out_features = module.weight.shape  # Conv1D stores W as [in, out]
             specs[name] = LayerSpec(name, in_features, out_features, module.bias is not None)
+        else:
+            specs[name] = LayerSpec(name, module.in_features, module.out_features, module.bias is not None)
     return specs
 
 
@@ -218,7 +254,7 @@ def check_client_modules(model: nn.Module, client_layers: Iterable[str] | None =
     keep = kept_modules(model, client_layers)
     offending: dict[str, str] = {}  # name -> what it holds
     for name, module in model.named_modules():
-        if name in keep or isinstance(module, (nn.Linear, Conv1D, nn.Embedding)):
+        if name in keep or is_base_layer(module) or isinstance(module, nn.Embedding):
             continue
         matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         if matrices:

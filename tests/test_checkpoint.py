@@ -118,6 +118,30 @@ def test_client_layers_must_exist_and_may_be_patterns(tiny_checkpoint):
         "model.layers.1.mlp.down_proj",
         "lm_head",
     }
+    assert set(discover_base_layers(skeleton, "lm_head")) == set(discover_base_layers(skeleton)) - {"lm_head"}
+    # Keeping a module keeps its own tensors, not its layers': an attention block would keep nothing.
+    with pytest.raises(symbiosis.CheckpointError, match=r"hold no weights of their own.*\*\.self_attn\.\*_proj"):
+        discover_base_layers(skeleton, ["*.self_attn"])
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_is_not_a_base_layer():
+    """llama4's router is an nn.Linear whose forward returns its top-k too: served as a plain
+    product it broke the model (``too many values to unpack``). FalconLinear spells nn.Linear's
+    forward otherwise, and stays a base layer."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    from symbiosis.checkpoint import is_base_layer
+
+    class Router(nn.Linear):
+        def forward(self, x):
+            logits = super().forward(x)
+            return logits.topk(1), logits
+
+    class Renamed(nn.Linear):
+        pass
+
+    assert not is_base_layer(Router(4, 4)) and not is_base_layer(nn.Embedding(4, 4))
+    assert is_base_layer(Renamed(4, 4)) and is_base_layer(FalconLinear(4, 4)) and is_base_layer(nn.Linear(4, 4))
 
 
 def test_skeleton_holds_no_weights(tiny_checkpoint):

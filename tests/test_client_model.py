@@ -130,6 +130,24 @@ def test_modules_to_save_on_a_base_layer_fails_loudly(llama, executor, target):
         model.symbiosis_transport.close()
 
 
+def test_regex_target_modules_select_the_monolithic_models_layers(tiny_checkpoint):
+    """peft matches a regex against every module name: a module inside a base layer (a probe held
+    in a child, tried and dropped) would match ``.*fc.*`` and break peft's lookup."""
+    path = tiny_checkpoint("opt")
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        for pattern in (".*fc.*", ".*proj.*"):
+            split = peft.get_peft_model(
+                symbiosis.load_client_model(path, executor=ex), peft.LoraConfig(r=2, target_modules=pattern)
+            )
+            expected = peft.get_peft_model(copy.deepcopy(reference), peft.LoraConfig(r=2, target_modules=pattern))
+            try:
+                trainable = {name for name, p in split.named_parameters() if p.requires_grad}
+                assert trainable and trainable == {n for n, p in expected.named_parameters() if p.requires_grad}
+            finally:
+                close_client(split)
+
+
 @pytest.mark.parametrize("arch", ["llama", "opt", "gpt2"])
 def test_training_base_weights_or_biases_is_refused_and_adapters_without_them_still_work(arch, tiny_checkpoint):
     """peft's ``bias="all"`` and ``bias="lora_only"`` train the biases of the layers LoRA wraps;
@@ -693,6 +711,21 @@ def test_linear_of_a_weight_derived_from_a_base_weight_is_computed_from_the_laye
             assert copied.weight._layer is copied and copied.bias is not bias
             with pytest.raises(symbiosis.BaseWeightAccessError, match="cannot assign the bias"):
                 torch.func.functional_call(layer, {"bias": torch.zeros_like(b)}, (x,))
+
+            # Found by a second review: a bias passed as a function of trainable tensors (its values)
+            # got no gradient; a cast to a dtype rows cannot travel in failed at the transport; a
+            # copying cast was the weight itself.
+            scale = torch.nn.Parameter(torch.ones(()))
+            F.linear(x, weight.clone(), bias * scale).sum().backward()
+            expected_scale = torch.nn.Parameter(torch.ones(()))
+            F.linear(x, W, b * expected_scale).sum().backward()
+            torch.testing.assert_close(scale.grad, expected_scale.grad, **TOL)
+            with pytest.raises(symbiosis.BaseWeightAccessError):
+                weight.double()
+            own = weight.to(torch.float32, copy=True)
+            assert own is not weight and own.dtype == torch.float32
+            own += delta
+            F.linear(x, weight.clone(), bias)  # (the layer's weight is not stale)
         finally:
             model.symbiosis_transport.close()
 

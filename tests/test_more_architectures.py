@@ -4,8 +4,9 @@
 PEFT method and transport. This file checks that the split is not tied to them: a sample of the
 other dense causal LMs (a helper's sweep on 2026-12-07 found all 31 it tried exact; this keeps
 six, each with something of its own: ALiBi, a parallel block, a sliding window, tied embeddings),
-and the state-space and recurrent hybrids, whose mixers own weight matrices that are not linear
-layers: refused with the ``client_layers`` that keep them, then exact with those.
+and models with modules that own weight matrices but are not linear layers (state-space and
+recurrent mixers; llama4's experts, one 3-D tensor, and its router, an ``nn.Linear`` with a forward
+of its own): refused with the ``client_layers`` that keep them, then exact with those.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ DENSE = {
     "gptj": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256, rotary_dim=8),  # parallel block
     "cohere2": dict(SLIDING),  # parallel block, tied embeddings
 }
-#: hybrid -> (its options, the client_layers its refusal suggests and its forward needs, LoRA targets)
-HYBRID = {
+#: model type -> (its options, the client_layers its refusal suggests and its forward needs, LoRA targets)
+KEPT_MODULES = {
     "mamba": (
         dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, use_mambapy=False),
         # (dt_proj too: Mamba's forward multiplies by dt_proj.weight itself)
@@ -70,6 +71,20 @@ HYBRID = {
         dict(lru_width=64, attention_window_size=128, head_dim=16, block_types=["recurrent", "attention"]),
         ["*.conv_1d", "*.rg_lru"],
         ["q_proj", "v_proj", "linear_x"],
+    ),
+    "llama4_text": (
+        dict(
+            head_dim=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=128,
+            no_rope_layers=[1, 0],
+            layer_types=["chunked_attention", "full_attention"],
+        ),
+        ["*.experts", "*.router"],
+        ["q_proj", "v_proj"],  # (peft's all-linear would wrap the router, whose forward returns a tuple)
     ),
 }
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
@@ -107,13 +122,16 @@ def test_dense_architectures_match_the_monolithic_model(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
-@pytest.mark.parametrize("model_type", HYBRID)
-def test_hybrids_are_refused_with_the_client_layers_that_keep_their_mixers_then_match(model_type, remote, tmp_path):
+@pytest.mark.parametrize("model_type", KEPT_MODULES)
+def test_models_are_refused_with_the_client_layers_that_keep_their_other_modules_then_match(
+    model_type, remote, tmp_path
+):
     """The executor serves their linear layers; a client without ``client_layers`` was refused
     at the executor already, with a hint it could not follow (neither side took client_layers
-    for a module that is not a linear layer). Now the client is refused naming every such module
-    and the patterns that keep them, and with those it matches the monolithic model."""
-    options, kept, targets = HYBRID[model_type]
+    for a module that is not a linear layer), and llama4's router was served as a plain product
+    (its forward returns the top-k too). Now the client is refused naming every such module and
+    the patterns that keep them, and with those it matches the monolithic model."""
+    options, kept, targets = KEPT_MODULES[model_type]
     path = checkpoint(tmp_path, model_type, options)
     with symbiosis.BaseExecutor.from_pretrained(path) as served:
         server = served.serve("tcp://127.0.0.1:0") if remote else None

@@ -22,6 +22,8 @@ model's parameters finds one, refusing to be made trainable.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -102,11 +104,8 @@ class BaseWeightPlaceholder(torch.Tensor):
                 "only the result of that change can be used (``w += delta`` binds it), not the weight before it"
             )
         handler = _DERIVED_WEIGHT_OPS.get(func)
-        if handler is not None:
-            try:
-                result = handler(*args, **kwargs)
-            except TypeError:  # called with arguments the handler does not take (a keyword for the first)
-                result = None
+        if handler is not None and _takes(handler, args, kwargs):
+            result = handler(*args, **kwargs)
             if result is not None:
                 return result
         with torch._C.DisableTorchFunctionSubclass():
@@ -119,9 +118,10 @@ class BaseWeightPlaceholder(torch.Tensor):
         unreadable = [p for p in placeholders if p._read is None]
         if unreadable or _writes_or_aliases(func, args, kwargs or {}):
             name = (unreadable or placeholders)[0].base_tensor_name
+            layer = name.rsplit(".", 1)[0]
             raise BaseWeightAccessError(
-                f"{func.__name__} on base-layer tensor {name!r} is not possible: {WHY}. (A model whose own "
-                f"code reads this weight can keep the layer in the client: client_layers=[{name.rsplit('.', 1)[0]!r}])"
+                f"{func.__name__} on base-layer tensor {name!r} is not possible: {WHY}. (Where the model's own "
+                f"code reads it, keep such layers in the client: client_layers=['*.{layer.rsplit('.', 1)[-1]}'])"
             )
         # A functional op on readable tensors: computed on their values (its result is a new tensor,
         # so nothing can write into the values kept here).
@@ -148,6 +148,19 @@ class BaseWeightPlaceholder(torch.Tensor):
 _SET_DATA = torch.Tensor.data.__set__  # (a fresh method-wrapper each time; they compare equal)
 _GET_DATA = torch.Tensor.data.__get__
 _SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__
+
+
+_signature = functools.cache(inspect.signature)
+
+
+def _takes(handler, args: tuple, kwargs: dict) -> bool:
+    """Whether ``handler`` takes these arguments (an op called with a keyword for its first, say):
+    if not, the op goes on as if it had no handler (refused)."""
+    try:
+        _signature(handler).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_stale(value) -> bool:
@@ -198,17 +211,23 @@ def _clone(weight, *, memory_format=None):
 
 def _cast_with(func):
     """``weight.to(dtype)`` (``.float()``, ...): the same weight in another dtype, as a derived one
-    (HRA casts ``W`` to its adapter's float32). The same device only."""
+    (HRA casts ``W`` to its adapter's float32), in a dtype rows can travel in and on the same
+    device. (Its products are still the executor's, in the executor's dtype.)"""
 
     def cast(weight, *args, **kwargs):
         if not _derivable(weight):
             return None
         target = func(torch.empty(0, dtype=weight.dtype, device=weight.device), *args, **kwargs)
-        if target.device != weight.device:
+        if target.device != weight.device or target.dtype not in _ROW_DTYPES:
             return None
-        return weight if target.dtype == weight.dtype else _derived(weight, dtype=target.dtype)
+        if target.dtype == weight.dtype and not kwargs.get("copy", False):
+            return weight  # (as Tensor.to: the tensor itself)
+        return _derived(weight, dtype=target.dtype)
 
     return cast
+
+
+_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _times(weight, right, **other):
@@ -247,7 +266,8 @@ def _plus(weight, other, *, alpha=1, **unknown):
     if unknown or not _derivable(weight) or not _plain(other, weight.shape) or _derivation_of(weight).replaced:
         return None
     delta = other.clone() if alpha == 1 else other * alpha  # (a copy: later changes to Δ do not reach it)
-    return _derived(weight, added=(*_derivation_of(weight).added, delta))
+    dtype = torch.promote_types(weight.dtype, delta.dtype)
+    return _derived(weight, dtype=dtype, added=(*_derivation_of(weight).added, delta))
 
 
 def _plus_in_place(weight, other, *, alpha=1, **unknown):
@@ -291,11 +311,14 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
         out = out + F.linear(input.to(out.dtype), delta.to(out.dtype))
     for index, rows in derivation.replaced:
         out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
+    if bias is not None and not isinstance(bias, BaseWeightPlaceholder) and bias.requires_grad:
+        out = out + (bias - bias.detach())  # (zero, exactly: the bias's gradient, where it came from)
     return out if autocast else out.to(weight.dtype)
 
 
 def _is_the_layers_bias(bias, layer) -> bool:
-    """Whether ``bias`` is the layer's bias placeholder, or its values in some dtype; or both are None."""
+    """Whether ``bias`` is the layer's bias placeholder, or its values (in some dtype, perhaps a
+    function of trainable tensors, as ``b * s`` at ``s = 1``); or both are None."""
     if not layer._has_bias or bias is None or bias is layer.bias:
         return bias is (layer.bias if layer._has_bias else None)
     if isinstance(bias, BaseWeightPlaceholder) or bias.shape != layer.bias.shape:

@@ -51,30 +51,25 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
-class _ServedTensors(nn.Module):
-    """A VirtLayer's child that holds its probe: an empty frozen Parameter (``DeviceProbe``) that
-    stands for the layer's weights where code walks a model's parameters. It finds one (peft's
-    adaption prompt reads a block's device and dtype from ``next(block.parameters())``: none in a
-    block of base layers alone, StopIteration), and making it trainable is refused. On a layer
-    with a bias it is named ``bias`` (``<layer>.served.bias``): peft's ``bias="all"`` trains
-    every parameter named ``*.bias``, so it finds this one, as it finds the monolithic layer's
-    bias, and is refused instead of silently training nothing. Out of state dicts, which keep the
-    monolithic model's names."""
+class _ProbeParameters(dict):
+    """A VirtLayer's ``_parameters``, holding its probe only. The probe's slot takes only an empty
+    tensor: code that swaps a module's tensors through ``_parameters`` (``torch.func.functional_call``
+    with a new bias) would otherwise put a real bias where the layer never reads it, silently."""
 
-    def __init__(self, layer_id: str, has_bias: bool, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        probe = DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
-        probe.base_tensor_name = f"{layer_id}.{'bias' if has_bias else 'weight'}"
-        self.register_parameter("bias" if has_bias else "device_probe", probe)
+    def __init__(self, parameters: dict, probe_key: str = "", layer_id: str = ""):
+        super().__init__(parameters)  # (dict's own init: not through __setitem__)
+        self.probe_key, self.layer_id = probe_key, layer_id
 
-    def extra_repr(self) -> str:
-        return "an empty frozen parameter standing for the weights the executor holds"
+    def __setitem__(self, key: str, value) -> None:
+        if key == self.probe_key and value is not None and value.numel() != 0:
+            raise BaseWeightAccessError(f"cannot assign the {key} of base layer {self.layer_id!r}: {WHY}")
+        super().__setitem__(key, value)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        pass
+    def __reduce__(self):  # (copy and pickle: rebuilt through __init__, then its attributes)
+        return (type(self), (dict(self),), {"probe_key": self.probe_key, "layer_id": self.layer_id})
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        pass  # (nothing to load; not a missing key either)
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
 
 class _VirtLayerMixin:
@@ -89,7 +84,22 @@ class _VirtLayerMixin:
         self.fusion = None  # a SiblingFusion shared with this layer's siblings (client/fusion.py)
         self._has_bias = spec.has_bias
         self._set_placeholders(device, dtype)
-        self.served = _ServedTensors(spec.layer_id, spec.has_bias, device, dtype)
+        # The probe: an empty frozen Parameter (``DeviceProbe``) that stands for the layer's weights
+        # where code walks a model's parameters. It finds one (peft's adaption prompt reads a block's
+        # device and dtype from ``next(block.parameters())``: none in a block of base layers alone,
+        # StopIteration), and making it trainable is refused. On a layer with a bias it is named
+        # ``bias`` (the attribute stays the placeholder, a property): peft's ``bias="all"`` trains
+        # every parameter named ``*.bias``, so it finds this one, as it finds the monolithic layer's
+        # bias, and is refused instead of silently training nothing. In the layer itself, not in a
+        # child module: peft matches regex ``target_modules`` against every module name, and
+        # ``".*proj.*"`` would match a child of a proj. Out of state dicts, which keep the
+        # monolithic model's names.
+        self._probe_key = "bias" if spec.has_bias else "device_probe"
+        probe = DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+        probe.base_tensor_name = f"{spec.layer_id}.{'bias' if spec.has_bias else 'weight'}"
+        parameters = _ProbeParameters({}, self._probe_key, spec.layer_id)
+        parameters[self._probe_key] = probe  # (not register_parameter: "bias" is the placeholder's property)
+        object.__setattr__(self, "_parameters", parameters)
         self.count_base_parameters(spec.in_features * spec.out_features + (spec.out_features if spec.has_bias else 0))
 
     def count_base_parameters(self, count: int) -> None:
@@ -176,6 +186,19 @@ class _VirtLayerMixin:
         # Placeholders of its own: derived weights compute through their layer (the copy's link, hooks, mode).
         copied._set_placeholders(self._weight.device, self._weight.dtype)
         return copied
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination.pop(prefix + self._probe_key, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The probe out of the way: not a missing key, and a monolithic state dict's ``bias`` stays an
+        # unexpected key, as its ``weight``, instead of a size mismatch with the probe.
+        probe = self._parameters.pop(self._probe_key)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        finally:
+            self._parameters[self._probe_key] = probe
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
