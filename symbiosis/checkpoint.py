@@ -185,7 +185,7 @@ def kept_modules(model: nn.Module, client_layers: Iterable[str] | str | None = (
     if isinstance(client_layers, str):
         client_layers = [client_layers]
     modules = dict(model.named_modules())
-    keepable = [name for name, module in modules.items() if is_base_layer(module) or _holds_a_matrix(module)]
+    keepable = [name for name, module in modules.items() if is_base_layer(module) or _first_matrix(module) is not None]
     kept: set[str] = set()
     unknown, empty = [], []
     for entry in client_layers or ():  # (None: none, as the default)
@@ -225,8 +225,9 @@ def is_base_layer(module: nn.Module) -> bool:
     return isinstance(module, Conv1D) and type(module).forward is Conv1D.forward
 
 
-def _holds_a_matrix(module: nn.Module) -> bool:
-    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+def _first_matrix(module: nn.Module) -> torch.Tensor | None:
+    """The first parameter of ``module`` itself (not its children's) with two or more dimensions."""
+    return next((p for p in module.parameters(recurse=False) if p.dim() >= 2), None)
 
 
 def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, LayerSpec]:
@@ -245,7 +246,7 @@ def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | 
     return specs
 
 
-def check_client_modules(model: nn.Module, client_layers: Iterable[str] | None = ()) -> None:
+def check_client_modules(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> None:
     """Refuse a client model with modules that own a weight matrix but are neither base layers nor
     embeddings, unless ``client_layers`` keeps them: a client loads every tensor the executor does
     not serve, so each would silently load a large weight into every client (MoE experts held as
@@ -256,9 +257,9 @@ def check_client_modules(model: nn.Module, client_layers: Iterable[str] | None =
     for name, module in model.named_modules():
         if name in keep or is_base_layer(module) or isinstance(module, nn.Embedding):
             continue
-        matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
-        if matrices:
-            offending[name] = f"{name} ({type(module).__name__}, {tuple(matrices[0].shape)})"
+        matrix = _first_matrix(module)
+        if matrix is not None:
+            offending[name] = f"{name} ({type(module).__name__}, {tuple(matrix.shape)})"
     if offending:
         patterns = sorted({f"*.{name.rsplit('.', 1)[1]}" if "." in name else name for name in offending})
         described = list(offending.values())

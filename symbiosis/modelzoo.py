@@ -328,7 +328,9 @@ def _perturb_vectors(model: torch.nn.Module, generator: torch.Generator) -> None
             param.add_(noise.to(param.dtype))
 
 
-def _build_model(config: PretrainedConfig, seed: int) -> torch.nn.Module:
+def build_random_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """A random-weight causal LM of ``config`` (any ``transformers`` architecture), its 1-D
+    parameters perturbed (``_perturb_vectors``): what ``make_model`` saves, for other configs too."""
     # fork_rng: the caller's global RNG state is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -445,7 +447,7 @@ def _write_checkpoint(
         shape = _SHAPES[preset]
         tokenizer = make_tokenizer(staging, model_max_length=shape.max_positions)
         config = preset_config(arch, preset, len(tokenizer), tie_word_embeddings=tie_word_embeddings)
-        model = _build_model(config, seed).to(dtype)
+        model = build_random_model(config, seed).to(dtype)
         model.config.dtype = dtype
         model.save_pretrained(staging, safe_serialization=True)
         (staging / MARKER_FILE).write_text(json.dumps(recipe, indent=2) + "\n")

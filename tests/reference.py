@@ -6,6 +6,7 @@ Every reference test compares the two: same checkpoint, same PEFT config, same a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -69,14 +70,15 @@ def randomize_adapters(model: torch.nn.Module, seed: int = 0) -> dict[str, torch
     return values
 
 
-def make_pair(path, executor, method: str, arch: str, **client_options):
+def make_pair(path, executor, method: str | peft.PeftConfig, arch: str, **client_options):
     """(monolithic peft model, split peft model) with equal adapter weights, both in eval mode.
+    ``method``: one of ``METHODS`` (its config for ``arch``: ``peft_config``), or a config.
 
     The monolithic model is on the split client's ``device`` (default cpu) *before* peft wraps
     it, as a user would load it: peft makes adapters on the device of the layer it wraps, and
     what it makes there is not always what moving a CPU-made adapter gives (AdaLoRA's ``ranknum``
     made on a GPU is a trainable parameter; moved there with ``.to``, it stays frozen)."""
-    config = peft_config(method, arch)
+    config = method if isinstance(method, peft.PeftConfig) else peft_config(method, arch)
     torch.manual_seed(0)  # peft's own adapter init draws from the global generator
     device = client_options.get("device", "cpu")
     with warnings.catch_warnings():
@@ -93,6 +95,20 @@ def make_pair(path, executor, method: str, arch: str, **client_options):
     reference.eval()
     split.eval()
     return reference, split
+
+
+@contextlib.contextmanager
+def executor_at(path, remote: bool):
+    """An executor of ``path`` as a client reaches it: itself, or the address of its tcp server."""
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        if not remote:
+            yield ex
+            return
+        server = ex.serve("tcp://127.0.0.1:0")
+        try:
+            yield server.address
+        finally:
+            server.close()
 
 
 def adapter_grads(model) -> dict[str, torch.Tensor]:

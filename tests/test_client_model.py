@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import peft
@@ -18,6 +17,7 @@ from tests.reference import (
     adapter_grads,
     assert_matches_reference,
     close_client,
+    executor_at,
     loss_and_grads,
     make_pair,
     randomize_adapters,
@@ -190,8 +190,6 @@ def test_training_base_weights_or_biases_is_refused_and_adapters_without_them_st
 
 
 def test_modules_to_save_on_a_client_module_and_copies_of_a_whole_model_still_work(llama, executor):
-    import copy
-
     model = symbiosis.load_client_model(llama, executor=executor)
     reference = AutoModelForCausalLM.from_pretrained(llama)
     try:
@@ -304,8 +302,6 @@ def test_the_same_checkpoint_by_another_path_or_a_copy_is_accepted(llama, execut
 
 
 def test_deepcopy_shares_the_connection(llama, executor):
-    import copy
-
     model = symbiosis.load_client_model(llama, executor=executor)
     clone = copy.deepcopy(model)
     ids = torch.tensor([[1, 2, 3]])
@@ -356,57 +352,23 @@ def test_a_bias_is_read_from_the_executor_and_writes_to_it_stay_refused(tiny_che
             model.symbiosis_transport.close()
 
 
-@contextlib.contextmanager
-def executor_at(path, remote: bool):
-    """An executor of ``path`` as a client reaches it: itself, or the address of its tcp server."""
-    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
-        if not remote:
-            yield ex
-            return
-        server = ex.serve("tcp://127.0.0.1:0")
-        try:
-            yield server.address
-        finally:
-            server.close()
+BIAS_OR_DERIVED_WEIGHT_METHODS = {
+    # BOFT's forward scales ``base_layer(x) - bias`` and adds the bias back (the bias read over the wire).
+    "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj", "fc1"]),
+    # HRA's ``F.linear(x, W·H, b)`` and ShiRA's ``F.linear(x, W + Δ, b)``, from the layer's product.
+    "hra": lambda: peft.HRAConfig(r=4, target_modules=["q_proj", "fc1"]),
+    "shira": lambda: peft.ShiraConfig(r=4, target_modules=["q_proj", "fc1"], random_seed=0),
+}
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["inproc", "tcp"])
-def test_boft_on_layers_with_a_bias_matches_the_monolithic_model(remote, tiny_checkpoint):
-    """BOFT's forward scales ``base_layer(x) - bias`` and adds the bias back (read over the wire too)."""
+@pytest.mark.parametrize("method", BIAS_OR_DERIVED_WEIGHT_METHODS)
+def test_methods_reading_a_bias_or_a_derived_weight_match_the_monolithic_model(method, remote, tiny_checkpoint):
+    """On opt (biased layers); the rest of peft's registry in-process: tests/test_peft_methods.py."""
     path = tiny_checkpoint("opt")
-    config = dict(boft_block_size=4, target_modules=["q_proj", "v_proj", "fc1"])
-    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.BOFTConfig(**config))
-    randomize_adapters(reference)  # away from BOFT's identity start
     with executor_at(path, remote) as executor:
-        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=executor), peft.BOFTConfig(**config))
+        reference, split = make_pair(path, executor, BIAS_OR_DERIVED_WEIGHT_METHODS[method](), "opt")
         try:
-            split.load_state_dict(reference.state_dict(), strict=False)
-            ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
-            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
-        finally:
-            close_client(split)
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        lambda: peft.HRAConfig(r=4, target_modules=["q_proj", "fc1"]),
-        lambda: peft.ShiraConfig(r=4, target_modules=["q_proj", "fc1"], random_seed=0),
-    ],
-    ids=["hra", "shira"],
-)
-def test_methods_computing_with_a_derived_weight_match_the_monolithic_model_over_tcp(config, tiny_checkpoint):
-    """HRA (``F.linear(x, W·H, b)``) and ShiRA (``F.linear(x, W + Δ, b)``): from the layer's product
-    over a remote transport too (in-process: tests/test_peft_methods.py)."""
-    path = tiny_checkpoint("opt")
-    torch.manual_seed(0)
-    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config())
-    randomize_adapters(reference)
-    with executor_at(path, remote=True) as address:
-        torch.manual_seed(0)
-        split = peft.get_peft_model(symbiosis.load_client_model(path, executor=address), config())
-        try:
-            split.load_state_dict(reference.state_dict(), strict=False)
             ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
             assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids))
         finally:
@@ -588,8 +550,6 @@ def test_a_tied_lm_head_kept_on_the_client_shares_the_embeddings_parameter(tiny_
     """With ``client_layers=["lm_head"]`` the lm_head was loaded as a copy of the embedding, untied:
     the embedding's gradient lacked the lm_head's part (norm 0.72 against the monolithic 3.01).
     A copy of the model ties its own tensors."""
-    import copy
-
     path = tiny_checkpoint("opt")
     reference = AutoModelForCausalLM.from_pretrained(path)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
@@ -736,8 +696,6 @@ def test_parameter_counts_are_the_monolithic_models(arch, client_layers, tiny_ch
     """``num_parameters()`` left the base layers out (the split tiny llama counted 65,856 of its
     205,120). It counts what the executor holds now, a tied lm_head once; a copy of the model
     and a peft model of it count the same."""
-    import copy
-
     path = tiny_checkpoint(arch)
     config = dict(r=4, target_modules="all-linear")
     reference = AutoModelForCausalLM.from_pretrained(path)

@@ -123,7 +123,7 @@ def test_make_model_reuses_a_matching_folder(tmp_path: pathlib.Path, monkeypatch
         raise AssertionError("rebuilt a checkpoint that was already there")
 
     with monkeypatch.context() as patch:
-        patch.setattr(modelzoo, "_build_model", fail)
+        patch.setattr(modelzoo, "build_random_model", fail)
         assert make_model("llama", "tiny", str(out), seed=3) == out.absolute()
     assert (out / "model.safetensors").stat().st_mtime_ns == before
 

@@ -16,14 +16,15 @@ import warnings
 import peft
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 import symbiosis
-from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair, randomize_adapters
+from symbiosis.modelzoo import build_random_model
+from tests.reference import assert_matches_reference, close_client, executor_at, loss_and_grads, make_pair
 
 pytestmark = pytest.mark.slow
 
-BASE = dict(
+BASE = dict(  # (the modelzoo's "tiny" preset, in transformers' common field names)
     vocab_size=512,
     hidden_size=64,
     num_hidden_layers=2,
@@ -91,16 +92,12 @@ IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 
 
 def checkpoint(tmp_path, model_type: str, options: dict) -> str:
+    """A random checkpoint as ``symbiosis make-model`` makes them (norms and biases perturbed, so a
+    dropped one shows), of the modelzoo's tiny size (``BASE``) in this architecture."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(model_type, **{**BASE, **options})
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():  # norms and biases away from their 1 and 0, so a dropped one shows
-            for parameter in model.parameters():
-                if parameter.dim() == 1:
-                    parameter.add_(torch.randn_like(parameter) * 0.1)
-        model.save_pretrained(tmp_path / model_type)
+        build_random_model(config).save_pretrained(tmp_path / model_type)
     return str(tmp_path / model_type)
 
 
@@ -133,31 +130,15 @@ def test_models_are_refused_with_the_client_layers_that_keep_their_other_modules
     the patterns that keep them, and with those it matches the monolithic model."""
     options, kept, targets = KEPT_MODULES[model_type]
     path = checkpoint(tmp_path, model_type, options)
-    with symbiosis.BaseExecutor.from_pretrained(path) as served:
-        server = served.serve("tcp://127.0.0.1:0") if remote else None
-        executor = server.address if remote else served
+    with executor_at(path, remote) as executor:
         with pytest.raises(symbiosis.UnsupportedModuleError) as refused:
             symbiosis.load_client_model(path, executor=executor)
         suggested = [pattern for pattern in kept if pattern != "*.dt_proj"]
         assert f"client_layers={sorted(suggested)}" in str(refused.value)
-
-        def config():
-            return peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
-
-        torch.manual_seed(0)
-        reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), config())
-        randomize_adapters(reference)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            client = symbiosis.load_client_model(path, executor=executor, client_layers=kept)
-        split = peft.get_peft_model(client, config())
+        config = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
+        reference, split = make_pair(path, executor, config, model_type, client_layers=kept)
         try:
-            split.load_state_dict(reference.state_dict(), strict=False)
-            reference.eval()
-            split.eval()
             assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
             assert_same_greedy_tokens(split, reference)
         finally:
             close_client(split)
-            if server is not None:
-                server.close()

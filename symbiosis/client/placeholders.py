@@ -319,14 +319,14 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
 def _is_the_layers_bias(bias, layer) -> bool:
     """Whether ``bias`` is the layer's bias placeholder, or its values (in some dtype, perhaps a
     function of trainable tensors, as ``b * s`` at ``s = 1``); or both are None."""
-    if not layer._has_bias or bias is None or bias is layer.bias:
-        return bias is (layer.bias if layer._has_bias else None)
-    if isinstance(bias, BaseWeightPlaceholder) or bias.shape != layer.bias.shape:
-        return False
-    return torch.equal(bias, layer.bias.values().to(device=bias.device, dtype=bias.dtype))
+    if not layer._has_bias:
+        return bias is None
+    if bias is None or isinstance(bias, BaseWeightPlaceholder):
+        return bias is layer.bias
+    return bias.shape == layer.bias.shape and torch.equal(bias, layer.bias.values().to(bias.device, bias.dtype))
 
 
-_CASTS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.bfloat16, torch.Tensor.half)
+_CASTS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.half)
 _DERIVED_WEIGHT_OPS = {
     _GET_DATA: _data,
     torch.Tensor.detach: _data,

@@ -26,7 +26,7 @@ from symbiosis.checkpoint import (
     locate_tensors,
 )
 from symbiosis.client.fusion import SiblingFusion
-from symbiosis.client.virt import make_virt_layer
+from symbiosis.client.virt import VirtConv1D, VirtLinear, make_virt_layer
 from symbiosis.errors import BaseWeightAccessError, CheckpointError, ConfigurationError, ModelMismatchError
 from symbiosis.executor.executor import DTYPES_BY_NAME, parse_device, parse_dtype
 from symbiosis.threads import one_thread_for_small_forwards, small_forward_tokens, warn_if_client_spins
@@ -210,7 +210,7 @@ def _resize_token_embeddings_unless_served(model, *args, **kwargs):
     output layer (transformers resized the embeddings first, then failed on the lm_head, leaving a
     model whose vocabulary sizes disagree)."""
     output = model.get_output_embeddings()
-    if getattr(output, "link", None) is not None:  # a VirtLayer
+    if isinstance(output, (VirtLinear, VirtConv1D)):
         raise BaseWeightAccessError(
             f"cannot resize the vocabulary of a split model: its output layer {output.layer_id!r} is served by the "
             "base executor from the checkpoint's weights. Resize a monolithic copy and serve that checkpoint, or "

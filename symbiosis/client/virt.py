@@ -94,11 +94,11 @@ class _VirtLayerMixin:
         # child module: peft matches regex ``target_modules`` against every module name, and
         # ``".*proj.*"`` would match a child of a proj. Out of state dicts, which keep the
         # monolithic model's names.
-        self._probe_key = "bias" if spec.has_bias else "device_probe"
+        probe_key = "bias" if spec.has_bias else "device_probe"
         probe = DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
         probe.base_tensor_name = f"{spec.layer_id}.{'bias' if spec.has_bias else 'weight'}"
-        parameters = _ProbeParameters({}, self._probe_key, spec.layer_id)
-        parameters[self._probe_key] = probe  # (not register_parameter: "bias" is the placeholder's property)
+        parameters = _ProbeParameters({}, probe_key, spec.layer_id)
+        parameters[probe_key] = probe  # (not register_parameter: "bias" is the placeholder's property)
         object.__setattr__(self, "_parameters", parameters)
         self.count_base_parameters(spec.in_features * spec.out_features + (spec.out_features if spec.has_bias else 0))
 
@@ -189,16 +189,17 @@ class _VirtLayerMixin:
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination.pop(prefix + self._probe_key, None)
+        destination.pop(prefix + self._parameters.probe_key, None)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The probe out of the way: not a missing key, and a monolithic state dict's ``bias`` stays an
         # unexpected key, as its ``weight``, instead of a size mismatch with the probe.
-        probe = self._parameters.pop(self._probe_key)
+        key = self._parameters.probe_key
+        probe = self._parameters.pop(key)
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:
-            self._parameters[self._probe_key] = probe
+            self._parameters[key] = probe
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
@@ -223,7 +224,7 @@ class _VirtLayerMixin:
             x = fusion.cast(x, dtype) if fusion is not None else x.to(dtype)
         if fusion is not None:
             return fusion.forward(self.layer_id, x, self.training, self._call_alone)
-        return frozen_linear(x, self.link, self.training)
+        return frozen_linear(x, self.link, self.training)  # (not through _call_alone: one call less a layer)
 
     def _call_alone(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_linear(x, self.link, self.training)
