@@ -5,15 +5,19 @@ checkpoint's config with every parameter on the meta device (no memory) but buff
 computed buffers such as rotary ``inv_freq`` are correct. From the skeleton we
 
 - discover the base layers (every ``nn.Linear`` and ``transformers`` ``Conv1D``, ``lm_head``
-  included), keyed by qualified module name;
+  included), keyed by qualified module name, and each expert's matrix of MoE experts
+  (``served_experts``: ``...experts.gate_up_proj.3``);
 - map each module tensor to the checkpoint key that holds it, using `transformers`' own loading
-  rules (its key renamings, base-model prefix handling and tied-weight declarations) rather than
-  string guesses, so the executor can read only the base layers and the client only the rest.
+  rules (its key renamings and converters, base-model prefix handling and tied-weight
+  declarations) rather than string guesses, so the executor can read only the base layers and
+  the client only the rest.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import functools
 import hashlib
 import json
 import threading
@@ -36,8 +40,9 @@ except ImportError:  # pragma: no cover
     from transformers.modeling_utils import Conv1D  # type: ignore[no-redef]
 
 CLIENT_MODULE_NOTE = (
-    "Symbiosis serves nn.Linear and transformers Conv1D layers from the executor; other modules may "
-    "stay in the client only if they hold embeddings or 1-D parameters (norms, biases, scales)"
+    "Symbiosis serves nn.Linear and transformers Conv1D layers and transformers' standard MoE experts from the "
+    "executor; other modules may stay in the client only if they hold embeddings or 1-D parameters (norms, "
+    "biases, scales)"
 )
 
 
@@ -47,6 +52,17 @@ class TensorSource:
 
     file: Path
     key: str
+
+
+@dataclass(frozen=True)
+class ConvertedSource:
+    """A module tensor that the checkpoint stores as several (an MoE's experts as one 3-D tensor in
+    `transformers` 5 and one matrix per expert in the checkpoint, as ``save_pretrained`` writes
+    them): its parts, in `transformers`' order, and the `transformers` converter that joins them."""
+
+    name: str
+    converter: object  # transformers.core_model_loading.WeightConverter (a template: copied per use)
+    parts: tuple[tuple[str, TensorSource], ...]  # (the converter's source pattern, where the part is)
 
 
 #: Config entries that name where a checkpoint was loaded from, not what it is (``fingerprint``).
@@ -118,17 +134,20 @@ class Checkpoint:
                 raise CheckpointError(f"cannot read safetensors file {str(file)!r}: {exc}") from exc
         return locations
 
-    def read(self, sources: Mapping[str, TensorSource]) -> dict[str, torch.Tensor]:
+    def read(self, sources: Mapping[str, TensorSource | ConvertedSource]) -> dict[str, torch.Tensor]:
         """Read only the named tensors (``name -> source``); each file is opened once."""
         return dict(self.iter_tensors(sources))
 
-    def iter_tensors(self, sources: Mapping[str, TensorSource]) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, sources: Mapping[str, TensorSource | ConvertedSource]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for the named tensors, one at a time: a caller that keeps only a
         converted form (a quantized executor) never holds them all at once. Each tensor is read
         through its own opening of the file: an open handle maps the whole file, and every page
         read through it counts in the process's resident memory until the handle closes (a 4 GiB
         checkpoint read through one handle added 4 GiB to the executor's peak)."""
         for name, source in sources.items():
+            if isinstance(source, ConvertedSource):
+                yield name, _convert(source)
+                continue
             with safe_open(source.file, framework="pt") as handle:
                 yield name, handle.get_tensor(source.key)
 
@@ -230,13 +249,93 @@ def _first_matrix(module: nn.Module) -> torch.Tensor | None:
     return next((p for p in module.parameters(recurse=False) if p.dim() >= 2), None)
 
 
-def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, LayerSpec]:
-    """Every base layer of ``model`` (``is_base_layer``) by qualified name, except those kept in
-    the client. Other modules are not the executor's concern (``check_client_modules``)."""
+def served_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is an MoE experts module the executor serves, one base layer per expert
+    and tensor: `transformers`' standard experts (``use_experts_implementation``), whose eager
+    forward multiplies a group of tokens by one expert's matrix at a time, ``F.linear(x, W[e])``
+    for ``[experts, out, in]`` tensors or ``x @ W[e]`` for transposed ones (gpt-oss). Their 2-D
+    tensors (per-expert biases) stay on the client; experts with a norm after each expert too
+    (``client_layers``)."""
+    if getattr(module, "is_transposed", None) not in (False, True) or not hasattr(module, "has_gate"):
+        return False
+    if getattr(module, "has_post_expert_norm", False):
+        return False
+    matrices = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    return bool(matrices) and all(p.shape[0] == matrices[0].shape[0] for p in matrices)
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """A 3-D tensor of served experts (``served_experts``), ``[experts, out, in]`` or, transposed,
+    ``[experts, in, out]``: expert ``e``'s matrix is base layer ``expert_layer_id(name, e)``."""
+
+    name: str  # its state-dict name: "model.layers.0.mlp.experts.gate_up_proj"
+    experts: int
+    out_features: int
+    in_features: int
+    transposed: bool = False
+
+    @property
+    def layer_ids(self) -> list[str]:
+        return [expert_layer_id(self.name, e) for e in range(self.experts)]
+
+
+def expert_layer_id(tensor_name: str, expert: int) -> str:
+    return f"{tensor_name}.{expert}"
+
+
+def expert_tensors(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, ExpertTensor]:
+    """The tensors of every served experts module (``served_experts``) not kept in the client."""
     keep = kept_modules(model, client_layers)
+    tensors: dict[str, ExpertTensor] = {}
+    for module_name, module in model.named_modules():
+        if module_name in keep or not served_experts(module):
+            continue
+        transposed = bool(module.is_transposed)
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:
+                name = f"{module_name}.{param_name}"
+                experts, rows, columns = param.shape
+                out_features, in_features = (columns, rows) if transposed else (rows, columns)
+                tensors[name] = ExpertTensor(name, experts, out_features, in_features, transposed)
+    return tensors
+
+
+def expert_routers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> set[str]:
+    """The routers of served experts: modules beside them (the same parent) whose matrices are all
+    2-D with a row per expert. They stay on the client with no ``client_layers`` needed: small
+    (``experts x hidden``), and the top-k choice computed there exactly as the monolithic model
+    computes it."""
+    keep = kept_modules(model, client_layers)
+    experts_of_parent = {
+        name.rpartition(".")[0]: next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
+        for name, module in model.named_modules()
+        if name not in keep and served_experts(module)
+    }
+    found = set()
+    for name, module in model.named_modules():
+        experts = experts_of_parent.get(name.rpartition(".")[0])
+        matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+        if experts and matrices and all(p.dim() == 2 and p.shape[0] == experts for p in matrices):
+            found.add(name)
+    return found
+
+
+def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, LayerSpec]:
+    """Every base layer of ``model`` (``is_base_layer``) by qualified name, and each expert's matrix
+    of served experts (``expert_tensors``), except those kept in the client. Other modules are not
+    the executor's concern (``check_client_modules``)."""
+    keep = kept_modules(model, client_layers)
+    experts = expert_tensors(model, client_layers)
     specs: dict[str, LayerSpec] = {}
     for name, module in model.named_modules():
-        if name in keep or not is_base_layer(module):
+        if name in keep:
+            continue
+        for param_name, _ in module.named_parameters(recurse=False) if served_experts(module) else ():
+            tensor = experts.get(f"{name}.{param_name}")
+            for layer_id in tensor.layer_ids if tensor is not None else ():
+                specs[layer_id] = LayerSpec(layer_id, tensor.in_features, tensor.out_features, False)
+        if not is_base_layer(module):
             continue
         if isinstance(module, Conv1D):
             in_features, out_features = module.weight.shape  # Conv1D stores W as [in, out]
@@ -252,10 +351,10 @@ def check_client_modules(model: nn.Module, client_layers: Iterable[str] | str | 
     not serve, so each would silently load a large weight into every client (MoE experts held as
     one 3-D tensor, Mamba's mixer and its conv1d). ``UnsupportedModuleError`` names them all and the
     ``client_layers`` that keep them."""
-    keep = kept_modules(model, client_layers)
+    keep = kept_modules(model, client_layers) | expert_routers(model, client_layers)
     offending: dict[str, str] = {}  # name -> what it holds
     for name, module in model.named_modules():
-        if name in keep or is_base_layer(module) or isinstance(module, nn.Embedding):
+        if name in keep or is_base_layer(module) or served_experts(module) or isinstance(module, nn.Embedding):
             continue
         matrix = _first_matrix(module)
         if matrix is not None:
@@ -272,7 +371,7 @@ def check_client_modules(model: nn.Module, client_layers: Iterable[str] | str | 
 
 def locate_tensors(
     checkpoint: Checkpoint, model: nn.Module, names: Iterable[str], optional: Iterable[str] = ()
-) -> dict[str, TensorSource]:
+) -> dict[str, TensorSource | ConvertedSource]:
     """Map module tensor names (``model.state_dict()`` keys) to where the checkpoint stores them.
 
     Names in ``optional`` (e.g. persistent buffers the model computes itself) may be absent.
@@ -282,20 +381,26 @@ def locate_tensors(
     stored under its own key may be tied to another (``get_expanded_tied_weights_keys``).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter_of_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     meta_state = model.state_dict()
-    model_key_to_source: dict[str, TensorSource] = {}
-    converted: dict[str, str] = {}
-    for ckpt_key, file in checkpoint.key_locations.items():
-        model_key, converter = rename_source_key(ckpt_key, renamings, converters, model.base_model_prefix, meta_state)
-        if converter is not None:
-            converted[model_key] = ckpt_key
+    model_key_to_source: dict[str, TensorSource | ConvertedSource] = {}
+    parts: dict[str, list[tuple[str, TensorSource]]] = {}  # converted model key -> its parts
+    # In transformers' order (natural, so expert 10 after expert 9): the parts are joined in it.
+    for ckpt_key in sorted(checkpoint.key_locations, key=dot_natural_key):
+        file = checkpoint.key_locations[ckpt_key]
+        model_key, pattern = rename_source_key(ckpt_key, renamings, converters, model.base_model_prefix, meta_state)
+        if pattern is not None:
+            parts.setdefault(model_key, []).append((pattern, TensorSource(file, ckpt_key)))
         else:
             model_key_to_source[model_key] = TensorSource(file, ckpt_key)
+    for model_key, pieces in parts.items():
+        converter = converter_of_pattern[pieces[0][0]]
+        model_key_to_source[model_key] = ConvertedSource(model_key, converter, tuple(pieces))
     tied = (
         model.get_expanded_tied_weights_keys(all_submodels=True)
         if hasattr(model, "get_expanded_tied_weights_keys")
@@ -303,19 +408,12 @@ def locate_tensors(
     )
 
     optional = set(optional)
-    sources: dict[str, TensorSource] = {}
+    sources: dict[str, TensorSource | ConvertedSource] = {}
     missing: list[str] = []
     for name in names:
         source = model_key_to_source.get(name) or model_key_to_source.get(tied.get(name, ""))
         if source is not None:
             sources[name] = source
-        elif name in converted or tied.get(name) in converted:
-            raise CheckpointError(
-                f"tensor {name!r} is stored as {converted.get(name)!r} and needs transformers' weight "
-                "conversion (fusing/splitting) which Symbiosis's selective loader does not support: "
-                "mixture-of-experts models whose experts are one tensor in transformers and one per "
-                "expert in the checkpoint (as transformers 5 saves them) cannot be split yet"
-            )
         elif name not in optional:
             missing.append(name)
     if missing:
@@ -326,8 +424,29 @@ def locate_tensors(
     return sources
 
 
-def base_layer_tensor_names(specs: Mapping[str, LayerSpec]) -> dict[str, str]:
-    """``state_dict`` names of every base-layer tensor, mapped to their layer id."""
-    names = {f"{layer_id}.weight": layer_id for layer_id in specs}
+def _read_one(source: TensorSource) -> torch.Tensor:
+    with safe_open(source.file, framework="pt") as handle:
+        return handle.get_tensor(source.key)
+
+
+def _convert(source: ConvertedSource) -> torch.Tensor:
+    """The tensor ``source`` names, joined from its parts by `transformers`' own converter (its
+    operations, in its order), each part read only when the converter asks for it."""
+    converter = copy.deepcopy(source.converter)  # (it collects its parts: one instance per tensor)
+    for pattern, part in source.parts:
+        converter.add_tensor(source.name, part.key, pattern, functools.partial(_read_one, part))
+    converted = converter.convert(source.name)
+    if len(converted) != 1:
+        raise CheckpointError(f"transformers' conversion of {source.name!r} made {sorted(converted)}, not one tensor")
+    return next(iter(converted.values()))
+
+
+def base_layer_tensor_names(
+    specs: Mapping[str, LayerSpec], experts: Mapping[str, ExpertTensor] | None = None
+) -> dict[str, str]:
+    """``state_dict`` names of every base-layer tensor, mapped to their layer id; the layers of
+    ``experts`` left out (their tensors are the experts', one for all of them: ``experts`` itself)."""
+    per_expert = {layer_id for tensor in (experts or {}).values() for layer_id in tensor.layer_ids}
+    names = {f"{layer_id}.weight": layer_id for layer_id in specs if layer_id not in per_expert}
     names.update({f"{layer_id}.bias": layer_id for layer_id, spec in specs.items() if spec.has_bias})
     return names

@@ -4,9 +4,10 @@
 PEFT method and transport. This file checks that the split is not tied to them: a sample of the
 other dense causal LMs (a helper's sweep on 2026-12-07 found all 31 it tried exact; this keeps
 six, each with something of its own: ALiBi, a parallel block, a sliding window, tied embeddings),
-and models with modules that own weight matrices but are not linear layers (state-space and
+models with modules that own weight matrices but are not linear layers (state-space and
 recurrent mixers; llama4's experts, one 3-D tensor, and its router, an ``nn.Linear`` with a forward
-of its own): refused with the ``client_layers`` that keep them, then exact with those.
+of its own): refused with the ``client_layers`` that keep them, then exact with those; and
+mixture-of-experts models whose experts the executor serves, one base layer per expert.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoConfig
 
 import symbiosis
+from symbiosis.client.experts import ExpertWeights
 from symbiosis.modelzoo import build_random_model
 from tests.reference import assert_matches_reference, close_client, executor_at, loss_and_grads, make_pair
 
@@ -88,6 +90,57 @@ KEPT_MODULES = {
         ["q_proj", "v_proj"],  # (peft's all-linear would wrap the router, whose forward returns a tuple)
     ),
 }
+#: model type -> (its options, client_layers, LoRA targets): experts served by the executor
+#: (``client/experts.py``), the routers beside them on the client without being named.
+TOP2_OF_4 = dict(num_local_experts=4, num_experts_per_tok=2)
+SERVED_EXPERTS = {
+    "mixtral": (TOP2_OF_4, [], "all-linear"),
+    "qwen2_moe": (  # a shared expert (plain linear layers) and its gate beside the routed experts
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+        [],
+        "all-linear",
+    ),
+    "deepseek_v3": (  # multi-head latent attention; a router with a score-correction bias
+        dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            first_k_dense_replace=1,  # (its first layer's MLP dense)
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            head_dim=8,
+        ),
+        [],
+        ["q_b_proj", "kv_b_proj", "o_proj"],
+    ),
+    "gpt_oss": (  # experts stored transposed ([experts, in, out], ``x @ W[e]``), with per-expert biases
+        dict(TOP2_OF_4, head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=128),
+        [],
+        ["q_proj", "v_proj"],
+    ),
+    "jamba": (  # a Mamba hybrid: its mixers kept on the client, its experts served
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            expert_layer_period=1,
+            expert_layer_offset=0,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+            use_mamba_kernels=False,
+        ),
+        ["*.conv1d", "*.mamba", "*.dt_proj"],
+        ["q_proj", "v_proj"],
+    ),
+}
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 
 
@@ -140,5 +193,33 @@ def test_models_are_refused_with_the_client_layers_that_keep_their_other_modules
         try:
             assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
             assert_same_greedy_tokens(split, reference)
+        finally:
+            close_client(split)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "remote"),
+    [(model_type, False) for model_type in SERVED_EXPERTS] + [("mixtral", True), ("gpt_oss", True)],
+    ids=lambda value: {False: "inproc", True: "tcp"}.get(value, value) if isinstance(value, bool) else value,
+)
+def test_moe_models_are_served_with_their_experts_on_the_executor_and_match(model_type, remote, tmp_path):
+    """Their experts were refused (one 3-D tensor in transformers 5, one matrix per expert in the
+    checkpoint: the selective loader did not join them), and keeping them on the client would
+    load most of the model into every client. Now the executor serves each expert's matrix as a
+    base layer; the client holds none of them and matches the monolithic model."""
+    options, kept, targets = SERVED_EXPERTS[model_type]
+    path = checkpoint(tmp_path, model_type, options)
+    with executor_at(path, remote) as executor:
+        config = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
+        reference, split = make_pair(path, executor, config, model_type, client_layers=kept)
+        try:
+            assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
+            assert_same_greedy_tokens(split, reference)
+            experts = {name for name, p in reference.named_parameters() if p.dim() == 3 and ".experts." in name}
+            assert experts, "the model has no experts to serve"
+            held = [p for name, p in split.named_parameters() if p.dim() == 3 and ".experts." in name]
+            assert len(held) == len(experts) and all(isinstance(p, ExpertWeights) for p in held)  # (no data)
+            base = reference.get_base_model().num_parameters()
+            assert split.get_base_model().num_parameters() == base  # (each expert counted where it is served)
         finally:
             close_client(split)

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 
+import peft
 import pytest
 import torch
 
@@ -29,6 +30,8 @@ from symbiosis.transport.zmq_client import ZmqTransport
 from symbiosis.vocabulary import LayerSpec
 from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
 from tests.sharding_helpers import _train, finetune_or_decode_client, ranks_in_threads, resident_bytes, serve_all
+from tests.test_more_architectures import TOP2_OF_4
+from tests.test_more_architectures import checkpoint as moe_checkpoint
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # as tests/test_split_reference.py: another summation order, same model
 
@@ -133,6 +136,22 @@ def test_sharded_executor_matches_monolithic(arch, world_size, strategy, tiny_ch
         assert all(n > 0 for n, s in zip(served, shards) if s["owned_layers"])
     else:  # every rank took part in every gather
         assert len({s["gathers"]["gathers"] for s in shards}) == 1 and shards[0]["gathers"]["gathers"] > 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.slow
+def test_a_sharded_executor_serves_moe_experts(strategy, tmp_path):
+    """Each expert's matrix is a layer (``layers``: placed whole on a rank; ``fsdp``: its rows split
+    like any layer's, read from the experts tensor that transformers' converter joins)."""
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    path = moe_checkpoint(tmp_path, "mixtral", TOP2_OF_4)
+    with ranks_in_threads(path, 2, strategy) as ranks:
+        reference, split = make_pair(path, serve_all(ranks), config, "mixtral")
+        try:
+            ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+            assert_matches_reference(loss_and_grads(split, ids), loss_and_grads(reference, ids), **TOL)
+        finally:
+            close_client(split)
 
 
 @pytest.mark.parametrize("scheme", ["ipc", "shm+ipc", "dist+tcp"])

@@ -58,6 +58,27 @@ class Derivation:
 _NOT_DERIVED = Derivation()
 
 
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """An added term ``α·L·R`` kept as its factors (peft's LoRA on MoE experts folds ``W + α·L·R``
+    into one ``baddbmm``): its product with rows costs their rank, not the weight's size."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    alpha: float = 1.0
+
+
+def times_added(x: torch.Tensor, delta, layout: str) -> torch.Tensor:
+    """``x·Δᵀ`` for an added ``Δ`` in ``[out, in]`` form (``layout`` "out_in"), ``x·Δ`` in ``[in, out]``
+    form ("in_out"); ``Δ`` dense, sparse or :class:`LowRank`."""
+    if isinstance(delta, LowRank):
+        left, right = delta.left.to(x.dtype), delta.right.to(x.dtype)
+        product = F.linear(F.linear(x, right), left) if layout == "out_in" else (x @ left) @ right
+        return product * delta.alpha
+    delta = (delta.to_dense() if delta.is_sparse else delta).to(x.dtype)
+    return F.linear(x, delta) if layout == "out_in" else x @ delta
+
+
 class BaseWeightPlaceholder(torch.Tensor):
     """Shape, dtype and device of a base-layer tensor, without its data."""
 
@@ -113,6 +134,8 @@ class BaseWeightPlaceholder(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.set_.source_Tensor and len(args) == 2 and args[0] is args[1]:
+            return args[0]  # ``W.set_(W)``: nothing (torch's parametrize does it; set_ skips __torch_function__)
         placeholders: list[BaseWeightPlaceholder] = []
         tree_map_only(cls, placeholders.append, (args, kwargs or {}))
         unreadable = [p for p in placeholders if p._read is None]
@@ -232,15 +255,47 @@ _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _times(weight, right, **other):
     """``W·H`` (``torch.mm``, ``@``) for an ``[in, in]`` matrix ``H``, on a weight not derived yet;
-    or ``A·W`` (``right`` the layer's own weight), computed at once (``_left_times``)."""
+    or ``A·W`` (``right`` the layer's own weight), computed at once (``_left_times``); or ``x·W``
+    for a weight in ``[in, out]`` form (Conv1D's), the layer's product (``_input_times``)."""
     if not other and not isinstance(weight, BaseWeightPlaceholder) and _derivable(right):
         return _left_times(weight, right)
+    if not other and not isinstance(weight, BaseWeightPlaceholder) and _in_out_weight(right):
+        return _input_times(weight, right)
     if other or not _derivable(weight) or not _plain(right, torch.Size((weight.shape[1], weight.shape[1]))):
         return None
     derivation = _derivation_of(weight)
     if derivation.right is not None or derivation.added or derivation.replaced:
         return None
     return _derived(weight, right=right.clone())  # (as W·H would be: later changes to H do not reach it)
+
+
+def _in_out_weight(weight) -> bool:
+    """The weight of a VirtLayer in ``[in, out]`` form (Conv1D's; a transposed expert's), or that
+    weight plus added terms (LoRA on transposed experts)."""
+    return (
+        isinstance(weight, BaseWeightPlaceholder)
+        and weight._layer is not None
+        and weight._layer._weight_layout == "in_out"
+        and not weight._stale
+        and _derivation_of(weight).right is None
+        and not _derivation_of(weight).replaced
+    )
+
+
+def _input_times(x, weight):
+    """``x·W`` of an ``[in, out]`` weight: the layer's product (when the layer has no bias: its
+    product would add it), plus ``x·Δ`` for each ``Δ`` added. As ``F.linear`` of the layer's weight,
+    through its ``forward``."""
+    layer = weight._layer
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if layer._has_bias or not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        return None
+    if not autocast and x.dtype != weight.dtype:
+        return None  # (matmul refuses mixed dtypes too)
+    out = layer.forward(x)
+    for delta in _derivation_of(weight).added:
+        out = out + times_added(x.to(out.dtype), delta, "in_out")
+    return out if autocast else out.to(weight.dtype)
 
 
 def _left_times(rows, weight):
@@ -307,8 +362,7 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
         return None  # (F.linear refuses mixed dtypes too)
     out = layer.forward(input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype)))
     for delta in derivation.added:
-        delta = delta.to_dense() if delta.is_sparse else delta
-        out = out + F.linear(input.to(out.dtype), delta.to(out.dtype))
+        out = out + times_added(input.to(out.dtype), delta, "out_in")
     for index, rows in derivation.replaced:
         out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
     if bias is not None and not isinstance(bias, BaseWeightPlaceholder) and bias.requires_grad:
@@ -336,6 +390,7 @@ _DERIVED_WEIGHT_OPS = {
     torch.Tensor.mm: _times,
     torch.matmul: _times,
     torch.Tensor.matmul: _times,
+    torch.Tensor.__matmul__: _times,
     torch.add: _plus,
     torch.Tensor.add: _plus,
     torch.Tensor.__add__: _plus,

@@ -44,6 +44,7 @@ from typing import Self
 import torch
 from torch import nn
 
+from symbiosis.client.experts import expert_layers
 from symbiosis.client.virt import VirtConv1D, VirtLinear
 from symbiosis.errors import ConfigurationError
 from symbiosis.ops import LayerLink
@@ -190,7 +191,7 @@ def enable_activation_noise(
     Returns a handle whose ``disable()`` (or ``with`` exit) restores plain behaviour.
     """
     config = NoiseConfig(scale=scale, pool_size=pool_size, refresh_every=refresh_every, seed=seed)
-    layers = [m for m in model.modules() if isinstance(m, (VirtLinear, VirtConv1D))]
+    layers = [m for m in model.modules() if isinstance(m, (VirtLinear, VirtConv1D))] + list(expert_layers(model))
     if not layers:
         raise ConfigurationError(
             f"{type(model).__name__} has no VirtLayers: activation noise applies to a split model "

@@ -23,8 +23,10 @@ from symbiosis.checkpoint import (
     build_skeleton,
     check_client_modules,
     discover_base_layers,
+    expert_tensors,
     locate_tensors,
 )
+from symbiosis.client.experts import serve_experts
 from symbiosis.client.fusion import SiblingFusion
 from symbiosis.client.virt import VirtConv1D, VirtLinear, make_virt_layer
 from symbiosis.errors import BaseWeightAccessError, CheckpointError, ConfigurationError, ModelMismatchError
@@ -110,6 +112,7 @@ def load_client_model(
     check_client_modules(model, client_layers)
     all_specs = discover_base_layers(model)
     served_specs = discover_base_layers(model, client_layers)
+    served_experts = expert_tensors(model, client_layers)
     fingerprint = checkpoint.fingerprint(all_specs)
     transport = open_connection(
         executor, client_id=client_id, timeout_s=timeout_s, expected_fingerprint=fingerprint, curve=curve
@@ -128,8 +131,8 @@ def load_client_model(
         log.info("executor serves checkpoint %s with %s-quantized base weights: accepted", fingerprint, quantization)
 
     # Which tensors the client reads: everything the skeleton holds except served base layers.
-    served_names = base_layer_tensor_names(served_specs)
-    wanted = [name for name in model.state_dict() if name not in served_names]
+    served_names = base_layer_tensor_names(served_specs, served_experts)
+    wanted = [name for name in model.state_dict() if name not in served_names and name not in served_experts]
     # Persistent buffers absent from the checkpoint keep the values the model computed.
     buffers = {name for name, _ in model.named_buffers()}
     sources = locate_tensors(checkpoint, model, wanted, optional=buffers)
@@ -138,13 +141,17 @@ def load_client_model(
     if fuse_siblings is None:
         fuse_siblings = not isinstance(transport, InProcTransport)
     fusion = SiblingFusion(all_specs, transport, served_specs) if fuse_siblings else None
+    expert_layer_ids = {layer_id for tensor in served_experts.values() for layer_id in tensor.layer_ids}
     for layer_id, spec in served_specs.items():
+        if layer_id in expert_layer_ids:
+            continue  # (below)
         parent_name, _, child = layer_id.rpartition(".")
         parent = model.get_submodule(parent_name)
         original = getattr(parent, child)
         virt = make_virt_layer(original, spec, transport, device=device, dtype=client_dtype)
         virt.fusion = fusion
         setattr(parent, child, virt)
+    serve_experts(model, served_experts, served_specs, transport, device=device, dtype=client_dtype)
     for name, tensor in tensors.items():
         _set_tensor(model, name, tensor)
     # A tied lm_head is tied still: the executor serves it from the embedding's stored tensor. The

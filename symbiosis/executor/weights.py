@@ -29,6 +29,7 @@ from symbiosis.checkpoint import (
     base_layer_tensor_names,
     build_skeleton,
     discover_base_layers,
+    expert_tensors,
     locate_tensors,
 )
 from symbiosis.errors import CheckpointError
@@ -212,7 +213,12 @@ class BaseModelWeights:
         skeleton = build_skeleton(checkpoint.config)
         all_specs = discover_base_layers(skeleton)
         specs = all_specs if layer_ids is None else {k: v for k, v in all_specs.items() if k in layer_ids}
-        names = base_layer_tensor_names(specs)
+        experts = {
+            name: tensor
+            for name, tensor in expert_tensors(skeleton).items()
+            if any(layer_id in specs for layer_id in tensor.layer_ids)
+        }
+        names = base_layer_tensor_names(specs, experts)
         sources = locate_tensors(checkpoint, skeleton, names)
         is_weight = {name: name == f"{layer_id}.weight" for name, layer_id in names.items()}
         conv1d_layers = {name for name, module in skeleton.named_modules() if isinstance(module, Conv1D)}
@@ -221,11 +227,9 @@ class BaseModelWeights:
             for name, bias in checkpoint.iter_tensors({n: src for n, src in sources.items() if not is_weight[n]})
         }
         layers: dict[str, StoredLayer] = {}
-        for name, weight in checkpoint.iter_tensors({n: src for n, src in sources.items() if is_weight[n]}):
-            layer_id = names[name]
+
+        def store(layer_id: str, weight: torch.Tensor) -> None:
             spec = specs[layer_id]
-            if layer_id in conv1d_layers:
-                weight = weight.t()
             if tuple(weight.shape) != (spec.out_features, spec.in_features):
                 raise CheckpointError(f"weight of {layer_id} has shape {tuple(weight.shape)}, expected {spec}")
             bias = biases.pop(layer_id, None)
@@ -233,7 +237,19 @@ class BaseModelWeights:
                 layers[layer_id] = quantize(layer_id, weight, bias)
             else:
                 layers[layer_id] = LayerWeights(weight.to(device=device, dtype=dtype).contiguous(), bias)
+
+        for name, weight in checkpoint.iter_tensors({n: src for n, src in sources.items() if is_weight[n]}):
+            layer_id = names[name]
+            store(layer_id, weight.t() if layer_id in conv1d_layers else weight)
             del weight  # the full-precision tensor goes before the next one is read
+        # Experts: one tensor each for all of an experts module's experts (joined from the
+        # checkpoint's per-expert matrices by transformers' converter), a base layer per expert.
+        for name, stacked in checkpoint.iter_tensors(locate_tensors(checkpoint, skeleton, experts)):
+            tensor = experts[name]
+            for layer_id, weight in zip(tensor.layer_ids, stacked, strict=True):
+                if layer_id in specs:  # (a copy, not a view: the whole tensor goes after the loop)
+                    store(layer_id, (weight.t() if tensor.transposed else weight).clone())
+            del stacked
         layers = {layer_id: layers[layer_id] for layer_id in specs}  # registry order, not file order
         return cls.assemble(
             specs, layers, checkpoint.fingerprint(all_specs), checkpoint.config.model_type, quantization

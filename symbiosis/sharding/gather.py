@@ -39,7 +39,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from symbiosis.checkpoint import Checkpoint, Conv1D, base_layer_tensor_names, build_skeleton, locate_tensors
+from symbiosis.checkpoint import (
+    Checkpoint,
+    Conv1D,
+    base_layer_tensor_names,
+    build_skeleton,
+    expert_tensors,
+    locate_tensors,
+)
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError
 from symbiosis.executor.weights import LayerWeights
 from symbiosis.sharding import messages as M
@@ -71,7 +78,11 @@ def load_row_shards(
     checkpoint = Checkpoint(path)
     skeleton = build_skeleton(checkpoint.config)
     conv1d_layers = {name for name, module in skeleton.named_modules() if isinstance(module, Conv1D)}
-    sources = locate_tensors(checkpoint, skeleton, base_layer_tensor_names(layout.specs))
+    experts = expert_tensors(skeleton)
+    sources = locate_tensors(checkpoint, skeleton, base_layer_tensor_names(layout.specs, experts))
+    expert_sources = locate_tensors(checkpoint, skeleton, experts)
+    expert_of = {layer_id: (t, e) for t in experts.values() for e, layer_id in enumerate(t.layer_ids)}
+    joined: dict[str, torch.Tensor] = {}  # the experts tensor being read (its experts are units in a row)
 
     def read(name: str, start: int, stop: int, columns: bool) -> torch.Tensor:
         # Opened per read: a file stays mapped only while its rows are copied out, so the pages
@@ -81,6 +92,14 @@ def load_row_shards(
         with safe_open(source.file, framework="pt") as handle:
             sliced = handle.get_slice(source.key)
             return (sliced[:, start:stop].t() if columns else sliced[start:stop]).clone()
+
+    def read_expert(layer_id: str, start: int, stop: int) -> torch.Tensor:
+        tensor, expert = expert_of[layer_id]
+        if tensor.name not in joined:  # (one at a time: the checkpoint stores them one matrix per expert)
+            joined.clear()
+            joined.update(checkpoint.iter_tensors({tensor.name: expert_sources[tensor.name]}))
+        weight = joined[tensor.name][expert]
+        return (weight.t() if tensor.transposed else weight)[start:stop].clone()
 
     shards = []
     for unit in layout.units:
@@ -93,7 +112,10 @@ def load_row_shards(
             lo, hi = max(first, member_start), min(stop, member_stop)
             if lo < hi:
                 a, b = lo - member_start, hi - member_start
-                weight[lo - first : hi - first] = read(f"{member}.weight", a, b, columns=member in conv1d_layers)
+                if member in expert_of:
+                    weight[lo - first : hi - first] = read_expert(member, a, b)
+                else:
+                    weight[lo - first : hi - first] = read(f"{member}.weight", a, b, columns=member in conv1d_layers)
                 if bias is not None:
                     bias[lo - first : hi - first] = read(f"{member}.bias", a, b, columns=False)
             member_start = member_stop

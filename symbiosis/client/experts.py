@@ -1,0 +1,207 @@
+"""MoE experts served by the executor: each expert's matrix is a base layer of its own.
+
+`transformers` 5 holds an MoE block's experts as 3-D tensors (``gate_up_proj``: ``[experts, out,
+in]``), and its eager experts forward multiplies a token group by one expert's matrix at a time:
+``F.linear(x, self.gate_up_proj[e])`` (or ``x @ W[e]``, transposed: gpt-oss). On a split model each
+such tensor is an :class:`ExpertWeights` placeholder holding one VirtLayer per expert: ``W[e]`` is
+that layer's weight placeholder, and ``F.linear`` of it (``@``, transposed) is the layer's product
+(``placeholders._linear``, ``_times``), so the
+model's own forward runs unchanged while the executor holds the experts (most of an MoE model's
+weights). Which modules qualify is ``checkpoint.served_experts``; the experts' layers are not
+registered modules (peft's ``all-linear`` or a regex ``target_modules`` would otherwise adapt them,
+where the monolithic model has no layer to adapt), so this module does for them what the module
+tree does for registered layers: device and dtype moves, train/eval, copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from symbiosis.checkpoint import ExpertTensor
+from symbiosis.client.placeholders import BaseWeightPlaceholder, LowRank, _derived, _plain, _takes
+from symbiosis.client.virt import VirtConv1D, VirtLinear
+from symbiosis.transport.base import Transport
+from symbiosis.vocabulary import LayerSpec
+
+
+class ExpertWeights(BaseWeightPlaceholder):
+    """A served ``[experts, out, in]`` tensor (or ``[experts, in, out]``, transposed). Indexing one
+    expert (``W[e]``, ``e`` an int or a 0-d integer tensor) gives its layer's weight placeholder.
+    ``W + Δ`` and ``torch.baddbmm(W, L, R, alpha=α)`` (peft's LoRA on experts, a parametrization of
+    this tensor) give experts weights with the term added, whose ``W[e]`` adds ``Δ[e]`` (kept as
+    ``L[e]``, ``R[e]``: ``placeholders.LowRank``) to expert ``e``'s products. Anything else is
+    refused, as on any base-layer tensor."""
+
+    @staticmethod
+    def __new__(
+        cls,
+        tensor: ExpertTensor,
+        layers: list[VirtLinear | VirtConv1D],
+        owner: nn.Module,
+        added: tuple[torch.Tensor | LowRank, ...] = (),
+    ):
+        weight = layers[0].weight
+        placeholder = BaseWeightPlaceholder.__new__(
+            cls, (tensor.experts, *weight.shape), dtype=weight.dtype, device=weight.device, name=tensor.name
+        )
+        placeholder.expert_tensor = tensor
+        placeholder.expert_layers = layers
+        placeholder.owner = owner  # the experts module: its train/eval mode is the layers'
+        placeholder.added = added  # terms added to every expert ([experts, ...] each)
+        return placeholder
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _EXPERTS_OPS.get(func)
+        if handler is not None and args and isinstance(args[0], ExpertWeights) and _takes(handler, args, kwargs):
+            result = handler(*args, **kwargs)
+            if result is not None:
+                return result
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def expert_weight(self, index) -> BaseWeightPlaceholder | None:
+        """``W[e]``: expert ``e``'s layer's weight, with this tensor's added terms' slices."""
+        if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+            index = int(index)
+        if not isinstance(index, int) or isinstance(index, bool):
+            return None
+        layer = self.expert_layers[index]
+        layer.training = self.owner.training  # (its latency class: a fine-tuning product or a decode one)
+        if not self.added:
+            return layer.weight
+        added = tuple(
+            LowRank(d.left[index], d.right[index], d.alpha) if isinstance(d, LowRank) else d[index] for d in self.added
+        )
+        return _derived(layer.weight, added=added)
+
+    def plus(self, term) -> ExpertWeights:
+        return ExpertWeights(self.expert_tensor, self.expert_layers, self.owner, (*self.added, term))
+
+    def __deepcopy__(self, memo):
+        """A copy of the whole model gets layers of its own, as its registered VirtLayers do (a copy
+        of the experts module alone is refused there: ``VirtLayer.__deepcopy__``)."""
+        layers = copy.deepcopy(self.expert_layers, memo)
+        return ExpertWeights(self.expert_tensor, layers, copy.deepcopy(self.owner, memo), self.added)
+
+    def __repr__(self) -> str:
+        added = f", {len(self.added)} added" if self.added else ""
+        return f"ExpertWeights({self.base_tensor_name}, shape={tuple(self.shape)}, dtype={self.dtype}{added}, served)"
+
+
+def _plus(weights: ExpertWeights, other, *, alpha=1):
+    """``W + Δ`` (peft's ``_LoraParameterProxy``), ``Δ`` a tensor of W's shape."""
+    if not _plain(other, weights.shape):
+        return None
+    return weights.plus(other.clone() if alpha == 1 else other * alpha)  # (a copy, as placeholders._plus)
+
+
+def _plus_product(weights: ExpertWeights, left, right, *, beta=1, alpha=1):
+    """``torch.baddbmm(W, L, R, alpha=α)``: ``W + α·L·R`` (peft's ``_LoraFactorsProxy``)."""
+    if beta != 1 or not (_plain(left, left.shape) and _plain(right, right.shape)):
+        return None
+    if left.dim() != 3 or right.dim() != 3 or (left.shape[0], left.shape[1], right.shape[2]) != weights.shape:
+        return None
+    return weights.plus(LowRank(left.clone(), right.clone(), alpha))
+
+
+_EXPERTS_OPS = {
+    torch.Tensor.__getitem__: ExpertWeights.expert_weight,
+    torch.add: _plus,
+    torch.Tensor.add: _plus,
+    torch.Tensor.__add__: _plus,
+    torch.baddbmm: _plus_product,
+    torch.Tensor.baddbmm: _plus_product,
+}
+
+
+def serve_experts(
+    model: nn.Module,
+    tensors: Mapping[str, ExpertTensor],
+    specs: Mapping[str, LayerSpec],
+    transport: Transport,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Replace each of ``tensors`` (``checkpoint.expert_tensors``) in ``model`` by an
+    :class:`ExpertWeights`, and run the experts' eager forward (the others, grouped products of
+    all experts at once, would read the weights).
+
+    Each stays a parameter of its module, frozen (``isinstance(w, nn.Parameter)`` holds through
+    torch's ``_is_param`` flag): peft finds it where it looks for ``target_parameters`` (its
+    ``all-linear`` adapts an MoE model's experts through them), torch's parametrization keeps it
+    one, and the model's parameter count is the monolithic one. The module's ``_apply`` and state
+    dict pass it by, as a VirtLayer's do its placeholders."""
+    for tensor in tensors.values():
+        module_name, _, param_name = tensor.name.rpartition(".")
+        module = model.get_submodule(module_name)
+        # A transposed tensor's expert is ``[in, out]``: Conv1D's layout, whose product is ``x @ W``.
+        layer_type = VirtConv1D if tensor.transposed else VirtLinear
+        layers = [layer_type(specs[layer_id], transport, device=device, dtype=dtype) for layer_id in tensor.layer_ids]
+        module._parameters[param_name] = _as_parameter(ExpertWeights(tensor, layers, module))
+        module._apply = types.MethodType(_apply_with_experts, module)
+        module._save_to_state_dict = types.MethodType(_save_without_experts, module)
+        module._load_from_state_dict = types.MethodType(_load_without_experts, module)
+    if tensors:
+        model.config._experts_implementation = "eager"
+
+
+def _as_parameter(weights: ExpertWeights) -> ExpertWeights:
+    weights._is_param = True  # (isinstance(weights, nn.Parameter) from now on)
+    return weights
+
+
+def _expert_weights(module: nn.Module) -> dict[str, ExpertWeights]:
+    return {name: value for name, value in module._parameters.items() if isinstance(value, ExpertWeights)}
+
+
+def _apply_with_experts(module: nn.Module, fn, recurse: bool = True):
+    """The experts module's ``_apply`` (``model.to(...)``, ``.half()``): its experts' layers and
+    placeholders move, as registered layers' would; the rest as torch moves it."""
+    experts = _expert_weights(module)
+    for name, weights in experts.items():
+        del module._parameters[name]
+        for layer in weights.expert_layers:
+            layer._apply(fn)
+    try:
+        return type(module)._apply(module, fn, recurse)
+    finally:
+        for name, weights in experts.items():
+            moved = ExpertWeights(weights.expert_tensor, weights.expert_layers, module, weights.added)
+            module._parameters[name] = _as_parameter(moved)
+
+
+def _save_without_experts(module: nn.Module, destination, prefix, keep_vars):
+    with _experts_set_aside(module):
+        type(module)._save_to_state_dict(module, destination, prefix, keep_vars)
+
+
+def _load_without_experts(module: nn.Module, state_dict, prefix, *args, **kwargs):
+    # Set aside: not a missing key, and a monolithic state dict's experts stay unexpected keys.
+    with _experts_set_aside(module):
+        type(module)._load_from_state_dict(module, state_dict, prefix, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _experts_set_aside(module: nn.Module):
+    experts = _expert_weights(module)
+    for name in experts:
+        del module._parameters[name]
+    try:
+        yield
+    finally:
+        module._parameters.update(experts)
+
+
+def expert_layers(model: nn.Module) -> Iterator[VirtLinear | VirtConv1D]:
+    """Every served expert's layer in ``model`` (not among its modules: module docstring)."""
+    for module in model.modules():
+        for weights in _expert_weights(module).values():
+            yield from weights.expert_layers

@@ -1,0 +1,146 @@
+"""Served MoE experts (``symbiosis/client/experts.py``) behave as the module tree would have them.
+
+Their layers are not registered modules (so peft's ``all-linear`` cannot adapt them where the
+monolithic model has no layer), so what the module tree does for registered base layers is done
+for them by hand: moves and casts, copies, state dicts, activation noise, refusals. Exactness
+against the monolithic model, per architecture and transport: tests/test_more_architectures.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import peft
+import pytest
+import torch
+from transformers import AutoConfig
+
+import symbiosis
+from symbiosis.client.experts import ExpertWeights, expert_layers
+from symbiosis.client.privacy import NoisyLink
+from symbiosis.modelzoo import build_random_model
+from tests.reference import assert_matches_reference, close_client, loss_and_grads, make_pair
+
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A tiny Mixtral checkpoint (4 experts, top 2) and an executor of it."""
+    path = tmp_path_factory.mktemp("mixtral") / "ckpt"
+    config = AutoConfig.for_model(
+        "mixtral",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_random_model(config).save_pretrained(path)
+    with symbiosis.BaseExecutor.from_pretrained(path) as executor:
+        yield str(path), executor
+
+
+@pytest.fixture
+def split(mixtral):
+    path, executor = mixtral
+    model = symbiosis.load_client_model(path, executor=executor)
+    yield model
+    close_client(model)
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def test_each_experts_tensor_is_a_frozen_placeholder_with_a_layer_per_expert(split):
+    experts = split.model.layers[0].mlp.experts
+    weights = experts.gate_up_proj
+    assert isinstance(weights, ExpertWeights) and isinstance(weights, torch.nn.Parameter)
+    assert not weights.requires_grad and tuple(weights.shape) == (4, 128, 32)
+    assert [layer.layer_id for layer in weights.expert_layers] == [
+        f"model.layers.0.mlp.experts.gate_up_proj.{e}" for e in range(4)
+    ]
+    assert weights[torch.tensor(2)] is weights.expert_layers[2].weight
+    assert len(list(expert_layers(split))) == 2 * 2 * 4  # (layers x tensors x experts)
+    # Not modules of the model (peft's all-linear would adapt them), and not in its state dict:
+    assert not any(".experts.gate_up_proj." in name for name, _ in split.named_modules())
+    assert not any(".experts." in key for key in split.state_dict())
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda w: w.sum(),
+        lambda w: w[0:2],
+        lambda w: w[0] @ torch.ones(32, 1),  # (a product with W itself, not of rows by it: F.linear's)
+        lambda w: w.add_(1.0),
+        lambda w: w.requires_grad_(),
+    ],
+    ids=["sum", "slice", "matmul", "add_", "requires_grad"],
+)
+def test_other_uses_of_an_experts_tensor_are_refused(split, use):
+    with pytest.raises(symbiosis.BaseWeightAccessError):
+        use(split.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_a_cast_or_move_of_the_model_moves_the_experts_and_their_layers(split):
+    expected = logits(split)
+    split.to(torch.bfloat16)
+    weights = split.model.layers[1].mlp.experts.down_proj
+    assert weights.dtype == torch.bfloat16 and isinstance(weights, ExpertWeights)
+    assert all(layer.weight.dtype == torch.bfloat16 for layer in expert_layers(split))
+    torch.testing.assert_close(logits(split), expected, atol=0.05, rtol=0.05)  # (bf16 rows)
+    split.float()  # (the client's own tensors keep their bf16 rounding, as a monolithic model's would)
+    assert all(layer.weight.dtype == torch.float32 for layer in expert_layers(split))
+    torch.testing.assert_close(logits(split), expected, atol=0.05, rtol=0.05)
+
+
+def test_a_copy_of_the_model_has_expert_layers_of_its_own_and_a_copy_of_the_experts_alone_is_refused(split):
+    copied = copy.deepcopy(split)
+    ours, theirs = list(expert_layers(split)), list(expert_layers(copied))
+    assert len(theirs) == len(ours) and not {id(layer) for layer in ours} & {id(layer) for layer in theirs}
+    assert copied.model.layers[0].mlp.experts.gate_up_proj.owner is copied.model.layers[0].mlp.experts
+    torch.testing.assert_close(logits(copied), logits(split), atol=0, rtol=0)
+    with pytest.raises(symbiosis.BaseWeightAccessError):
+        copy.deepcopy(split.model.layers[0].mlp.experts)  # (peft's modules_to_save makes such copies)
+
+
+def test_activation_noise_covers_the_experts(split):
+    expected = logits(split)
+    with symbiosis.enable_activation_noise(split, seed=0):
+        assert all(isinstance(layer.link, NoisyLink) for layer in expert_layers(split))
+        torch.testing.assert_close(logits(split), expected, atol=1e-3, rtol=1e-3)
+    assert not any(isinstance(layer.link, NoisyLink) for layer in expert_layers(split))
+
+
+def test_full_fine_tuning_is_refused(split):
+    with pytest.raises(symbiosis.BaseWeightAccessError):
+        split.requires_grad_()
+
+
+def test_lora_on_the_experts_with_two_adapters_active_matches_the_monolithic_model(mixtral):
+    """One active adapter folds into a ``baddbmm`` of its factors (peft's ``_LoraFactorsProxy``);
+    two add their summed delta, ``W + Δ`` (``_LoraParameterProxy``): both served."""
+    path, executor = mixtral
+    config = peft.LoraConfig(r=2, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    reference, split = make_pair(path, executor, config, "mixtral")
+    try:
+        for model in (reference, split):
+            model.add_adapter("second", copy.deepcopy(config))
+            torch.manual_seed(1)
+            for name, p in model.named_parameters():
+                if ".second." in name:
+                    p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+            model.base_model.set_adapter(["default", "second"])
+        assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
+    finally:
+        close_client(split)
