@@ -54,7 +54,19 @@ def root(
 
 #: What ``make-model --arch`` takes: ``modelzoo.ARCHS``, spelled out because importing modelzoo loads
 #: torch and transformers, which ``--help`` must not (tests/test_cli_main.py checks they agree).
-MAKE_MODEL_ARCHS = ("llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_bigcode", "opt", "phi3", "falcon", "gpt_neox")
+MAKE_MODEL_ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma2",
+    "gpt2",
+    "gpt_bigcode",
+    "opt",
+    "phi3",
+    "falcon",
+    "gpt_neox",
+    "mixtral",
+)
 
 
 @app.command("make-model")

@@ -194,6 +194,12 @@ def _gpt_neox(shape: _Shape) -> dict[str, Any]:
     )
 
 
+def _mixtral(shape: _Shape) -> dict[str, Any]:
+    # Mixture of experts: 4 experts of the preset's MLP width, each token routed to 2; the
+    # executor serves each expert's matrices as layers of their own (client/experts.py).
+    return dict(_llama(shape), num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+
+
 # Ordered: ARCHS and error messages list architectures in this order.
 _ARCH_FIELDS: dict[str, Callable[[_Shape], dict[str, Any]]] = {
     "llama": _llama,
@@ -206,6 +212,7 @@ _ARCH_FIELDS: dict[str, Callable[[_Shape], dict[str, Any]]] = {
     "phi3": _phi3,
     "falcon": _falcon,
     "gpt_neox": _gpt_neox,
+    "mixtral": _mixtral,
 }
 
 ARCHS: tuple[str, ...] = tuple(_ARCH_FIELDS)

@@ -17,23 +17,47 @@ from symbiosis.modelzoo import ARCHS
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_executor_weights_equal_what_transformers_loads(arch, tiny_checkpoint):
-    """Selective loading agrees with transformers' own loading path, tensor by tensor."""
+    """Selective loading agrees with transformers' own loading path, tensor by tensor: each linear
+    layer's, and each expert's matrix of an MoE model (joined from the checkpoint's one matrix
+    per expert by transformers' converters, then sliced)."""
     path = tiny_checkpoint(arch)
     reference = AutoModelForCausalLM.from_pretrained(path)
     weights = symbiosis.BaseExecutor.from_pretrained(path).weights
     modules = dict(reference.named_modules())
-    assert set(weights.specs) == {
-        n for n, m in modules.items() if isinstance(m, (nn.Linear, symbiosis.checkpoint.Conv1D))
+    expected = {
+        name: module.weight if isinstance(module, nn.Linear) else module.weight.t()
+        for name, module in modules.items()
+        if isinstance(module, (nn.Linear, symbiosis.checkpoint.Conv1D))
     }
+    biases = {name: modules[name].bias for name in expected}
+    for tensor in symbiosis.checkpoint.expert_tensors(reference).values():
+        stacked = reference.get_parameter(tensor.name)
+        for layer_id, matrix in zip(tensor.layer_ids, stacked, strict=True):
+            expected[layer_id], biases[layer_id] = (matrix.t() if tensor.transposed else matrix), None
+    assert set(weights.specs) == set(expected)
     assert "lm_head" in weights.specs
+    assert (arch == "mixtral") == any(".experts." in layer_id for layer_id in expected)
     for layer_id, layer in weights.layers.items():
-        module = modules[layer_id]
-        expected = module.weight if isinstance(module, nn.Linear) else module.weight.t()
-        torch.testing.assert_close(layer.weight, expected, rtol=0, atol=0)
-        if module.bias is None:
+        torch.testing.assert_close(layer.weight, expected[layer_id], rtol=0, atol=0)
+        if biases[layer_id] is None:
             assert layer.bias is None
         else:
-            torch.testing.assert_close(layer.bias, module.bias, rtol=0, atol=0)
+            torch.testing.assert_close(layer.bias, biases[layer_id], rtol=0, atol=0)
+
+
+def test_experts_past_the_tenth_are_joined_in_their_order(tmp_path):
+    """The checkpoint names experts 0..11; joined in text order, expert 10 would come after 1."""
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=12, num_experts_per_tok=2,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    weights = symbiosis.BaseExecutor.from_pretrained(tmp_path).weights
+    stacked = reference.get_parameter("model.layers.0.mlp.experts.down_proj")
+    for expert in range(12):
+        layer = weights.layers[f"model.layers.0.mlp.experts.down_proj.{expert}"]
+        torch.testing.assert_close(layer.weight, stacked[expert], rtol=0, atol=0)
 
 
 def test_layer_specs_are_module_names(tiny_checkpoint):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import symbiosis
-from symbiosis.checkpoint import Conv1D, build_skeleton, discover_base_layers
+from symbiosis.checkpoint import Conv1D, build_skeleton, discover_base_layers, expert_tensors
 from symbiosis.errors import CheckpointError, ModelMismatchError, UnsupportedQuantizationError
 from symbiosis.executor import quantized as Q
 from symbiosis.executor.quantized import (
@@ -69,19 +69,37 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def dequantize_base_layers(model: torch.nn.Module, quantization: str) -> None:
-    """Replace every base layer's weight by ``Ŵ`` (as the executor quantizes it); a tied
-    ``lm_head`` gets a parameter of its own, so the embedding keeps its full-precision table as the
-    split client does."""
-    for name in discover_base_layers(build_skeleton(model.config)):
+    """Replace every base layer's weight by ``Ŵ`` (as the executor quantizes it), each expert's
+    matrix of served MoE experts too; a tied ``lm_head`` gets a parameter of its own, so the
+    embedding keeps its full-precision table as the split client does."""
+
+    def dequantize(name: str, weight: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize_rows(name, weight, FORMATS[quantization])
+        return codes.to(torch.float32) * scale[:, None]
+
+    skeleton = build_skeleton(model.config)
+    experts = expert_tensors(skeleton)
+    for name in discover_base_layers(skeleton):
+        if name.rpartition(".")[0] in experts:
+            continue  # (below)
         module = model.get_submodule(name)
         module = getattr(module, "base_layer", module)  # wrapped by peft
         weight = module.weight.detach()
         conv1d = isinstance(module, Conv1D)
-        codes, scale = quantize_rows(name, weight.t() if conv1d else weight, FORMATS[quantization])
-        dequantized = codes.to(torch.float32) * scale[:, None]
+        dequantized = dequantize(name, weight.t() if conv1d else weight)
         module.weight = torch.nn.Parameter(
             (dequantized.t() if conv1d else dequantized).contiguous(), requires_grad=False
         )
+    for tensor in experts.values():
+        module_name, _, param_name = tensor.name.rpartition(".")
+        module = model.get_submodule(module_name)
+        while hasattr(module, "base_layer"):  # (peft's LoRA on experts nests a wrapper per tensor)
+            module = module.base_layer
+        stacked = getattr(module, param_name).detach()
+        matrices = [w.t() if tensor.transposed else w for w in stacked]
+        dequantized = [dequantize(layer_id, w) for layer_id, w in zip(tensor.layer_ids, matrices, strict=True)]
+        stacked = torch.stack([w.t() if tensor.transposed else w for w in dequantized])
+        setattr(module, param_name, torch.nn.Parameter(stacked.contiguous(), requires_grad=False))
 
 
 def quantized_split_outputs(path, executor, arch: str, quantization: str, device: str = "cpu"):

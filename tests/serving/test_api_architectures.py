@@ -34,8 +34,10 @@ def lora_adapter(model_dir, folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        known = model.config.model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-        config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=None if known else "all-linear")
+        # peft's default targets for the family, named (peft 0.21 finds none for mixtral by itself)
+        defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.model_type)
+        targets = list(defaults) if defaults else "all-linear"
+        config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets)
         get_peft_model(model, config).save_pretrained(folder)
     return folder
 
