@@ -306,11 +306,8 @@ def expert_routers(model: nn.Module, client_layers: Iterable[str] | str | None =
     2-D with a row per expert. They stay on the client with no ``client_layers`` needed: small
     (``experts x hidden``), and the top-k choice computed there exactly as the monolithic model
     computes it."""
-    keep = kept_modules(model, client_layers)
-    experts_of_parent = {
-        name.rpartition(".")[0]: next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
-        for name, module in model.named_modules()
-        if name not in keep and served_experts(module)
+    experts_of_parent = {  # (a tensor's name: "<parent>.<experts module>.<tensor>")
+        tensor.name.rsplit(".", 2)[0]: tensor.experts for tensor in expert_tensors(model, client_layers).values()
     }
     found = set()
     for name, module in model.named_modules():
@@ -323,19 +320,17 @@ def expert_routers(model: nn.Module, client_layers: Iterable[str] | str | None =
 
 def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, LayerSpec]:
     """Every base layer of ``model`` (``is_base_layer``) by qualified name, and each expert's matrix
-    of served experts (``expert_tensors``), except those kept in the client. Other modules are not
-    the executor's concern (``check_client_modules``)."""
+    of served experts (``expert_tensors``), except those kept in the client, in the model's module
+    order. Other modules are not the executor's concern (``check_client_modules``)."""
     keep = kept_modules(model, client_layers)
-    experts = expert_tensors(model, client_layers)
+    experts_of_module: dict[str, list[ExpertTensor]] = {}
+    for tensor in expert_tensors(model, client_layers).values():
+        experts_of_module.setdefault(tensor.name.rpartition(".")[0], []).append(tensor)
     specs: dict[str, LayerSpec] = {}
     for name, module in model.named_modules():
-        if name in keep:
-            continue
-        for param_name, _ in module.named_parameters(recurse=False) if served_experts(module) else ():
-            tensor = experts.get(f"{name}.{param_name}")
-            for layer_id in tensor.layer_ids if tensor is not None else ():
-                specs[layer_id] = LayerSpec(layer_id, tensor.in_features, tensor.out_features, False)
-        if not is_base_layer(module):
+        for tensor in experts_of_module.get(name, ()):
+            specs.update({i: LayerSpec(i, tensor.in_features, tensor.out_features, False) for i in tensor.layer_ids})
+        if name in keep or not is_base_layer(module):
             continue
         if isinstance(module, Conv1D):
             in_features, out_features = module.weight.shape  # Conv1D stores W as [in, out]

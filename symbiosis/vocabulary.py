@@ -72,10 +72,16 @@ def sibling_blocks(specs: Iterable[LayerSpec]) -> list[tuple[str, ...]]:
     Candidates are layers of the same parent module with the same input width and bias presence;
     whether they really read the same input is learned by each client at run time (llama's
     ``o_proj`` is a candidate next to q/k/v but never called on their input, so no client asks
-    for it with them). Both sides compute this from the same ordered specs."""
+    for it with them). Not the members of a module list (a name ending in a number): an MoE's
+    experts (``experts.gate_up_proj.3``) each read tokens of their own, and a block of E of them
+    would cost what blocks cost -- every contiguous run timed at warm-up, the whole block gathered
+    or placed at once by a sharded executor -- for nothing. Both sides compute this from the same
+    ordered specs."""
     blocks: dict[tuple[str, int, bool], list[str]] = {}
     for spec in specs:
-        parent = spec.layer_id.rpartition(".")[0]
+        parent, _, name = spec.layer_id.rpartition(".")
+        if name.isdigit():
+            continue
         blocks.setdefault((parent, spec.in_features, spec.has_bias), []).append(spec.layer_id)
     return [tuple(members) for members in blocks.values() if len(members) > 1]
 

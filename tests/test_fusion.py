@@ -87,6 +87,8 @@ def test_sibling_blocks_follow_parent_width_and_bias():
         LayerSpec("b.up", 8, 16, False),
         LayerSpec("b.down", 16, 8, False),  # other width
         LayerSpec("b.gate", 8, 16, False),
+        # An MoE's experts each read their own tokens: never siblings (their id ends in a number).
+        *(LayerSpec(f"c.experts.gate_up_proj.{e}", 8, 16, False) for e in range(4)),
     ]
     assert sibling_blocks(specs) == [("a.q", "a.k"), ("b.up", "b.gate")]
 

@@ -221,5 +221,10 @@ def test_moe_models_are_served_with_their_experts_on_the_executor_and_match(mode
             assert len(held) == len(experts) and all(isinstance(p, ExpertWeights) for p in held)  # (no data)
             base = reference.get_base_model().num_parameters()
             assert split.get_base_model().num_parameters() == base  # (each expert counted where it is served)
+            split.state_dict(), split.float()  # (each sets the experts aside a moment: back in their places)
+            in_experts = [
+                [name for name, _ in model.named_parameters() if ".experts." in name] for model in (split, reference)
+            ]
+            assert in_experts[0] == in_experts[1]  # (gpt_oss: biases between the experts tensors)
         finally:
             close_client(split)

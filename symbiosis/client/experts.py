@@ -1,16 +1,18 @@
 """MoE experts served by the executor: each expert's matrix is a base layer of its own.
 
 `transformers` 5 holds an MoE block's experts as 3-D tensors (``gate_up_proj``: ``[experts, out,
-in]``), and its eager experts forward multiplies a token group by one expert's matrix at a time:
-``F.linear(x, self.gate_up_proj[e])`` (or ``x @ W[e]``, transposed: gpt-oss). On a split model each
-such tensor is an :class:`ExpertWeights` placeholder holding one VirtLayer per expert: ``W[e]`` is
-that layer's weight placeholder, and ``F.linear`` of it (``@``, transposed) is the layer's product
-(``placeholders._linear``, ``_times``), so the
-model's own forward runs unchanged while the executor holds the experts (most of an MoE model's
-weights). Which modules qualify is ``checkpoint.served_experts``; the experts' layers are not
-registered modules (peft's ``all-linear`` or a regex ``target_modules`` would otherwise adapt them,
-where the monolithic model has no layer to adapt), so this module does for them what the module
-tree does for registered layers: device and dtype moves, train/eval, copies.
+in]``), and its eager experts forward multiplies a group of tokens by one expert's matrix at a
+time: ``F.linear(x, self.gate_up_proj[e])`` (or ``x @ W[e]`` for transposed ones: gpt-oss). On a
+split model each such tensor is an :class:`ExpertWeights` placeholder holding one VirtLayer per
+expert: ``W[e]`` is that layer's weight placeholder, and ``F.linear`` of it (``@``, transposed) is
+the layer's product (``placeholders._linear``, ``_input_times``). The model's own forward runs
+unchanged while the executor holds the experts, most of an MoE model's weights.
+
+Which modules qualify: ``checkpoint.served_experts``. The experts' layers are not registered
+modules (peft's ``all-linear`` or a regex ``target_modules`` would adapt them, where the
+monolithic model has no layer to adapt), so this module does for them what the module tree does
+for registered layers: device and dtype moves, train/eval, copies, state dicts, and the graph
+break ``torch.compile`` needs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from symbiosis.checkpoint import ExpertTensor
 from symbiosis.client.placeholders import BaseWeightPlaceholder, LowRank, _derived, _plain, _takes
 from symbiosis.client.virt import VirtConv1D, VirtLinear
+from symbiosis.errors import BaseWeightAccessError
 from symbiosis.transport.base import Transport
 from symbiosis.vocabulary import LayerSpec
 
@@ -57,6 +60,7 @@ class ExpertWeights(BaseWeightPlaceholder):
         return placeholder
 
     @classmethod
+    @torch.compiler.disable  # (a graph break: the tracer cannot take a tensor without data)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = _EXPERTS_OPS.get(func)
@@ -64,7 +68,16 @@ class ExpertWeights(BaseWeightPlaceholder):
             result = handler(*args, **kwargs)
             if result is not None:
                 return result
-        return super().__torch_function__(func, types, args, kwargs)
+        try:
+            return super().__torch_function__(func, types, args, kwargs)
+        except BaseWeightAccessError as exc:
+            name = next((a.base_tensor_name for a in args if isinstance(a, ExpertWeights)), "?")
+            raise BaseWeightAccessError(
+                f"{getattr(func, '__name__', func)} on served experts tensor {name!r} is not possible: a split model "
+                "uses its experts one at a time, in transformers' eager experts forward (F.linear(x, W[e]) or "
+                "x @ W[e], each the executor's product of that expert), and with peft's LoRA on them; any other use "
+                f"would read the weights, which never leave the executor. ({exc})"
+            ) from None
 
     def expert_weight(self, index) -> BaseWeightPlaceholder | None:
         """``W[e]``: expert ``e``'s layer's weight, with this tensor's added terms' slices."""
@@ -147,10 +160,21 @@ def serve_experts(
         layers = [layer_type(specs[layer_id], transport, device=device, dtype=dtype) for layer_id in tensor.layer_ids]
         module._parameters[param_name] = _as_parameter(ExpertWeights(tensor, layers, module))
         module._apply = types.MethodType(_apply_with_experts, module)
+        module.forward = types.MethodType(_forward_untraced, module)
         module._save_to_state_dict = types.MethodType(_save_without_experts, module)
         module._load_from_state_dict = types.MethodType(_load_without_experts, module)
     if tensors:
         model.config._experts_implementation = "eager"
+
+
+@torch.compiler.disable
+def _forward_untraced(module: nn.Module, *args, **kwargs):
+    """The experts' eager forward, whatever ``set_experts_implementation`` chose later (the others
+    multiply all experts at once, reading the weights); a graph break under ``torch.compile``, as
+    each VirtLayer's forward is: its tracer cannot take a tensor without data."""
+    forward = type(module).forward
+    eager = getattr(forward, "__wrapped__", forward)  # (under use_experts_implementation's dispatch)
+    return eager(module, *args, **kwargs)
 
 
 def _as_parameter(weights: ExpertWeights) -> ExpertWeights:
@@ -165,17 +189,13 @@ def _expert_weights(module: nn.Module) -> dict[str, ExpertWeights]:
 def _apply_with_experts(module: nn.Module, fn, recurse: bool = True):
     """The experts module's ``_apply`` (``model.to(...)``, ``.half()``): its experts' layers and
     placeholders move, as registered layers' would; the rest as torch moves it."""
-    experts = _expert_weights(module)
-    for name, weights in experts.items():
-        del module._parameters[name]
-        for layer in weights.expert_layers:
-            layer._apply(fn)
-    try:
-        return type(module)._apply(module, fn, recurse)
-    finally:
+    with _experts_set_aside(module) as experts:
         for name, weights in experts.items():
+            for layer in weights.expert_layers:
+                layer._apply(fn)
             moved = ExpertWeights(weights.expert_tensor, weights.expert_layers, module, weights.added)
-            module._parameters[name] = _as_parameter(moved)
+            experts[name] = _as_parameter(moved)
+        return type(module)._apply(module, fn, recurse)
 
 
 def _save_without_experts(module: nn.Module, destination, prefix, keep_vars):
@@ -190,14 +210,23 @@ def _load_without_experts(module: nn.Module, state_dict, prefix, *args, **kwargs
 
 
 @contextlib.contextmanager
-def _experts_set_aside(module: nn.Module):
+def _experts_set_aside(module: nn.Module) -> Iterator[dict[str, ExpertWeights]]:
+    """The module without its experts' placeholders while the body runs (torch's own handling of
+    parameters would read them), then with them (or what the body put in their place, in the
+    dict it is given) back in their places: its parameters keep the monolithic model's order."""
+    order = list(module._parameters)
     experts = _expert_weights(module)
     for name in experts:
         del module._parameters[name]
     try:
-        yield
+        yield experts
     finally:
-        module._parameters.update(experts)
+        others = dict(module._parameters)
+        module._parameters.clear()
+        for name in order:
+            if name in experts or name in others:
+                module._parameters[name] = experts[name] if name in experts else others.pop(name)
+        module._parameters.update(others)  # (any the body added)
 
 
 def expert_layers(model: nn.Module) -> Iterator[VirtLinear | VirtConv1D]:

@@ -14,6 +14,8 @@ nothing. Two kinds of use are served anyway:
   trainable tokens on a tied lm_head: those output columns computed here). The derived weight is a
   placeholder too, remembering how it was derived (:class:`Derivation`); anything else done with it
   is refused.
+- ``x @ W`` of a weight in ``[in, out]`` form (Conv1D's; a transposed MoE expert's, plus its LoRA
+  terms) is the layer's product too, when the layer has no bias (``client/experts.py``).
 
 And :class:`DeviceProbe`: the empty frozen Parameter a VirtLayer holds so that code walking a
 model's parameters finds one, refusing to be made trainable.

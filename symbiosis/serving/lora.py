@@ -77,7 +77,11 @@ _UNSUPPORTED_OPTIONS = {
     "use_dora": "DoRA needs the base weights' norms, which never leave the executor",
     "modules_to_save": "modules_to_save replaces whole layers",
     "lora_bias": "a LoRA bias is not supported by the multi-adapter server",
-    "target_parameters": "target_parameters (LoRA on parameters) is not supported",
+    "target_parameters": (
+        "LoRA on parameters (MoE experts: peft's all-linear adds it on MoE models) is not supported by the "
+        "multi-adapter server; serve it with `symbiosis generate`, or train with --target-modules naming "
+        "linear layers (q_proj v_proj ...)"
+    ),
     "layer_replication": "layer replication changes the model's structure",
     "trainable_token_indices": "trainable token embeddings are not supported",
 }

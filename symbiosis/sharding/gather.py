@@ -82,7 +82,10 @@ def load_row_shards(
     sources = locate_tensors(checkpoint, skeleton, base_layer_tensor_names(layout.specs, experts))
     expert_sources = locate_tensors(checkpoint, skeleton, experts)
     expert_of = {layer_id: (t, e) for t in experts.values() for e, layer_id in enumerate(t.layer_ids)}
-    joined: dict[str, torch.Tensor] = {}  # the experts tensor being read (its experts are units in a row)
+    # The experts tensor being read. Each rank joins a whole one (transformers' converter joins all
+    # of a module's per-expert matrices at once) to keep its rows of each expert; its experts are
+    # units in a row, so each tensor is joined once.
+    joined: dict[str, torch.Tensor] = {}
 
     def read(name: str, start: int, stop: int, columns: bool) -> torch.Tensor:
         # Opened per read: a file stays mapped only while its rows are copied out, so the pages
@@ -95,7 +98,7 @@ def load_row_shards(
 
     def read_expert(layer_id: str, start: int, stop: int) -> torch.Tensor:
         tensor, expert = expert_of[layer_id]
-        if tensor.name not in joined:  # (one at a time: the checkpoint stores them one matrix per expert)
+        if tensor.name not in joined:  # (one at a time)
             joined.clear()
             joined.update(checkpoint.iter_tensors({tensor.name: expert_sources[tensor.name]}))
         weight = joined[tensor.name][expert]
