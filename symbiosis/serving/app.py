@@ -29,6 +29,7 @@ from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError, Sym
 from symbiosis.jobs.client import start_token_id
 from symbiosis.serving.adapters import UnknownAdapterError
 from symbiosis.serving.engine import (
+    EXECUTOR_UNAVAILABLE,
     Delta,
     Failure,
     GenerationEngine,
@@ -109,6 +110,16 @@ class _AnswerUnexpectedErrors:
 
 def _internal_error() -> ApiError:
     return ApiError(500, "internal server error; see the server log", "internal_error")
+
+
+_last_unavailable: list[str] = [""]
+
+
+def log_unavailable(detail: str) -> None:
+    """Log why the executor cannot answer, once per distinct reason (an outage fails every request)."""
+    if detail != _last_unavailable[0]:
+        _last_unavailable[0] = detail
+        log.warning("executor unavailable: %s", detail)
 
 
 #: ``top_k`` beyond this is sent as this: the same (no cut, larger than any vocabulary), and it
@@ -283,8 +294,10 @@ def create_app(state: ApiState) -> FastAPI:
     @app.exception_handler(ExecutorTimeoutError)
     async def _unavailable(_request: Request, exc: Exception):
         # The executor or the engine process (``engine_process.py``) cannot answer: try again later.
+        # The detail names the executor's address, the server's business, not its clients': logged.
+        log_unavailable(str(exc))
         return ApiError(
-            503, str(exc), "service_unavailable", headers={"Retry-After": str(config.retry_after_s)}
+            503, EXECUTOR_UNAVAILABLE, "service_unavailable", headers={"Retry-After": str(config.retry_after_s)}
         ).response()
 
     @app.exception_handler(Exception)
@@ -760,7 +773,8 @@ def create_app(state: ApiState) -> FastAPI:
         except Exception:  # noqa: BLE001 (including the timeout)
             known = {"executor_ok": True}
         if not known["executor_ok"]:  # the engine found it down and probes it until it is back: no wait here
-            reason = f"executor: {known.get('executor_error') or 'unavailable'} (probing until it answers)"
+            log_unavailable(known.get("executor_error") or "unavailable")
+            reason = "executor: unavailable (probing until it answers; the server log says why)"
             return JSONResponse(
                 {"status": "unavailable", "reason": reason},
                 status_code=503,
@@ -770,8 +784,9 @@ def create_app(state: ApiState) -> FastAPI:
             try:
                 await asyncio.wait_for(asyncio.to_thread(state.health_probe), timeout=3.0)
             except Exception as exc:  # noqa: BLE001 (any failure means: not ready)
-                reason = str(exc) or type(exc).__name__
-                return JSONResponse({"status": "unavailable", "reason": f"executor: {reason}"}, status_code=503)
+                log_unavailable(str(exc) or type(exc).__name__)
+                reason = "executor: did not answer the probe (the server log says why)"
+                return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok", **engine.stats()}
 
     @app.get("/metrics")

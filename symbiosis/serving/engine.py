@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -51,6 +52,12 @@ from symbiosis.serving.sampling import (
     rows_logprobs,
 )
 from symbiosis.threads import with_torch_threads
+
+log = logging.getLogger("symbiosis.api")
+
+#: What an HTTP client is told when the executor cannot answer; not why: the detail names the
+#: executor's address, the server's business, and the server log says it.
+EXECUTOR_UNAVAILABLE = "the base executor is unavailable; try again later (the server log says why)"
 
 #: While the executor is down, how often the engine probes it (``GenerationEngine._wait_for_executor``).
 PROBE_EVERY_S = 1.0
@@ -293,7 +300,7 @@ class GenerationEngine:
             if self._stopping:
                 raise ServerOverloadedError("the server is shutting down")
             if not self.executor_ok and self.executor_probe is not None:  # the loop probes until it is back
-                raise ExecutorUnavailableError(f"the base executor is unavailable: {self.last_error}")
+                raise ExecutorUnavailableError(EXECUTOR_UNAVAILABLE)  # (the log has said why)
             in_flight = self._running_count() + len(self._waiting)
             if in_flight + len(sequences) > limit:
                 raise ServerOverloadedError(
@@ -372,7 +379,8 @@ class GenerationEngine:
             try:
                 self._step()
             except (ExecutorUnavailableError, ExecutorTimeoutError) as exc:
-                failure = Failure(503, f"the base executor is unavailable: {exc}", "service_unavailable")
+                log.warning("the base executor is unavailable: %s", exc)  # (its address: not for HTTP clients)
+                failure = Failure(503, EXECUTOR_UNAVAILABLE, "service_unavailable")
                 self._fail_all(failure)  # the batch's cache is unusable: its sequences end
                 with self._cond:
                     self.last_error = str(exc)
