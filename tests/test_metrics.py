@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import symbiosis
-from symbiosis.executor.metrics import MetricsServer, scheduler_metrics
+from symbiosis.executor.metrics import MetricsServer, per_label, scheduler_metrics
 from symbiosis.executor.requests import PendingRequest
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.vocabulary import LatencyClass, Op
@@ -39,6 +39,24 @@ def test_stats_and_endpoints(tiny_checkpoint):
             assert health["status"] == "ok"
         finally:
             metrics.close()
+
+
+def test_an_moes_experts_count_under_their_tensors_label_and_means_keep_their_weights():
+    def layer(requests, rows, batches, latency_ms, queue_ms):
+        means = {"mean_rows_per_batch": rows / batches, "mean_latency_ms": latency_ms, "mean_queue_wait_ms": queue_ms}
+        return {"requests": requests, "rows": rows, "batches": batches, "errors": 0, **means}
+
+    labels = per_label({
+        "m.layers.0.mlp.experts.gate_up_proj.0": layer(1, 2, 1, 10.0, 1.0),
+        "m.layers.0.mlp.experts.gate_up_proj.7": layer(3, 6, 2, 2.0, 1.0),
+        "m.layers.0.self_attn.q_proj": layer(4, 8, 4, 1.0, 0.5),
+    })  # fmt: skip
+    assert sorted(labels) == ["m.layers.0.mlp.experts.gate_up_proj", "m.layers.0.self_attn.q_proj"]
+    experts = labels["m.layers.0.mlp.experts.gate_up_proj"]
+    assert (experts["requests"], experts["rows"], experts["batches"]) == (4, 8, 3)
+    assert experts["mean_rows_per_batch"] == pytest.approx(8 / 3)
+    assert experts["mean_latency_ms"] == pytest.approx((10.0 + 3 * 2.0) / 4) and experts["mean_queue_wait_ms"] == 1.0
+    assert labels["m.layers.0.self_attn.q_proj"]["mean_rows_per_batch"] == 2.0
 
 
 def test_metrics_say_what_the_scheduler_decides(tiny_checkpoint):

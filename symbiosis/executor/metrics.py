@@ -27,6 +27,29 @@ from symbiosis.errors import BindError
 log = logging.getLogger(__name__)
 
 
+def per_label(layers: dict[str, dict]) -> dict[str, dict]:
+    """Per-layer counters (``executor.stats()["layers"]``) by metric label: a layer's id, except that
+    the members of a module list -- an MoE's experts, ``experts.gate_up_proj.3`` -- count under the
+    list's name (``experts.gate_up_proj``): a label per expert would make a 128-expert model's
+    scrape ~86,000 series. ``/stats`` keeps each layer."""
+    totals: dict[str, dict] = {}
+    for layer, counters in layers.items():
+        head, _, last = layer.rpartition(".")
+        label = head if last.isdigit() and head else layer
+        total = totals.setdefault(label, dict.fromkeys(("requests", "rows", "batches", "errors"), 0))
+        for key in ("requests", "rows", "batches", "errors"):
+            total[key] += counters[key]
+        # the means, weighted as they were taken: rows per batch, times per request
+        total["batch_rows"] = total.get("batch_rows", 0.0) + counters["mean_rows_per_batch"] * counters["batches"]
+        for key in ("mean_latency_ms", "mean_queue_wait_ms"):
+            total[key] = total.get(key, 0.0) + counters[key] * counters["requests"]
+    for total in totals.values():
+        total["mean_rows_per_batch"] = total.pop("batch_rows") / total["batches"] if total["batches"] else 0.0
+        for key in ("mean_latency_ms", "mean_queue_wait_ms"):
+            total[key] = total[key] / total["requests"] if total["requests"] else 0.0
+    return totals
+
+
 class ExecutorCollector:
     """Turns ``executor.stats()`` into Prometheus metric families."""
 
@@ -46,7 +69,7 @@ class ExecutorCollector:
         queue_wait = GaugeMetricFamily(
             "symbiosis_mean_queue_wait_ms", "Mean time from submit to first product (ms)", labels=["layer"]
         )
-        for layer, counters in stats["layers"].items():
+        for layer, counters in per_label(stats["layers"]).items():
             requests.add_metric([layer], counters["requests"])
             rows.add_metric([layer], counters["rows"])
             batches.add_metric([layer], counters["batches"])
