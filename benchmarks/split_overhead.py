@@ -291,11 +291,10 @@ def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens
     inside = sum(n for layer, n in calls.items() if BLOCK_INDEX.search(layer))
     total = sum(calls.values())
     by_kind: dict[str, float] = {}
-    for (
-        layer,
-        n,
-    ) in calls.items():  # "model.layers.3.mlp.gate_proj+model.layers.3.mlp.up_proj" -> "mlp.gate_proj+mlp.up_proj"
-        kind = "+".join(BLOCK_INDEX.split(member, maxsplit=1)[-1] for member in layer.split(GROUP_SEPARATOR))
+    for layer, n in calls.items():
+        # "model.layers.3.mlp.gate_proj+model.layers.3.mlp.up_proj" -> "mlp.gate_proj+mlp.up_proj";
+        # an MoE's experts count under their tensor: "model.layers.3.mlp.experts.down_proj.5" -> "mlp.experts.down_proj"
+        kind = "+".join(_layer_kind(member) for member in layer.split(GROUP_SEPARATOR))
         by_kind[kind] = by_kind.get(kind, 0) + n
     return {
         "calls_per_token": total / tokens,
@@ -304,6 +303,12 @@ def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens
         "outside_layers": (total - inside) / tokens,
         "by_layer_kind": {k: v / tokens for k, v in sorted(by_kind.items())},
     }
+
+
+def _layer_kind(layer_id: str) -> str:
+    kind = BLOCK_INDEX.split(layer_id, maxsplit=1)[-1]
+    head, _, last = kind.rpartition(".")
+    return head if last.isdigit() and head else kind
 
 
 def calls_line(name: str, breakdown: Mapping[str, Any]) -> str:

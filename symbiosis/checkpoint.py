@@ -146,7 +146,7 @@ class Checkpoint:
         checkpoint read through one handle added 4 GiB to the executor's peak)."""
         for name, source in sources.items():
             if isinstance(source, ConvertedSource):
-                yield name, _convert(source)
+                yield name, _convert(source, self.config)
                 continue
             with safe_open(source.file, framework="pt") as handle:
                 yield name, handle.get_tensor(source.key)
@@ -385,11 +385,15 @@ def locate_tensors(
     meta_state = model.state_dict()
     model_key_to_source: dict[str, TensorSource | ConvertedSource] = {}
     parts: dict[str, list[tuple[str, TensorSource]]] = {}  # converted model key -> its parts
+    split_from: dict[str, str] = {}  # model key -> the checkpoint key it would be split from
     # In transformers' order (natural, so expert 10 after expert 9): the parts are joined in it.
     for ckpt_key in sorted(checkpoint.key_locations, key=dot_natural_key):
         file = checkpoint.key_locations[ckpt_key]
         model_key, pattern = rename_source_key(ckpt_key, renamings, converters, model.base_model_prefix, meta_state)
-        if pattern is not None:
+        targets = converter_of_pattern[pattern].target_patterns if pattern is not None else ()
+        if len(targets) > 1:  # one stored tensor split into several (a fused q/k/v): not done here
+            split_from.update({model_key.replace(targets[0], target): ckpt_key for target in targets})
+        elif pattern is not None:
             parts.setdefault(model_key, []).append((pattern, TensorSource(file, ckpt_key)))
         else:
             model_key_to_source[model_key] = TensorSource(file, ckpt_key)
@@ -409,6 +413,12 @@ def locate_tensors(
         source = model_key_to_source.get(name) or model_key_to_source.get(tied.get(name, ""))
         if source is not None:
             sources[name] = source
+        elif name in split_from:
+            raise CheckpointError(
+                f"tensor {name!r} is stored with others in {split_from[name]!r}, and splitting it needs "
+                "transformers' weight conversion, which Symbiosis's selective loader does not do (it joins "
+                "tensors, as MoE experts stored one per expert, but does not split them)"
+            )
         elif name not in optional:
             missing.append(name)
     if missing:
@@ -424,13 +434,14 @@ def _read_one(source: TensorSource) -> torch.Tensor:
         return handle.get_tensor(source.key)
 
 
-def _convert(source: ConvertedSource) -> torch.Tensor:
+def _convert(source: ConvertedSource, config) -> torch.Tensor:
     """The tensor ``source`` names, joined from its parts by `transformers`' own converter (its
-    operations, in its order), each part read only when the converter asks for it."""
+    operations, in its order, given the model's config as transformers' loader gives it: some
+    operations read it), each part read only when the converter asks for it."""
     converter = copy.deepcopy(source.converter)  # (it collects its parts: one instance per tensor)
     for pattern, part in source.parts:
         converter.add_tensor(source.name, part.key, pattern, functools.partial(_read_one, part))
-    converted = converter.convert(source.name)
+    converted = converter.convert(source.name, config=config)
     if len(converted) != 1:
         raise CheckpointError(f"transformers' conversion of {source.name!r} made {sorted(converted)}, not one tensor")
     return next(iter(converted.values()))

@@ -30,7 +30,7 @@ IA3_MODULES = {
     "phi3": (["qkv_proj", "down_proj"], ["down_proj"]),
     "falcon": (["query_key_value", "dense_4h_to_h"], ["dense_4h_to_h"]),
     "gpt_neox": (["query_key_value", "dense_4h_to_h"], ["dense_4h_to_h"]),
-    "mixtral": (["k_proj", "v_proj", "o_proj"], ["o_proj"]),  # (its experts are not modules)
+    "mixtral": (["k_proj", "v_proj"], []),  # as finetune's: its MLP is the experts, one tensor (no module)
 }
 
 

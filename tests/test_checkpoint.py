@@ -60,6 +60,16 @@ def test_experts_past_the_tenth_are_joined_in_their_order(tmp_path):
         torch.testing.assert_close(layer.weight, stacked[expert], rtol=0, atol=0)
 
 
+def test_a_checkpoint_whose_tensors_need_splitting_is_refused_saying_so(tmp_path):
+    """hrm_text stores q/k/v (and gate/up) fused where transformers holds them apart: the loader
+    joins tensors (MoE experts) but does not split them, and said the tensors were missing."""
+    from tests.test_more_architectures import BASE
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("hrm_text", **BASE)).save_pretrained(tmp_path)
+    with pytest.raises(symbiosis.CheckpointError, match="stored with others in .*gqkv_proj.*does not split"):
+        symbiosis.BaseExecutor.from_pretrained(tmp_path)
+
+
 def test_layer_specs_are_module_names(tiny_checkpoint):
     specs = symbiosis.BaseExecutor.from_pretrained(tiny_checkpoint("gpt2")).layer_specs()
     spec = specs["transformer.h.0.attn.c_attn"]

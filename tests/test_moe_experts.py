@@ -194,3 +194,16 @@ def test_torch_compile_of_a_split_moe_model_with_lora_on_its_experts(mixtral):
         assert_matches_reference((*compiled, adapter_grads(split)), loss_and_grads(reference, IDS))
     finally:
         close_client(split)
+
+
+def test_publishing_an_adapter_the_api_server_would_refuse_is_refused_before_training(split, tmp_path):
+    """finetune's default LoRA (all-linear) on an MoE model adapts the experts (peft's
+    target_parameters), which the multi-adapter server refuses: with --publish-to, each publication
+    was refused with a warning while the job trained on and exited 0, publishing nothing."""
+    from symbiosis.jobs.base import JobError
+    from symbiosis.jobs.publish import AdapterPublisher, PublishOptions
+
+    model = peft.get_peft_model(split, peft.LoraConfig(r=2, target_modules="all-linear"))
+    assert model.peft_config["default"].target_parameters  # (what peft picks for an MoE model)
+    with pytest.raises(JobError, match="target_parameters"):
+        AdapterPublisher(PublishOptions("http://127.0.0.1:1", "live", every=2), model, tmp_path / "out")

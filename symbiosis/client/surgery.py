@@ -121,7 +121,9 @@ def load_client_model(
         transport.close()
         raise ModelMismatchError(
             f"the executor serves a different model (fingerprint {transport.fingerprint}) than the "
-            f"checkpoint {str(path)!r} (fingerprint {fingerprint}); start the client from the executor's checkpoint"
+            f"checkpoint {str(path)!r} (fingerprint {fingerprint}); start the client from the executor's checkpoint "
+            "(with the same checkpoint, the two run Symbiosis versions that split it differently: MoE experts are "
+            "served since 2026-12-07)"
         )
     # A quantized executor of this checkpoint has its fingerprint (the fingerprint is the
     # checkpoint's): accepted, and said, since its products differ from full precision by the

@@ -26,6 +26,7 @@ import torch
 from symbiosis.checkpoint import (
     Checkpoint,
     Conv1D,
+    ExpertTensor,
     base_layer_tensor_names,
     build_skeleton,
     discover_base_layers,
@@ -219,7 +220,8 @@ class BaseModelWeights:
             if any(layer_id in specs for layer_id in tensor.layer_ids)
         }
         names = base_layer_tensor_names(specs, experts)
-        sources = locate_tensors(checkpoint, skeleton, names)
+        located = locate_tensors(checkpoint, skeleton, [*names, *experts])  # (one scan of the checkpoint's keys)
+        sources = {name: located[name] for name in names}
         is_weight = {name: name == f"{layer_id}.weight" for name, layer_id in names.items()}
         conv1d_layers = {name for name, module in skeleton.named_modules() if isinstance(module, Conv1D)}
         biases = {  # first, so that each layer is stored whole as its weight arrives
@@ -242,14 +244,17 @@ class BaseModelWeights:
             layer_id = names[name]
             store(layer_id, weight.t() if layer_id in conv1d_layers else weight)
             del weight  # the full-precision tensor goes before the next one is read
+
         # Experts: one tensor each for all of an experts module's experts (joined from the
         # checkpoint's per-expert matrices by transformers' converter), a base layer per expert.
-        for name, stacked in checkpoint.iter_tensors(locate_tensors(checkpoint, skeleton, experts)):
-            tensor = experts[name]
-            for layer_id, weight in zip(tensor.layer_ids, stacked, strict=True):
-                if layer_id in specs:  # (a copy, not a view: the whole tensor goes after the loop)
-                    store(layer_id, (weight.t() if tensor.transposed else weight).clone())
-            del stacked
+        def store_experts(tensor: ExpertTensor, stacked: torch.Tensor) -> None:
+            for layer_id, matrix in zip(tensor.layer_ids, stacked, strict=True):
+                if layer_id in specs:  # (copies, not views: the whole tensor goes when this returns)
+                    store(layer_id, matrix.t().contiguous() if tensor.transposed else matrix.clone())
+
+        for name, stacked in checkpoint.iter_tensors({name: located[name] for name in experts}):
+            store_experts(experts[name], stacked)
+            del stacked  # before the next one is read
         layers = {layer_id: layers[layer_id] for layer_id in specs}  # registry order, not file order
         return cls.assemble(
             specs, layers, checkpoint.fingerprint(all_specs), checkpoint.config.model_type, quantization

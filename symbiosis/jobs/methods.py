@@ -15,6 +15,7 @@ import dataclasses
 import json
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,7 +292,21 @@ def ia3_modules(model: nn.Module) -> tuple[list[str], list[str]]:
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in TARGETS and model_type in FEEDFORWARD:
-        return list(TARGETS[model_type]), list(FEEDFORWARD[model_type])
+        # Only the names the model has: peft's table predates transformers 5 for some models
+        # (mixtral's "w2" is now one 3-D tensor of all experts, no module), and peft says nothing
+        # when some targets match.
+        names = [name for name, _ in model.named_modules()]
+        present = [t for t in TARGETS[model_type] if any(n == t or n.endswith(f".{t}") for n in names)]
+        feedforward = [f for f in FEEDFORWARD[model_type] if f in present]
+        if present and len(feedforward) < len(FEEDFORWARD[model_type]):
+            warnings.warn(
+                f"IA3 on {model_type!r} scales {present} only: the MLP's output projection of peft's table "
+                f"({FEEDFORWARD[model_type]}) is not a module of this model (MoE experts are one tensor); "
+                "name others with --target-modules and feedforward_modules in --peft-config",
+                stacklevel=2,
+            )
+        if present:
+            return present, feedforward
 
     linear = _linear_types()
     block_linears: dict[str, nn.Module] = {}

@@ -39,12 +39,14 @@ class AdapterPublisher:
     def __init__(self, options: PublishOptions, model, folder: Path) -> None:
         if options.every < 1:
             raise JobError("--publish-every must be at least 1")
+        from symbiosis.serving.lora import unservable
+
         config = getattr(model, "peft_config", {}).get("default")
-        peft_type = getattr(getattr(config, "peft_type", None), "value", None)
-        if peft_type != "LORA" or getattr(config, "use_dora", False):
-            raise JobError(
-                f"--publish-to needs a plain LoRA adapter (the api server serves LoRA); this job trains {peft_type}"
-            )
+        # What the server would refuse at every publication, refused before training: LoRA on MoE
+        # experts (finetune's all-linear on an MoE model), DoRA, another method.
+        reason = unservable(config.to_dict()) if config is not None else "is not a peft adapter"
+        if reason is not None:
+            raise JobError(f"--publish-to needs an adapter the api server serves; this job's adapter {reason}")
         self.options = options
         self.model = model
         self.folder = Path(folder)

@@ -98,17 +98,26 @@ def read_lora_config(path: Path, name: str | None = None) -> dict:
     errors name the adapter ``name`` (else the folder)."""
     label = _label(name, path)
     config = read_adapter_config(path, AdapterFormatError, label)
+    reason = unservable(config)
+    if reason is not None:
+        raise AdapterFormatError(f"adapter {label} {reason}")
+    return config
+
+
+def unservable(config: dict) -> str | None:
+    """Why this server cannot serve an adapter of this ``adapter_config.json`` content (a clause
+    after "adapter X"), or None. Also asked by ``finetune --publish-to`` before it trains."""
     if config.get("peft_type") != "LORA":
-        raise AdapterFormatError(
-            f"adapter {label} is {config.get('peft_type')!r}; the api server serves LoRA adapters "
+        return (
+            f"is {config.get('peft_type')!r}; the api server serves LoRA adapters "
             "(use `symbiosis generate` for other PEFT methods)"
         )
     for option, why in _UNSUPPORTED_OPTIONS.items():
         if config.get(option):
-            raise AdapterFormatError(f"adapter {label} sets {option}: {why}")
+            return f"sets {option}: {why}"
     if config.get("bias", "none") != "none":
-        raise AdapterFormatError(f"adapter {label} trains base biases (bias={config['bias']!r}); not servable")
-    return config
+        return f"trains base biases (bias={config['bias']!r}); not servable"
+    return None
 
 
 def _weights_file(path: Path, label: str) -> Path:

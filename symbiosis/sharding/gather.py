@@ -42,6 +42,7 @@ from safetensors import safe_open
 from symbiosis.checkpoint import (
     Checkpoint,
     Conv1D,
+    ConvertedSource,
     base_layer_tensor_names,
     build_skeleton,
     expert_tensors,
@@ -92,6 +93,9 @@ def load_row_shards(
         # of the whole checkpoint never count in this rank's RSS at once (measured, ~1B Llama at
         # N=2: peak RSS 4.0 GiB with the files kept open, for 1.8 GiB of shards).
         source = sources[name]
+        if isinstance(source, ConvertedSource):  # (joined from parts by transformers' converter: whole)
+            whole = dict(checkpoint.iter_tensors({name: source}))[name]
+            return (whole[:, start:stop].t() if columns else whole[start:stop]).clone()
         with safe_open(source.file, framework="pt") as handle:
             sliced = handle.get_slice(source.key)
             return (sliced[:, start:stop].t() if columns else sliced[start:stop]).clone()

@@ -68,6 +68,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from symbiosis import __version__ as symbiosis_version
 from symbiosis import protocol as P
 from symbiosis.errors import (
     BindError,
@@ -923,7 +924,11 @@ class ZmqServer:
             self.send(identity, P.error_reply(rid, ProtocolError.code, msg))
             return
         if hello.expected_fingerprint is not None and hello.expected_fingerprint != self._fingerprint:
-            msg = f"client expects checkpoint {hello.expected_fingerprint!r}, executor serves {self._fingerprint!r}"
+            msg = (
+                f"client expects checkpoint {hello.expected_fingerprint!r}, executor serves {self._fingerprint!r}: "
+                "another checkpoint, or the same one split differently by another Symbiosis version (the "
+                f"executor runs {symbiosis_version}; MoE experts are served since 2026-12-07)"
+            )
             self.send(identity, P.error_reply(rid, ModelMismatchError.code, msg))
             return
         dist = self._channels.get("dist")

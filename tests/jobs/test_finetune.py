@@ -144,6 +144,14 @@ def test_ia3_modules_from_peft_table_and_from_structure(tiny_checkpoint):
     assert feedforward == ["down_proj"] and "k_proj" in targets and "down_proj" in targets
 
 
+def test_ia3_modules_keep_only_what_the_model_has_and_say_what_is_missing(tiny_checkpoint):
+    """peft's table names mixtral's "w2", the experts' MLP output before transformers 5 made all
+    experts one tensor: peft matched k/v and said nothing, and the adapter scaled no MLP."""
+    mixtral = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("mixtral"))
+    with pytest.warns(UserWarning, match="scales \\['k_proj', 'v_proj'\\] only"):
+        assert ia3_modules(mixtral) == (["k_proj", "v_proj"], [])
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_builds_and_trains_on_a_split_model(method, tiny_checkpoint):
     path = tiny_checkpoint("llama")
