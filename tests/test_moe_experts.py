@@ -207,3 +207,25 @@ def test_publishing_an_adapter_the_api_server_would_refuse_is_refused_before_tra
     assert model.peft_config["default"].target_parameters  # (what peft picks for an MoE model)
     with pytest.raises(JobError, match="target_parameters"):
         AdapterPublisher(PublishOptions("http://127.0.0.1:1", "live", every=2), model, tmp_path / "out")
+
+
+@pytest.mark.parametrize("targets", [dict(target_modules=["q_proj"]), dict(target_parameters=["experts.down_proj"])])
+def test_distributed_data_parallel_wraps_a_split_moe_model(mixtral, targets, tmp_path):
+    """DDP broadcasts every parameter when it wraps a model, and an experts placeholder has none
+    to broadcast: it failed (BaseWeightAccessError on detach). The split model lists them where
+    DDP looks for parameters to leave alone, as the split model or a PeftModel of it names them."""
+    import torch.distributed as dist
+
+    path, executor = mixtral
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        reference, split = make_pair(path, executor, peft.LoraConfig(r=2, **targets), "mixtral")
+        try:
+            wrapped = torch.nn.parallel.DistributedDataParallel(split)
+            assert_matches_reference(
+                loss_and_grads(wrapped, IDS)[:2] + (adapter_grads(split),), loss_and_grads(reference, IDS)
+            )
+        finally:
+            close_client(split)
+    finally:
+        dist.destroy_process_group()

@@ -165,6 +165,24 @@ def serve_experts(
         module._load_from_state_dict = types.MethodType(_load_without_experts, module)
     if tensors:
         model.config._experts_implementation = "eager"
+        model._ddp_params_and_buffers_to_ignore = _PlaceholderNames(model)
+
+
+class _PlaceholderNames:
+    """The split model's ``_ddp_params_and_buffers_to_ignore``: DistributedDataParallel broadcasts
+    every parameter from rank 0 when it wraps a model, and an experts placeholder has no data to
+    broadcast (refused: DDP failed). It reads this attribute of the module it wraps (a PeftModel
+    finds it on the split model through its ``__getattr__``), so the names are given as seen from
+    either, and listed when DDP asks (peft's wrappers rename what they wrap)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __iter__(self) -> Iterator[str]:
+        for name, parameter in self.model.named_parameters():
+            if isinstance(parameter, ExpertWeights):
+                yield name
+                yield f"base_model.model.{name}"  # (as a PeftModel names it)
 
 
 @torch.compiler.disable
