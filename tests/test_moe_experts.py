@@ -9,47 +9,30 @@ against the monolithic model, per architecture and transport: tests/test_more_ar
 from __future__ import annotations
 
 import copy
-import warnings
 
 import peft
 import pytest
 import torch
-from transformers import AutoConfig
 
 import symbiosis
 from symbiosis.client.experts import ExpertWeights, expert_layers
 from symbiosis.client.privacy import NoisyLink
-from symbiosis.modelzoo import build_random_model
 from symbiosis.sharding.placement import Layout
 from tests.reference import adapter_grads, assert_matches_reference, close_client, loss_and_grads, make_pair
+from tests.test_more_architectures import checkpoint
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-def mixtral_checkpoint(path, experts: int = 4) -> str:
-    """A tiny Mixtral checkpoint (top 2 of ``experts``)."""
-    config = AutoConfig.for_model(
-        "mixtral",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        build_random_model(config).save_pretrained(path)
-    return str(path)
+def mixtral_checkpoint(folder, experts: int = 4) -> str:
+    """A tiny Mixtral checkpoint (the modelzoo's tiny size, top 2 of ``experts``)."""
+    return checkpoint(folder, "mixtral", dict(num_local_experts=experts, num_experts_per_tok=2))
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     """A tiny Mixtral checkpoint (4 experts, top 2) and an executor of it."""
-    path = mixtral_checkpoint(tmp_path_factory.mktemp("mixtral") / "ckpt")
+    path = mixtral_checkpoint(tmp_path_factory.mktemp("mixtral"))
     with symbiosis.BaseExecutor.from_pretrained(path) as executor:
         yield path, executor
 
@@ -71,7 +54,7 @@ def test_each_experts_tensor_is_a_frozen_placeholder_with_a_layer_per_expert(spl
     experts = split.model.layers[0].mlp.experts
     weights = experts.gate_up_proj
     assert isinstance(weights, ExpertWeights) and isinstance(weights, torch.nn.Parameter)
-    assert not weights.requires_grad and tuple(weights.shape) == (4, 128, 32)
+    assert not weights.requires_grad and tuple(weights.shape) == (4, 256, 64)
     assert [layer.layer_id for layer in weights.expert_layers] == [
         f"model.layers.0.mlp.experts.gate_up_proj.{e}" for e in range(4)
     ]
@@ -103,7 +86,7 @@ def test_each_expert_is_a_unit_of_its_own_whatever_the_number_of_experts(tmp_pat
     [
         lambda w: w.sum(),
         lambda w: w[0:2],
-        lambda w: w[0] @ torch.ones(32, 1),  # (a product with W itself, not of rows by it: F.linear's)
+        lambda w: w[0] @ torch.ones(64, 1),  # (a product with W itself, not of rows by it: F.linear's)
         lambda w: w.add_(1.0),
         lambda w: w.requires_grad_(),
     ],
