@@ -127,6 +127,10 @@ def test_a_copy_of_the_model_has_expert_layers_of_its_own_and_a_copy_of_the_expe
     ours, theirs = list(expert_layers(split)), list(expert_layers(copied))
     assert len(theirs) == len(ours) and not {id(layer) for layer in ours} & {id(layer) for layer in theirs}
     assert copied.model.layers[0].mlp.experts.gate_up_proj.owner is copied.model.layers[0].mlp.experts
+    # Parameters still (peft's LoRA on experts, a parametrization, made the copy's buffers, which
+    # its state dict then failed to save)
+    held = [w for w in copied.parameters() if isinstance(w, ExpertWeights)]
+    assert len(held) == 2 * 2 and all(isinstance(w, torch.nn.Parameter) for w in held)
     torch.testing.assert_close(logits(copied), logits(split), atol=0, rtol=0)
     with pytest.raises(symbiosis.BaseWeightAccessError):
         copy.deepcopy(split.model.layers[0].mlp.experts)  # (peft's modules_to_save makes such copies)

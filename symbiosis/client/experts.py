@@ -101,7 +101,9 @@ class ExpertWeights(BaseWeightPlaceholder):
         """A copy of the whole model gets layers of its own, as its registered VirtLayers do (a copy
         of the experts module alone is refused there: ``VirtLayer.__deepcopy__``)."""
         layers = copy.deepcopy(self.expert_layers, memo)
-        return ExpertWeights(self.expert_tensor, layers, copy.deepcopy(self.owner, memo), self.added)
+        copied = ExpertWeights(self.expert_tensor, layers, copy.deepcopy(self.owner, memo), self.added)
+        copied._is_param = getattr(self, "_is_param", False)  # (a parameter stays one: serve_experts says why)
+        return copied
 
     def __repr__(self) -> str:
         added = f", {len(self.added)} added" if self.added else ""
