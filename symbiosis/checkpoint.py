@@ -302,18 +302,24 @@ def expert_tensors(model: nn.Module, client_layers: Iterable[str] | str | None =
 
 
 def expert_routers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> set[str]:
-    """The routers of served experts: modules beside them (the same parent) whose matrices are all
-    2-D with a row per expert. They stay on the client with no ``client_layers`` needed: small
-    (``experts x hidden``), and the top-k choice computed there exactly as the monolithic model
-    computes it."""
+    """The routers of served experts: modules beside them (children of the same parent, or their
+    children: afmoe's router holds its ``gate``, an ``nn.Linear``) whose matrices are all 2-D with a
+    row per expert. They stay on the client with no ``client_layers`` needed: small (``experts x
+    hidden``), the top-k choice computed there exactly as the monolithic model computes it, and a
+    router's weight a parameter where peft looks for it (its ``all-linear`` adapts ``gate.weight``
+    on MoE models)."""
     experts_of_parent = {  # (a tensor's name: "<parent>.<experts module>.<tensor>")
-        tensor.name.rsplit(".", 2)[0]: tensor.experts for tensor in expert_tensors(model, client_layers).values()
+        tensor.name.rsplit(".", 2)[0]: (tensor.name.rsplit(".", 1)[0], tensor.experts)
+        for tensor in expert_tensors(model, client_layers).values()
     }
     found = set()
     for name, module in model.named_modules():
-        experts = experts_of_parent.get(name.rpartition(".")[0])
+        parent, _, _ = name.rpartition(".")
+        grandparent = parent.rpartition(".")[0]
+        experts_module, experts = experts_of_parent.get(parent) or experts_of_parent.get(grandparent) or ("", 0)
         matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
-        if experts and matrices and all(p.dim() == 2 and p.shape[0] == experts for p in matrices):
+        beside = experts_module and not (name == experts_module or name.startswith(f"{experts_module}."))
+        if beside and matrices and all(p.dim() == 2 and p.shape[0] == experts for p in matrices):
             found.add(name)
     return found
 
@@ -322,7 +328,7 @@ def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | 
     """Every base layer of ``model`` (``is_base_layer``) by qualified name, and each expert's matrix
     of served experts (``expert_tensors``), except those kept in the client, in the model's module
     order. Other modules are not the executor's concern (``check_client_modules``)."""
-    keep = kept_modules(model, client_layers)
+    keep = kept_modules(model, client_layers) | expert_routers(model, client_layers)  # (an nn.Linear router too)
     experts_of_module: dict[str, list[ExpertTensor]] = {}
     for tensor in expert_tensors(model, client_layers).values():
         experts_of_module.setdefault(tensor.name.rpartition(".")[0], []).append(tensor)
@@ -390,6 +396,9 @@ def locate_tensors(
     for ckpt_key in sorted(checkpoint.key_locations, key=dot_natural_key):
         file = checkpoint.key_locations[ckpt_key]
         model_key, pattern = rename_source_key(ckpt_key, renamings, converters, model.base_model_prefix, meta_state)
+        if model_key not in meta_state and ckpt_key in meta_state:  # (as transformers: a renaming too broad,
+            # deepseek_v4's ".norm." -> ".kv_norm.", leaves a key the model has as it is)
+            model_key, pattern = rename_source_key(ckpt_key, [], [], model.base_model_prefix, meta_state)
         targets = converter_of_pattern[pattern].target_patterns if pattern is not None else ()
         if len(targets) > 1:  # one stored tensor split into several (a fused q/k/v): not done here
             split_from.update({model_key.replace(targets[0], target): ckpt_key for target in targets})

@@ -123,6 +123,28 @@ SERVED_EXPERTS = {
         [],
         ["q_proj", "v_proj"],
     ),
+    "afmoe": (  # its router holds its gate, an nn.Linear: on the client (peft's all-linear adapts it)
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, head_dim=16),
+        [],
+        "all-linear",
+    ),
+    "deepseek_v4": (  # its checkpoint mapping renames ".norm." too broadly (model.norm kept as transformers keeps it)
+        dict(
+            TOP2_OF_4,
+            n_routed_experts=4,
+            moe_intermediate_size=32,
+            head_dim=16,
+            qk_rope_head_dim=8,
+            q_lora_rank=32,
+            index_topk=4,
+            index_head_dim=16,
+            index_n_heads=2,
+            o_lora_rank=16,
+            o_groups=2,
+        ),
+        ["*.attn_hc", "*.compressor", "*.ffn_hc", "*.hc_head", "*.o_a_proj"],
+        ["q_a_proj", "q_b_proj"],
+    ),
     "jamba": (  # a Mamba hybrid: its mixers kept on the client, its experts served
         dict(
             num_experts=4,
