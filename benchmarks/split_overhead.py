@@ -135,7 +135,7 @@ from benchmarks.timing import summarize as summarize_samples
 from benchmarks.workers import Worker, loopback_binds, serve_worker
 from symbiosis.executor.process import ExecutorProcess
 from symbiosis.threads import client_env
-from symbiosis.vocabulary import GROUP_SEPARATOR
+from symbiosis.vocabulary import GROUP_SEPARATOR, module_list_of
 
 NAME = "split_overhead"
 MODULE = f"benchmarks.{NAME}"  # the workers' entry point: ``python -m benchmarks.split_overhead worker SPEC``
@@ -307,8 +307,7 @@ def calls_breakdown(calls: Mapping[str, float], layer_ids: Sequence[str], tokens
 
 def _layer_kind(layer_id: str) -> str:
     kind = BLOCK_INDEX.split(layer_id, maxsplit=1)[-1]
-    head, _, last = kind.rpartition(".")
-    return head if last.isdigit() and head else kind
+    return module_list_of(kind) or kind
 
 
 def calls_line(name: str, breakdown: Mapping[str, Any]) -> str:

@@ -79,11 +79,19 @@ def sibling_blocks(specs: Iterable[LayerSpec]) -> list[tuple[str, ...]]:
     ordered specs."""
     blocks: dict[tuple[str, int, bool], list[str]] = {}
     for spec in specs:
-        parent, _, name = spec.layer_id.rpartition(".")
-        if name.isdigit():
+        if module_list_of(spec.layer_id) is not None:
             continue
+        parent = spec.layer_id.rpartition(".")[0]
         blocks.setdefault((parent, spec.in_features, spec.has_bias), []).append(spec.layer_id)
     return [tuple(members) for members in blocks.values() if len(members) > 1]
+
+
+def module_list_of(layer_id: str) -> str | None:
+    """The module list a layer is a member of (its name ends in a number: an MoE's experts,
+    ``experts.gate_up_proj.3`` -> ``experts.gate_up_proj``), else None. Such members are in no
+    sibling block, and count under the list's name in metrics."""
+    head, _, last = layer_id.rpartition(".")
+    return head if head and last.isdigit() else None
 
 
 def group_id(members: Iterable[str]) -> str:

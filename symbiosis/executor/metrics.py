@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from symbiosis.errors import BindError
+from symbiosis.vocabulary import module_list_of
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,7 @@ def per_label(layers: dict[str, dict]) -> dict[str, dict]:
     scrape ~86,000 series. ``/stats`` keeps each layer."""
     totals: dict[str, dict] = {}
     for layer, counters in layers.items():
-        head, _, last = layer.rpartition(".")
-        label = head if last.isdigit() and head else layer
+        label = module_list_of(layer) or layer
         total = totals.setdefault(label, dict.fromkeys(("requests", "rows", "batches", "errors"), 0))
         for key in ("requests", "rows", "batches", "errors"):
             total[key] += counters[key]
