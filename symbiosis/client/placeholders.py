@@ -49,11 +49,12 @@ WHY = (
 
 @dataclasses.dataclass(frozen=True)
 class Derivation:
-    """A weight derived from a layer's ``W`` (its ``[out, in]`` form): ``W·right + Σ added``, then
-    the rows of ``replaced`` ((index, rows) pairs) written over it, in that order."""
+    """A weight derived from a layer's ``W`` (its ``[out, in]`` form; ``[in, out]`` for a transposed
+    expert's, which is only ever added to): ``W·right + Σ added``, then the rows of ``replaced``
+    ((index, rows) pairs) written over it, in that order."""
 
     right: torch.Tensor | None = None
-    added: tuple[torch.Tensor, ...] = ()
+    added: tuple[torch.Tensor | LowRank, ...] = ()
     replaced: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
