@@ -453,3 +453,39 @@ class DeviceProbe(nn.Parameter):
         copied = super().__deepcopy__(memo)
         copied.base_tensor_name = self.base_tensor_name
         return copied
+
+
+def refuses_training(tensor) -> bool:
+    """Whether ``tensor`` is a base-layer tensor held as a parameter (a VirtLayer's probe, a served
+    experts tensor): one that refuses to be made trainable."""
+    return isinstance(tensor, (DeviceProbe, BaseWeightPlaceholder))
+
+
+def refuse_training_before_any_change() -> None:
+    """Make ``nn.Module.requires_grad_(True)`` refuse before it changes anything on a module holding
+    a base-layer tensor (once per process; ``load_client_model`` calls it).
+
+    Without it, ``requires_grad_`` set the flags one parameter at a time and the refusal came at the
+    first base-layer tensor: the client's tensors before it (the embeddings) were left trainable, a
+    model half changed. Here those tensors are asked first, and the first of them refuses with its
+    own message (an experts tensor's says more), before any flag has changed. On ``nn.Module`` itself,
+    not on the split model: ``requires_grad_`` is not forwarded by what wraps the model (peft's
+    ``PeftModel`` and tuner, DDP) nor called by a parent on its children -- each walks the
+    parameters below it -- so an override on the split model would miss ``peft_model.requires_grad_()``
+    and ``model.model.requires_grad_()``. A module without base-layer tensors pays one more walk of
+    its parameters, and only for ``requires_grad_(True)``; ``requires_grad_(False)`` is unchanged
+    (a base-layer tensor takes it: it is frozen already)."""
+    current = nn.Module.requires_grad_
+    if getattr(current, "_refuses_base_tensors_first", False):
+        return
+
+    @functools.wraps(current)
+    def requires_grad_(module: nn.Module, requires_grad: bool = True) -> nn.Module:
+        if requires_grad:
+            for parameter in module.parameters():
+                if refuses_training(parameter) and not parameter.requires_grad:
+                    parameter.requires_grad_(True)  # refused: raises, and nothing has changed yet
+        return current(module, requires_grad)
+
+    requires_grad_._refuses_base_tensors_first = True
+    nn.Module.requires_grad_ = requires_grad_

@@ -28,6 +28,7 @@ from symbiosis.checkpoint import (
 )
 from symbiosis.client.experts import serve_experts
 from symbiosis.client.fusion import SiblingFusion
+from symbiosis.client.placeholders import refuse_training_before_any_change
 from symbiosis.client.virt import VirtConv1D, VirtLinear, make_virt_layer
 from symbiosis.errors import BaseWeightAccessError, CheckpointError, ConfigurationError, ModelMismatchError
 from symbiosis.executor.executor import DTYPES_BY_NAME, parse_device, parse_dtype
@@ -101,6 +102,7 @@ def load_client_model(
     on for executors in another process, where it saves round trips (decode over ipc +10-14%),
     off in-process, where a call costs ~16 µs and splitting the fused result costs more (-4-8%).
     """
+    refuse_training_before_any_change()  # (``model.requires_grad_()``: refused before any flag changes)
     checkpoint = Checkpoint(path)
     config = checkpoint.config
     client_dtype = parse_dtype(dtype) if dtype is not None else _checkpoint_dtype(config)
