@@ -372,17 +372,11 @@ class _ModelRunner:
         self.client_calls = 0
         self.seconds_in_calls = 0.0  # the client's wall time inside base-layer calls
         if self.transport is not None:
-            call = self.transport.call  # VirtLayers look ``call`` up on the transport per request
-
-            def counting_call(*args, **kwargs):
-                self.client_calls += 1
-                began = time.perf_counter()
-                try:
-                    return call(*args, **kwargs)
-                finally:
-                    self.seconds_in_calls += time.perf_counter() - began
-
-            self.transport.call = counting_call
+            # VirtLayers look ``call`` up on the transport per request; an MoE's experts
+            # ``call_expert_rows`` (one request for every expert a layer's tokens chose).
+            for name in ("call", "call_expert_rows"):
+                if hasattr(self.transport, name):
+                    setattr(self.transport, name, self._counting(getattr(self.transport, name)))
         generator = torch.Generator().manual_seed(spec["seed"] + 1)  # same inputs in every process
         vocab = self.model.config.vocab_size
         self.batch = torch.randint(1, vocab, (spec["train_batch"], spec["seq_len"]), generator=generator).to(device)
@@ -401,6 +395,17 @@ class _ModelRunner:
             for _ in range(WARM_DECODE_STEPS):
                 decoder.step()
         self.calls: dict[str, dict[str, Any]] = {}  # of the latest block, per step
+
+    def _counting(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def counting_call(*args, **kwargs):
+            self.client_calls += 1
+            began = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds_in_calls += time.perf_counter() - began
+
+        return counting_call
 
     def _decoder(self, batch: int) -> Decoder:
         self.model.eval()

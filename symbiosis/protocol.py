@@ -115,6 +115,9 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     # A decode or prefill request of at most this many rows is latency work there (its scheduler's
     # ``decode_share_rows``); 0: not said (an older executor, or none is).
     latency_rows: int = 0
+    # Whether requests may carry ``expert_rows`` (``Request``); False from an older executor, or
+    # one that does not (a sharded one): a client then calls each expert on its own.
+    expert_rows: bool = False
 
 
 class Request(msgspec.Struct, tag="request", frozen=True):
@@ -124,6 +127,12 @@ class Request(msgspec.Struct, tag="request", frozen=True):
     ``reply_offset``).
     torch.distributed: ``dist_tag`` is set, no frame follows, ``dist_nbytes`` bytes travel on the
     session's pair group with that tag, and so does the result (see ``transport/dist_channel.py``).
+
+    ``expert_rows``: ``layer_id`` names a module list of base layers (an MoE's experts tensor,
+    ``...experts.gate_up_proj``; ``vocabulary.module_lists``) and the rows are those of its member
+    0, then member 1, ..., ``expert_rows[i]`` of them each; the result's rows are each member's
+    products, in the same order. One round trip for every expert a layer's tokens chose, where a
+    request per expert cost one each. Empty: an ordinary request.
     """
 
     version: int
@@ -138,6 +147,7 @@ class Request(msgspec.Struct, tag="request", frozen=True):
     shm_offset: int = 0
     dist_tag: int | None = None
     dist_nbytes: int = 0
+    expert_rows: list[int] = []
 
 
 class Reply(msgspec.Struct, tag="reply", frozen=True):
@@ -245,7 +255,19 @@ def validate_request(header: Request, payload_nbytes: int, specs: Mapping[str, L
         )
     if nbytes != payload_nbytes:
         raise ShapeError(f"shape {shape} of {header.dtype} needs {nbytes} payload bytes, got {payload_nbytes}")
+    if header.expert_rows:
+        check_expert_rows(header.layer_id, header.expert_rows, shape[0])
     return spec
+
+
+def check_expert_rows(layer_id: str, expert_rows, rows: int) -> None:
+    """What a request's ``expert_rows`` must be whatever the layer: non-negative counts that add
+    up to its rows (the executor checks the layer takes them: ``ExecutionEngine.validate``)."""
+    if any(type(n) is not int or n < 0 for n in expert_rows) or sum(expert_rows) != rows:
+        raise ShapeError(
+            f"expert_rows of {layer_id!r} must be non-negative row counts adding up to the request's "
+            f"{rows} rows, got {list(expert_rows)[:16]}{' ...' if len(expert_rows) > 16 else ''}"
+        )
 
 
 class CallShape(msgspec.Struct, frozen=True):

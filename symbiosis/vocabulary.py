@@ -94,6 +94,34 @@ def module_list_of(layer_id: str) -> str | None:
     return head if head and last.isdigit() else None
 
 
+def module_lists(specs: Iterable[LayerSpec]) -> dict[str, tuple[LayerSpec, ...]]:
+    """The module lists of base layers (an MoE's experts: ``experts.gate_up_proj`` -> the specs of
+    ``experts.gate_up_proj.0`` ... ``.E-1``, in index order) whose members are numbered from 0
+    without a gap and have one shape: those a request with ``expert_rows`` may name (one request
+    for the rows of several members, each multiplied by its own; ``protocol.Request``)."""
+    members: dict[str, dict[int, LayerSpec]] = {}
+    for spec in specs:
+        name = module_list_of(spec.layer_id)
+        if name is not None:
+            members.setdefault(name, {})[int(spec.layer_id.rpartition(".")[2])] = spec
+    lists = {}
+    for name, by_index in members.items():
+        ordered = tuple(by_index[i] for i in range(len(by_index)) if i in by_index)
+        if len(ordered) == len(by_index) and len({(m.in_features, m.out_features, m.has_bias) for m in ordered}) == 1:
+            lists[name] = ordered
+    return lists
+
+
+def module_list_spec(name: str, specs: Mapping[str, LayerSpec]) -> LayerSpec | None:
+    """The spec of module list ``name`` (its members' widths) if ``specs`` has its first member,
+    else None. What a client sizes an ``expert_rows`` request's rows and result by; the executor
+    checks the whole list (``module_lists``)."""
+    first = specs.get(f"{name}.0")
+    if first is None:
+        return None
+    return LayerSpec(name, first.in_features, first.out_features, first.has_bias)
+
+
 def group_id(members: Iterable[str]) -> str:
     return GROUP_SEPARATOR.join(members)
 
@@ -103,12 +131,15 @@ def group_members(layer_id: str) -> list[str]:
 
 
 def spec_of(layer_id: str, specs: Mapping[str, LayerSpec]) -> LayerSpec | None:
-    """The spec of a layer, or of a sibling group id (its members' outputs side by side), from
-    the executor's layer list; None if unknown. The executor has the last word on which groups it
-    serves (contiguous runs of one block); clients use this to size payloads and results."""
+    """The spec of a layer, of a sibling group id (its members' outputs side by side) or of a
+    module list's name (``module_list_spec``), from the executor's layer list; None if unknown.
+    The executor has the last word on which groups it serves (contiguous runs of one block);
+    clients use this to size payloads and results."""
     spec = specs.get(layer_id)
-    if spec is not None or GROUP_SEPARATOR not in layer_id:
+    if spec is not None:
         return spec
+    if GROUP_SEPARATOR not in layer_id:
+        return module_list_spec(layer_id, specs)
     members = [specs.get(member) for member in group_members(layer_id)]
     if any(m is None for m in members) or len({(m.in_features, m.has_bias) for m in members}) != 1:
         return None

@@ -98,15 +98,17 @@ def test_other_uses_of_an_experts_tensor_are_refused(split, use):
 
 
 def test_the_refusal_says_how_served_experts_are_used(split):
-    with pytest.raises(symbiosis.BaseWeightAccessError, match="eager experts forward"):
+    with pytest.raises(symbiosis.BaseWeightAccessError, match="grouped experts forward"):
         split.model.layers[0].mlp.experts.down_proj.sum()
 
 
-def test_another_experts_implementation_is_still_computed_one_expert_at_a_time(split):
-    """transformers' grouped products multiply all experts at once, reading the weights (refused
-    with a hint to keep the experts in every client); the split model's experts stay eager."""
+@pytest.mark.parametrize("implementation", ["batched_mm", "eager"])
+def test_another_experts_implementation_still_runs_the_served_forward(split, implementation):
+    """transformers' batched products gather every chosen expert's matrix (``W[expert_ids]``),
+    reading the weights (refused with a hint to keep the experts in every client); the split
+    model's experts keep the grouped forward whatever is set later."""
     expected = logits(split)
-    split.set_experts_implementation("grouped_mm")
+    split.set_experts_implementation(implementation)
     torch.testing.assert_close(logits(split), expected, atol=0, rtol=0)
 
 

@@ -1,12 +1,16 @@
 """MoE experts served by the executor: each expert's matrix is a base layer of its own.
 
 `transformers` 5 holds an MoE block's experts as 3-D tensors (``gate_up_proj``: ``[experts, out,
-in]``), and its eager experts forward multiplies a group of tokens by one expert's matrix at a
-time: ``F.linear(x, self.gate_up_proj[e])`` (or ``x @ W[e]`` for transposed ones: gpt-oss). On a
-split model each such tensor is an :class:`ExpertWeights` placeholder holding one VirtLayer per
-expert: ``W[e]`` is that layer's weight placeholder, and ``F.linear`` of it (``@``, transposed) is
-the layer's product (``placeholders._linear``, ``_input_times``). The model's own forward runs
-unchanged while the executor holds the experts, most of an MoE model's weights.
+in]``). On a split model each such tensor is an :class:`ExpertWeights` placeholder holding one
+VirtLayer per expert, and the experts module runs transformers' own grouped forward
+(``grouped_mm_experts_forward``, the monolithic model's default): tokens sorted by expert, then one
+grouped product per tensor, ``grouped_mm(x, W.transpose(-2, -1), offs)``. That product is one
+executor request for every expert the tokens chose (``expert_rows``: the executor serves each
+expert's rows with its own layer, batched with other clients' rows for it), where a request per
+expert cost a round trip each (a 128-expert, top-8 model: ~16 per layer and decoded token); an
+executor that does not take such requests (a sharded one) gets one request per expert. The eager
+forward's ``F.linear(x, W[e])`` (``x @ W[e]`` for transposed ones: gpt-oss) works too: ``W[e]`` is
+that expert's layer's weight placeholder (``placeholders._linear``, ``_input_times``).
 
 Which modules qualify: ``checkpoint.served_experts``. The experts' layers are not registered
 modules (peft's ``all-linear`` or a regex ``target_modules`` would adapt them, where the
@@ -26,11 +30,17 @@ import torch
 from torch import nn
 
 from symbiosis.checkpoint import ExpertTensor
-from symbiosis.client.placeholders import BaseWeightPlaceholder, LowRank, _derived, _plain, _takes
-from symbiosis.client.virt import VirtConv1D, VirtLinear
+from symbiosis.client.placeholders import BaseWeightPlaceholder, LowRank, _derived, _plain, _takes, times_added
+from symbiosis.client.virt import ExecutorLink, VirtConv1D, VirtLinear
 from symbiosis.errors import BaseWeightAccessError
+from symbiosis.ops import frozen_linear
 from symbiosis.transport.base import Transport
-from symbiosis.vocabulary import LayerSpec
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+
+try:  # transformers' grouped experts forward (5.x); without it, the eager one
+    from transformers.integrations.moe import grouped_mm_experts_forward as _grouped_forward
+except ImportError:  # pragma: no cover - an older transformers
+    _grouped_forward = None
 
 
 class ExpertWeights(BaseWeightPlaceholder):
@@ -48,15 +58,20 @@ class ExpertWeights(BaseWeightPlaceholder):
         layers: list[VirtLinear | VirtConv1D],
         owner: nn.Module,
         added: tuple[torch.Tensor | LowRank, ...] = (),
+        flipped: bool = False,
     ):
         weight = layers[0].weight
+        shape = (tensor.experts, *(reversed(weight.shape) if flipped else weight.shape))
         placeholder = BaseWeightPlaceholder.__new__(
-            cls, (tensor.experts, *weight.shape), dtype=weight.dtype, device=weight.device, name=tensor.name
+            cls, shape, dtype=weight.dtype, device=weight.device, name=tensor.name
         )
         placeholder.expert_tensor = tensor
         placeholder.expert_layers = layers
         placeholder.owner = owner  # the experts module: its train/eval mode is the layers'
-        placeholder.added = added  # terms added to every expert ([experts, ...] each)
+        placeholder.added = added  # terms added to every expert ([experts, ...] each, in the tensor's layout)
+        # ``W.transpose(-2, -1)``: each expert's matrix the other way round (what the grouped product
+        # takes of a [experts, out, in] tensor); only multiplied (grouped) or transposed back.
+        placeholder.flipped = flipped
         return placeholder
 
     @classmethod
@@ -70,7 +85,7 @@ class ExpertWeights(BaseWeightPlaceholder):
         """``W[e]``: expert ``e``'s layer's weight, with this tensor's added terms' slices."""
         if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
             index = int(index)
-        if not isinstance(index, int) or isinstance(index, bool):
+        if not isinstance(index, int) or isinstance(index, bool) or self.flipped:
             return None
         layer = self.expert_layers[index]
         layer.training = self.owner.training  # (its latency class: a fine-tuning product or a decode one)
@@ -81,20 +96,107 @@ class ExpertWeights(BaseWeightPlaceholder):
         )
         return _derived(layer.weight, added=added)
 
-    def plus(self, term) -> ExpertWeights:
+    def plus(self, term) -> ExpertWeights | None:
+        if self.flipped:
+            return None
         return ExpertWeights(self.expert_tensor, self.expert_layers, self.owner, (*self.added, term))
+
+    def transposed(self, dim0: int, dim1: int) -> ExpertWeights | None:
+        """``W.transpose(-2, -1)`` (either way round): each expert's matrix transposed."""
+        if sorted(d % 3 if -3 <= d < 3 else -1 for d in (dim0, dim1)) != [1, 2]:
+            return None
+        return ExpertWeights(self.expert_tensor, self.expert_layers, self.owner, self.added, not self.flipped)
+
+    def grouped_product(self, rows: torch.Tensor, offs=None, bias=None, out_dtype=None) -> torch.Tensor | None:
+        """``grouped_mm(x, W, offs)`` (transformers' grouped experts forward): rows sorted by
+        expert, ``offs[e]`` the end of expert ``e``'s; each expert's rows times its matrix taken
+        ``[in, out]`` (this tensor as transformers passes it: flipped, unless the served tensor is
+        stored transposed). The experts' base products are one executor request (``expert_rows``),
+        or one per expert where the executor does not take those; added terms (peft's LoRA on
+        experts) are computed here, per expert. Rows past ``offs[-1]`` (expert parallelism's
+        sentinels, never a client's) come back as zeros."""
+        tensor = self.expert_tensor
+        if self.flipped == tensor.transposed or bias is not None or out_dtype not in (None, rows.dtype):
+            return None
+        if not isinstance(offs, torch.Tensor) or offs.shape != (tensor.experts,) or rows.dim() != 2:
+            return None
+        ends = offs.tolist()
+        counts = [end - start for start, end in zip([0, *ends], ends)]
+        used = ends[-1]
+        x = rows[:used]
+        out = _base_products(self, x, counts)
+        if self.added:
+            out = out + _added_products(self, x, counts)
+        if used < rows.shape[0]:
+            out = torch.cat([out, out.new_zeros((rows.shape[0] - used, out.shape[1]))])
+        return out
 
     def __deepcopy__(self, memo):
         """A copy of the whole model gets layers of its own, as its registered VirtLayers do (a copy
         of the experts module alone is refused there: ``VirtLayer.__deepcopy__``)."""
         layers = copy.deepcopy(self.expert_layers, memo)
-        copied = ExpertWeights(self.expert_tensor, layers, copy.deepcopy(self.owner, memo), self.added)
+        copied = ExpertWeights(self.expert_tensor, layers, copy.deepcopy(self.owner, memo), self.added, self.flipped)
         copied._is_param = getattr(self, "_is_param", False)  # (a parameter stays one: serve_experts says why)
         return copied
 
     def __repr__(self) -> str:
         added = f", {len(self.added)} added" if self.added else ""
+        added += ", transposed" if self.flipped else ""
         return f"ExpertWeights({self.base_tensor_name}, shape={tuple(self.shape)}, dtype={self.dtype}{added}, served)"
+
+
+class _ExpertRowsLink:
+    """The link (``ops.LayerLink``) of one grouped product's base part: the rows of several experts
+    of one tensor, ``expert_rows[e]`` of them expert ``e``'s, in one request each way (its
+    backward, ``∂L/∂x``, is one request too)."""
+
+    def __init__(self, transport, layer_id: str, expert_rows: list[int], expert: ExecutorLink):
+        self.transport = transport
+        self.layer_id = layer_id
+        self.expert_rows = expert_rows
+        self.in_features, self.out_features = expert.in_features, expert.out_features
+
+    def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
+        return self.transport.call_expert_rows(self.layer_id, self.expert_rows, op, rows, latency_class)
+
+
+def _base_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert's rows of ``x`` times its base matrix (the executor's products)."""
+    layers, training = weights.expert_layers, weights.owner.training
+    hit = [e for e, n in enumerate(counts) if n]
+    links = [layers[e].link for e in hit]
+    transport = getattr(links[0], "transport", None) if links else None
+    if len(hit) > 1 and getattr(transport, "serves_expert_rows", False) and all(type(k) is ExecutorLink for k in links):
+        # (a wrapped link, activation noise's, must see its own calls: one request per expert then)
+        last = hit[-1] + 1
+        link = _ExpertRowsLink(transport, weights.expert_tensor.name, counts[:last], links[0])
+        return frozen_linear(x, link, training)
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            pieces.append(frozen_linear(x[start : start + n], layers[e].link, training))
+        start += n
+    if not pieces:
+        return x.new_zeros((0, layers[0].link.out_features))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _added_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert's rows of ``x`` times the terms added to its matrix (peft's LoRA on experts)."""
+    layout = "in_out" if weights.expert_tensor.transposed else "out_in"
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = x[start : start + n]
+            terms = [
+                times_added(rows, LowRank(d.left[e], d.right[e], d.alpha) if isinstance(d, LowRank) else d[e], layout)
+                for d in weights.added
+            ]
+            pieces.append(sum(terms[1:], terms[0]))
+        start += n
+    if not pieces:
+        return x.new_zeros((0, weights.expert_layers[0].link.out_features))
+    return torch.cat(pieces)
 
 
 def _experts_function(cls, func, types, args=(), kwargs=None):
@@ -105,15 +207,21 @@ def _experts_function(cls, func, types, args=(), kwargs=None):
         result = handler(*args, **kwargs)
         if result is not None:
             return result
+    grouped = _GROUPED_OPS.get(func)
+    if grouped is not None and len(args) > 1 and isinstance(args[1], ExpertWeights) and _takes(grouped, args, kwargs):
+        result = grouped(*args, **kwargs)
+        if result is not None:
+            return result
     try:
         return BaseWeightPlaceholder.__torch_function__.__func__(cls, func, types, args, kwargs)
     except BaseWeightAccessError as exc:
         name = next((a.base_tensor_name for a in args if isinstance(a, ExpertWeights)), "?")
         raise BaseWeightAccessError(
             f"{getattr(func, '__name__', func)} on served experts tensor {name!r} is not possible: a split model "
-            "uses its experts one at a time, in transformers' eager experts forward (F.linear(x, W[e]) or "
-            "x @ W[e], each the executor's product of that expert), and with peft's LoRA on them; any other use "
-            f"would read the weights, which never leave the executor. ({exc})"
+            "uses its experts in transformers' grouped experts forward (grouped_mm(x, W.transpose(-2, -1), offs): "
+            "the executor's products of the experts the tokens chose) or its eager one (F.linear(x, W[e]) or "
+            "x @ W[e]), and with peft's LoRA on them; any other use would read the weights, which never leave "
+            f"the executor. ({exc})"
         ) from None
 
 
@@ -139,8 +247,29 @@ def _plus_product(weights: ExpertWeights, left, right, *, beta=1, alpha=1):
     return weights.plus(LowRank(left.clone(), right.clone(), alpha))
 
 
+def _grouped(mat_a, mat_b: ExpertWeights, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` / ``F.grouped_mm`` / transformers' fallback op of rows and experts."""
+    if isinstance(mat_a, BaseWeightPlaceholder) or not isinstance(mat_a, torch.Tensor):
+        return None
+    return mat_b.grouped_product(mat_a, offs, bias, out_dtype)
+
+
+def _grouped_ops() -> dict:
+    ops = {torch._grouped_mm: _grouped}
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        ops[torch.nn.functional.grouped_mm] = _grouped
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:  # (registered when transformers' moe integration is imported: above)
+        ops[fallback] = ops[fallback.default] = _grouped
+    return ops
+
+
+_GROUPED_OPS = _grouped_ops()
+
 _EXPERTS_OPS = {
     torch.Tensor.__getitem__: ExpertWeights.expert_weight,
+    torch.Tensor.transpose: ExpertWeights.transposed,
+    torch.transpose: ExpertWeights.transposed,
     torch.add: _plus,
     torch.Tensor.add: _plus,
     torch.Tensor.__add__: _plus,
@@ -175,11 +304,11 @@ def serve_experts(
         layers = [layer_type(specs[layer_id], transport, device=device, dtype=dtype) for layer_id in tensor.layer_ids]
         module._parameters[param_name] = _as_parameter(ExpertWeights(tensor, layers, module))
         module._apply = types.MethodType(_apply_with_experts, module)
-        module.forward = types.MethodType(_eager_forward, module)
+        module.forward = types.MethodType(_served_forward, module)
         module._save_to_state_dict = types.MethodType(_save_without_experts, module)
         module._load_from_state_dict = types.MethodType(_load_without_experts, module)
     if tensors:
-        model.config._experts_implementation = "eager"
+        model.config._experts_implementation = "grouped_mm" if _grouped_forward is not None else "eager"
         model._ddp_params_and_buffers_to_ignore = _PlaceholderNames(model)
 
 
@@ -200,18 +329,22 @@ class _PlaceholderNames:
                 yield f"base_model.model.{name}"  # (as a PeftModel names it)
 
 
-def _eager_forward(module: nn.Module, *args, **kwargs):
-    """The experts' eager forward, whatever ``set_experts_implementation`` chose later (the others
-    multiply all experts at once, reading the weights); a graph break under ``torch.compile``, as
-    each VirtLayer's forward is: its tracer cannot take a tensor without data."""
+def _served_forward(module: nn.Module, *args, **kwargs):
+    """transformers' grouped experts forward (module docstring), whatever
+    ``set_experts_implementation`` chose later (the others read the weights: ``batched_mm``
+    gathers ``W[expert_ids]``, kernels take the tensor itself); the eager one with a transformers
+    that has none. A graph break under ``torch.compile``, as each VirtLayer's forward is: its
+    tracer cannot take a tensor without data."""
     if torch.compiler.is_compiling():
-        return _eager_forward_untraced(module, *args, **kwargs)
+        return _served_forward_untraced(module, *args, **kwargs)
+    if _grouped_forward is not None:
+        return _grouped_forward(module, *args, **kwargs)
     forward = type(module).forward
     eager = getattr(forward, "__wrapped__", forward)  # (under use_experts_implementation's dispatch)
     return eager(module, *args, **kwargs)
 
 
-_eager_forward_untraced = torch.compiler.disable(_eager_forward)
+_served_forward_untraced = torch.compiler.disable(_served_forward)
 
 
 def _as_parameter(weights: ExpertWeights) -> ExpertWeights:

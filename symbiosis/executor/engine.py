@@ -65,7 +65,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,13 +80,15 @@ from symbiosis.errors import (
     SymbiosisError,
     UnknownLayerError,
 )
+from symbiosis.executor import expert_rows as experts
 from symbiosis.executor.host_load import HostCpu
 from symbiosis.executor.requests import Batch, PendingRequest, RowSlice
 from symbiosis.executor.runner import aligned, apply_op, out_fits_product, run_batch
 from symbiosis.executor.scheduler import Lane, Scheduler
 from symbiosis.executor.weights import BaseModelWeights
+from symbiosis.protocol import check_expert_rows
 from symbiosis.threads import enter_background_priority, with_torch_threads
-from symbiosis.vocabulary import LatencyClass, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op, module_lists
 
 ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A driver (server socket thread) returns to its sockets after running products this long, even
@@ -164,6 +166,10 @@ class ExecutionEngine:
     def __init__(self, weights: BaseModelWeights, scheduler: Scheduler, clock: Callable[[], float] = time.monotonic):
         self.weights = weights
         self.scheduler = scheduler
+        # An MoE's experts tensors, by name: the layer ids of their experts (``expert_rows.py``).
+        self._module_lists = {
+            name: tuple(m.layer_id for m in members) for name, members in module_lists(weights.specs.values()).items()
+        }
         host_cpu = HostCpu()
         scheduler.read_host_load(host_cpu.busy_share, host_cpu.cores)  # the wait tuner's start depends on it
         self._clock = clock
@@ -244,7 +250,13 @@ class ExecutionEngine:
 
     # ---- front ---------------------------------------------------------------------------------
 
-    def validate(self, layer_id: str, op: Op, rows: torch.Tensor) -> None:
+    def validate(self, layer_id: str, op: Op, rows: torch.Tensor, expert_rows: Sequence[int] = ()) -> None:
+        if expert_rows or layer_id in self._module_lists:
+            members = self._module_lists.get(layer_id)
+            experts.check_takes(layer_id, members, expert_rows)
+            self.validate(members[0], op, rows)  # (its width and dtype: every member's)
+            check_expert_rows(layer_id, expert_rows, rows.shape[0])
+            return
         spec = self.weights.specs.get(layer_id)
         if spec is None:
             raise UnknownLayerError(
@@ -270,20 +282,23 @@ class ExecutionEngine:
         wake: bool = True,
         sink: ResultSink | None = None,
         borrowed: bool = False,
+        expert_rows: Sequence[int] = (),
     ) -> Future | ResultSink:
         """Enqueue a request; a waiting caller, a driver or the compute thread runs it. A driver
         that will call ``run_ready`` itself next passes ``wake=False`` (no one else is woken).
         The result goes to ``sink`` when given (returned), else to a new ``Future``.
+        ``expert_rows``: ``layer_id`` is an experts tensor, each expert's rows one part
+        (``expert_rows.py``); every part is queued now, and answered together.
 
         ``borrowed``: ``rows`` are the caller's only until this returns (a server's receive
         buffer, which its next message overwrites), so the engine keeps a copy -- one copy: the
         cast to its device or dtype when there is one. A server that cloned them itself and the
         cast then copied again spent 9-13% of its serving thread on the two (py-spy, 16-core H200
         host, decoders beside fine-tuning, docs/benchmarks/batching_h200)."""
-        self.validate(layer_id, op, rows)
+        self.validate(layer_id, op, rows, expert_rows)
         future: Future | ResultSink = Future() if sink is None else sink
         if rows.shape[0] == 0:
-            future.set_result(rows.new_empty((0, op.output_width(self.weights.specs[layer_id]))))
+            future.set_result(rows.new_empty((0, op.output_width(self._spec(layer_id)))))
             return future
         # Cast here: the computing thread only multiplies.
         cast = not self._is_local(rows)
@@ -292,10 +307,23 @@ class ExecutionEngine:
         else:
             local = rows.clone() if borrowed else rows
         with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
-            self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, cast)
+            if expert_rows:
+                parts = experts.parts_of(self._module_lists[layer_id], expert_rows)
+                output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
+                joined = experts.JoinedResult(future, output, len(parts))
+                for member, start, stop in parts:
+                    part = joined.part(start, stop)
+                    self._enqueue(client_id, member, op, local[start:stop], rows[start:stop], latency_class, part, cast)
+            else:
+                self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, cast)
             if wake:
                 self._wake_others()
         return future
+
+    def _spec(self, layer_id: str) -> LayerSpec:
+        """The spec of a layer, or of an experts tensor's experts."""
+        members = self._module_lists.get(layer_id)
+        return self.weights.specs[layer_id if members is None else members[0]]
 
     def attach_driver(self, wake: Callable[[], None]) -> None:
         """A thread that will call ``run_ready`` whenever ``wake()`` is called (from any thread) and
@@ -353,9 +381,18 @@ class ExecutionEngine:
             best.notify()
 
     def call(
-        self, client_id: str, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, timeout_s: float
+        self,
+        client_id: str,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        timeout_s: float,
+        expert_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Run a request and return its result, computing ready batches in this thread (see module doc)."""
+        if expert_rows or layer_id in self._module_lists:
+            return self._call_expert_rows(client_id, layer_id, op, rows, latency_class, timeout_s, expert_rows)
         self.validate(layer_id, op, rows)
         if rows.shape[0] == 0:
             return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
@@ -406,6 +443,22 @@ class ExecutionEngine:
                     self._wake_a_runner()  # this caller may have been the one woken to run the next batch
         return future.result()
 
+    def _call_expert_rows(self, client_id, layer_id, op, rows, latency_class, timeout_s, expert_rows) -> torch.Tensor:
+        """``call`` with ``expert_rows`` (``submit``): alone when it can be, else each expert's rows
+        as a call of its own (a caller in this process has no round trip to save)."""
+        self.validate(layer_id, op, rows, expert_rows)
+        output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
+        if rows.shape[0] == 0:
+            return output
+        result = self.try_alone(client_id, layer_id, op, rows, latency_class, expert_rows=expert_rows)
+        if result is not None:
+            return result
+        deadline = self._clock() + timeout_s
+        for member, start, stop in experts.parts_of(self._module_lists[layer_id], expert_rows):
+            left_s = max(0.0, deadline - self._clock())
+            output[start:stop] = self.call(client_id, member, op, rows[start:stop], latency_class, left_s)
+        return output
+
     def _is_local(self, rows: torch.Tensor) -> bool:
         """Whether ``rows`` are already in the executor's dtype and on its device: the usual case,
         told apart without a no-op ``to`` (a microsecond or two on every request that pays it)."""
@@ -429,6 +482,7 @@ class ExecutionEngine:
         latency_class: LatencyClass,
         out: torch.Tensor | None = None,
         align: bool = False,
+        expert_rows: Sequence[int] = (),
     ) -> torch.Tensor | None:
         """For a driver: the result of a valid, non-empty request computed at once in this thread
         when nothing could share its batch (``client_id`` alone, or nothing pending and no rule in
@@ -442,7 +496,18 @@ class ExecutionEngine:
 
         ``out``: where the driver will send the result from (a shared-memory reply region); the
         product is written straight into it when the rows are in the executor's dtype (and
-        ``out`` suits ``apply_op``), and the result is then ``out`` itself."""
+        ``out`` suits ``apply_op``), and the result is then ``out`` itself.
+
+        ``expert_rows``: see ``submit``; validated here (a driver validated only what the wire
+        protocol checks). Alone as its first expert's request would be, every expert's product
+        is then computed in turn."""
+        parts = None
+        if expert_rows or layer_id in self._module_lists:
+            self.validate(layer_id, op, rows, expert_rows)
+            parts = experts.parts_of(self._module_lists[layer_id], expert_rows)
+            if not parts:
+                return None  # (no rows: ``submit`` answers at once)
+            layer_id, out = parts[0][0], None
         lane = self._latency_lane
         if lane is not None and self.scheduler.lane_of(latency_class, rows.shape[0]) is not Lane.LATENCY:
             lane = None  # bulk work is alone only with no one else there
@@ -469,6 +534,8 @@ class ExecutionEngine:
             with self._lock:
                 self._computing_done()
             raise
+        if parts is not None:
+            return self._run_alone_parts(client_id, op, local, rows, latency_class, parts)
         return self._run_alone(client_id, layer_id, op, local, rows, latency_class, out)
 
     def _run_alone(self, client_id, layer_id, op, local, rows, latency_class, out=None) -> torch.Tensor:
@@ -496,18 +563,43 @@ class ExecutionEngine:
         finally:
             cost = self._product_clock() - cpu_started if timed else None
             with self._lock:
-                counters = self._per_layer[layer_id]
-                counters.requests += 1
-                counters.rows += local.shape[0]
-                counters.batches += 1
-                counters.batch_rows += local.shape[0]
-                counters.latency_s += self._clock() - started
-                self.scheduler.served_alone(client_id, local.shape[0], latency_class, layer_id, op, cost)
-                self._batches_run_by["alone"] += 1
+                self._served_alone(client_id, layer_id, op, local.shape[0], latency_class, cost, started)
                 self._computing_done(queue_changed=False)
         if local is rows and result.dtype is rows.dtype:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
+
+    def _run_alone_parts(self, client_id, op, local, rows, latency_class, parts) -> torch.Tensor:
+        """``_run_alone`` of an expert-rows request: each expert's product in turn, into one result."""
+        timed = self._times_latency_product()
+        started = self._clock()
+        output = local.new_empty((local.shape[0], op.output_width(self.weights.specs[parts[0][0]])))
+        costs: list[float | None] = []
+        try:
+            with torch.no_grad():  # (see ``_compute``)
+                for member, start, stop in parts:
+                    cpu_started = self._product_clock() if timed else 0.0
+                    output[start:stop] = apply_op(self.weights.layers[member], op, local[start:stop])
+                    costs.append(self._product_clock() - cpu_started if timed else None)
+        finally:
+            with self._lock:
+                for (member, start, stop), cost in zip(parts, costs):  # (those computed)
+                    self._served_alone(client_id, member, op, stop - start, latency_class, cost, started)
+                self._computing_done(queue_changed=False)
+        if local is rows and output.dtype is rows.dtype:
+            return output
+        return output.to(device=rows.device, dtype=rows.dtype)
+
+    def _served_alone(self, client_id, layer_id, op, rows: int, latency_class, cost, started: float) -> None:
+        """The counters of a product served alone (holding the lock), and the scheduler told."""
+        counters = self._per_layer[layer_id]
+        counters.requests += 1
+        counters.rows += rows
+        counters.batches += 1
+        counters.batch_rows += rows
+        counters.latency_s += self._clock() - started
+        self.scheduler.served_alone(client_id, rows, latency_class, layer_id, op, cost)
+        self._batches_run_by["alone"] += 1
 
     def _enqueue(self, client_id, layer_id, op, local, rows, latency_class, future, cast: bool) -> int:
         """Record the request and hand it to the scheduler (holding ``_cond``). ``cast``: whether

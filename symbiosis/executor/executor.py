@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -139,14 +139,27 @@ class BaseExecutor:
         wake: bool = True,
         sink: ResultSink | None = None,
         borrowed: bool = False,
+        expert_rows: Sequence[int] = (),
     ) -> Future[torch.Tensor] | ResultSink:
         """See ``ExecutionEngine.submit`` (``sink``: where the result goes instead of a new future;
-        ``borrowed``: ``rows`` are valid only until this returns)."""
+        ``borrowed``: ``rows`` are valid only until this returns; ``expert_rows``: the rows of
+        several experts of the experts tensor ``layer_id``, ``protocol.Request``)."""
         op = op if type(op) is Op else Op(op)  # an enum call costs a microsecond on the queued path
         latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
         return self._engine.submit(
-            client_id, layer_id, op, rows, latency_class, wake=wake, sink=sink, borrowed=borrowed
+            client_id,
+            layer_id,
+            op,
+            rows,
+            latency_class,
+            wake=wake,
+            sink=sink,
+            borrowed=borrowed,
+            expert_rows=expert_rows,
         )
+
+    #: Requests may carry ``expert_rows`` (said in ``Welcome.expert_rows``; a sharded executor does not).
+    serves_expert_rows = True
 
     def attach_driver(self, wake) -> None:
         """See ``ExecutionEngine.attach_driver``: a server thread that runs ready batches itself."""
@@ -155,9 +168,9 @@ class BaseExecutor:
     def detach_driver(self, wake) -> None:
         self._engine.detach_driver(wake)
 
-    def validate(self, layer_id: str, op: Op, rows: torch.Tensor) -> None:
+    def validate(self, layer_id: str, op: Op, rows: torch.Tensor, expert_rows: Sequence[int] = ()) -> None:
         """Raise the typed error ``submit`` would raise for this request (unknown layer, bad shape or dtype)."""
-        self._engine.validate(layer_id, op, rows)
+        self._engine.validate(layer_id, op, rows, expert_rows)
 
     def try_alone(
         self,
@@ -167,6 +180,7 @@ class BaseExecutor:
         rows: torch.Tensor,
         latency_class: LatencyClass,
         out: torch.Tensor | None = None,
+        expert_rows: Sequence[int] = (),
     ):
         """For a driver: the result now if nothing could share its batch (no other client, or
         nothing pending and no rule in force holding it for another: ``Scheduler.serves_at_once``),
@@ -175,8 +189,8 @@ class BaseExecutor:
         the result from (e.g. a shared-memory reply region); the product is computed straight into
         it when it can be (see ``ExecutionEngine.try_alone``). ``rows`` may lie anywhere (a ZeroMQ
         frame's bytes): they are aligned here, in the thread that computes, when this request is
-        served at once (``runner.aligned``)."""
-        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, align=True)
+        served at once (``runner.aligned``). ``expert_rows``: see ``submit`` (validated here)."""
+        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, True, expert_rows)
 
     def run_ready(self) -> float | None:
         """Run every batch ready now in the calling thread; the next wake-up time (monotonic) or None."""
@@ -190,13 +204,14 @@ class BaseExecutor:
         rows: torch.Tensor,
         latency_class: LatencyClass,
         timeout_s: float = 300.0,
+        expert_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Blocking ``submit`` for in-process clients: the calling thread runs ready batches itself
         (its own rows and any rows others queued meanwhile), so a lone client pays no thread
         hand-off while concurrent ones still share products. Raises ``ExecutorTimeoutError``."""
         op = op if type(op) is Op else Op(op)  # enum lookups cost more than the check
         latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
-        return self._engine.call(client_id, layer_id, op, rows, latency_class, timeout_s)
+        return self._engine.call(client_id, layer_id, op, rows, latency_class, timeout_s, expert_rows)
 
     # ---- conveniences --------------------------------------------------------------------------
 

@@ -44,7 +44,15 @@ from symbiosis.executor.quantized import (
     StackedWeights,
     parse_quantization,
 )
-from symbiosis.vocabulary import GROUP_SEPARATOR, LayerSpec, group_id, group_members, sibling_blocks
+from symbiosis.vocabulary import (
+    GROUP_SEPARATOR,
+    LayerSpec,
+    group_id,
+    group_members,
+    module_list_spec,
+    module_lists,
+    sibling_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,9 @@ class _GroupResolver:
     """Group id -> (spec, weights) of a contiguous run of one sibling block, cached.
 
     Only ids that name such a run are resolved (and cached): there are at most ``k(k-1)/2`` of
-    them per block of ``k`` members, so a client cannot grow the cache with made-up ids."""
+    them per block of ``k`` members, so a client cannot grow the cache with made-up ids. A module
+    list's name (an MoE's experts tensor, named by requests with ``expert_rows``) resolves to its
+    members' spec and no weights: the engine serves each member's rows with the member's own."""
 
     def __init__(
         self,
@@ -130,10 +140,12 @@ class _GroupResolver:
         self._blocks = blocks
         self._block_weights = block_weights
         self._resolved: dict[str, tuple[LayerSpec, StoredLayer]] = {}
+        self._lists = {name: module_list_spec(name, specs) for name in module_lists(specs.values())}
 
-    def resolve(self, layer_id: str) -> tuple[LayerSpec, StoredLayer] | None:
+    def resolve(self, layer_id: str) -> tuple[LayerSpec, StoredLayer | None] | None:
         if GROUP_SEPARATOR not in layer_id:
-            return None
+            spec = self._lists.get(layer_id)
+            return None if spec is None else (spec, None)
         found = self._resolved.get(layer_id)
         if found is not None:
             return found
@@ -172,7 +184,7 @@ class _Registry(Mapping):
         if found is not None:
             return found
         resolved = self._resolver.resolve(layer_id) if isinstance(layer_id, str) else None
-        if resolved is None:
+        if resolved is None or resolved[self._part] is None:
             raise KeyError(layer_id)
         return resolved[self._part]
 

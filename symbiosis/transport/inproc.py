@@ -8,7 +8,7 @@ threads still meet in the executor's scheduler and are batched like remote ones.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -57,6 +57,20 @@ class InProcTransport:
         except TimeoutError as exc:
             future.cancel()
             raise ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {self.timeout_s} s") from exc
+
+    @property
+    def serves_expert_rows(self) -> bool:
+        """Whether the service takes ``call_expert_rows`` (``BaseExecutor`` does)."""
+        return bool(getattr(self.service, "serves_expert_rows", False)) and hasattr(self.service, "call")
+
+    def call_expert_rows(
+        self, layer_id: str, expert_rows: Sequence[int], op: Op, rows: torch.Tensor, latency_class: LatencyClass
+    ) -> torch.Tensor:
+        """``call`` for the rows of several experts of the experts tensor ``layer_id`` at once
+        (``protocol.Request.expert_rows``)."""
+        if self._closed:
+            raise ExecutorUnavailableError(f"transport of client {self.client_id!r} is closed")
+        return self.service.call(self.client_id, layer_id, op, rows, latency_class, self.timeout_s, expert_rows)
 
     def close(self) -> None:
         if not self._closed:

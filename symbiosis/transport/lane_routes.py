@@ -95,7 +95,9 @@ class LaneRoutes:
         return self._receive_buffer
 
     def route(self, req: P.Request) -> Route | None:
-        """The route of ``req``'s header, or None if it is not valid (the general path says why)."""
+        """The route of ``req``'s header, or None if it is not valid (the general path says why).
+        A request with ``expert_rows`` takes its experts tensor's route: the executor checks the
+        counts (``try_alone``, ``submit``)."""
         key = (req.layer_id, req.op, req.dtype, req.latency_class, req.version)
         route = self._routes.get(key)
         if route is None and len(self._routes) < MAX_ROUTES and req.version == P.PROTOCOL_VERSION:

@@ -43,6 +43,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from symbiosis import protocol as P
@@ -176,18 +177,7 @@ class ShmTransport(ZmqTransport):
         except BaseException:
             self._release(buffer, reusable=True)
             raise
-        request = P.Request(
-            request.version,
-            request.client_id,
-            request.request_id,
-            request.layer_id,
-            request.op,
-            request.dtype,
-            request.shape,
-            request.latency_class,
-            shm_name=buffer.segment_id,
-            shm_offset=0,
-        )
+        request = msgspec.structs.replace(request, shm_name=buffer.segment_id, shm_offset=0)
         return request, [P.encode(request)], buffer
 
     def _decode(self, reply: P.Reply, payload: list[memoryview], lease: Any) -> torch.Tensor:

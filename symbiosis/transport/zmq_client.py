@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -526,6 +526,36 @@ class ZmqTransport:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
+    @property
+    def serves_expert_rows(self) -> bool:
+        """Whether the executor takes ``call_expert_rows`` (its latest ``Welcome`` says so)."""
+        welcome = self._welcome
+        return welcome is not None and welcome.expert_rows
+
+    def call_expert_rows(
+        self, layer_id: str, expert_rows: Sequence[int], op: Op, rows: torch.Tensor, latency_class: LatencyClass
+    ) -> torch.Tensor:
+        """``call`` for the rows of several experts of the experts tensor ``layer_id``, ``expert_rows[i]``
+        of them expert ``i``'s, one after another (``protocol.Request.expert_rows``): one round trip."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        op, latency_class = Op(op), LatencyClass(latency_class)
+        expert_rows = list(expert_rows)
+        staged = None
+        try:
+            result = self._call_on_lane_inline(layer_id, op, rows, latency_class, deadline, expert_rows)
+            if result is not None:
+                return result
+            staged = self._stage(rows)
+            result = self._call_once(layer_id, op, staged, latency_class, deadline, expert_rows)
+        except ExecutorUnavailableError as exc:
+            if self._closed:
+                raise
+            if staged is None:
+                staged = self._stage(rows)
+            result = self._call_retrying(layer_id, op, staged, latency_class, started, deadline, exc, expert_rows)
+        return result.to(device=rows.device, dtype=rows.dtype)
+
     def _call_retrying(
         self,
         layer_id: str,
@@ -535,6 +565,7 @@ class ZmqTransport:
         started: float,
         deadline: float,
         first: ExecutorUnavailableError,
+        expert_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """The further attempts of a call whose first attempt found the executor unavailable (lost
         connection, restart): re-handshake and retry with exponential backoff (at most a second
@@ -564,7 +595,7 @@ class ZmqTransport:
                     # A handshake ends by ``connect_by`` (a tenth of a second at least: the last
                     # attempt may start just before it), not ``connect_timeout_s`` from now.
                     self._live_connection(max(connect_by, min(deadline, time.monotonic() + 0.1)))
-                    result = self._call_once(layer_id, op, staged, latency_class, deadline)
+                    result = self._call_once(layer_id, op, staged, latency_class, deadline, expert_rows)
         except ExecutorUnavailableError as exc:
             if self._closed:
                 raise
@@ -746,7 +777,13 @@ class ZmqTransport:
             return self._conn
 
     def _call_once(
-        self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, deadline: float
+        self,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        deadline: float,
+        expert_rows: list[int] | None = None,
     ) -> torch.Tensor:
         conn = self._conn
         if conn is None or conn.dead is not None or self._closed:
@@ -766,6 +803,7 @@ class ZmqTransport:
             P.dtype_name(rows.dtype),
             list(rows.shape),
             latency_class.value,
+            expert_rows=expert_rows or [],
         )
         request, frames, lease = self._encode(request, rows)
         lane = conn.lane
@@ -787,7 +825,13 @@ class ZmqTransport:
         return self._finish(conn, reply, [frame.buffer for frame in payload], lease)
 
     def _call_on_lane_inline(
-        self, layer_id: str, op: Op, rows: torch.Tensor, latency_class: LatencyClass, deadline: float
+        self,
+        layer_id: str,
+        op: Op,
+        rows: torch.Tensor,
+        latency_class: LatencyClass,
+        deadline: float,
+        expert_rows: list[int] | None = None,
     ) -> torch.Tensor | None:
         """The usual call in a few steps: inline rows on a free lane, for a layer, op and dtype
         checked once against the ``Welcome`` (``_LaneShape``). None (nothing sent) when the call
@@ -827,6 +871,7 @@ class ZmqTransport:
                 shape.wire_dtype,
                 [n, shape.in_width],
                 latency_class,
+                expert_rows=expert_rows or [],
             )
         )
         try:

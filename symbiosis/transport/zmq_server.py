@@ -302,6 +302,8 @@ class ZmqServer:
         # its cast to its device or dtype: ``ExecutionEngine.submit``); else they are cloned here.
         self._takes_borrowed = "borrowed" in inspect.signature(service.submit).parameters
         self._lend: dict[str, bool] = {"borrowed": True} if self._takes_borrowed else {}  # made once, not per call
+        # Whether requests may carry expert_rows (told to clients in the Welcome).
+        self._expert_rows = bool(getattr(service, "serves_expert_rows", False))
         self._submitted = False  # requests went to the executor since the last _drive
         self._auth: Any = None  # the ZAP handler (zmq ThreadAuthenticator) while CURVE is on
         self._address = ""
@@ -632,6 +634,8 @@ class ZmqServer:
         general path's checks -- which then serves it, or refuses it with the typed error."""
         if self._close_request is not None or req.client_id != session.client_id:
             return False
+        if req.expert_rows and not self._expert_rows:
+            return False  # (refused on the general path)
         routes = self._lane_routes
         assert routes is not None
         route = routes.route(req)
@@ -646,13 +650,21 @@ class ZmqServer:
         try:
             # Asked whatever the number of sessions: a client that reconnected has two until the
             # old one ends, and is still alone (test_an_executor_error_on_the_fast_path_...).
-            result = (
-                self._service.try_alone(
+            if not self._driving:
+                result = None
+            elif req.expert_rows:  # (only then: a sharded executor's ``try_alone`` takes no expert_rows)
+                result = self._service.try_alone(
+                    session.client_id,
+                    route.layer_id,
+                    route.shape.op,
+                    rows,
+                    route.latency_class,
+                    expert_rows=req.expert_rows,
+                )
+            else:
+                result = self._service.try_alone(
                     session.client_id, route.layer_id, route.shape.op, rows, route.latency_class, slot.out
                 )
-                if self._driving
-                else None
-            )
             if result is None:
                 self._queue_routed(key, lane, session, req, route, rows)
                 return True
@@ -973,6 +985,7 @@ class ZmqServer:
             routes=self._routes,
             lane_port=self._lane_listener.port if self._lane_listener is not None else 0,
             latency_rows=getattr(self._service, "latency_rows", None) or 0,
+            expert_rows=self._expert_rows,
         )
         self.send(identity, welcome)
 
@@ -1004,6 +1017,8 @@ class ZmqServer:
             if channel is None:
                 kind = {"shm": "shared-memory (offered on ipc:// binds only)", "dist": "torch.distributed"}[name]
                 raise ProtocolError(f"this executor does not accept {kind} requests")
+            if req.expert_rows and not self._expert_rows:
+                raise ProtocolError("this executor does not take requests with expert_rows (its Welcome says so)")
             if session.inflight or session.unsent.nbytes or session.backlog:  # one alone is always admitted
                 self._admit(session, req)  # before the channel touches a payload byte
             accepted = channel.accept(session, key, req, payload)
@@ -1059,7 +1074,12 @@ class ZmqServer:
             return False
         req = entry.request
         op, latency_class = OPS_BY_VALUE[req.op], LATENCY_CLASSES_BY_VALUE[req.latency_class]  # validated
-        result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class, out=out)
+        if req.expert_rows:  # (only then: a sharded executor's ``try_alone`` takes no expert_rows)
+            result = self._service.try_alone(
+                entry.session.client_id, req.layer_id, op, rows, latency_class, expert_rows=req.expert_rows
+            )
+        else:
+            result = self._service.try_alone(entry.session.client_id, req.layer_id, op, rows, latency_class, out=out)
         if result is None:
             return False
         self._count(stats_key, "requests")
@@ -1072,6 +1092,8 @@ class ZmqServer:
         ``borrowed``: they lie in a buffer this thread reuses (see ``_takes_borrowed``)."""
         req = entry.request
         lent = self._lend if borrowed else _NOT_LENT
+        if req.expert_rows:
+            lent = {**lent, "expert_rows": req.expert_rows}
         if borrowed and not self._takes_borrowed:
             rows = rows.clone()
         client_id, op, latency_class = (

@@ -1,0 +1,198 @@
+"""One request for the rows of several experts (``expert_rows``: symbiosis/executor/expert_rows.py).
+
+A split MoE model's experts module runs transformers' grouped forward, whose product over all the
+experts its tokens chose is one executor request per experts tensor (and one for its backward),
+where it was one per expert. The executor serves each expert's rows with that expert's own layer,
+and refuses what does not add up with typed errors, staying up. Exactness of whole models over
+every transport: tests/test_more_architectures.py, tests/test_split_reference.py.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
+from symbiosis.executor.executor import BaseExecutor
+from symbiosis.transport.zmq_client import ZmqTransport
+from symbiosis.vocabulary import LatencyClass, Op
+from tests.reference import close_client
+from tests.sharding_helpers import ranks_in_threads, serve_all
+from tests.test_moe_experts import mixtral_checkpoint
+
+TENSOR = "model.layers.0.mlp.experts.gate_up_proj"
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
+
+
+def expert(e: int) -> str:
+    return f"{TENSOR}.{e}"
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A tiny Mixtral checkpoint (4 experts, top 2), an executor of it and its tcp address."""
+    path = mixtral_checkpoint(tmp_path_factory.mktemp("mixtral"))
+    with BaseExecutor.from_pretrained(path) as executor:
+        server = executor.serve("tcp://127.0.0.1:0")
+        try:
+            yield path, executor, server.address
+        finally:
+            server.close()
+
+
+@pytest.fixture
+def transport(mixtral):
+    connection = ZmqTransport(mixtral[2])
+    yield connection
+    connection.close()
+
+
+def rows_for(executor, op: Op, counts) -> torch.Tensor:
+    spec = executor.layer_specs()[expert(0)]
+    return torch.randn(sum(counts), op.input_width(spec), generator=torch.Generator().manual_seed(sum(counts)))
+
+
+def one_by_one(executor, op: Op, rows: torch.Tensor, counts) -> torch.Tensor:
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            pieces.append(executor.run(expert(e), op, rows[start : start + n]))
+        start += n
+    return torch.cat(pieces)
+
+
+COUNTS = [[3, 0, 2, 1], [0, 4], [0, 0, 0, 5], [1]]
+
+
+@pytest.mark.parametrize("op", [Op.FORWARD, Op.BACKWARD])
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+def test_a_request_for_several_experts_rows_is_each_experts_product(mixtral, transport, op, counts):
+    """In-process (served alone), queued (``submit``: each expert's rows a request of its own,
+    answered together) and over tcp: what each expert's own request gives."""
+    _, executor, _ = mixtral
+    rows = rows_for(executor, op, counts)
+    expected = one_by_one(executor, op, rows, counts)
+    alone = executor.call("alone", TENSOR, op, rows, LatencyClass.DECODE, expert_rows=counts)
+    queued = executor.submit("queued", TENSOR, op, rows, LatencyClass.FINETUNE, expert_rows=counts).result(30)
+    remote = transport.call_expert_rows(TENSOR, counts, op, rows, LatencyClass.DECODE)
+    for result in (alone, queued, remote):
+        torch.testing.assert_close(result, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_parts_from_several_clients_are_answered_each_with_its_own_rows(mixtral):
+    """Queued from threads of two clients at once: every part completes its own request."""
+    _, executor, _ = mixtral
+    counts = [[2, 3, 0, 1], [0, 1, 4, 2]]
+    rows = [rows_for(executor, Op.FORWARD, c) for c in counts]
+    futures = [
+        executor.submit(f"client-{i}", TENSOR, Op.FORWARD, rows[i], LatencyClass.DECODE, expert_rows=counts[i])
+        for i in range(2)
+    ]
+    for i, future in enumerate(futures):
+        expected = one_by_one(executor, Op.FORWARD, rows[i], counts[i])
+        torch.testing.assert_close(future.result(30), expected, atol=1e-6, rtol=1e-6)
+
+
+BAD = {
+    "sum": (TENSOR, [2, 2], 3, ShapeError),
+    "negative": (TENSOR, [4, -1], 3, ShapeError),
+    "too_many_counts": (TENSOR, [1, 1, 1, 1, 1], 5, ShapeError),
+    "not_experts": ("model.layers.0.self_attn.q_proj", [3], 3, UnknownLayerError),
+    "no_counts": (TENSOR, [], 3, ShapeError),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_what_does_not_add_up_is_refused_with_a_typed_error_and_the_executor_stays_up(mixtral, transport, case):
+    _, executor, _ = mixtral
+    layer_id, counts, n, error = BAD[case]
+    rows = torch.randn(n, executor.layer_specs()[expert(0)].in_features)
+    with pytest.raises(error):
+        executor.call("c", layer_id, Op.FORWARD, rows, LatencyClass.DECODE, expert_rows=counts)
+    with pytest.raises(error):
+        if counts:
+            transport.call_expert_rows(layer_id, counts, Op.FORWARD, rows, LatencyClass.DECODE)
+        else:  # (an experts tensor named in a plain request)
+            transport.call(layer_id, Op.FORWARD, rows, LatencyClass.DECODE)
+    good = rows_for(executor, Op.FORWARD, [1, 2])
+    torch.testing.assert_close(
+        transport.call_expert_rows(TENSOR, [1, 2], Op.FORWARD, good, LatencyClass.DECODE),
+        one_by_one(executor, Op.FORWARD, good, [1, 2]),
+        atol=1e-6,
+        rtol=1e-6,
+    )
+
+
+def counted_calls(model) -> collections.Counter:
+    """Calls of the model's transport, by kind (``call``, ``call_expert_rows``), from now on."""
+    transport = model.symbiosis_transport
+    counts: collections.Counter = collections.Counter()
+    for kind in ("call", "call_expert_rows"):
+        original = getattr(transport, kind)
+
+        def counting(*args, _original=original, _kind=kind, **kwargs):
+            counts[_kind] += 1
+            return _original(*args, **kwargs)
+
+        setattr(transport, kind, counting)
+    return counts
+
+
+def loss_and_input_grad(model):
+    embeddings = model.get_input_embeddings()(IDS).detach().requires_grad_()
+    loss = model(inputs_embeds=embeddings, labels=IDS).loss
+    loss.backward()
+    return loss.detach(), embeddings.grad
+
+
+def test_a_split_moe_model_asks_once_per_experts_tensor_each_way(mixtral, monkeypatch):
+    """Forward and backward of 16 tokens (top 2 of 4 experts: several experts each): one request
+    per experts tensor and way; with an executor that does not take them, one per expert, and
+    the same loss and gradients."""
+    path, _, address = mixtral
+    model = symbiosis.load_client_model(path, executor=address)
+    try:
+        calls = counted_calls(model)
+        grouped = loss_and_input_grad(model)
+        layers = model.config.num_hidden_layers
+        assert calls["call_expert_rows"] == 2 * 2 * layers  # (gate_up and down, forward and backward)
+        monkeypatch.setattr(ZmqTransport, "serves_expert_rows", property(lambda self: False))
+        calls.clear()
+        one_by_one_ = loss_and_input_grad(model)
+        assert calls["call_expert_rows"] == 0 and calls["call"] > 2 * 2 * 2 * layers
+        torch.testing.assert_close(grouped, one_by_one_, atol=1e-6, rtol=1e-5)
+    finally:
+        close_client(model)
+
+
+def test_activation_noise_sees_each_experts_calls(mixtral):
+    """A wrapped link (activation noise) must see its own layer's calls: one request per expert."""
+    path, _, address = mixtral
+    model = symbiosis.load_client_model(path, executor=address)
+    try:
+        calls = counted_calls(model)
+        with symbiosis.enable_activation_noise(model, seed=0), torch.no_grad():
+            model(IDS)
+        assert calls["call_expert_rows"] == 0 and calls["call"] > 0
+    finally:
+        close_client(model)
+
+
+def test_a_sharded_executor_says_it_takes_none_and_refuses_them(tmp_path):
+    """Its experts may lie on several ranks: clients call each expert (exact:
+    tests/test_sharded.py::test_a_sharded_executor_serves_moe_experts)."""
+    path = mixtral_checkpoint(tmp_path)
+    with ranks_in_threads(path, 2, "layers") as ranks:
+        transport = ZmqTransport(serve_all(ranks))
+        try:
+            transport.layer_specs()
+            assert transport.serves_expert_rows is False
+            rows = torch.randn(2, transport.layer_specs()[expert(0)].in_features)
+            with pytest.raises(ProtocolError, match="expert_rows"):
+                transport.call_expert_rows(TENSOR, [1, 1], Op.FORWARD, rows, LatencyClass.DECODE)
+            assert transport.call(expert(0), Op.FORWARD, rows, LatencyClass.DECODE).shape[0] == 2
+        finally:
+            transport.close()
