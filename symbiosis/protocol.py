@@ -13,6 +13,7 @@ server or make it allocate a tensor of a size the client merely *declared*.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 
 import msgspec
@@ -258,6 +259,18 @@ def validate_request(header: Request, payload_nbytes: int, specs: Mapping[str, L
     if header.expert_rows:
         check_expert_rows(header.layer_id, header.expert_rows, shape[0])
     return spec
+
+
+def expert_row_counts(counts) -> list[int]:
+    """A caller's ``expert_rows`` (a list, a tuple, numpy or tensor integers) as a list of Python
+    ints, as the header carries them; ``ShapeError`` for anything else."""
+    try:
+        ints = [operator.index(n) for n in counts]
+    except TypeError:
+        ints = None
+    if ints is None or any(not -(2**63) <= n < 2**63 for n in ints):  # (what msgpack carries)
+        raise ShapeError(f"expert_rows must be integer row counts, got {list(counts)[:16]}")
+    return ints
 
 
 def check_expert_rows(layer_id: str, expert_rows, rows: int) -> None:

@@ -309,7 +309,8 @@ class ExecutionEngine:
         with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
             if expert_rows:
                 parts = experts.parts_of(self._module_lists[layer_id], expert_rows)
-                output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
+                with torch.inference_mode(False):  # (the runners' threads write into it)
+                    output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
                 joined = experts.JoinedResult(future, output, len(parts))
                 for member, start, stop in parts:
                     part = joined.part(start, stop)
@@ -535,7 +536,7 @@ class ExecutionEngine:
                 self._computing_done()
             raise
         if parts is not None:
-            return self._run_alone_parts(client_id, op, local, rows, latency_class, parts)
+            return self._run_alone_parts(client_id, op, local, rows, latency_class, parts, align)
         return self._run_alone(client_id, layer_id, op, local, rows, latency_class, out)
 
     def _run_alone(self, client_id, layer_id, op, local, rows, latency_class, out=None) -> torch.Tensor:
@@ -569,8 +570,10 @@ class ExecutionEngine:
             return result
         return result.to(device=rows.device, dtype=rows.dtype)
 
-    def _run_alone_parts(self, client_id, op, local, rows, latency_class, parts) -> torch.Tensor:
-        """``_run_alone`` of an expert-rows request: each expert's product in turn, into one result."""
+    def _run_alone_parts(self, client_id, op, local, rows, latency_class, parts, align: bool) -> torch.Tensor:
+        """``_run_alone`` of an expert-rows request: each expert's product in turn, into one result.
+        ``align``: each expert's rows aligned as a batch's are (``run_batch``), so that the products
+        are the bits the queued path gives (a slice of aligned rows need not be aligned)."""
         timed = self._times_latency_product()
         started = self._clock()
         output = local.new_empty((local.shape[0], op.output_width(self.weights.specs[parts[0][0]])))
@@ -579,7 +582,8 @@ class ExecutionEngine:
             with torch.no_grad():  # (see ``_compute``)
                 for member, start, stop in parts:
                     cpu_started = self._product_clock() if timed else 0.0
-                    output[start:stop] = apply_op(self.weights.layers[member], op, local[start:stop])
+                    part = aligned(local[start:stop]) if align else local[start:stop]
+                    output[start:stop] = apply_op(self.weights.layers[member], op, part)
                     costs.append(self._product_clock() - cpu_started if timed else None)
         finally:
             with self._lock:

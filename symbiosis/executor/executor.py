@@ -20,6 +20,7 @@ from symbiosis.executor import matmul_forms
 from symbiosis.executor.engine import ExecutionEngine, ResultSink
 from symbiosis.executor.scheduler import Scheduler, SchedulerConfig
 from symbiosis.executor.weights import BaseModelWeights
+from symbiosis.protocol import expert_row_counts
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
 DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -155,7 +156,7 @@ class BaseExecutor:
             wake=wake,
             sink=sink,
             borrowed=borrowed,
-            expert_rows=expert_rows,
+            expert_rows=_counts(expert_rows),
         )
 
     #: Requests may carry ``expert_rows`` (said in ``Welcome.expert_rows``; a sharded executor does not).
@@ -170,7 +171,7 @@ class BaseExecutor:
 
     def validate(self, layer_id: str, op: Op, rows: torch.Tensor, expert_rows: Sequence[int] = ()) -> None:
         """Raise the typed error ``submit`` would raise for this request (unknown layer, bad shape or dtype)."""
-        self._engine.validate(layer_id, op, rows, expert_rows)
+        self._engine.validate(layer_id, op, rows, _counts(expert_rows))
 
     def try_alone(
         self,
@@ -190,7 +191,7 @@ class BaseExecutor:
         it when it can be (see ``ExecutionEngine.try_alone``). ``rows`` may lie anywhere (a ZeroMQ
         frame's bytes): they are aligned here, in the thread that computes, when this request is
         served at once (``runner.aligned``). ``expert_rows``: see ``submit`` (validated here)."""
-        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, True, expert_rows)
+        return self._engine.try_alone(client_id, layer_id, op, rows, latency_class, out, True, _counts(expert_rows))
 
     def run_ready(self) -> float | None:
         """Run every batch ready now in the calling thread; the next wake-up time (monotonic) or None."""
@@ -211,7 +212,7 @@ class BaseExecutor:
         hand-off while concurrent ones still share products. Raises ``ExecutorTimeoutError``."""
         op = op if type(op) is Op else Op(op)  # enum lookups cost more than the check
         latency_class = latency_class if type(latency_class) is LatencyClass else LatencyClass(latency_class)
-        return self._engine.call(client_id, layer_id, op, rows, latency_class, timeout_s, expert_rows)
+        return self._engine.call(client_id, layer_id, op, rows, latency_class, timeout_s, _counts(expert_rows))
 
     # ---- conveniences --------------------------------------------------------------------------
 
@@ -313,3 +314,9 @@ class BaseExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _counts(expert_rows: Sequence[int]) -> Sequence[int]:
+    """``expert_rows`` as Python ints (a caller's numpy or tensor counts too: ``ShapeError`` for
+    anything else), or ``()`` for none."""
+    return expert_row_counts(expert_rows) if len(expert_rows) else ()

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from symbiosis.errors import ExecutorTimeoutError, ExecutorUnavailableError
+from symbiosis.protocol import expert_row_counts
 from symbiosis.transport.base import ExecutorService
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
@@ -70,7 +71,8 @@ class InProcTransport:
         (``protocol.Request.expert_rows``)."""
         if self._closed:
             raise ExecutorUnavailableError(f"transport of client {self.client_id!r} is closed")
-        return self.service.call(self.client_id, layer_id, op, rows, latency_class, self.timeout_s, expert_rows)
+        counts = expert_row_counts(expert_rows)
+        return self.service.call(self.client_id, layer_id, op, rows, latency_class, self.timeout_s, counts)
 
     def close(self) -> None:
         if not self._closed:

@@ -540,7 +540,7 @@ class ZmqTransport:
         started = time.monotonic()
         deadline = started + self.timeout_s
         op, latency_class = Op(op), LatencyClass(latency_class)
-        expert_rows = list(expert_rows)
+        expert_rows = P.expert_row_counts(expert_rows)
         staged = None
         try:
             result = self._call_on_lane_inline(layer_id, op, rows, latency_class, deadline, expert_rows)
@@ -858,9 +858,10 @@ class ZmqTransport:
         if len(size) != 2 or size[1] != shape.in_width or not rows.is_contiguous():
             return None
         n = size[0]
-        if not 0 < n <= shape.max_rows or not lane.lock.acquire(blocking=False):
+        if not 0 < n <= shape.max_rows:
             return None
         request_id = next(self._request_ids)
+        # Encoded before the lane is taken: a header that fails to encode must not leave it taken.
         header = P.encode(
             P.Request(
                 P.PROTOCOL_VERSION,
@@ -874,6 +875,8 @@ class ZmqTransport:
                 expert_rows=expert_rows or [],
             )
         )
+        if not lane.lock.acquire(blocking=False):
+            return None
         try:
             try:
                 # ``tensor_payload`` without its checks, made above (CPU, contiguous, n > 0). On a
