@@ -189,6 +189,36 @@ def test_training_base_weights_or_biases_is_refused_and_adapters_without_them_st
             model.symbiosis_transport.close()
 
 
+@pytest.mark.parametrize("trained", [True, False])
+def test_an_adapter_with_trained_base_biases_is_refused_as_a_second_adapter(trained, tiny_checkpoint, tmp_path):
+    """peft applies only the active adapter's ``bias`` option, so an adapter saved with
+    ``bias="all"`` loaded as a second one (``load_adapter``) was not refused as a first one is: its
+    trained base-layer biases were dropped as unexpected keys, silently (the split model then
+    computed with the base biases). Refused now when they differ from the served ones; the same
+    adapter with untrained biases loads, as a monolithic state dict does."""
+    path = tiny_checkpoint("opt")  # (its base layers have biases)
+    monolithic = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(r=2, target_modules=["q_proj"], bias="all")
+    )
+    if trained:
+        with torch.no_grad():
+            monolithic.base_model.model.model.decoder.layers[0].self_attn.q_proj.base_layer.bias.add_(0.01)
+    monolithic.save_pretrained(tmp_path / "adapter")
+    with symbiosis.BaseExecutor.from_pretrained(path) as ex:
+        split = peft.get_peft_model(
+            symbiosis.load_client_model(path, executor=ex), peft.LoraConfig(r=2, target_modules=["v_proj"])
+        )
+        try:
+            if trained:
+                with pytest.raises(symbiosis.BaseWeightAccessError, match="differs from the one the executor serves"):
+                    split.load_adapter(tmp_path / "adapter", adapter_name="second")
+            else:
+                split.load_adapter(tmp_path / "adapter", adapter_name="second")
+                assert "second" in split.peft_config
+        finally:
+            close_client(split)
+
+
 def test_modules_to_save_on_a_client_module_and_copies_of_a_whole_model_still_work(llama, executor):
     model = symbiosis.load_client_model(llama, executor=executor)
     reference = AutoModelForCausalLM.from_pretrained(llama)

@@ -194,12 +194,35 @@ class _VirtLayerMixin:
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The probe out of the way: not a missing key, and a monolithic state dict's ``bias`` stays an
         # unexpected key, as its ``weight``, instead of a size mismatch with the probe.
+        if self._has_bias and prefix + "bias" in state_dict:
+            self._check_bias_is_served(state_dict[prefix + "bias"])
         key = self._parameters.probe_key
         probe = self._parameters.pop(key)
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:
             self._parameters[key] = probe
+
+    def _check_bias_is_served(self, bias) -> None:
+        """A state dict's bias for this layer must be the one the executor serves (rounded to a wire
+        dtype at most: a bf16 executor serves a bf16 bias): a monolithic model's state dict passes.
+        One that differs was trained -- an adapter saved with peft's ``bias="all"`` or
+        ``"lora_only"`` loaded as a second adapter (``load_adapter``), where peft does not apply
+        that option -- and was dropped as an unexpected key, the split model then computing with
+        the base bias while the monolithic one computes with the trained one: silently different."""
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.link.out_features,):
+            return  # (torch reports a size mismatch, as for any state dict)
+        served = self._read_bias()
+        value = bias.detach().to(device=served.device)
+        if any(torch.equal(value.to(dtype).to(served.dtype), served) for dtype in (served.dtype, *WIRE_ROUNDINGS)):
+            return
+        raise BaseWeightAccessError(
+            f"the state dict's bias of base layer {self.layer_id!r} differs from the one the executor serves "
+            f"(max |difference| {(value.to(served.dtype) - served).abs().max().item():.3g}): it was trained -- "
+            "an adapter saved with peft's bias='all' or 'lora_only', or a fine-tuned model. A split model computes "
+            "with the executor's bias and cannot take it; train adapters with bias='none', or serve the changed "
+            "model from an executor of its own"
+        )
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
@@ -235,6 +258,10 @@ class _VirtLayerMixin:
             f"bias={self._has_bias}, served by the base executor"
         )
 
+
+#: Dtypes an executor may serve a bias in besides the client's: the bias read back from it is the
+#: state dict's rounded to one of them (``_check_bias_is_served``).
+WIRE_ROUNDINGS = (torch.bfloat16, torch.float16)
 
 #: What ``torch.compile`` sees of a base layer: a graph break. Traced, the call to the executor
 #: would be compiled into the client's graph -- an in-process executor's packed-weight product (which
