@@ -251,11 +251,11 @@ def _first_matrix(module: nn.Module) -> torch.Tensor | None:
 
 def served_experts(module: nn.Module) -> bool:
     """Whether ``module`` is an MoE experts module the executor serves, one base layer per expert
-    and tensor: `transformers`' standard experts (``use_experts_implementation``), whose eager
-    forward multiplies a group of tokens by one expert's matrix at a time, ``F.linear(x, W[e])``
-    for ``[experts, out, in]`` tensors or ``x @ W[e]`` for transposed ones (gpt-oss). Their 2-D
-    tensors (per-expert biases) stay on the client; experts with a norm after each expert too
-    (``client_layers``)."""
+    and tensor: `transformers`' standard experts (``use_experts_implementation``), ``[experts, out,
+    in]`` tensors or ``[experts, in, out]`` transposed ones (gpt-oss), whose grouped forward a
+    split model runs (``client/experts.py``). Their 2-D tensors (per-expert biases) stay on the
+    client. Not experts with a norm after each expert (no model to test them on: muse_spark has no
+    causal-LM class), kept with ``client_layers``."""
     if getattr(module, "is_transposed", None) not in (False, True) or not hasattr(module, "has_gate"):
         return False
     if getattr(module, "has_post_expert_norm", False):

@@ -112,6 +112,17 @@ def module_lists(specs: Iterable[LayerSpec]) -> dict[str, tuple[LayerSpec, ...]]
     return lists
 
 
+def expert_parts(expert_rows: Iterable[int]) -> list[tuple[int, int, int]]:
+    """``(expert, first row, end row)`` of each expert with rows in an ``expert_rows`` request's
+    rows (each expert's after the one before's), in row order: how both sides split them."""
+    parts, start = [], 0
+    for expert, count in enumerate(expert_rows):
+        if count:
+            parts.append((expert, start, start + count))
+            start += count
+    return parts
+
+
 def module_list_spec(name: str, specs: Mapping[str, LayerSpec]) -> LayerSpec | None:
     """The spec of module list ``name`` (its members' widths) if ``specs`` has its first member,
     else None. What a client sizes an ``expert_rows`` request's rows and result by; the executor

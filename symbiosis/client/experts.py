@@ -35,7 +35,7 @@ from symbiosis.client.virt import ExecutorLink, VirtConv1D, VirtLinear
 from symbiosis.errors import BaseWeightAccessError
 from symbiosis.ops import frozen_linear
 from symbiosis.transport.base import Transport
-from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
+from symbiosis.vocabulary import LatencyClass, LayerSpec, Op, expert_parts
 
 try:  # transformers' grouped experts forward (5.x); without it, the eager one
     from transformers.integrations.moe import grouped_mm_experts_forward as _grouped_forward
@@ -91,10 +91,7 @@ class ExpertWeights(BaseWeightPlaceholder):
         layer.training = self.owner.training  # (its latency class: a fine-tuning product or a decode one)
         if not self.added:
             return layer.weight
-        added = tuple(
-            LowRank(d.left[index], d.right[index], d.alpha) if isinstance(d, LowRank) else d[index] for d in self.added
-        )
-        return _derived(layer.weight, added=added)
+        return _derived(layer.weight, added=tuple(_expert_term(d, index) for d in self.added))
 
     def plus(self, term) -> ExpertWeights | None:
         if self.flipped:
@@ -160,22 +157,29 @@ class _ExpertRowsLink:
         return self.transport.call_expert_rows(self.layer_id, self.expert_rows, op, rows, latency_class)
 
 
+def _expert_term(term: torch.Tensor | LowRank, expert: int) -> torch.Tensor | LowRank:
+    """Expert ``expert``'s slice of a term added to every expert (``[experts, ...]``)."""
+    if isinstance(term, LowRank):
+        return LowRank(term.left[expert], term.right[expert], term.alpha)
+    return term[expert]
+
+
 def _base_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each expert's rows of ``x`` times its base matrix (the executor's products)."""
     layers, training = weights.expert_layers, weights.owner.training
-    hit = [e for e, n in enumerate(counts) if n]
-    links = [layers[e].link for e in hit]
+    parts = expert_parts(counts)
+    links = [layers[e].link for e, _, _ in parts]
     transport = getattr(links[0], "transport", None) if links else None
-    if len(hit) > 1 and getattr(transport, "serves_expert_rows", False) and all(type(k) is ExecutorLink for k in links):
+    if (
+        len(parts) > 1
+        and getattr(transport, "serves_expert_rows", False)
+        and all(type(k) is ExecutorLink for k in links)
+    ):
         # (a wrapped link, activation noise's, must see its own calls: one request per expert then)
-        last = hit[-1] + 1
+        last = parts[-1][0] + 1
         link = _ExpertRowsLink(transport, weights.expert_tensor.name, counts[:last], links[0])
         return frozen_linear(x, link, training)
-    pieces, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            pieces.append(frozen_linear(x[start : start + n], layers[e].link, training))
-        start += n
+    pieces = [frozen_linear(x[start:stop], link, training) for (_, start, stop), link in zip(parts, links)]
     if not pieces:
         return x.new_zeros((0, layers[0].link.out_features))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -184,16 +188,10 @@ def _base_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -
 def _added_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each expert's rows of ``x`` times the terms added to its matrix (peft's LoRA on experts)."""
     layout = "in_out" if weights.expert_tensor.transposed else "out_in"
-    pieces, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            rows = x[start : start + n]
-            terms = [
-                times_added(rows, LowRank(d.left[e], d.right[e], d.alpha) if isinstance(d, LowRank) else d[e], layout)
-                for d in weights.added
-            ]
-            pieces.append(sum(terms[1:], terms[0]))
-        start += n
+    pieces = []
+    for e, start, stop in expert_parts(counts):
+        terms = [times_added(x[start:stop], _expert_term(d, e), layout) for d in weights.added]
+        pieces.append(sum(terms[1:], terms[0]))
     if not pieces:
         return x.new_zeros((0, weights.expert_layers[0].link.out_features))
     return torch.cat(pieces)
@@ -288,8 +286,8 @@ def serve_experts(
     dtype: torch.dtype,
 ) -> None:
     """Replace each of ``tensors`` (``checkpoint.expert_tensors``) in ``model`` by an
-    :class:`ExpertWeights`, and run the experts' eager forward (the others, grouped products of
-    all experts at once, would read the weights).
+    :class:`ExpertWeights`, and run transformers' grouped experts forward on them
+    (``_served_forward``: its products become executor requests).
 
     Each stays a parameter of its module, frozen (``isinstance(w, nn.Parameter)`` holds through
     torch's ``_is_param`` flag): peft finds it where it looks for ``target_parameters`` (its

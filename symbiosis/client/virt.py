@@ -21,6 +21,7 @@ from symbiosis.checkpoint import Conv1D
 from symbiosis.client.placeholders import WHY, BaseWeightPlaceholder, DeviceProbe
 from symbiosis.errors import BaseWeightAccessError
 from symbiosis.ops import frozen_linear
+from symbiosis.protocol import WIRE_DTYPES
 from symbiosis.transport.base import Transport
 from symbiosis.vocabulary import LatencyClass, LayerSpec, Op
 
@@ -205,7 +206,7 @@ class _VirtLayerMixin:
 
     def _check_bias_is_served(self, bias) -> None:
         """A state dict's bias for this layer must be the one the executor serves (rounded to a wire
-        dtype at most: a bf16 executor serves a bf16 bias): a monolithic model's state dict passes.
+        dtype at most, as an executor in that dtype serves it): a monolithic model's state dict passes.
         One that differs was trained -- an adapter saved with peft's ``bias="all"`` or
         ``"lora_only"`` loaded as a second adapter (``load_adapter``), where peft does not apply
         that option -- and was dropped as an unexpected key, the split model then computing with
@@ -214,7 +215,9 @@ class _VirtLayerMixin:
             return  # (torch reports a size mismatch, as for any state dict)
         served = self._read_bias()
         value = bias.detach().to(device=served.device)
-        if any(torch.equal(value.to(dtype).to(served.dtype), served) for dtype in (served.dtype, *WIRE_ROUNDINGS)):
+        if any(
+            torch.equal(value.to(dtype).to(served.dtype), served) for dtype in (served.dtype, *WIRE_DTYPES.values())
+        ):
             return
         raise BaseWeightAccessError(
             f"the state dict's bias of base layer {self.layer_id!r} differs from the one the executor serves "
@@ -258,10 +261,6 @@ class _VirtLayerMixin:
             f"bias={self._has_bias}, served by the base executor"
         )
 
-
-#: Dtypes an executor may serve a bias in besides the client's: the bias read back from it is the
-#: state dict's rounded to one of them (``_check_bias_is_served``).
-WIRE_ROUNDINGS = (torch.bfloat16, torch.float16)
 
 #: What ``torch.compile`` sees of a base layer: a graph break. Traced, the call to the executor
 #: would be compiled into the client's graph -- an in-process executor's packed-weight product (which

@@ -447,14 +447,14 @@ class ExecutionEngine:
     def _call_expert_rows(self, client_id, layer_id, op, rows, latency_class, timeout_s, expert_rows) -> torch.Tensor:
         """``call`` with ``expert_rows`` (``submit``): alone when it can be, else each expert's rows
         as a call of its own (a caller in this process has no round trip to save)."""
-        self.validate(layer_id, op, rows, expert_rows)
-        output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
-        if rows.shape[0] == 0:
-            return output
+        if rows.shape[0] == 0:  # (else ``try_alone`` validates)
+            self.validate(layer_id, op, rows, expert_rows)
+            return rows.new_empty((0, op.output_width(self._spec(layer_id))))
         result = self.try_alone(client_id, layer_id, op, rows, latency_class, expert_rows=expert_rows)
         if result is not None:
             return result
         deadline = self._clock() + timeout_s
+        output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
         for member, start, stop in experts.parts_of(self._module_lists[layer_id], expert_rows):
             left_s = max(0.0, deadline - self._clock())
             output[start:stop] = self.call(client_id, member, op, rows[start:stop], latency_class, left_s)

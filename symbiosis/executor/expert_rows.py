@@ -18,16 +18,12 @@ from collections.abc import Sequence
 import torch
 
 from symbiosis.errors import ShapeError, UnknownLayerError
+from symbiosis.vocabulary import expert_parts
 
 
 def parts_of(members: Sequence[str], expert_rows: Sequence[int]) -> list[tuple[str, int, int]]:
     """``(member layer id, first row, end row)`` of each expert with rows, in row order."""
-    parts, start = [], 0
-    for member, count in zip(members, expert_rows):
-        if count:
-            parts.append((member, start, start + count))
-            start += count
-    return parts
+    return [(members[e], start, stop) for e, start, stop in expert_parts(expert_rows)]
 
 
 def check_takes(layer_id: str, members: Sequence[str] | None, expert_rows: Sequence[int]) -> None:
