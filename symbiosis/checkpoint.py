@@ -249,16 +249,29 @@ def _first_matrix(module: nn.Module) -> torch.Tensor | None:
     return next((p for p in module.parameters(recurse=False) if p.dim() >= 2), None)
 
 
+#: Experts modules that are not `transformers`' standard ones but use their tensors only as
+#: ``torch.bmm(x.view(experts, -1, in), W)``, ``W`` ``[experts, in, out]``: every expert given
+#: every row, scaled by its router weight (zero where the router did not choose it).
+_EVERY_ROW_EXPERTS = {"Llama4TextExperts"}
+
+
+def every_row_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is one of ``_EVERY_ROW_EXPERTS`` (llama4's), or a subclass (torch's
+    parametrizations, peft's LoRA on experts, make one): served, its own forward kept
+    (``client/experts.py``: ``ExpertWeights.every_row_product``)."""
+    return any(cls.__name__ in _EVERY_ROW_EXPERTS for cls in type(module).__mro__)
+
+
 def served_experts(module: nn.Module) -> bool:
     """Whether ``module`` is an MoE experts module the executor serves, one base layer per expert
     and tensor: `transformers`' standard experts (``use_experts_implementation``), ``[experts, out,
     in]`` tensors or ``[experts, in, out]`` transposed ones (gpt-oss), whose grouped forward a
-    split model runs (``client/experts.py``). Their 2-D tensors (per-expert biases) stay on the
-    client. Not experts with a norm after each expert (no model to test them on: muse_spark has no
-    causal-LM class), kept with ``client_layers``."""
-    if getattr(module, "is_transposed", None) not in (False, True) or not hasattr(module, "has_gate"):
-        return False
-    if getattr(module, "has_post_expert_norm", False):
+    split model runs (``client/experts.py``), and llama4's (``every_row_experts``, transposed).
+    Their 2-D tensors (per-expert biases) stay on the client. Not experts with a norm after each
+    expert (no model to test them on: muse_spark has no causal-LM class), kept with
+    ``client_layers``."""
+    standard = getattr(module, "is_transposed", None) in (False, True) and hasattr(module, "has_gate")
+    if not (standard or every_row_experts(module)) or getattr(module, "has_post_expert_norm", False):
         return False
     matrices = [p for p in module.parameters(recurse=False) if p.dim() == 3]
     return bool(matrices) and all(p.shape[0] == matrices[0].shape[0] for p in matrices)
@@ -291,7 +304,7 @@ def expert_tensors(model: nn.Module, client_layers: Iterable[str] | str | None =
     for module_name, module in model.named_modules():
         if module_name in keep or not served_experts(module):
             continue
-        transposed = bool(module.is_transposed)
+        transposed = every_row_experts(module) or bool(module.is_transposed)
         for param_name, param in module.named_parameters(recurse=False):
             if param.dim() == 3:
                 name = f"{module_name}.{param_name}"

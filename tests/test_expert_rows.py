@@ -23,7 +23,7 @@ from symbiosis.vocabulary import LatencyClass, Op
 from tests.reference import close_client
 from tests.sharding_helpers import ranks_in_threads, serve_all
 from tests.test_moe_experts import mixtral_checkpoint
-from tests.test_more_architectures import checkpoint
+from tests.test_more_architectures import SERVED_EXPERTS, checkpoint
 
 TENSOR = "model.layers.0.mlp.experts.gate_up_proj"
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
@@ -265,3 +265,34 @@ def test_a_sharded_executor_says_it_takes_none_and_refuses_them(tmp_path):
             assert transport.call(expert(0), Op.FORWARD, rows, LatencyClass.DECODE).shape[0] == 2
         finally:
             transport.close()
+
+
+def test_llama4s_experts_send_only_the_rows_their_router_chose(tmp_path, monkeypatch):
+    """llama4's experts (not the standard module) give every expert every row, zeros where its
+    router did not choose it; they were kept in every client. Served now: each tensor's product
+    is one request of the chosen rows alone (16 tokens, top 1 of 4: 16 rows, where the monolithic
+    model multiplies 64), the same loss and gradients as one request per expert and as the
+    monolithic model (tests/test_more_architectures.py compares whole models)."""
+    options, _, _ = SERVED_EXPERTS["llama4_text"]
+    path = checkpoint(tmp_path, "llama4_text", options)
+    with BaseExecutor.from_pretrained(path) as executor:
+        model = symbiosis.load_client_model(path, executor=executor)
+        try:
+            sent: list[tuple[int, int]] = []
+            transport = model.symbiosis_transport
+            original = transport.call_expert_rows
+
+            def recording(layer_id, counts, op, rows, latency_class):
+                sent.append((sum(counts), rows.shape[0]))
+                return original(layer_id, counts, op, rows, latency_class)
+
+            monkeypatch.setattr(transport, "call_expert_rows", recording)
+            every_row_tensors = loss_and_input_grad(model)
+            moe_layers = model.config.num_hidden_layers  # (interleave_moe_layer_step=1)
+            assert len(sent) == 2 * 2 * moe_layers  # (gate_up and down, forward and backward)
+            assert sent == [(IDS.numel(), IDS.numel())] * len(sent)  # (top 1: one row per token)
+            monkeypatch.setattr(type(transport), "serves_expert_rows", property(lambda self: False))
+            one_by_one_ = loss_and_input_grad(model)
+            torch.testing.assert_close(every_row_tensors, one_by_one_, atol=1e-6, rtol=1e-5)
+        finally:
+            close_client(model)

@@ -5,9 +5,9 @@ PEFT method and transport. This file checks that the split is not tied to them: 
 other dense causal LMs (a helper's sweep on 2026-12-07 found all 31 it tried exact; this keeps
 six, each with something of its own: ALiBi, a parallel block, a sliding window, tied embeddings),
 models with modules that own weight matrices but are not linear layers (state-space and
-recurrent mixers; llama4's experts, one 3-D tensor, and its router, an ``nn.Linear`` with a forward
-of its own): refused with the ``client_layers`` that keep them, then exact with those; and
-mixture-of-experts models whose experts the executor serves, one base layer per expert.
+recurrent mixers): refused with the ``client_layers`` that keep them, then exact with those; and
+mixture-of-experts models whose experts the executor serves, one base layer per expert (llama4's
+too, not the standard experts module, its router an ``nn.Linear`` with a forward of its own).
 """
 
 from __future__ import annotations
@@ -75,22 +75,8 @@ KEPT_MODULES = {
         ["*.conv_1d", "*.rg_lru"],
         ["q_proj", "v_proj", "linear_x"],
     ),
-    "llama4_text": (
-        dict(
-            head_dim=16,
-            num_local_experts=2,
-            num_experts_per_tok=1,
-            intermediate_size_mlp=128,
-            interleave_moe_layer_step=1,
-            attention_chunk_size=128,
-            no_rope_layers=[1, 0],
-            layer_types=["chunked_attention", "full_attention"],
-        ),
-        ["*.experts", "*.router"],
-        ["q_proj", "v_proj"],  # (peft's all-linear would wrap the router, whose forward returns a tuple)
-    ),
 }
-#: model type -> (its options, client_layers, LoRA targets): experts served by the executor
+#: model type -> (its options, client_layers, LoRA targets or LoraConfig fields): experts served by the executor
 #: (``client/experts.py``), the routers beside them on the client without being named.
 TOP2_OF_4 = dict(num_local_experts=4, num_experts_per_tok=2)
 SERVED_EXPERTS = {
@@ -144,6 +130,23 @@ SERVED_EXPERTS = {
         ),
         ["*.attn_hc", "*.compressor", "*.ffn_hc", "*.hc_head", "*.o_a_proj"],
         ["q_a_proj", "q_b_proj"],
+    ),
+    "llama4_text": (  # not the standard experts: every expert given every row (zeros where not chosen)
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=1,
+            attention_chunk_size=128,
+            no_rope_layers=[1, 0],
+            layer_types=["chunked_attention", "full_attention"],
+        ),
+        [],
+        dict(  # (peft's all-linear would wrap the router, whose forward returns a tuple)
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
+        ),
     ),
     "jamba": (  # a Mamba hybrid: its mixers kept on the client, its experts served
         dict(
@@ -200,9 +203,8 @@ def test_models_are_refused_with_the_client_layers_that_keep_their_other_modules
 ):
     """The executor serves their linear layers; a client without ``client_layers`` was refused
     at the executor already, with a hint it could not follow (neither side took client_layers
-    for a module that is not a linear layer), and llama4's router was served as a plain product
-    (its forward returns the top-k too). Now the client is refused naming every such module and
-    the patterns that keep them, and with those it matches the monolithic model."""
+    for a module that is not a linear layer). Now the client is refused naming every such module
+    and the patterns that keep them, and with those it matches the monolithic model."""
     options, kept, targets = KEPT_MODULES[model_type]
     path = checkpoint(tmp_path, model_type, options)
     with executor_at(path, remote) as executor:
@@ -221,7 +223,8 @@ def test_models_are_refused_with_the_client_layers_that_keep_their_other_modules
 
 @pytest.mark.parametrize(
     ("model_type", "remote"),
-    [(model_type, False) for model_type in SERVED_EXPERTS] + [("mixtral", True), ("gpt_oss", True)],
+    [(model_type, False) for model_type in SERVED_EXPERTS]
+    + [("mixtral", True), ("gpt_oss", True), ("llama4_text", True)],
     ids=lambda value: {False: "inproc", True: "tcp"}.get(value, value) if isinstance(value, bool) else value,
 )
 def test_moe_models_are_served_with_their_experts_on_the_executor_and_match(model_type, remote, tmp_path):
@@ -232,7 +235,8 @@ def test_moe_models_are_served_with_their_experts_on_the_executor_and_match(mode
     options, kept, targets = SERVED_EXPERTS[model_type]
     path = checkpoint(tmp_path, model_type, options)
     with executor_at(path, remote) as executor:
-        config = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
+        targets = targets if isinstance(targets, dict) else dict(target_modules=targets)
+        config = peft.LoraConfig(r=4, lora_dropout=0.0, **targets)
         reference, split = make_pair(path, executor, config, model_type, client_layers=kept)
         try:
             assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))

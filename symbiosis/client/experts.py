@@ -10,7 +10,10 @@ expert's rows with its own layer, batched with other clients' rows for it), wher
 expert cost a round trip each (a 128-expert, top-8 model: ~16 per layer and decoded token); an
 executor that does not take such requests (a sharded one) gets one request per expert. The eager
 forward's ``F.linear(x, W[e])`` (``x @ W[e]`` for transposed ones: gpt-oss) works too: ``W[e]`` is
-that expert's layer's weight placeholder (``placeholders._linear``, ``_input_times``).
+that expert's layer's weight placeholder (``placeholders._linear``, ``_input_times``). llama4's
+experts (not the standard module) keep their own forward, ``torch.bmm(x, W)`` with every expert
+given every row: the rows each expert's router chose are one expert-rows request
+(``every_row_product``).
 
 Which modules qualify: ``checkpoint.served_experts``. The experts' layers are not registered
 modules (peft's ``all-linear`` or a regex ``target_modules`` would adapt them, where the
@@ -29,7 +32,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from symbiosis.checkpoint import ExpertTensor
+from symbiosis.checkpoint import ExpertTensor, every_row_experts
 from symbiosis.client.placeholders import BaseWeightPlaceholder, LowRank, _derived, _plain, _takes, times_added
 from symbiosis.client.virt import ExecutorLink, VirtConv1D, VirtLinear
 from symbiosis.errors import BaseWeightAccessError
@@ -127,6 +130,30 @@ class ExpertWeights(BaseWeightPlaceholder):
         if used < rows.shape[0]:
             out = torch.cat([out, out.new_zeros((rows.shape[0] - used, out.shape[1]))])
         return out
+
+    def every_row_product(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``torch.bmm(x, W)``, ``x`` ``[experts, rows, in]`` (llama4's experts: every expert given
+        every row, scaled by its router weight). A row an expert's router did not choose is zeros,
+        and so is its product (the experts' matrices have no bias; added terms are products too):
+        only the other rows go to the executor, in one ``expert_rows`` request as the grouped
+        product's, and the zeros stay zeros here. (A top-1-of-16 model's decoded token: 1 row
+        where the monolithic model multiplies 16.)"""
+        tensor = self.expert_tensor
+        if self.flipped == tensor.transposed or rows.dim() != 3 or rows.shape[0] != tensor.experts:
+            return None
+        if rows.shape[2] != tensor.in_features or isinstance(rows, BaseWeightPlaceholder):
+            return None
+        experts, per_expert, width = rows.shape
+        flat = rows.reshape(experts * per_expert, width)
+        chosen = flat.ne(0).any(dim=1)  # (a NaN row is chosen: its product is NaN, as the monolithic one)
+        counts = chosen.view(experts, per_expert).sum(dim=1).tolist()
+        index = chosen.nonzero().squeeze(1)
+        x = flat.index_select(0, index)
+        out = _base_products(self, x, counts)
+        if self.added:
+            out = out + _added_products(self, x, counts)
+        every_row = out.new_zeros((experts * per_expert, out.shape[1])).index_copy(0, index, out)
+        return every_row.view(experts, per_expert, out.shape[1])
 
     def __deepcopy__(self, memo):
         """A copy of the whole model gets layers of its own, as its registered VirtLayers do (a copy
@@ -252,8 +279,17 @@ def _grouped(mat_a, mat_b: ExpertWeights, offs=None, bias=None, out_dtype=None):
     return mat_b.grouped_product(mat_a, offs, bias, out_dtype)
 
 
+def _every_row(rows, weights: ExpertWeights):
+    """``torch.bmm(x, W)`` / ``x.bmm(W)`` / ``x @ W`` of 3-D rows and experts (llama4's experts)."""
+    if not isinstance(rows, torch.Tensor):
+        return None
+    return weights.every_row_product(rows)
+
+
 def _grouped_ops() -> dict:
     ops = {torch._grouped_mm: _grouped}
+    for op in (torch.bmm, torch.Tensor.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+        ops[op] = _every_row
     if hasattr(torch.nn.functional, "grouped_mm"):
         ops[torch.nn.functional.grouped_mm] = _grouped
     fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
@@ -305,8 +341,10 @@ def serve_experts(
         module.forward = types.MethodType(_served_forward, module)
         module._save_to_state_dict = types.MethodType(_save_without_experts, module)
         module._load_from_state_dict = types.MethodType(_load_without_experts, module)
-    if tensors:
+    standard = [t for t in tensors.values() if not every_row_experts(model.get_submodule(t.name.rpartition(".")[0]))]
+    if standard:
         model.config._experts_implementation = "grouped_mm" if _grouped_forward is not None else "eager"
+    if tensors:
         model._ddp_params_and_buffers_to_ignore = _PlaceholderNames(model)
 
 
@@ -331,11 +369,12 @@ def _served_forward(module: nn.Module, *args, **kwargs):
     """transformers' grouped experts forward (module docstring), whatever
     ``set_experts_implementation`` chose later (the others read the weights: ``batched_mm``
     gathers ``W[expert_ids]``, kernels take the tensor itself); the eager one with a transformers
-    that has none. A graph break under ``torch.compile``, as each VirtLayer's forward is: its
-    tracer cannot take a tensor without data."""
+    that has none; llama4's experts their own forward (``every_row_product``). A graph break under
+    ``torch.compile``, as each VirtLayer's forward is: its tracer cannot take a tensor without
+    data."""
     if torch.compiler.is_compiling():
         return _served_forward_untraced(module, *args, **kwargs)
-    if _grouped_forward is not None:
+    if _grouped_forward is not None and not every_row_experts(module):
         return _grouped_forward(module, *args, **kwargs)
     forward = type(module).forward
     eager = getattr(forward, "__wrapped__", forward)  # (under use_experts_implementation's dispatch)
