@@ -725,7 +725,8 @@ def test_linear_of_a_weight_derived_from_a_base_weight_is_computed_from_the_laye
 def test_parameter_counts_are_the_monolithic_models(arch, client_layers, tiny_checkpoint):
     """``num_parameters()`` left the base layers out (the split tiny llama counted 65,856 of its
     205,120). It counts what the executor holds now, a tied lm_head once; a copy of the model
-    and a peft model of it count the same."""
+    and a peft model of it count the same, and so does peft's ``get_nb_trainable_parameters``
+    (what ``print_trainable_parameters`` prints: its "all params" was the client's alone)."""
     path = tiny_checkpoint(arch)
     config = dict(r=4, target_modules="all-linear")
     reference = AutoModelForCausalLM.from_pretrained(path)
@@ -739,7 +740,9 @@ def test_parameter_counts_are_the_monolithic_models(arch, client_layers, tiny_ch
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             assert model.num_parameters(only_trainable=True) == trainable < reference.num_parameters()
             split = peft.get_peft_model(model, peft.LoraConfig(**config))
-            expected = peft.get_peft_model(reference, peft.LoraConfig(**config)).num_parameters()
+            monolithic = peft.get_peft_model(reference, peft.LoraConfig(**config))
+            expected = monolithic.num_parameters()
             assert split.num_parameters() == copy.deepcopy(split).num_parameters() == expected
+            assert split.get_nb_trainable_parameters() == monolithic.get_nb_trainable_parameters()
         finally:
             model.symbiosis_transport.close()

@@ -8,7 +8,9 @@ edited, so any architecture made of supported modules works.
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -103,6 +105,7 @@ def load_client_model(
     off in-process, where a call costs ~16 µs and splitting the fused result costs more (-4-8%).
     """
     refuse_training_before_any_change()  # (``model.requires_grad_()``: refused before any flag changes)
+    count_served_parameters_in_peft()
     checkpoint = Checkpoint(path)
     config = checkpoint.config
     client_dtype = parse_dtype(dtype) if dtype is not None else _checkpoint_dtype(config)
@@ -206,14 +209,43 @@ def _tie_weights_of_client_tensors(model, *args, **kwargs) -> None:
         model._tied_weights_keys, model.all_tied_weights_keys = declared, expanded
 
 
+def served_parameter_count(model: nn.Module) -> int:
+    """The frozen parameters the executor holds for ``model``'s layers (``VirtLayer.count_base_parameters``;
+    served experts are counted as the parameters they are)."""
+    return sum(getattr(m, "base_parameter_count", 0) for m in model.modules())
+
+
 def _num_parameters_with_served(model, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
     """``num_parameters``, counting the frozen parameters the executor holds as the monolithic
-    model's count does (``VirtLayer.count_base_parameters``). peft's ``print_trainable_parameters``
-    counts the client's parameters alone (its own loop over them)."""
+    model's count does."""
     count = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
     if only_trainable:
         return count
-    return count + sum(getattr(m, "base_parameter_count", 0) for m in model.modules())
+    return count + served_parameter_count(model)
+
+
+def count_served_parameters_in_peft() -> None:
+    """Make peft's ``get_nb_trainable_parameters`` (what ``print_trainable_parameters`` prints) count
+    the parameters the executor holds, as the monolithic model's count does (once per process;
+    ``load_client_model`` calls it). peft counts with a loop of its own over the parameters, not
+    with ``num_parameters``, and a split model's base layers hold none: its "all params" was the
+    client's alone, its percentage trainable several times the monolithic one. On peft's classes,
+    as peft's wrappers are made after the split model; only where peft is imported already (a
+    client that does not use it is not made to import it: ~1 s): import peft before
+    ``load_client_model``, as a script does at its top."""
+    peft = sys.modules.get("peft")
+    for cls in (getattr(peft, "PeftModel", None), getattr(peft, "PeftMixedModel", None)):
+        current = getattr(cls, "get_nb_trainable_parameters", None)
+        if current is None or getattr(current, "_counts_served_parameters", False):
+            continue
+
+        @functools.wraps(current)
+        def get_nb_trainable_parameters(self, _current=current) -> tuple[int, int]:
+            trainable, total = _current(self)
+            return trainable, total + served_parameter_count(self)
+
+        get_nb_trainable_parameters._counts_served_parameters = True
+        cls.get_nb_trainable_parameters = get_nb_trainable_parameters
 
 
 def _resize_token_embeddings_unless_served(model, *args, **kwargs):
