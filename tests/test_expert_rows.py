@@ -10,10 +10,13 @@ every transport: tests/test_more_architectures.py, tests/test_split_reference.py
 from __future__ import annotations
 
 import collections
+import threading
+import time
 
 import numpy
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import symbiosis
 from symbiosis.errors import ProtocolError, ShapeError, UnknownLayerError
@@ -96,6 +99,39 @@ def test_parts_from_several_clients_are_answered_each_with_its_own_rows(mixtral)
     for i, future in enumerate(futures):
         expected = one_by_one(executor, Op.FORWARD, rows[i], counts[i])
         torch.testing.assert_close(future.result(30), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_an_in_process_callers_parts_wait_together_beside_another_client(tmp_path):
+    """In-process, a caller not alone was served one expert after another: each part a call of
+    its own, queued only once the one before was done, so each waited its own turn (for other
+    clients' rows of its expert, or a policy's timeout). Every part is queued at once now and
+    batched with the other client's rows for its expert: one wait."""
+    path = mixtral_checkpoint(tmp_path)
+    counts = [1, 2, 0, 1]
+    with BaseExecutor.from_pretrained(path, policy="lockstep", lockstep_timeout_ms=10_000) as executor:
+        executor.register_client("a")
+        executor.register_client("b")
+        rows = rows_for(executor, Op.FORWARD, counts)
+        result = {}
+        caller = threading.Thread(
+            target=lambda: result.update(
+                a=executor.call("a", TENSOR, Op.FORWARD, rows, LatencyClass.DECODE, expert_rows=counts)
+            )
+        )
+        caller.start()
+        scheduler = executor._engine.scheduler
+        deadline = time.monotonic() + 5
+        while scheduler.pending_rows() < sum(counts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.pending_rows() == sum(counts)  # (before: the first part's row alone)
+        others = [executor.submit("b", expert(e), Op.FORWARD, rows[:1], LatencyClass.DECODE) for e in (0, 1, 3)]
+        caller.join(10)
+        assert [f.result(10).shape[0] for f in others] == [1, 1, 1]
+        layers = executor.stats()["layers"]
+        assert [layers[expert(e)]["batches"] for e in (0, 1, 3)] == [1, 1, 1]  # (each part with b's rows)
+        executor.unregister_client("a")
+        executor.unregister_client("b")
+        torch.testing.assert_close(result["a"], one_by_one(executor, Op.FORWARD, rows, counts), atol=1e-6, rtol=1e-6)
 
 
 BAD = {
@@ -271,28 +307,57 @@ def test_llama4s_experts_send_only_the_rows_their_router_chose(tmp_path, monkeyp
     """llama4's experts (not the standard module) give every expert every row, zeros where its
     router did not choose it; they were kept in every client. Served now: each tensor's product
     is one request of the chosen rows alone (16 tokens, top 1 of 4: 16 rows, where the monolithic
-    model multiplies 64), the same loss and gradients as one request per expert and as the
-    monolithic model (tests/test_more_architectures.py compares whole models)."""
+    model multiplies 64), its backward one of the rows whose gradient is not zero; the same loss
+    and gradients as one request per expert and as the monolithic model
+    (tests/test_more_architectures.py compares whole models)."""
     options, _, _ = SERVED_EXPERTS["llama4_text"]
     path = checkpoint(tmp_path, "llama4_text", options)
     with BaseExecutor.from_pretrained(path) as executor:
         model = symbiosis.load_client_model(path, executor=executor)
         try:
-            sent: list[tuple[int, int]] = []
+            sent: dict[Op, list[int]] = {Op.FORWARD: [], Op.BACKWARD: []}
             transport = model.symbiosis_transport
             original = transport.call_expert_rows
 
             def recording(layer_id, counts, op, rows, latency_class):
-                sent.append((sum(counts), rows.shape[0]))
+                assert sum(counts) == rows.shape[0]
+                sent[op].append(rows.shape[0])
                 return original(layer_id, counts, op, rows, latency_class)
 
             monkeypatch.setattr(transport, "call_expert_rows", recording)
             every_row_tensors = loss_and_input_grad(model)
             moe_layers = model.config.num_hidden_layers  # (interleave_moe_layer_step=1)
-            assert len(sent) == 2 * 2 * moe_layers  # (gate_up and down, forward and backward)
-            assert sent == [(IDS.numel(), IDS.numel())] * len(sent)  # (top 1: one row per token)
+            assert sent[Op.FORWARD] == [IDS.numel()] * 2 * moe_layers  # (gate_up and down; top 1: a row per token)
+            assert len(sent[Op.BACKWARD]) == 2 * moe_layers and max(sent[Op.BACKWARD]) <= 4 * IDS.numel()
             monkeypatch.setattr(type(transport), "serves_expert_rows", property(lambda self: False))
             one_by_one_ = loss_and_input_grad(model)
             torch.testing.assert_close(every_row_tensors, one_by_one_, atol=1e-6, rtol=1e-5)
+        finally:
+            close_client(model)
+
+
+def test_an_all_zero_row_of_an_every_row_product_gets_its_gradient(tmp_path):
+    """A row of zeros has a product of zeros, so it is not sent forward; its gradient is not
+    zero (``g·W`` of its output's gradient), and was: the backward sent only the rows sent
+    forward. It shows where an activation is not zero at zero (a chosen token whose hidden state
+    is zero, then ``up · act(gate)``, act = sigmoid) or in any ``torch.bmm(x, W)`` (a helper's
+    probe, /tmp/review29/p14_zero_row_grad.py)."""
+    options, _, _ = SERVED_EXPERTS["llama4_text"]
+    path = checkpoint(tmp_path, "llama4_text", options | dict(hidden_act="sigmoid"))
+    tensor = "model.layers.0.feed_forward.experts.gate_up_proj"
+    with BaseExecutor.from_pretrained(path) as executor:
+        model = symbiosis.load_client_model(path, executor=executor)
+        try:
+            monolithic = AutoModelForCausalLM.from_pretrained(path)
+            x = torch.randn(4, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+            x[1, 2] = 0
+            grads = []
+            for weights in (model.get_parameter(tensor), monolithic.get_parameter(tensor).detach()):
+                rows = x.clone().requires_grad_()
+                product = torch.bmm(rows, weights)
+                product.backward(torch.ones_like(product))
+                grads.append(rows.grad)
+            assert grads[1][1, 2].abs().max() > 0.1  # (a gradient to miss)
+            torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
         finally:
             close_client(model)

@@ -133,11 +133,12 @@ class ExpertWeights(BaseWeightPlaceholder):
 
     def every_row_product(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``torch.bmm(x, W)``, ``x`` ``[experts, rows, in]`` (llama4's experts: every expert given
-        every row, scaled by its router weight). A row an expert's router did not choose is zeros,
-        and so is its product (the experts' matrices have no bias; added terms are products too):
-        only the other rows go to the executor, in one ``expert_rows`` request as the grouped
-        product's, and the zeros stay zeros here. (A top-1-of-16 model's decoded token: 1 row
-        where the monolithic model multiplies 16.)"""
+        every row, scaled by its router weight, so zeros where the router did not choose it). A
+        row of zeros has a product of zeros (the experts' matrices have no bias): each way -- the
+        rows forward, their gradients backward -- only the other rows go to the executor, in one
+        ``expert_rows`` request (``_NonzeroRowsLink``). A top-1-of-16 model's decoded token: 1 row
+        where the monolithic model multiplies 16. Added terms (peft's LoRA on experts) are
+        computed here for every row, as the monolithic model computes them."""
         tensor = self.expert_tensor
         if self.flipped == tensor.transposed or rows.dim() != 3 or rows.shape[0] != tensor.experts:
             return None
@@ -145,15 +146,10 @@ class ExpertWeights(BaseWeightPlaceholder):
             return None
         experts, per_expert, width = rows.shape
         flat = rows.reshape(experts * per_expert, width)
-        chosen = flat.ne(0).any(dim=1)  # (a NaN row is chosen: its product is NaN, as the monolithic one)
-        counts = chosen.view(experts, per_expert).sum(dim=1).tolist()
-        index = chosen.nonzero().squeeze(1)
-        x = flat.index_select(0, index)
-        out = _base_products(self, x, counts)
+        out = frozen_linear(flat, _NonzeroRowsLink(self, per_expert), self.owner.training)
         if self.added:
-            out = out + _added_products(self, x, counts)
-        every_row = out.new_zeros((experts * per_expert, out.shape[1])).index_copy(0, index, out)
-        return every_row.view(experts, per_expert, out.shape[1])
+            out = out + _added_products(self, flat, [per_expert] * experts)
+        return out.view(experts, per_expert, out.shape[1])
 
     def __deepcopy__(self, memo):
         """A copy of the whole model gets layers of its own, as its registered VirtLayers do (a copy
@@ -169,19 +165,66 @@ class ExpertWeights(BaseWeightPlaceholder):
         return f"ExpertWeights({self.base_tensor_name}, shape={tuple(self.shape)}, dtype={self.dtype}{added}, served)"
 
 
-class _ExpertRowsLink:
-    """The link (``ops.LayerLink``) of one grouped product's base part: the rows of several experts
-    of one tensor, ``expert_rows[e]`` of them expert ``e``'s, in one request each way (its
-    backward, ``∂L/∂x``, is one request too)."""
+class _ExpertsLink:
+    """The link (``ops.LayerLink``) of one grouped product's base part: the rows of several
+    experts of one tensor, ``counts[e]`` of them expert ``e``'s, in one request each way (its
+    backward, ``∂L/∂x``, is one request too): ``_base_calls``."""
 
-    def __init__(self, transport, layer_id: str, expert_rows: list[int], expert: ExecutorLink):
-        self.transport = transport
-        self.layer_id = layer_id
-        self.expert_rows = expert_rows
-        self.in_features, self.out_features = expert.in_features, expert.out_features
+    def __init__(self, weights: ExpertWeights, counts: list[int]):
+        self.weights = weights
+        self.counts = counts
+        first = weights.expert_layers[0].link
+        self.layer_id = weights.expert_tensor.name
+        self.in_features, self.out_features = first.in_features, first.out_features
 
     def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
-        return self.transport.call_expert_rows(self.layer_id, self.expert_rows, op, rows, latency_class)
+        return _base_calls(self.weights, op, rows, self.counts, latency_class)
+
+
+class _NonzeroRowsLink:
+    """The link (``ops.LayerLink``) of an every-row product (``ExpertWeights.every_row_product``):
+    ``per_expert`` rows for each expert, in expert order. Each call -- the rows forward, their
+    gradients backward -- sends the rows that are not all zeros (a NaN row is sent: its product
+    is NaN, as the monolithic one) and fills in zeros for the others, exactly their product: in
+    a gradient, zero where a row's output was multiplied by nothing (llama4: an expert's output
+    for a token its router did not choose is not, as every expert's output is summed)."""
+
+    def __init__(self, weights: ExpertWeights, per_expert: int):
+        self.weights = weights
+        self.per_expert = per_expert
+        first = weights.expert_layers[0].link
+        self.layer_id = weights.expert_tensor.name
+        self.in_features, self.out_features = first.in_features, first.out_features
+
+    def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
+        weights = self.weights
+        sent = rows.ne(0).any(dim=1)
+        counts = sent.view(weights.expert_tensor.experts, self.per_expert).sum(dim=1).tolist()
+        index = sent.nonzero().squeeze(1)
+        products = _base_calls(weights, op, rows.index_select(0, index), counts, latency_class)
+        width = self.out_features if op is Op.FORWARD else self.in_features
+        return rows.new_zeros((rows.shape[0], width)).index_copy_(0, index, products)
+
+
+def _base_calls(weights: ExpertWeights, op: Op, x: torch.Tensor, counts: list[int], latency_class) -> torch.Tensor:
+    """The executor's products (``op``) of each expert's rows of ``x``: one expert-rows request,
+    or one per expert where the transport takes none (or a link is wrapped: activation noise)."""
+    layers = weights.expert_layers
+    parts = expert_parts(counts)
+    links = [layers[e].link for e, _, _ in parts]
+    transport = getattr(links[0], "transport", None) if links else None
+    if (
+        len(parts) > 1
+        and getattr(transport, "serves_expert_rows", False)
+        and all(type(k) is ExecutorLink for k in links)
+    ):  # (a wrapped link, activation noise's, must see its own calls: one request per expert then)
+        last = parts[-1][0] + 1
+        return transport.call_expert_rows(weights.expert_tensor.name, counts[:last], op, x, latency_class)
+    pieces = [link.call(op, x[start:stop], latency_class) for (_, start, stop), link in zip(parts, links)]
+    if not pieces:
+        first = layers[0].link
+        return x.new_zeros((0, first.out_features if op is Op.FORWARD else first.in_features))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _expert_term(term: torch.Tensor | LowRank, expert: int) -> torch.Tensor | LowRank:
@@ -193,23 +236,7 @@ def _expert_term(term: torch.Tensor | LowRank, expert: int) -> torch.Tensor | Lo
 
 def _base_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each expert's rows of ``x`` times its base matrix (the executor's products)."""
-    layers, training = weights.expert_layers, weights.owner.training
-    parts = expert_parts(counts)
-    links = [layers[e].link for e, _, _ in parts]
-    transport = getattr(links[0], "transport", None) if links else None
-    if (
-        len(parts) > 1
-        and getattr(transport, "serves_expert_rows", False)
-        and all(type(k) is ExecutorLink for k in links)
-    ):
-        # (a wrapped link, activation noise's, must see its own calls: one request per expert then)
-        last = parts[-1][0] + 1
-        link = _ExpertRowsLink(transport, weights.expert_tensor.name, counts[:last], links[0])
-        return frozen_linear(x, link, training)
-    pieces = [frozen_linear(x[start:stop], link, training) for (_, start, stop), link in zip(parts, links)]
-    if not pieces:
-        return x.new_zeros((0, layers[0].link.out_features))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return frozen_linear(x, _ExpertsLink(weights, counts), weights.owner.training)
 
 
 def _added_products(weights: ExpertWeights, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
