@@ -308,18 +308,36 @@ class ExecutionEngine:
             local = rows.clone() if borrowed else rows
         with self._lock:  # the condition's own lock: ``with self._cond`` adds two Python calls
             if expert_rows:
-                parts = experts.parts_of(self._module_lists[layer_id], expert_rows)
-                with torch.inference_mode(False):  # (the runners' threads write into it)
-                    output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
-                joined = experts.JoinedResult(future, output, len(parts))
-                for member, start, stop in parts:
-                    part = joined.part(start, stop)
-                    self._enqueue(client_id, member, op, local[start:stop], rows[start:stop], latency_class, part, cast)
+                self._enqueue_parts(client_id, layer_id, op, local, rows, latency_class, future, cast, expert_rows)
             else:
                 self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, cast)
             if wake:
                 self._wake_others()
         return future
+
+    def _enqueue_parts(
+        self, client_id, layer_id, op, local, rows, latency_class, target, cast: bool, expert_rows
+    ) -> list[int]:
+        """Enqueue each expert's rows of an expert-rows request as a request of that expert's
+        layer (holding ``_cond``), answered together to ``target`` (``expert_rows.JoinedResult``);
+        their request ids."""
+        parts = experts.parts_of(self._module_lists[layer_id], expert_rows)
+        with torch.inference_mode(False):  # (the runners' threads write into it)
+            output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
+        joined = experts.JoinedResult(target, output, len(parts))
+        return [
+            self._enqueue(
+                client_id,
+                member,
+                op,
+                local[start:stop],
+                rows[start:stop],
+                latency_class,
+                joined.part(start, stop),
+                cast,
+            )
+            for member, start, stop in parts
+        ]
 
     def _spec(self, layer_id: str) -> LayerSpec:
         """The spec of a layer, or of an experts tensor's experts."""
@@ -397,10 +415,7 @@ class ExecutionEngine:
         self.validate(layer_id, op, rows)
         if rows.shape[0] == 0:
             return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
-        if client_id not in self._in_process_callers:  # the wait tuner's start depends on it
-            with self._lock:
-                self.scheduler.client_in_process(client_id)
-                self._in_process_callers.add(client_id)
+        self._note_in_process_caller(client_id)
         result = self.try_alone(client_id, layer_id, op, rows, latency_class)
         if result is not None:
             return result
@@ -410,55 +425,73 @@ class ExecutionEngine:
         cv = self._caller_cv()
         with self._cond:
             request_id = self._enqueue(client_id, layer_id, op, local, rows, latency_class, future, local is not rows)
-            self._caller_cvs[request_id] = cv
-            self._callers_waiting += 1
-            try:
-                while not future.done():
-                    if not self._running:
-                        raise ExecutorUnavailableError("the executor was closed")
-                    now = self._clock()
-                    if now >= deadline:
-                        self._drop(
-                            request_id,
-                            ExecutorTimeoutError(f"{op.value} of {layer_id!r} took longer than {timeout_s} s"),
-                        )
-                        break
-                    batch, wakeup = None, None  # another thread computes: it notifies when done
-                    blocked = self._computing
-                    if not blocked:
-                        batch, wakeup = self.scheduler.next_batch_or_wakeup(now, self._latency_lane)
-                    if batch is not None:
-                        self._run_locked(batch, "caller")
-                        continue
-                    self._callers_blocked += blocked
-                    try:
-                        cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
-                    finally:
-                        self._callers_blocked -= blocked
-            finally:
-                self._callers_waiting -= 1
-                del self._caller_cvs[request_id]
-                if self._callers_waiting == 0 and self._work_for_latency_runners():
-                    self._wake_others()  # what is left is the drivers' or the compute thread's again
-                elif self._inflight and not self._computing:
-                    self._wake_a_runner()  # this caller may have been the one woken to run the next batch
+            self._wait_locked(future, [request_id], cv, deadline, f"{op.value} of {layer_id!r}", timeout_s)
         return future.result()
 
+    def _note_in_process_caller(self, client_id: str) -> None:
+        if client_id not in self._in_process_callers:  # the wait tuner's start depends on it
+            with self._lock:
+                self.scheduler.client_in_process(client_id)
+                self._in_process_callers.add(client_id)
+
+    def _wait_locked(self, future, request_ids: list[int], cv, deadline: float, what: str, timeout_s: float) -> None:
+        """Wait (holding ``_cond``) until ``future`` is done, running ready batches in this thread
+        meanwhile (see module doc): the requests ``request_ids`` (an expert-rows request's parts:
+        several) are this caller's; past ``deadline`` each is failed."""
+        for request_id in request_ids:
+            self._caller_cvs[request_id] = cv
+        self._callers_waiting += 1
+        try:
+            while not future.done():
+                if not self._running:
+                    raise ExecutorUnavailableError("the executor was closed")
+                now = self._clock()
+                if now >= deadline:
+                    for request_id in request_ids:
+                        self._drop(request_id, ExecutorTimeoutError(f"{what} took longer than {timeout_s} s"))
+                    break
+                batch, wakeup = None, None  # another thread computes: it notifies when done
+                blocked = self._computing
+                if not blocked:
+                    batch, wakeup = self.scheduler.next_batch_or_wakeup(now, self._latency_lane)
+                if batch is not None:
+                    self._run_locked(batch, "caller")
+                    continue
+                self._callers_blocked += blocked
+                try:
+                    cv.wait(max(0.0, min(deadline, wakeup if wakeup is not None else deadline) - now))
+                finally:
+                    self._callers_blocked -= blocked
+        finally:
+            self._callers_waiting -= 1
+            for request_id in request_ids:
+                del self._caller_cvs[request_id]
+            if self._callers_waiting == 0 and self._work_for_latency_runners():
+                self._wake_others()  # what is left is the drivers' or the compute thread's again
+            elif self._inflight and not self._computing:
+                self._wake_a_runner()  # this caller may have been the one woken to run the next batch
+
     def _call_expert_rows(self, client_id, layer_id, op, rows, latency_class, timeout_s, expert_rows) -> torch.Tensor:
-        """``call`` with ``expert_rows`` (``submit``): alone when it can be, else each expert's rows
-        as a call of its own (a caller in this process has no round trip to save)."""
+        """``call`` with ``expert_rows`` (``submit``): alone when it can be, else every expert's
+        rows queued at once as parts (each batched with other clients' rows for its expert) and
+        waited for together: one wait, where a call per part waited its turn part after part."""
         if rows.shape[0] == 0:  # (else ``try_alone`` validates)
             self.validate(layer_id, op, rows, expert_rows)
             return rows.new_empty((0, op.output_width(self._spec(layer_id))))
+        self._note_in_process_caller(client_id)
         result = self.try_alone(client_id, layer_id, op, rows, latency_class, expert_rows=expert_rows)
         if result is not None:
             return result
+        local = rows if self._is_local(rows) else rows.to(device=self.device, dtype=self.dtype)
+        future: Future = Future()
         deadline = self._clock() + timeout_s
-        output = rows.new_empty((rows.shape[0], op.output_width(self._spec(layer_id))))
-        for member, start, stop in experts.parts_of(self._module_lists[layer_id], expert_rows):
-            left_s = max(0.0, deadline - self._clock())
-            output[start:stop] = self.call(client_id, member, op, rows[start:stop], latency_class, left_s)
-        return output
+        cv = self._caller_cv()
+        with self._cond:
+            ids = self._enqueue_parts(
+                client_id, layer_id, op, local, rows, latency_class, future, local is not rows, expert_rows
+            )
+            self._wait_locked(future, ids, cv, deadline, f"{op.value} of {layer_id!r}", timeout_s)
+        return future.result()
 
     def _is_local(self, rows: torch.Tensor) -> bool:
         """Whether ``rows`` are already in the executor's dtype and on its device: the usual case,
