@@ -325,16 +325,27 @@ def expert_routers(model: nn.Module, client_layers: Iterable[str] | str | None =
         tensor.name.rsplit(".", 2)[0]: (tensor.name.rsplit(".", 1)[0], tensor.experts)
         for tensor in expert_tensors(model, client_layers).values()
     }
+    modules = dict(model.named_modules())
     found = set()
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         parent, _, _ = name.rpartition(".")
         grandparent = parent.rpartition(".")[0]
         experts_module, experts = experts_of_parent.get(parent) or experts_of_parent.get(grandparent) or ("", 0)
-        matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
         beside = experts_module and not (name == experts_module or name.startswith(f"{experts_module}."))
-        if beside and matrices and all(p.dim() == 2 and p.shape[0] == experts for p in matrices):
-            found.add(name)
+        if not beside or not _router_like(module, experts):
+            continue
+        if parent not in experts_of_parent:  # (a child's child: only if all its parent holds is router-like)
+            holding = [m for m in modules[parent].modules() if _first_matrix(m) is not None]
+            if not all(_router_like(m, experts) for m in holding):
+                continue  # (a shared expert whose width happens to be the number of experts)
+        found.add(name)
     return found
+
+
+def _router_like(module: nn.Module, experts: int) -> bool:
+    """Whether ``module``'s own matrices are all 2-D with a row per expert (and it has one)."""
+    matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+    return bool(matrices) and all(p.dim() == 2 and p.shape[0] == experts for p in matrices)
 
 
 def discover_base_layers(model: nn.Module, client_layers: Iterable[str] | str | None = ()) -> dict[str, LayerSpec]:

@@ -182,3 +182,36 @@ def test_skeleton_holds_no_weights(tiny_checkpoint):
     skeleton = build_skeleton(Checkpoint(tiny_checkpoint("llama")).config)
     assert all(p.is_meta for p in skeleton.parameters())
     assert not any(b.is_meta for b in skeleton.buffers())  # rotary inv_freq is computed for real
+
+
+def test_a_shared_expert_as_wide_as_the_number_of_experts_is_not_taken_for_a_router():
+    """Routers stay on the client without being named: modules beside the experts whose matrices
+    have a row per expert, or the children of such a module (afmoe's router holds its gate). A
+    shared expert's gate_proj and up_proj are children too, and with an intermediate size equal
+    to the number of experts they were taken for routers (kept on the client: exact, but weights
+    every client loaded; a helper's probe, /tmp/review29/p16_router_heuristic.py). A child counts
+    only where everything its parent holds has a row per expert."""
+    from symbiosis.checkpoint import expert_routers
+
+    config = AutoConfig.for_model(
+        "llama4_text",
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=4,
+        intermediate_size=4,
+        intermediate_size_mlp=64,
+        interleave_moe_layer_step=1,
+        no_rope_layers=[1],
+        layer_types=["full_attention"],
+    )
+    assert expert_routers(build_skeleton(config)) == {"model.layers.0.feed_forward.router"}
+    afmoe = AutoConfig.for_model(
+        "afmoe", vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4, num_shared_experts=1,
+        intermediate_size=64, num_dense_layers=0,
+    )  # fmt: skip
+    assert expert_routers(build_skeleton(afmoe)) == {"model.layers.0.mlp.router.gate"}
