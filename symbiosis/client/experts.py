@@ -185,9 +185,10 @@ class _NonzeroRowsLink:
     """The link (``ops.LayerLink``) of an every-row product (``ExpertWeights.every_row_product``):
     ``per_expert`` rows for each expert, in expert order. Each call -- the rows forward, their
     gradients backward -- sends the rows that are not all zeros (a NaN row is sent: its product
-    is NaN, as the monolithic one) and fills in zeros for the others, exactly their product: in
-    a gradient, zero where a row's output was multiplied by nothing (llama4: an expert's output
-    for a token its router did not choose is not, as every expert's output is summed)."""
+    is NaN, as the monolithic one) and fills in zeros for the others, exactly their product.
+    Backward saves less: a gradient row is zero only where the row's output is not used (llama4
+    sums every expert's output, chosen or not, so its down projection's gradient has every row;
+    its gate/up projection's, only the chosen ones: silu(0)·0)."""
 
     def __init__(self, weights: ExpertWeights, per_expert: int):
         self.weights = weights
