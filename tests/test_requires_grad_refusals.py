@@ -51,7 +51,7 @@ def test_requires_grad_on_a_frozen_split_model_is_refused_before_any_flag_change
     model.requires_grad_(False)  # (a no-op on the base-layer tensors: they are frozen already)
     assert not trainable(model)
     for module in (model, model.model, model.model.layers[0]):
-        with pytest.raises(symbiosis.BaseWeightAccessError, match="'model.layers.0.self_attn.q_proj.bias' cannot be"):
+        with pytest.raises(symbiosis.BaseWeightAccessError, match="'model.layers.0.self_attn.q_proj.weight' cannot be"):
             module.requires_grad_()
         assert not trainable(model)  # the embeddings, before the first base layer, were left trainable
 

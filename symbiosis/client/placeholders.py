@@ -18,7 +18,9 @@ nothing. Two kinds of use are served anyway:
   terms) is the layer's product too, when the layer has no bias (``client/experts.py``).
 
 And :class:`DeviceProbe`: the empty frozen Parameter a VirtLayer holds so that code walking a
-model's parameters finds one, refusing to be made trainable.
+model's parameters finds one, refusing to be made trainable; a biased layer's :class:`BiasProbe`
+stands for its bias, and made trainable it becomes the bias, a parameter of the client (as the
+bias placeholder does).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -96,27 +99,35 @@ class BaseWeightPlaceholder(torch.Tensor):
         read: Callable[[], torch.Tensor] | None = None,
         layer: _VirtLayerMixin | None = None,
         derivation: Derivation | None = None,
+        make_trainable: Callable[[], torch.Tensor] | None = None,
     ):
         """``read``: where the values come from when an operation reads them (the bias); None: nowhere.
         ``layer``: the VirtLayer whose weight this is; ``derivation``: how this weight was derived
-        from that layer's (None: it is the layer's own)."""
+        from that layer's (None: it is the layer's own). ``make_trainable``: what making it trainable
+        does instead of being refused (the bias: becomes a client parameter, which it returns)."""
         placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         placeholder.base_tensor_name = name
         placeholder._read = read
         placeholder._values = None  # what ``read`` returned, on this placeholder's device and dtype
         placeholder._layer = layer
         placeholder._derivation = derivation
+        placeholder._make_trainable = make_trainable
         placeholder._stale = False  # changed in place (``add_``): its successor holds the change
         return placeholder
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """Derived weights (module docstring) are made and used here; making a placeholder trainable
-        (peft's ``bias="lora_only"``) or assigning its ``.data`` is refused. Anything else goes on
-        to ``__torch_dispatch__``: computed on a bias's values, else refused."""
+        or assigning its ``.data`` is refused. Anything else goes on to ``__torch_dispatch__``:
+        computed on a bias's values, else refused. A bias made trainable (peft's ``bias="lora_only"``)
+        becomes a parameter of the client (``VirtLayer.bias`` from then on)."""
         kwargs = kwargs or {}
         if _makes_trainable(func, args, kwargs):
-            raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
+            make_trainable = args[0]._make_trainable
+            if make_trainable is None:
+                raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
+            trained = make_trainable()
+            return trained if func is torch.Tensor.requires_grad_ else None
         if func == _SET_DATA:
             raise BaseWeightAccessError(
                 f"cannot assign the data of base-layer tensor {args[0].base_tensor_name!r}: {WHY}"
@@ -354,7 +365,12 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
     columns computed here (exact: the other columns never read a replaced row, and autograd sends
     each column's gradient where it came from). Equal to the monolithic product up to the order of
     its sums (in float32; in bf16, the monolithic model rounds ``W·H`` or ``W + Δ`` first). The
-    layer's ``forward``, not its ``__call__``: ``F.linear`` runs no hook of the base layer."""
+    layer's ``forward``, not its ``__call__``: ``F.linear`` runs no hook of the base layer.
+
+    A layer whose bias is trained on the client (peft's ``bias="all"``): its served product (the
+    executor's bias in it) plus ``b - served bias`` for the ``b`` given -- the layer's trained bias,
+    or a function of it -- so that ``b`` is added, and given its gradient, once (``layer.forward``
+    adds the trained bias itself)."""
     if not _derivable(weight) or not _is_the_layers_bias(bias, weight._layer):
         return None
     layer, derivation = weight._layer, _derivation_of(weight)
@@ -363,24 +379,32 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
         return None
     if not autocast and input.dtype != weight.dtype:
         return None  # (F.linear refuses mixed dtypes too)
-    out = layer.forward(input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype)))
+    trained = layer.trained_bias()
+    rows = input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype))
+    out = layer.forward(rows) if trained is None else layer.served_forward(rows)
     for delta in derivation.added:
         out = out + times_added(input.to(out.dtype), delta, "out_in")
     for index, rows in derivation.replaced:
         out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
-    if bias is not None and not isinstance(bias, BaseWeightPlaceholder) and bias.requires_grad:
-        out = out + (bias - bias.detach())  # (zero, exactly: the bias's gradient, where it came from)
+    if bias is not None and not isinstance(bias, BaseWeightPlaceholder):
+        if trained is not None:
+            out = out + (bias - layer.served_bias().to(bias.device, bias.dtype)).to(out.dtype)
+        elif bias.requires_grad:
+            out = out + (bias - bias.detach())  # (zero, exactly: the bias's gradient, where it came from)
     return out if autocast else out.to(weight.dtype)
 
 
 def _is_the_layers_bias(bias, layer) -> bool:
     """Whether ``bias`` is the layer's bias placeholder, or its values (in some dtype, perhaps a
-    function of trainable tensors, as ``b * s`` at ``s = 1``); or both are None."""
+    function of trainable tensors, as ``b * s`` at ``s = 1``) -- the trained bias's values where the
+    client trains it; or both are None."""
     if not layer._has_bias:
         return bias is None
     if bias is None or isinstance(bias, BaseWeightPlaceholder):
-        return bias is layer.bias
-    return bias.shape == layer.bias.shape and torch.equal(bias, layer.bias.values().to(bias.device, bias.dtype))
+        return bias is not None and bias is layer._bias  # (the served bias, whether or not it is trained)
+    values = layer.trained_bias()
+    values = layer.served_bias() if values is None else values.detach()
+    return bias.shape == values.shape and torch.equal(bias, values.to(bias.device, bias.dtype))
 
 
 _CASTS = (torch.Tensor.to, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.half)
@@ -429,9 +453,9 @@ def _makes_trainable(func, args: tuple, kwargs: dict) -> bool:
 def not_trainable(name: str) -> str:
     return (
         f"base-layer tensor {name!r} cannot be trained: its weights live only in the base executor, which keeps "
-        "them frozen and shared by every client. Train an adapter instead (LoRA, IA3, ...; with peft's bias='none': "
-        "bias='all' or 'lora_only', when training or in an adapter being loaded, trains the biases of base layers), "
-        "or keep the layer on the client (client_layers=[...])"
+        "them frozen and shared by every client. Train an adapter instead (LoRA, IA3, ...; peft's bias='all' or "
+        "'lora_only' train the base layers' biases, which the client then holds), or keep the layer on the client "
+        "(client_layers=[...])"
     )
 
 
@@ -455,10 +479,33 @@ class DeviceProbe(nn.Parameter):
         return copied
 
 
+class BiasProbe(DeviceProbe):
+    """A biased VirtLayer's second empty frozen Parameter, named ``bias``: where code walks a model's
+    parameters, it stands for the layer's bias. Made trainable -- peft's ``bias="all"`` makes every
+    parameter named ``*.bias`` trainable -- it is not refused: the layer's bias becomes a parameter
+    of the client, the served bias's values (``VirtLayer.train_bias``), which takes this probe's
+    place, trainable, and its forward adds what training changes (the weight stays served).
+    ``layer``: a weak reference to that layer (set by the layer: again on a copy of it)."""
+
+    layer: weakref.ref | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _makes_trainable(func, args, kwargs or {}):
+            layer = args[0].layer() if args[0].layer is not None else None
+            if layer is None:
+                raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
+            trained = layer.train_bias(requires_grad=True)
+            return trained if func is torch.Tensor.requires_grad_ else None
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
 def refuses_training(tensor) -> bool:
-    """Whether ``tensor`` is a base-layer tensor held as a parameter (a VirtLayer's probe, a served
-    experts tensor): one that refuses to be made trainable."""
-    return isinstance(tensor, (DeviceProbe, BaseWeightPlaceholder))
+    """Whether ``tensor`` is a base-layer tensor held as a parameter (a VirtLayer's weight probe, a
+    served experts tensor): one that refuses to be made trainable. (Not a bias probe: made trainable,
+    it becomes a bias of the client.)"""
+    return isinstance(tensor, (DeviceProbe, BaseWeightPlaceholder)) and not isinstance(tensor, BiasProbe)
 
 
 def refuse_training_before_any_change() -> None:

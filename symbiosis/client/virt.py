@@ -13,12 +13,13 @@ from ``W`` is computed from the layer's product (``client/placeholders.py`` says
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
 
 from symbiosis.checkpoint import Conv1D
-from symbiosis.client.placeholders import WHY, BaseWeightPlaceholder, DeviceProbe
+from symbiosis.client.placeholders import WHY, BaseWeightPlaceholder, BiasProbe, DeviceProbe
 from symbiosis.errors import BaseWeightAccessError
 from symbiosis.ops import frozen_linear
 from symbiosis.protocol import WIRE_DTYPES
@@ -52,25 +53,37 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
-class _ProbeParameters(dict):
-    """A VirtLayer's ``_parameters``, holding its probe only. The probe's slot takes only an empty
-    tensor: code that swaps a module's tensors through ``_parameters`` (``torch.func.functional_call``
-    with a new bias) would otherwise put a real bias where the layer never reads it, silently."""
+#: The key of a VirtLayer's weight probe in its ``_parameters``; its bias's is ``bias``.
+WEIGHT_PROBE = "device_probe"
 
-    def __init__(self, parameters: dict, probe_key: str = "", layer_id: str = ""):
+
+class _ProbeParameters(dict):
+    """A VirtLayer's ``_parameters``: its weight probe, first, and on a biased layer its bias (a probe
+    while the executor's bias serves; a parameter of the client once trained). The weight probe's
+    slot takes only an empty tensor: code that swaps a module's tensors through ``_parameters``
+    would otherwise put a real weight where the layer never reads it, silently. The bias's slot
+    takes a real one (``torch.func.functional_call`` with a new bias): the layer computes with it."""
+
+    def __init__(self, parameters: dict, layer_id: str = ""):
         super().__init__(parameters)  # (dict's own init: not through __setitem__)
-        self.probe_key, self.layer_id = probe_key, layer_id
+        self.layer_id = layer_id
 
     def __setitem__(self, key: str, value) -> None:
-        if key == self.probe_key and value is not None and value.numel() != 0:
-            raise BaseWeightAccessError(f"cannot assign the {key} of base layer {self.layer_id!r}: {WHY}")
+        if key == WEIGHT_PROBE and value is not None and value.numel() != 0:
+            raise BaseWeightAccessError(f"cannot assign the weight of base layer {self.layer_id!r}: {WHY}")
         super().__setitem__(key, value)
 
     def __reduce__(self):  # (copy and pickle: rebuilt through __init__, then its attributes)
-        return (type(self), (dict(self),), {"probe_key": self.probe_key, "layer_id": self.layer_id})
+        return (type(self), (dict(self),), {"layer_id": self.layer_id})
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+def _probe(kind: type[DeviceProbe], name: str, device: torch.device, dtype: torch.dtype) -> DeviceProbe:
+    probe = kind(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+    probe.base_tensor_name = name
+    return probe
 
 
 class _VirtLayerMixin:
@@ -85,23 +98,30 @@ class _VirtLayerMixin:
         self.fusion = None  # a SiblingFusion shared with this layer's siblings (client/fusion.py)
         self._has_bias = spec.has_bias
         self._set_placeholders(device, dtype)
-        # The probe: an empty frozen Parameter (``DeviceProbe``) that stands for the layer's weights
-        # where code walks a model's parameters. It finds one (peft's adaption prompt reads a block's
-        # device and dtype from ``next(block.parameters())``: none in a block of base layers alone,
-        # StopIteration), and making it trainable is refused. On a layer with a bias it is named
-        # ``bias`` (the attribute stays the placeholder, a property): peft's ``bias="all"`` trains
-        # every parameter named ``*.bias``, so it finds this one, as it finds the monolithic layer's
-        # bias, and is refused instead of silently training nothing. In the layer itself, not in a
-        # child module: peft matches regex ``target_modules`` against every module name, and
-        # ``".*proj.*"`` would match a child of a proj. Out of state dicts, which keep the
-        # monolithic model's names.
-        probe_key = "bias" if spec.has_bias else "device_probe"
-        probe = DeviceProbe(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
-        probe.base_tensor_name = f"{spec.layer_id}.{'bias' if spec.has_bias else 'weight'}"
-        parameters = _ProbeParameters({}, probe_key, spec.layer_id)
-        parameters[probe_key] = probe  # (not register_parameter: "bias" is the placeholder's property)
+        # The probes: empty frozen Parameters that stand for the layer's tensors where code walks a
+        # model's parameters. The weight's (``DeviceProbe``, first) finds one (peft's adaption prompt
+        # reads a block's device and dtype from ``next(block.parameters())``: none in a block of base
+        # layers alone, StopIteration), and making it trainable is refused (``model.requires_grad_()``).
+        # A biased layer's bias has one named ``bias`` (``BiasProbe``; the attribute is a property):
+        # peft's ``bias="all"`` trains every parameter named ``*.bias``, so it finds this one, as it
+        # finds the monolithic layer's bias, and made trainable it becomes the bias, a parameter of
+        # the client (``train_bias``). In the layer itself, not in a child module: peft matches regex
+        # ``target_modules`` against every module name, and ``".*proj.*"`` would match a child of a
+        # proj. Out of state dicts, which keep the monolithic model's names.
+        parameters = _ProbeParameters({}, spec.layer_id)
+        parameters[WEIGHT_PROBE] = _probe(DeviceProbe, f"{spec.layer_id}.weight", device, dtype)
+        if spec.has_bias:  # (not register_parameter: "bias" is a property)
+            parameters["bias"] = _probe(BiasProbe, f"{spec.layer_id}.bias", device, dtype)
         object.__setattr__(self, "_parameters", parameters)
+        self._link_probes()
         self.count_base_parameters(spec.in_features * spec.out_features + (spec.out_features if spec.has_bias else 0))
+
+    def _link_probes(self) -> None:
+        """The bias probe's way back to its layer (again on a copy, and after ``_apply``, which may
+        swap a parameter for another)."""
+        probe = self._parameters.get("bias")
+        if type(probe) is BiasProbe:
+            probe.layer = weakref.ref(self)
 
     def count_base_parameters(self, count: int) -> None:
         """The parameters the executor holds for this layer, for the model's ``num_parameters``
@@ -122,12 +142,47 @@ class _VirtLayerMixin:
         object.__setattr__(self, "_weight", weight)
         bias = (
             BaseWeightPlaceholder(
-                (spec.out_features,), dtype=dtype, device=device, name=f"{self.layer_id}.bias", read=self._read_bias
+                (spec.out_features,),
+                dtype=dtype,
+                device=device,
+                name=f"{self.layer_id}.bias",
+                read=self._read_bias,
+                make_trainable=self._train_bias_placeholder,
             )
             if self._has_bias
             else None
         )
         object.__setattr__(self, "_bias", bias)
+
+    def _train_bias_placeholder(self) -> nn.Parameter:
+        return self.train_bias(requires_grad=True)
+
+    def train_bias(self, requires_grad: bool) -> nn.Parameter:
+        """The layer's bias as a parameter of the client, made once: a copy of the served bias (read
+        from the executor: the product of a zero row) that takes the bias probe's place, its
+        ``requires_grad`` set. What peft's ``bias="all"`` (the probe made trainable) and
+        ``"lora_only"`` (the ``bias`` placeholder made trainable) do, and loading a trained bias.
+        The weight stays served; the forward adds ``bias - served bias`` to the executor's product
+        (zero, exactly, until the bias is trained)."""
+        current = self._parameters.get("bias")
+        if type(current) is not BiasProbe:  # trained already (or swapped in by functional_call)
+            if current.is_leaf:
+                current.requires_grad_(requires_grad)
+            return current
+        bias = nn.Parameter(self.served_bias().clone(), requires_grad=requires_grad)
+        self._parameters["bias"] = bias
+        self.base_parameter_count -= bias.numel()  # counted as the client's parameter now
+        return bias
+
+    def trained_bias(self) -> torch.Tensor | None:
+        """The bias the client holds (trained, or given by ``functional_call``); None where the
+        executor's serves."""
+        bias = self._parameters.get("bias")
+        return None if bias is None or type(bias) is BiasProbe else bias
+
+    def served_bias(self) -> torch.Tensor:
+        """The executor's bias (read once a placeholder; a placeholder is made anew on a copy and by ``_apply``)."""
+        return self._bias.values()
 
     @torch.compiler.disable  # a call to the executor, as a forward's is (see _forward_untraced)
     def _read_bias(self) -> torch.Tensor:
@@ -153,8 +208,9 @@ class _VirtLayerMixin:
         return self._weight
 
     @property
-    def bias(self) -> BaseWeightPlaceholder | None:
-        return self._bias
+    def bias(self) -> BaseWeightPlaceholder | torch.Tensor | None:
+        trained = self.trained_bias()
+        return self._bias if trained is None else trained
 
     def __setattr__(self, name: str, value) -> None:
         # nn.Module.__setattr__ would register a Parameter under the name (or fail with a bare
@@ -186,59 +242,73 @@ class _VirtLayerMixin:
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # as the default deepcopy of a Module
         # Placeholders of its own: derived weights compute through their layer (the copy's link, hooks, mode).
         copied._set_placeholders(self._weight.device, self._weight.dtype)
+        copied._link_probes()  # (a trained bias is the copy's own: copied with its parameters)
         return copied
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A trained bias is saved under the layer's ``bias`` (peft saves it for bias="all" and
+        # "lora_only", as the monolithic layer's); the probes are not.
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination.pop(prefix + self._parameters.probe_key, None)
+        for key, value in self._parameters.items():
+            if isinstance(value, DeviceProbe):
+                destination.pop(prefix + key, None)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The probe out of the way: not a missing key, and a monolithic state dict's ``bias`` stays an
-        # unexpected key, as its ``weight``, instead of a size mismatch with the probe.
-        if self._has_bias and prefix + "bias" in state_dict:
-            self._check_bias_is_served(state_dict[prefix + "bias"])
-        key = self._parameters.probe_key
-        probe = self._parameters.pop(key)
+        # A state dict's bias that differs from the served one was trained (an adapter saved with
+        # peft's bias="all" or "lora_only", loaded by PeftModel.from_pretrained or load_adapter): the
+        # layer's bias becomes the client's, frozen unless made trainable, and takes it. One equal to
+        # the served bias (a monolithic model's state dict) leaves the bias served.
+        key = prefix + "bias"
+        if self._has_bias and key in state_dict and self.trained_bias() is None:
+            if not self._is_served_bias(state_dict[key]):
+                self.train_bias(requires_grad=False)
+        # The probes out of the way: not missing keys, and a monolithic state dict's ``bias`` (where
+        # served) stays an unexpected key, as its ``weight``, instead of a size mismatch with a probe.
+        parameters = self._parameters
+        held = list(parameters.items())
+        for name, value in held:
+            if isinstance(value, DeviceProbe):
+                dict.__delitem__(parameters, name)
         try:
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         finally:
-            self._parameters[key] = probe
+            now = dict(parameters)
+            dict.clear(parameters)
+            dict.update(parameters, {name: now.get(name, value) for name, value in held})  # (in their order)
 
-    def _check_bias_is_served(self, bias) -> None:
-        """A state dict's bias for this layer must be the one the executor serves (rounded to a wire
-        dtype at most, as an executor in that dtype serves it): a monolithic model's state dict passes.
-        One that differs was trained -- an adapter saved with peft's ``bias="all"`` or
-        ``"lora_only"`` loaded as a second adapter (``load_adapter``), where peft does not apply
-        that option -- and was dropped as an unexpected key, the split model then computing with
-        the base bias while the monolithic one computes with the trained one: silently different."""
-        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.link.out_features,):
-            return  # (torch reports a size mismatch, as for any state dict)
-        served = self._read_bias()
+    def _is_served_bias(self, bias) -> bool:
+        """Whether a state dict's bias for this layer is the one the executor serves (rounded to a wire
+        dtype at most, as an executor in that dtype serves it): a monolithic model's state dict's is.
+        One of another shape counts as served (torch reports it as an unexpected key, as before)."""
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != tuple(self._bias.shape):
+            return True
+        served = self.served_bias()
         value = bias.detach().to(device=served.device)
-        if any(
+        return any(
             torch.equal(value.to(dtype).to(served.dtype), served) for dtype in (served.dtype, *WIRE_DTYPES.values())
-        ):
-            return
-        raise BaseWeightAccessError(
-            f"the state dict's bias of base layer {self.layer_id!r} differs from the one the executor serves "
-            f"(max |difference| {(value.to(served.dtype) - served).abs().max().item():.3g}): it was trained -- "
-            "an adapter saved with peft's bias='all' or 'lora_only', or a fine-tuned model. A split model computes "
-            "with the executor's bias and cannot take it; train adapters with bias='none', or serve the changed "
-            "model from an executor of its own"
         )
 
     def _apply(self, fn, recurse: bool = True):
-        # model.to(device/dtype) must move the placeholders' metadata like it moves real weights.
+        # model.to(device/dtype) must move the placeholders' metadata like it moves real weights (a
+        # trained bias moves as any parameter; the served one is read again, in the new dtype).
         probe = fn(torch.empty(0, device=self._weight.device, dtype=self._weight.dtype))
         self._set_placeholders(probe.device, probe.dtype)
-        return nn.Module._apply(self, fn, recurse)
+        result = nn.Module._apply(self, fn, recurse)
+        self._link_probes()
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # (a constant to the tracer, ~0.1 us a call otherwise)
             return _forward_untraced(self, x)
         return self._forward(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def served_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The executor's product alone, with its bias (``forward`` adds a trained one's change)."""
+        if torch.compiler.is_compiling():
+            return _forward_untraced(self, x, False)
+        return self._forward(x, False)
+
+    def _forward(self, x: torch.Tensor, trained_bias: bool = True) -> torch.Tensor:
         # Fusion serves only plain links: a wrapped one (activation noise) must see its own calls.
         fusion = self.fusion if type(self.link) is ExecutorLink else None
         if _any_autocast() and torch.is_autocast_enabled(x.device.type):
@@ -249,8 +319,16 @@ class _VirtLayerMixin:
             dtype = torch.get_autocast_dtype(x.device.type)
             x = fusion.cast(x, dtype) if fusion is not None else x.to(dtype)
         if fusion is not None:
-            return fusion.forward(self.layer_id, x, self.training, self._call_alone)
-        return frozen_linear(x, self.link, self.training)  # (not through _call_alone: one call less a layer)
+            out = fusion.forward(self.layer_id, x, self.training, self._call_alone)
+        else:
+            out = frozen_linear(x, self.link, self.training)  # (not through _call_alone: one call less a layer)
+        # A bias the client holds (trained, or given by functional_call): the executor's product holds
+        # the served bias, so the change is added (zero at first, exactly; its gradient reaches the bias).
+        # One dict lookup where the executor's bias serves.
+        bias = self._parameters.get("bias")
+        if bias is None or type(bias) is BiasProbe or not trained_bias:
+            return out
+        return out + (bias - self.served_bias().to(bias.device, bias.dtype)).to(out.dtype)
 
     def _call_alone(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_linear(x, self.link, self.training)
