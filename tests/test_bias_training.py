@@ -31,7 +31,10 @@ from tests.reference import (
 )
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-#: After optimizer steps: float32 rounding differences (a split product sums in another order) grow with each.
+#: After optimizer steps where products sum in another order than the monolithic model's (fused siblings,
+#: another process's kernels): float32 rounding differences grow with each step. Unfused in-process, a
+#: layer whose bias the client holds asks for x·Wᵀ and adds it, as nn.Linear does: equal to the bit
+#: after 3 steps at lr 0.5 on opt, gpt2 and qwen2 (where adding the change to the served bias was not).
 TRAINED_TOL = dict(rtol=1e-3, atol=1e-4)
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 #: Targets of a ``lora_only`` adapter on some layers only: the others' biases stay served.
@@ -57,8 +60,8 @@ def logits(model) -> torch.Tensor:
         return model(input_ids=IDS).logits
 
 
-def assert_close_logits(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, expected, **TRAINED_TOL, msg=lambda message: f"{what}: {message}")
+def assert_close_logits(got: torch.Tensor, expected: torch.Tensor, what: str, tol: dict) -> None:
+    torch.testing.assert_close(got, expected, **tol, msg=lambda message: f"{what}: {message}")
 
 
 def sgd_steps(model, steps: int = 3) -> None:
@@ -123,16 +126,20 @@ def test_trained_base_biases_match_the_monolithic_model(arch, bias, targets, tra
                 assert len(trained) < len(served_biases)  # the other layers' biases stay served
             assert split.get_nb_trainable_parameters() == reference.get_nb_trainable_parameters()
             assert split.get_base_model().num_parameters() == reference.get_base_model().num_parameters()
-            if transport != "inproc":  # siblings fused from the second forward on: compared fused
-                logits(split), logits(split)
+            if transport != "inproc":  # siblings fused from the second forward on, but not those whose
+                logits(split), logits(split)  # bias the client holds: they ask for x·Wᵀ alone (exact)
                 fusion = virt_layers(split)[0].fusion
-                assert fusion is not None and fusion.groups()
+                assert fusion is not None
+                assert not {member for group in fusion.groups() for member in group} & trained
+                if arch == "qwen2" and bias == "all":
+                    assert fusion.groups()  # (gate/up, without biases, still fused)
             assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
 
             sgd_steps(reference)
             sgd_steps(split)
             expected = logits(reference)
-            torch.testing.assert_close(logits(split), expected, **TRAINED_TOL)
+            tol = TOL if transport == "inproc" else TRAINED_TOL
+            assert_close_logits(logits(split), expected, "after 3 steps", tol)
 
             reference.save_pretrained(tmp_path / "monolithic")
             split.save_pretrained(tmp_path / "split")
@@ -143,7 +150,7 @@ def test_trained_base_biases_match_the_monolithic_model(arch, bias, targets, tra
                         try:
                             where = "split" if target is not None else "monolithic"
                             what = f"{saved}'s adapter on a {where} model, second={second}"
-                            assert_close_logits(logits(loaded), expected, what)
+                            assert_close_logits(logits(loaded), expected, what, tol)
                         finally:
                             if target is not None:
                                 close_client(loaded)
@@ -230,10 +237,12 @@ def test_copies_and_casts_of_a_model_with_trained_biases_train_their_own(opt, op
         original = {n: p.detach().clone() for n, p in split.named_parameters() if n.endswith("base_layer.bias")}
         sgd_steps(copied)
         sgd_steps(reference)
-        torch.testing.assert_close(logits(copied), logits(reference), **TRAINED_TOL)
+        torch.testing.assert_close(logits(copied), logits(reference), **TOL)
         for name, value in original.items():
             assert torch.equal(split.get_parameter(name), value), name  # the original's own, untouched
-            assert not torch.equal(copied.get_parameter(name), value), name  # the copy's trained
+            expected = reference.get_parameter(name)  # (k_proj's is not trained: softmax ignores a key bias)
+            torch.testing.assert_close(copied.get_parameter(name), expected, **TOL, msg=name)
+        assert any(not torch.equal(copied.get_parameter(name), value) for name, value in original.items())
         torch.testing.assert_close(logits(split), logits(make_pair(opt, opt_executor, lora("all"), "opt")[0]), **TOL)
 
         narrow = copy.deepcopy(copied).to(torch.bfloat16)

@@ -367,10 +367,10 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
     its sums (in float32; in bf16, the monolithic model rounds ``W·H`` or ``W + Δ`` first). The
     layer's ``forward``, not its ``__call__``: ``F.linear`` runs no hook of the base layer.
 
-    A layer whose bias is trained on the client (peft's ``bias="all"``): its served product (the
-    executor's bias in it) plus ``b - served bias`` for the ``b`` given -- the layer's trained bias,
-    or a function of it -- so that ``b`` is added, and given its gradient, once (``layer.forward``
-    adds the trained bias itself)."""
+    A layer whose bias is trained on the client (peft's ``bias="all"``): its product without a bias
+    (``layer.product_forward``) plus the ``b`` given -- the layer's trained bias, or a function of
+    it -- so that ``b`` is added, and given its gradient, once (``layer.forward`` adds the trained
+    bias itself)."""
     if not _derivable(weight) or not _is_the_layers_bias(bias, weight._layer):
         return None
     layer, derivation = weight._layer, _derivation_of(weight)
@@ -381,15 +381,15 @@ def _linear(input, weight, bias=None):  # noqa: A002 (F.linear's names)
         return None  # (F.linear refuses mixed dtypes too)
     trained = layer.trained_bias()
     rows = input if derivation.right is None else F.linear(input, derivation.right.to(input.dtype))
-    out = layer.forward(rows) if trained is None else layer.served_forward(rows)
+    out = layer.forward(rows) if trained is None else layer.product_forward(rows)
     for delta in derivation.added:
         out = out + times_added(input.to(out.dtype), delta, "out_in")
     for index, rows in derivation.replaced:
         out = out.index_copy(-1, index.to(out.device), F.linear(input.to(out.dtype), rows.to(out.dtype)))
-    if bias is not None and not isinstance(bias, BaseWeightPlaceholder):
-        if trained is not None:
-            out = out + (bias - layer.served_bias().to(bias.device, bias.dtype)).to(out.dtype)
-        elif bias.requires_grad:
+    if trained is not None:  # (the product alone: the bias given is added here, once, with its gradient)
+        out = out + (bias.values() if isinstance(bias, BaseWeightPlaceholder) else bias).to(out.dtype)
+    elif bias is not None and not isinstance(bias, BaseWeightPlaceholder):
+        if bias.requires_grad:
             out = out + (bias - bias.detach())  # (zero, exactly: the bias's gradient, where it came from)
     return out if autocast else out.to(weight.dtype)
 

@@ -53,6 +53,18 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
+class _ProductLink:
+    """A layer's link whose forward is the product alone, ``x·Wᵀ`` without the bias (``Op.NOISE``):
+    for a layer whose bias the client holds. Backward is the layer's own."""
+
+    def __init__(self, inner: ExecutorLink):
+        self.inner = inner
+        self.layer_id, self.in_features, self.out_features = inner.layer_id, inner.in_features, inner.out_features
+
+    def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
+        return self.inner.call(Op.NOISE if op is Op.FORWARD else op, rows, latency_class)
+
+
 #: The key of a VirtLayer's weight probe in its ``_parameters``; its bias's is ``bias``.
 WEIGHT_PROBE = "device_probe"
 
@@ -302,13 +314,14 @@ class _VirtLayerMixin:
             return _forward_untraced(self, x)
         return self._forward(x)
 
-    def served_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The executor's product alone, with its bias (``forward`` adds a trained one's change)."""
+    def product_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x·Wᵀ`` without a bias, for a layer whose bias the client holds (``forward`` adds it):
+        what ``F.linear`` of a weight derived from this one adds its bias to (``placeholders._linear``)."""
         if torch.compiler.is_compiling():
             return _forward_untraced(self, x, False)
         return self._forward(x, False)
 
-    def _forward(self, x: torch.Tensor, trained_bias: bool = True) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         # Fusion serves only plain links: a wrapped one (activation noise) must see its own calls.
         fusion = self.fusion if type(self.link) is ExecutorLink else None
         if _any_autocast() and torch.is_autocast_enabled(x.device.type):
@@ -318,17 +331,22 @@ class _VirtLayerMixin:
             # autocast dtype (serve --dtype bf16 for bf16 autocast) and siblings are not fused.
             dtype = torch.get_autocast_dtype(x.device.type)
             x = fusion.cast(x, dtype) if fusion is not None else x.to(dtype)
-        if fusion is not None:
-            out = fusion.forward(self.layer_id, x, self.training, self._call_alone)
-        else:
-            out = frozen_linear(x, self.link, self.training)  # (not through _call_alone: one call less a layer)
-        # A bias the client holds (trained, or given by functional_call): the executor's product holds
-        # the served bias, so the change is added (zero at first, exactly; its gradient reaches the bias).
-        # One dict lookup where the executor's bias serves.
+        # A bias the client holds (trained, or given by functional_call; one dict lookup where the
+        # executor's bias serves): the executor's product without its bias (Op.NOISE, ``x·Wᵀ``) plus
+        # the client's, as nn.Linear adds it -- the served bias added and taken away again would round
+        # twice. Not fused (a group's request holds its members' served biases). A wrapped link
+        # (activation noise) must see its forward rows: there the served bias's change is added.
         bias = self._parameters.get("bias")
-        if bias is None or type(bias) is BiasProbe or not trained_bias:
-            return out
-        return out + (bias - self.served_bias().to(bias.device, bias.dtype)).to(out.dtype)
+        if bias is not None and type(bias) is not BiasProbe:
+            if type(self.link) is ExecutorLink:
+                out = frozen_linear(x, _ProductLink(self.link), self.training)
+                return out + bias.to(out.dtype) if with_bias else out
+            out = frozen_linear(x, self.link, self.training)
+            bias = bias if with_bias else torch.zeros_like(bias)
+            return out + (bias - self.served_bias().to(bias.device, bias.dtype)).to(out.dtype)
+        if fusion is not None:
+            return fusion.forward(self.layer_id, x, self.training, self._call_alone)
+        return frozen_linear(x, self.link, self.training)  # (not through _call_alone: one call less a layer)
 
     def _call_alone(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_linear(x, self.link, self.training)
