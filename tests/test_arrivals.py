@@ -98,3 +98,41 @@ def test_a_clients_next_call_is_due_one_own_gap_after_its_last_hand_out_or_one_t
     predictor.arrived(request)
     assert predictor.next_call_s("b", F) is None  # pending: it is here, not due
     assert predictor.next_call_s("b", Op.BACKWARD) is None and predictor.next_call_s("nobody", F) is None
+
+
+def test_products_without_bias_are_steps_of_the_forward_walk_asked_for_at_their_own_layers():
+    """A client whose biases are its own (peft's bias="all": its biased layers ask for ``x·Wᵀ``,
+    Op.NOISE) walks one forward pass, NOISE at some layers: it switched walks at each of them, so
+    its pace was never learned and the decode guard took it for a fine-tuning client in backward
+    (a helper's probe: an active decoder after 16 of 208 requests). It is one walk now; it is on
+    its way to the NOISE products of the layers it asks those of, and to the others' products."""
+    predictor = ArrivalPredictor()
+    now = 0.0
+    bare = {"l0.q", "l1.q"}
+    for _ in range(2):  # two passes: positions placed, pace and repeats learned
+        for layer in LAYERS:
+            op = Op.NOISE if layer in bare else F
+            request = PendingRequest(next(_ids), "b", layer, op, 1, LatencyClass.DECODE, now)
+            predictor.arrived(request)
+            predictor.handed_out(request, now)
+            now += 0.001
+    assert predictor.positions[F] == {layer: i for i, layer in enumerate(LAYERS)}
+    assert predictor.gap_s("b", F) == pytest.approx(0.001) and Op.FORWARD in predictor.tracks["b"].repeats
+    # At the head, about to turn: on its way to l0.q's product without bias, and l0.k's product.
+    assert list(predictor.walking("l0.q", Op.NOISE, {}, now, HOLD_S)) == ["b"]
+    assert list(predictor.walking("l0.q", F, {}, now, HOLD_S)) == []
+    assert list(predictor.walking("l0.k", F, {}, now, HOLD_S)) == ["b"]
+    assert list(predictor.walking("l0.k", Op.NOISE, {}, now, HOLD_S)) == []
+    assert len(predictor.expected("l0.q", Op.NOISE, {}, now, wrap=True)) == 1
+    assert predictor.expected("l0.q", F, {}, now, wrap=True) == []
+
+
+def test_a_decoder_asking_for_products_without_bias_stays_a_decoder():
+    from symbiosis.executor.pacing import DecodeGuard
+
+    guard = DecodeGuard(slo_s=None, slowdown=1.5)
+    for position, op in enumerate([F, Op.NOISE, F, Op.NOISE]):
+        guard.arrived("d", op, True, position, 0.001 * position)
+    assert guard.active(0.004) == ["d"]
+    guard.arrived("d", Op.BACKWARD, False, 0, 0.005)  # backward: a fine-tuning client
+    assert guard.active(0.005) == []

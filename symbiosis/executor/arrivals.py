@@ -99,6 +99,15 @@ def _follow(estimates: dict[Op, float], op: Op, sample: float) -> None:
     estimates[op] = sample if old is None else old + GAP_EWMA_WEIGHT * (sample - old)
 
 
+#: The walk an op's requests step along: a product without the layer's bias (``Op.NOISE``: a layer
+#: whose bias the client holds, asking for ``x·Wᵀ``; activation noise's pools) is a step of the forward
+#: walk, at that layer's place in it. Were it a walk of its own, a decoder with trained biases would
+#: switch walks at every biased layer: its pace never learned, and the decode guard, which takes a
+#: client in another op for a fine-tuning one in backward, would not protect it (a helper measured
+#: opt with bias="all": an active decoder after 16 of its 208 decode requests).
+_WALK = {Op.FORWARD: Op.FORWARD, Op.BACKWARD: Op.BACKWARD, Op.NOISE: Op.FORWARD}
+
+
 class _Track:
     """One client's last request (op, learned position, hand-out time) and its pace per op."""
 
@@ -118,6 +127,7 @@ class _Track:
         "repeats",
         "walks",
         "latency",
+        "bare_layers",
     )
 
     def __init__(self) -> None:
@@ -138,6 +148,7 @@ class _Track:
         self.repeats: set[Op] = set()  # ops this client was seen to walk pass after pass
         self.walks = False  # its last request moved on to another layer (a flood of one layer does not)
         self.latency = True  # its last request was latency work (decode, prefill), not bulk
+        self.bare_layers: set[str] = set()  # layers it asks for products without their bias (``_WALK``)
 
 
 class ArrivalPredictor:
@@ -155,10 +166,15 @@ class ArrivalPredictor:
         track = self.tracks.get(request.client_id)
         if track is None:
             track = self.tracks[request.client_id] = _Track()
-        positions = self.positions[request.op]
-        same_op = track.op is request.op
+        op = _WALK[request.op]
+        if request.op is Op.NOISE:
+            track.bare_layers.add(request.layer_id)
+        elif track.bare_layers:
+            track.bare_layers.discard(request.layer_id)
+        positions = self.positions[op]
+        same_op = track.op is op
         position = positions.get(request.layer_id)
-        provisional = self._provisional[request.op]
+        provisional = self._provisional[op]
         moved_on = same_op and request.layer_id != track.layer_id
         if moved_on and track.layer_id in provisional:
             provisional.discard(track.layer_id)  # a pass really starts there: a client walked on from it
@@ -166,7 +182,7 @@ class ArrivalPredictor:
             provisional.discard(request.layer_id)  # a walk reached it: its place is after the last layer
             position = positions[request.layer_id] = track.position + 1
         elif position is None:
-            position = self._first_member_position(request.op, request.layer_id)
+            position = self._first_member_position(op, request.layer_id)
             if position is None:
                 position = track.position + 1 if same_op else 0
                 if not same_op:
@@ -174,23 +190,23 @@ class ArrivalPredictor:
             positions[request.layer_id] = position
         if same_op and position > track.position and track.handed_out_s is not None:
             sample = (request.arrival_s - track.handed_out_s) / (position - track.position)
-            _follow(track.gap_s, request.op, sample)
-            _envelope(track.own_gap_s, request.op, sample)
-            _envelope(track.own_call_s, request.op, request.arrival_s - track.handed_out_s)
+            _follow(track.gap_s, op, sample)
+            _envelope(track.own_gap_s, op, sample)
+            _envelope(track.own_call_s, op, request.arrival_s - track.handed_out_s)
         elif same_op and position < track.position:
-            track.repeats.add(request.op)  # a new pass of the same op: it walks this op again and again
+            track.repeats.add(op)  # a new pass of the same op: it walks this op again and again
             track.pass_calls, track.calls = track.calls, 0
             if track.handed_out_s is not None:
-                _follow(track.turn_s, request.op, request.arrival_s - track.handed_out_s)
-                _envelope(track.own_turn_s, request.op, request.arrival_s - track.handed_out_s)
+                _follow(track.turn_s, op, request.arrival_s - track.handed_out_s)
+                _envelope(track.own_turn_s, op, request.arrival_s - track.handed_out_s)
         elif not same_op and track.op is not None:
             track.repeats.discard(track.op)  # it left that op for another one
-        if position > self._last_position[request.op]:
-            self._last_position[request.op] = position
+        if position > self._last_position[op]:
+            self._last_position[op] = position
         track.walks = not same_op or position != track.position
         track.calls = track.calls + 1 if same_op else 1
         track.latency = latency
-        track.op, track.position, track.request_id, track.handed_out_s = request.op, position, request.request_id, None
+        track.op, track.position, track.request_id, track.handed_out_s = op, position, request.request_id, None
         track.layer_id = request.layer_id
         return position
 
@@ -220,27 +236,29 @@ class ArrivalPredictor:
     def placed(self, layer_id: str, op: Op) -> bool:
         """Whether the layer has its place in ``op``'s walk for good: seen, and not only as the
         provisional start of a pass (see the module doc)."""
+        op = _WALK[op]
         return layer_id in self.positions[op] and layer_id not in self._provisional[op]
 
     def pass_length(self, op: Op) -> int:
         """Layers in one pass of ``op`` seen so far (base-layer calls per decoded token for forward)."""
-        return len(self.positions[op])
+        return len(self.positions[_WALK[op]])
 
     def gap_s(self, client_id: str, op: Op) -> float | None:
         track = self.tracks.get(client_id)
-        return None if track is None else track.gap_s.get(op)
+        return None if track is None else track.gap_s.get(_WALK[op])
 
     def own_gap_s(self, client_id: str, op: Op) -> float | None:
         """The client's own time per layer call of ``op`` without the delays the executor adds
         (a lower envelope of the pace samples, see the module doc); None before any sample."""
         track = self.tracks.get(client_id)
-        return None if track is None else track.own_gap_s.get(op)
+        return None if track is None else track.own_gap_s.get(_WALK[op])
 
     def next_call_s(self, client_id: str, op: Op) -> float | None:
         """When the client's next request of ``op`` is due: from its last request's hand-out, one
         of its own gaps (the lower envelope: rather too early than too late), or its turn when
         that request ended a pass of an op it repeats. None when it has a request pending, is in
         another op, or its pace is not known yet."""
+        op = _WALK[op]
         track = self.tracks.get(client_id)
         if track is None or track.op is not op or track.handed_out_s is None:
             return None
@@ -304,13 +322,16 @@ class ArrivalPredictor:
         the module doc); with ``latency_only``, only
         those whose last request was latency work. No pace is needed: the convoy rule waits for them
         however slow they are within a pass. Lazily: the convoy asks whether one of them can
-        come, and the first that can ends the look (``Scheduler._convoy_waits_for``)."""
+        come, and the first that can ends the look (``Scheduler._convoy_waits_for``). A client
+        comes to a layer's products without bias (``Op.NOISE``) where it asked for those there
+        last, else to its products (``_WALK``)."""
+        bare, op = op is Op.NOISE, _WALK[op]
         target = self.positions[op].get(layer_id)
         if target is None:
             return
         length = len(self.positions[op])
         for client_id, track in self.tracks.items():
-            if track.op is not op or client_id in skip:
+            if track.op is not op or client_id in skip or (layer_id in track.bare_layers) is not bare:
                 continue
             handed_out_s = track.handed_out_s
             if handed_out_s is not None and now_s - handed_out_s > idle_s:
@@ -340,8 +361,9 @@ class ArrivalPredictor:
         Not on its way: a client in another op (a fine-tuning client in backward while the layer is
         wanted for forward), at or past the layer (also one idle after its pass) unless ``wrap`` and
         it repeats the op, whose pace is not known yet, or (``latency_only``) whose last request
-        was bulk work.
+        was bulk work; a client that asks the layer for the other kind of product (``walking``).
         """
+        bare, op = op is Op.NOISE, _WALK[op]
         target = self.positions[op].get(layer_id)
         if target is None:
             return []
@@ -349,6 +371,8 @@ class ArrivalPredictor:
         coming = []
         for client_id, track in self.tracks.items():
             if track.op is not op or client_id in skip or (latency_only and not track.latency):
+                continue
+            if (layer_id in track.bare_layers) is not bare:
                 continue
             hops = self._hops(track, target, length, wrap)
             if hops is None:

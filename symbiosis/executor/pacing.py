@@ -267,7 +267,7 @@ class DecodeGuard:
         if is_latency is None:
             is_latency = is_decode
         decoder = self._decoders.get(client_id)
-        if op is not Op.FORWARD:
+        if op is Op.BACKWARD:  # (a product without its bias, Op.NOISE, is a forward step: arrivals._WALK)
             if decoder is not None:
                 decoder.decoding = False  # in backward: a fine-tuning client, not a decoder
             return None
