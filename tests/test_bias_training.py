@@ -318,3 +318,34 @@ def test_other_methods_with_trained_biases_match_the_monolithic_model(method, op
         assert_matches_reference(loss_and_grads(split, IDS), loss_and_grads(reference, IDS))
     finally:
         close_client(split)
+
+
+def test_an_adapter_with_trained_biases_loads_with_low_cpu_mem_usage(opt, opt_executor, tmp_path):
+    """peft's ``low_cpu_mem_usage=True`` loads with ``load_state_dict(assign=True)``, which assigns
+    each loaded parameter to its module: a VirtLayer refused any ``bias`` assignment (a helper's
+    probe), so such an adapter loaded everywhere but there."""
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(opt), lora("all"))
+    randomize_adapters(reference)
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if name.endswith("base_layer.bias") or name.endswith("proj.bias"):
+                parameter.add_(0.05)
+    reference.save_pretrained(tmp_path / "adapter")
+    reference.eval()
+    expected = logits(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = peft.PeftModel.from_pretrained(
+            symbiosis.load_client_model(opt, executor=opt_executor), tmp_path / "adapter", low_cpu_mem_usage=True
+        )
+    try:
+        assert any(m.trained_bias() is not None for m in virt_layers(split))
+        torch.testing.assert_close(logits(split), expected, **TOL)
+        layer = next(m for m in virt_layers(split) if m.trained_bias() is not None)
+        moved = {f"{name}.bias": layer.bias.detach() + 1 for name, m in split.named_modules() if m is layer}
+        before = logits(split)
+        split.load_state_dict(moved, strict=False, assign=True)
+        assert torch.equal(layer.bias.detach(), next(iter(moved.values())))
+        assert not torch.equal(logits(split), before)
+    finally:
+        close_client(split)

@@ -53,6 +53,10 @@ _WHOLE_MODEL_COPY_SENTINEL = object()
 _WHOLE_MODEL_COPY = id(_WHOLE_MODEL_COPY_SENTINEL)
 
 
+def _a_bias_for(layer, value) -> bool:
+    return isinstance(value, nn.Parameter) and tuple(value.shape) == (layer.link.out_features,)
+
+
 class _ProductLink:
     """A layer's link whose forward is the product alone, ``x·Wᵀ`` without the bias (``Op.NOISE``):
     for a layer whose bias the client holds. Backward is the layer's own."""
@@ -226,7 +230,12 @@ class _VirtLayerMixin:
 
     def __setattr__(self, name: str, value) -> None:
         # nn.Module.__setattr__ would register a Parameter under the name (or fail with a bare
-        # KeyError); either way the client would silently stop using the executor's weight.
+        # KeyError); either way the client would silently stop using the executor's weight. A bias
+        # the client holds takes a new tensor of its shape (``load_state_dict(assign=True)``, which
+        # peft's ``low_cpu_mem_usage`` loading does, assigns each loaded parameter).
+        if name == "bias" and self.trained_bias() is not None and _a_bias_for(self, value):
+            self._parameters["bias"] = value
+            return
         if name in ("weight", "bias"):
             raise BaseWeightAccessError(f"cannot assign the {name} of base layer {self.layer_id!r}: {WHY}")
         super().__setattr__(name, value)
