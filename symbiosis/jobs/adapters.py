@@ -56,6 +56,13 @@ def adapter_type(folder: Path) -> str:
     return str(read_adapter_config(folder).get("peft_type", "?"))
 
 
+def trains_base_biases(folder: Path) -> bool:
+    """Whether the adapter changes its base layers' biases (peft's ``bias="all"`` or
+    ``"lora_only"``): those are the model's own parameters, shared by every adapter loaded beside
+    it, so it needs a model of its own to run as itself."""
+    return read_adapter_config(folder).get("bias", "none") not in (None, "none")
+
+
 def virtual_tokens(folder: Path) -> int:
     """Positions a prefix/prompt adapter takes before the prompt (0 for every other method)."""
     value = read_adapter_config(folder).get("num_virtual_tokens")

@@ -25,7 +25,7 @@ from typing import TextIO
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from symbiosis.jobs.adapters import adapter_type, attach_adapters, virtual_tokens
+from symbiosis.jobs.adapters import adapter_type, attach_adapters, trains_base_biases, virtual_tokens
 from symbiosis.jobs.base import JobError, flag
 from symbiosis.jobs.client import (
     ClientOptions,
@@ -243,9 +243,12 @@ def generate(options: GenerateOptions, out: TextIO | None = None) -> list[Comple
     completions = []
     with ExecutorTarget(options.model, options.client) as target:
         model_of: dict[str | None, object] = {}
-        groups: dict[str, list[int]] = {}
+        # One model per peft type, its adapters switched with set_adapter; one of its own for an
+        # adapter that changes the base layers' biases (shared by all of a model's adapters: the
+        # others' prompts ran with its biases, and a second such adapter failed in peft).
+        groups: dict[tuple[str, int], list[int]] = {}
         for i, folder in enumerate(options.adapters):
-            groups.setdefault(adapter_type(folder), []).append(i)
+            groups.setdefault((adapter_type(folder), i if trains_base_biases(folder) else -1), []).append(i)
         for indices in groups.values():
             folders, group_names = [options.adapters[i] for i in indices], [names[i] for i in indices]
             model = attach_adapters(target.client(), folders, group_names, options.model)

@@ -116,7 +116,10 @@ def unservable(config: dict) -> str | None:
         if config.get(option):
             return f"sets {option}: {why}"
     if config.get("bias", "none") != "none":
-        return f"trains base biases (bias={config['bias']!r}); not servable"
+        return (
+            f"trains the base layers' biases (bias={config['bias']!r}), which this server's requests share "
+            "between adapters; serve it with `symbiosis generate`"
+        )
     return None
 
 

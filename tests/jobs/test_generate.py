@@ -118,6 +118,39 @@ def test_several_adapters_by_name_and_sampling_is_seeded(tiny_checkpoint, adapte
     assert completions[1].text != completions[2].text, "the two adapters gave the same text: were both applied?"
 
 
+def test_adapters_that_train_base_biases_each_run_as_themselves(tiny_checkpoint, tmp_path):
+    """peft's ``bias="all"`` adapters change the base layers' biases, which every adapter of one
+    peft model shares: loaded beside others (one model per peft type), the others' prompts ran
+    with its biases, and a second such adapter failed in peft (a helper's probe). Each now gets a
+    model of its own: every prompt's text is the one its adapter gives alone."""
+    path = tiny_checkpoint("opt")  # (its base layers have biases)
+    folders = []
+    for seed, bias in enumerate(("all", "none", "all")):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], bias=bias)
+        peft_model = peft.get_peft_model(model, config)
+        randomize_adapters(peft_model, seed=seed)
+        with torch.no_grad():
+            for name, parameter in peft_model.named_parameters():
+                if parameter.requires_grad:
+                    parameter.mul_(10) if "lora_" in name else parameter.add_(0.5 * (seed + 1))
+        folders.append(save_adapter(peft_model, tmp_path / f"{bias}{seed}"))
+
+    def texts(adapters) -> list[str]:
+        options = GenerateOptions(
+            model=path,
+            client=ClientOptions(embedded=True),
+            prompts=["The executor"],
+            adapters=adapters,
+            sampling=SamplingOptions(max_new_tokens=8),
+        )
+        return [c.text for c in generate(options, io.StringIO())]
+
+    alone = [texts([folder])[0] for folder in folders]
+    assert len(set(alone)) == 3, "the adapters gave the same text: the test could not fail"
+    assert texts(folders) == alone
+
+
 def test_adapter_names_are_unique(tmp_path):
     assert adapter_names([tmp_path / "a" / "x", tmp_path / "b" / "x", tmp_path / "y"]) == ["x", "x_2", "y"]
     assert adapter_names([]) == []
