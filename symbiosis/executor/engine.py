@@ -415,7 +415,8 @@ class ExecutionEngine:
         self.validate(layer_id, op, rows)
         if rows.shape[0] == 0:
             return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
-        self._note_in_process_caller(client_id)
+        if client_id not in self._in_process_callers:  # (inline: every in-process call asks)
+            self._note_in_process_caller(client_id)
         result = self.try_alone(client_id, layer_id, op, rows, latency_class)
         if result is not None:
             return result
