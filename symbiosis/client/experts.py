@@ -181,30 +181,25 @@ class _ExpertsLink:
         return _base_calls(self.weights, op, rows, self.counts, latency_class)
 
 
-class _NonzeroRowsLink:
-    """The link (``ops.LayerLink``) of an every-row product (``ExpertWeights.every_row_product``):
-    ``per_expert`` rows for each expert, in expert order. Each call -- the rows forward, their
-    gradients backward -- sends the rows that are not all zeros (a NaN row is sent: its product
-    is NaN, as the monolithic one) and fills in zeros for the others, exactly their product.
-    Backward saves less: a gradient row is zero only where the row's output is not used (llama4
-    sums every expert's output, chosen or not, so its down projection's gradient has every row;
-    its gate/up projection's, only the chosen ones: silu(0)·0)."""
+class _NonzeroRowsLink(_ExpertsLink):
+    """The link of an every-row product (``ExpertWeights.every_row_product``): ``per_expert`` rows
+    for each expert, in expert order. Each call -- the rows forward, their gradients backward --
+    sends the rows that are not all zeros (a NaN row is sent: its product is NaN, as the
+    monolithic one) and fills in zeros for the others, exactly their product. Backward saves
+    less: a gradient row is zero only where the row's output is not used (llama4 sums every
+    expert's output, chosen or not, so its down projection's gradient has every row; its gate/up
+    projection's, only the chosen ones: silu(0)·0)."""
 
     def __init__(self, weights: ExpertWeights, per_expert: int):
-        self.weights = weights
+        super().__init__(weights, [])
         self.per_expert = per_expert
-        first = weights.expert_layers[0].link
-        self.layer_id = weights.expert_tensor.name
-        self.in_features, self.out_features = first.in_features, first.out_features
 
     def call(self, op: Op, rows: torch.Tensor, latency_class: LatencyClass) -> torch.Tensor:
-        weights = self.weights
         sent = rows.ne(0).any(dim=1)
-        counts = sent.view(weights.expert_tensor.experts, self.per_expert).sum(dim=1).tolist()
+        counts = sent.view(self.weights.expert_tensor.experts, self.per_expert).sum(dim=1).tolist()
         index = sent.nonzero().squeeze(1)
-        products = _base_calls(weights, op, rows.index_select(0, index), counts, latency_class)
-        width = self.out_features if op is Op.FORWARD else self.in_features
-        return rows.new_zeros((rows.shape[0], width)).index_copy_(0, index, products)
+        products = _base_calls(self.weights, op, rows.index_select(0, index), counts, latency_class)
+        return rows.new_zeros((rows.shape[0], op.output_width(self))).index_copy_(0, index, products)
 
 
 def _base_calls(weights: ExpertWeights, op: Op, x: torch.Tensor, counts: list[int], latency_class) -> torch.Tensor:
@@ -223,8 +218,7 @@ def _base_calls(weights: ExpertWeights, op: Op, x: torch.Tensor, counts: list[in
         return transport.call_expert_rows(weights.expert_tensor.name, counts[:last], op, x, latency_class)
     pieces = [link.call(op, x[start:stop], latency_class) for (_, start, stop), link in zip(parts, links)]
     if not pieces:
-        first = layers[0].link
-        return x.new_zeros((0, first.out_features if op is Op.FORWARD else first.in_features))
+        return x.new_zeros((0, op.output_width(layers[0].link)))  # (a link has a spec's widths)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 

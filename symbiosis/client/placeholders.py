@@ -401,7 +401,7 @@ def _is_the_layers_bias(bias, layer) -> bool:
     if not layer._has_bias:
         return bias is None
     if bias is None or isinstance(bias, BaseWeightPlaceholder):
-        return bias is not None and bias is layer._bias  # (the served bias, whether or not it is trained)
+        return bias is layer._bias  # (the served bias, whether or not it is trained)
     values = layer.trained_bias()
     values = layer.served_bias() if values is None else values.detach()
     return bias.shape == values.shape and torch.equal(bias, values.to(bias.device, bias.dtype))
@@ -461,17 +461,22 @@ def not_trainable(name: str) -> str:
 
 class DeviceProbe(nn.Parameter):
     """A VirtLayer's empty frozen Parameter (``_VirtLayerMixin._init_virt`` says why it exists).
-    It stands for the layer's weights wherever code walks a model's parameters, so making it
-    trainable -- ``model.requires_grad_()`` for full fine-tuning, peft's ``bias="all"`` (which
-    trains every parameter named ``*.bias``) -- is refused: it would train what the monolithic
-    model trains there, the base weights, but nothing would change on the executor, silently."""
+    It stands for the layer's weight wherever code walks a model's parameters, so making it
+    trainable -- ``model.requires_grad_()`` for full fine-tuning -- is refused: it would train what
+    the monolithic model trains there, the base weight, but nothing would change on the executor,
+    silently."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if _makes_trainable(func, args, kwargs or {}):
-            raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
+            trained = args[0].made_trainable()
+            return trained if func is torch.Tensor.requires_grad_ else None
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+    def made_trainable(self) -> torch.Tensor:
+        """What making it trainable does: refused (a bias probe: the bias becomes the client's)."""
+        raise BaseWeightAccessError(not_trainable(self.base_tensor_name))
 
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)
@@ -484,21 +489,16 @@ class BiasProbe(DeviceProbe):
     parameters, it stands for the layer's bias. Made trainable -- peft's ``bias="all"`` makes every
     parameter named ``*.bias`` trainable -- it is not refused: the layer's bias becomes a parameter
     of the client, the served bias's values (``VirtLayer.train_bias``), which takes this probe's
-    place, trainable, and its forward adds what training changes (the weight stays served).
-    ``layer``: a weak reference to that layer (set by the layer: again on a copy of it)."""
+    place, trainable (the weight stays served). ``layer``: a weak reference to that layer (set by
+    the layer: again on a copy of it)."""
 
     layer: weakref.ref | None = None
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if _makes_trainable(func, args, kwargs or {}):
-            layer = args[0].layer() if args[0].layer is not None else None
-            if layer is None:
-                raise BaseWeightAccessError(not_trainable(args[0].base_tensor_name))
-            trained = layer.train_bias(requires_grad=True)
-            return trained if func is torch.Tensor.requires_grad_ else None
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+    def made_trainable(self) -> torch.Tensor:
+        layer = self.layer() if self.layer is not None else None
+        if layer is None:
+            return super().made_trainable()
+        return layer.train_bias(requires_grad=True)
 
 
 def refuses_training(tensor) -> bool:

@@ -178,8 +178,8 @@ class _VirtLayerMixin:
         from the executor: the product of a zero row) that takes the bias probe's place, its
         ``requires_grad`` set. What peft's ``bias="all"`` (the probe made trainable) and
         ``"lora_only"`` (the ``bias`` placeholder made trainable) do, and loading a trained bias.
-        The weight stays served; the forward adds ``bias - served bias`` to the executor's product
-        (zero, exactly, until the bias is trained)."""
+        The weight stays served; the forward asks the executor for ``x·Wᵀ`` and adds this bias
+        (``_forward``)."""
         current = self._parameters.get("bias")
         if type(current) is not BiasProbe:  # trained already (or swapped in by functional_call)
             if current.is_leaf:
@@ -351,8 +351,8 @@ class _VirtLayerMixin:
                 out = frozen_linear(x, _ProductLink(self.link), self.training)
                 return out + bias.to(out.dtype) if with_bias else out
             out = frozen_linear(x, self.link, self.training)
-            bias = bias if with_bias else torch.zeros_like(bias)
-            return out + (bias - self.served_bias().to(bias.device, bias.dtype)).to(out.dtype)
+            served = self.served_bias().to(bias.device, bias.dtype)
+            return out + ((bias - served) if with_bias else -served).to(out.dtype)
         if fusion is not None:
             return fusion.forward(self.layer_id, x, self.training, self._call_alone)
         return frozen_linear(x, self.link, self.training)  # (not through _call_alone: one call less a layer)

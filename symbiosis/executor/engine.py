@@ -415,7 +415,7 @@ class ExecutionEngine:
         self.validate(layer_id, op, rows)
         if rows.shape[0] == 0:
             return rows.new_empty((0, op.output_width(self.weights.specs[layer_id])))
-        if client_id not in self._in_process_callers:  # (inline: every in-process call asks)
+        if client_id not in self._in_process_callers:
             self._note_in_process_caller(client_id)
         result = self.try_alone(client_id, layer_id, op, rows, latency_class)
         if result is not None:
@@ -430,10 +430,11 @@ class ExecutionEngine:
         return future.result()
 
     def _note_in_process_caller(self, client_id: str) -> None:
-        if client_id not in self._in_process_callers:  # the wait tuner's start depends on it
-            with self._lock:
-                self.scheduler.client_in_process(client_id)
-                self._in_process_callers.add(client_id)
+        """A client calling from this process (the wait tuner's start depends on it); asked by the
+        caller first, as every in-process call does."""
+        with self._lock:
+            self.scheduler.client_in_process(client_id)
+            self._in_process_callers.add(client_id)
 
     def _wait_locked(self, future, request_ids: list[int], cv, deadline: float, what: str, timeout_s: float) -> None:
         """Wait (holding ``_cond``) until ``future`` is done, running ready batches in this thread
@@ -479,7 +480,8 @@ class ExecutionEngine:
         if rows.shape[0] == 0:  # (else ``try_alone`` validates)
             self.validate(layer_id, op, rows, expert_rows)
             return rows.new_empty((0, op.output_width(self._spec(layer_id))))
-        self._note_in_process_caller(client_id)
+        if client_id not in self._in_process_callers:
+            self._note_in_process_caller(client_id)
         result = self.try_alone(client_id, layer_id, op, rows, latency_class, expert_rows=expert_rows)
         if result is not None:
             return result
